@@ -1,0 +1,46 @@
+"""LCT: Layer-wise Compressed Tensor format, converter and loader.
+
+Reading a manifest needs only the standard library, numpy, zstandard and xxhash; torch,
+safetensors and huggingface_hub are imported where they are needed.
+
+Example:
+    >>> import lct
+    >>> lct.convert("google/gemma-2b", "gemma-2b.lct")
+    >>> with lct.open("gemma-2b.lct") as art:
+    ...     print(art.groups)
+"""
+
+__version__ = "0.1.0"
+
+__all__ = ["__version__", "open", "convert", "export", "verify", "Policy"]
+
+
+def open(path, *, verify: bool = True, workers=None):  # noqa: A001 - mirrors builtins.open
+    """Open an LCT artifact; see ``lct.reader.open_artifact``."""
+    from .reader import open_artifact
+    return open_artifact(path, verify=verify, workers=workers)
+
+
+def convert(source, out, **kwargs):
+    """Convert a Hugging Face checkpoint; see ``lct.converter.convert``."""
+    from .converter import convert as _convert
+    return _convert(source, out, **kwargs)
+
+
+def export(artifact, out_dir, **kwargs):
+    """Export an artifact to a Hugging Face folder; see ``lct.exporter.export``."""
+    from .exporter import export as _export
+    return _export(artifact, out_dir, **kwargs)
+
+
+def verify(artifact, **kwargs):
+    """Verify an artifact's checksums (and against its source); see ``lct.verifier.verify``."""
+    from .verifier import verify as _verify
+    return _verify(artifact, **kwargs)
+
+
+def __getattr__(name):
+    if name == "Policy":
+        from .converter import Policy
+        return Policy
+    raise AttributeError(f"module 'lct' has no attribute {name!r}")

@@ -1,0 +1,290 @@
+"""Chunk codecs: small registered classes that turn a chunk's decoded bytes into stored bytes and back.
+
+Each codec follows docs/FORMAT.md section 5. ``encode`` takes the decoded bytes (a 1-D uint8
+numpy array) and returns the stored bytes; ``decode`` checks every declared size before it
+allocates or copies and writes exactly ``decoded_size`` bytes into a caller-provided buffer.
+Frames are independent, so ``encode``/``decode`` take a ``map_fn`` (``executor.map``) to spread
+them over threads; zstandard and numpy release the GIL.
+"""
+
+from __future__ import annotations
+
+import struct
+import threading
+from typing import Callable, Iterable
+
+import numpy as np
+
+from . import constants as C
+from .errors import CorruptChunkError, ManifestError, UnsupportedVersionError
+
+MapFn = Callable[..., Iterable]
+
+_REGISTRY: dict[str, type["Codec"]] = {}
+_local = threading.local()
+
+
+def register(cls: type["Codec"]) -> type["Codec"]:
+    """Class decorator: make a codec available under ``cls.name``."""
+    _REGISTRY[cls.name] = cls
+    return cls
+
+
+def get_codec(name: str) -> "Codec":
+    """Return the codec registered as ``name``.
+
+    Raises:
+        UnsupportedVersionError: no codec of that name is known to this reader.
+    """
+    try:
+        return _REGISTRY[name]()
+    except KeyError:
+        raise UnsupportedVersionError(
+            f"unknown codec {name!r}; this reader knows {sorted(_REGISTRY)}") from None
+
+
+def codec_names() -> list[str]:
+    """Names of all registered codecs."""
+    return sorted(_REGISTRY)
+
+
+def _zstd():
+    try:
+        import zstandard
+    except ImportError as e:  # pragma: no cover - zstandard is a hard dependency
+        from .errors import MissingDependencyError
+        raise MissingDependencyError("zstandard is required: pip install zstandard") from e
+    return zstandard
+
+
+def _cctx(level: int):
+    cache = getattr(_local, "cctx", None)
+    if cache is None:
+        cache = _local.cctx = {}
+    if level not in cache:
+        cache[level] = _zstd().ZstdCompressor(level=level, write_content_size=True)
+    return cache[level]
+
+
+def _dctx():
+    d = getattr(_local, "dctx", None)
+    if d is None:
+        d = _local.dctx = _zstd().ZstdDecompressor()
+    return d
+
+
+def _zstd_compress(data, level: int) -> bytes:
+    return _cctx(level).compress(data)
+
+
+def _zstd_decompress(data, expected: int, what: str) -> bytes:
+    zstandard = _zstd()
+    try:
+        declared = zstandard.frame_content_size(data)
+    except zstandard.ZstdError as e:
+        raise CorruptChunkError(f"{what}: not a zstd frame ({e})") from e
+    if declared != expected:
+        raise CorruptChunkError(f"{what}: zstd frame declares {declared} bytes, expected {expected}")
+    try:
+        out = _dctx().decompress(data, max_output_size=expected)
+    except zstandard.ZstdError as e:
+        raise CorruptChunkError(f"{what}: zstd error: {e}") from e
+    if len(out) != expected:
+        raise CorruptChunkError(f"{what}: decoded {len(out)} bytes, expected {expected}")
+    return out
+
+
+def _frames(decoded_size: int, frame_size: int) -> list[tuple[int, int]]:
+    return [(s, min(frame_size, decoded_size - s)) for s in range(0, decoded_size, frame_size)]
+
+
+def _check_frame_size(params: dict, multiple: int = 1) -> int:
+    fs = params.get("frame_size")
+    if not isinstance(fs, int) or isinstance(fs, bool) or fs <= 0 or fs > C.MAX_FRAME_SIZE \
+            or fs % multiple:
+        raise ManifestError(f"frame_size {fs!r} must be an int in 1..{C.MAX_FRAME_SIZE} "
+                            f"and a multiple of {multiple}")
+    return fs
+
+
+def _check_level(params: dict) -> int:
+    level = params.get("level")
+    if not isinstance(level, int) or isinstance(level, bool) or not -7 <= level <= 22:
+        raise ManifestError(f"zstd level {level!r} must be an int in -7..22")
+    return level
+
+
+class Codec:
+    """Base class: one codec, identified by ``name`` in the manifest."""
+
+    name = ""
+
+    def check_params(self, params: dict, decoded_size: int, stored_size: int) -> None:
+        """Raise ``ManifestError`` if ``params`` or the sizes are impossible for this codec."""
+
+    def encode(self, data: np.ndarray, params: dict, map_fn: MapFn = map) -> bytes:
+        """Encode the decoded bytes ``data`` (1-D uint8) to stored bytes."""
+        raise NotImplementedError
+
+    def decode(self, stored, out: np.ndarray, params: dict, map_fn: MapFn = map,
+               what: str = "chunk") -> None:
+        """Decode ``stored`` into ``out`` (1-D uint8 of exactly the decoded size)."""
+        raise NotImplementedError
+
+
+@register
+class RawCodec(Codec):
+    """Bytes stored as they are."""
+
+    name = C.CODEC_RAW
+
+    def check_params(self, params, decoded_size, stored_size):
+        if stored_size != decoded_size:
+            raise ManifestError(f"raw chunk: stored_size {stored_size} != decoded_size {decoded_size}")
+
+    def encode(self, data, params, map_fn=map):
+        return data.tobytes()
+
+    def decode(self, stored, out, params, map_fn=map, what="chunk"):
+        if len(stored) != out.nbytes:
+            raise CorruptChunkError(f"{what}: raw chunk has {len(stored)} bytes, expected {out.nbytes}")
+        out[:] = np.frombuffer(stored, dtype=np.uint8)
+
+
+def _read_table(stored, count: int, entry: struct.Struct, what: str) -> tuple[list[tuple], int]:
+    mv = memoryview(stored)
+    if len(mv) < 4:
+        raise CorruptChunkError(f"{what}: too short for a frame table")
+    (n,) = struct.unpack_from("<I", mv, 0)
+    if n != count:
+        raise CorruptChunkError(f"{what}: frame table says {n} frames, expected {count}")
+    end = 4 + n * entry.size
+    if end > len(mv):
+        raise CorruptChunkError(f"{what}: frame table runs past the chunk ({end} > {len(mv)})")
+    return [entry.unpack_from(mv, 4 + i * entry.size) for i in range(n)], end
+
+
+@register
+class ZstdCodec(Codec):
+    """Independent zstd frames of ``frame_size`` decoded bytes each."""
+
+    name = C.CODEC_ZSTD
+    _entry = struct.Struct("<I")
+
+    def check_params(self, params, decoded_size, stored_size):
+        _check_level(params)
+        _check_frame_size(params)
+
+    def encode(self, data, params, map_fn=map):
+        level, fs = params["level"], params["frame_size"]
+        frames = list(map_fn(lambda f: _zstd_compress(data[f[0]:f[0] + f[1]], level),
+                             _frames(data.nbytes, fs)))
+        table = struct.pack("<I", len(frames)) + b"".join(self._entry.pack(len(f)) for f in frames)
+        return table + b"".join(frames)
+
+    def decode(self, stored, out, params, map_fn=map, what="chunk"):
+        frames = _frames(out.nbytes, params["frame_size"])
+        table, pos = _read_table(stored, len(frames), self._entry, what)
+        spans = []
+        for (start, size), (length,) in zip(frames, table):
+            spans.append((start, size, pos, length))
+            pos += length
+        if pos != len(stored):
+            raise CorruptChunkError(f"{what}: frames cover {pos} bytes, chunk has {len(stored)}")
+        mv = memoryview(stored)
+
+        def one(span):
+            start, size, at, length = span
+            out[start:start + size] = np.frombuffer(
+                _zstd_decompress(mv[at:at + length], size, f"{what} frame at {start}"), np.uint8)
+
+        for _ in map_fn(one, spans):
+            pass
+
+
+_UINT = {2: np.uint16, 4: np.uint32}
+
+
+@register
+class PlanesCodec(Codec):
+    """Lossless exponent / sign-mantissa planes for 16- and 32-bit floats (FORMAT.md 5)."""
+
+    name = C.CODEC_PLANES
+    _entry = struct.Struct("<IIB3x")
+
+    def check_params(self, params, decoded_size, stored_size):
+        width = params.get("width")
+        if width not in _UINT:
+            raise ManifestError(f"planes codec: width {width!r} must be 2 or 4")
+        _check_level(params)
+        _check_frame_size(params, width)
+        if decoded_size % width:
+            raise ManifestError(f"planes codec: decoded_size {decoded_size} is not a multiple "
+                                f"of width {width}")
+
+    def encode(self, data, params, map_fn=map):
+        width, level = params["width"], params["level"]
+
+        def one(f):
+            start, size = f
+            x = data[start:start + size].view(_UINT[width])
+            y = (x << 1) | (x >> (8 * width - 1))
+            yb = y.view(np.uint8).reshape(-1, width)
+            hi = _zstd_compress(np.ascontiguousarray(yb[:, width - 1]), level)
+            lo_raw = np.ascontiguousarray(yb[:, :width - 1]).tobytes()
+            lo_z = _zstd_compress(lo_raw, level)
+            return (hi, lo_z, 1) if len(lo_z) < len(lo_raw) else (hi, lo_raw, 0)
+
+        frames = list(map_fn(one, _frames(data.nbytes, params["frame_size"])))
+        table = struct.pack("<I", len(frames)) + b"".join(
+            self._entry.pack(len(h), len(lo), mode) for h, lo, mode in frames)
+        return table + b"".join(h + lo for h, lo, _ in frames)
+
+    def decode(self, stored, out, params, map_fn=map, what="chunk"):
+        width = params["width"]
+        frames = _frames(out.nbytes, params["frame_size"])
+        table, pos = _read_table(stored, len(frames), self._entry, what)
+        spans = []
+        for (start, size), (hi_len, lo_len, mode) in zip(frames, table):
+            n = size // width
+            if mode not in (0, 1) or (mode == 0 and lo_len != n * (width - 1)):
+                raise CorruptChunkError(f"{what}: frame at {start}: bad lo plane "
+                                        f"(mode {mode}, {lo_len} bytes)")
+            spans.append((start, n, pos, hi_len, lo_len, mode))
+            pos += hi_len + lo_len
+        if pos != len(stored):
+            raise CorruptChunkError(f"{what}: frames cover {pos} bytes, chunk has {len(stored)}")
+        mv = memoryview(stored)
+        bits = 8 * width
+
+        def one(span):
+            start, n, at, hi_len, lo_len, mode = span
+            where = f"{what} frame at {start}"
+            hi = _zstd_decompress(mv[at:at + hi_len], n, where)
+            lo = mv[at + hi_len:at + hi_len + lo_len]
+            if mode == 1:
+                lo = _zstd_decompress(lo, n * (width - 1), where)
+            frame = out[start:start + n * width]
+            grid = frame.reshape(n, width)
+            grid[:, width - 1] = np.frombuffer(hi, np.uint8)
+            grid[:, :width - 1] = np.frombuffer(lo, np.uint8).reshape(n, width - 1)
+            y = frame.view(_UINT[width])
+            low = y >> 1
+            np.left_shift(y, bits - 1, out=y)
+            np.bitwise_or(y, low, out=y)
+
+        for _ in map_fn(one, spans):
+            pass
+
+
+def choose_codec(width: int | None, codec: str) -> tuple[str, dict]:
+    """Pick the codec for a chunk whose tensors share element ``width`` (None: mixed/bytes).
+
+    ``codec`` is the policy's codec: ``planes`` falls back to ``zstd`` for chunks that are not
+    16/32-bit floats.
+    """
+    if codec == C.CODEC_PLANES and width not in _UINT:
+        return C.CODEC_ZSTD, {}
+    if codec == C.CODEC_PLANES:
+        return C.CODEC_PLANES, {"width": width}
+    return codec, {}

@@ -1,0 +1,86 @@
+"""Every number of the LCT format, in one place (see docs/FORMAT.md)."""
+
+FORMAT_NAME = "lct"
+FORMAT_VERSION = (1, 0)
+
+MANIFEST_NAME = "lct.json"
+DATA_FILE_TEMPLATE = "model-{index:05d}.lct"
+DATA_FILE_PATTERN = r"model-[0-9]{5}\.lct"
+DATA_MAGIC = b"LCTDATA\x00"
+DATA_HEADER_SIZE = 4096
+CHUNK_ALIGNMENT = 4096
+TENSOR_ALIGNMENT = 64
+
+# Caps a reader enforces before it trusts a manifest.
+MAX_MANIFEST_BYTES = 64 * 1024 * 1024
+MAX_RANK = 8
+MAX_TENSORS = 1_000_000
+MAX_CHUNKS = 1_000_000
+MAX_FILES = 100_000
+MAX_NAME_LEN = 1024
+MAX_CHUNK_DECODED = 64 * 1024**3
+MAX_FRAME_SIZE = 64 * 1024 * 1024
+
+# Codec ids.
+CODEC_RAW = "raw"
+CODEC_ZSTD = "zstd"
+CODEC_PLANES = "planes"
+
+CHECKSUM_ALGO = "xxh3_64"
+
+# Writer defaults (chosen from docs/BENCHMARKS.md).
+DEFAULT_LEVEL = 1
+DEFAULT_FRAME_SIZE = 1024 * 1024
+DEFAULT_BLOCKSIZE = 64
+DEFAULT_MAX_FILE_SIZE = 4 * 1024**3
+
+# Tensor encodings and roles.
+ENCODING_PLAIN = "plain"
+ENCODING_NF4 = "nf4"
+ROLES = ("embed", "head", "pos_embed", "layer", "norm", "misc")
+NF4_ROLES = ("embed", "head")
+
+# Groups.
+GROUP_EMBED = "embed"
+GROUP_NORM = "norm"
+GROUP_HEAD = "head"
+GROUP_MISC = "misc"
+GROUP_LAYER_PREFIX = "layers."
+
+# dtype name -> element size in bytes.
+DTYPE_SIZES = {
+    "float64": 8,
+    "float32": 4,
+    "float16": 2,
+    "bfloat16": 2,
+    "int64": 8,
+    "int32": 4,
+    "int16": 2,
+    "int8": 1,
+    "uint8": 1,
+    "bool": 1,
+}
+FLOAT_DTYPES = ("float64", "float32", "float16", "bfloat16")
+CAST_TARGETS = ("float16", "bfloat16")
+
+# The NF4 code table of bitsandbytes (index = 4-bit code); code 7 is exactly 0.
+NF4_CODE = (
+    -1.0, -0.6961928009986877, -0.5250730514526367, -0.39491748809814453,
+    -0.28444138169288635, -0.18477343022823334, -0.09105003625154495, 0.0,
+    0.07958029955625534, 0.16093020141124725, 0.24611230194568634, 0.33791524171829224,
+    0.44070982933044434, 0.5626170039176941, 0.7229568362236023, 1.0,
+)
+NF4_ZERO_CODE = 7
+
+# Files copied from the source next to the weights.
+SIDECAR_FILES = (
+    "config.json",
+    "generation_config.json",
+    "tokenizer.json",
+    "tokenizer_config.json",
+    "tokenizer.model",
+    "special_tokens_map.json",
+    "vocab.json",
+    "merges.txt",
+    "added_tokens.json",
+)

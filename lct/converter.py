@@ -1,0 +1,268 @@
+"""The converter: a Hugging Face safetensors checkpoint -> an LCT artifact, one group at a time.
+
+Memory stays bounded by the largest group: a group's tensors are read from the source
+(``safe_open``, files reopened per group so their mappings are released), copied into the chunk
+buffer, encoded on all cores, written, and dropped before the next group is read.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import threading
+import time
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Callable
+
+import numpy as np
+
+from . import __version__
+from . import constants as C
+from . import mapping as M
+from .codecs import choose_codec
+from .errors import PolicyError, SourceError
+from .manifest import Manifest
+from .source import ST_DTYPES, Source, resolve, sha256_file
+from .writer import ArtifactWriter, TensorSpec, plan_group
+
+Progress = Callable[[str, int, int], None]
+
+
+@dataclass
+class Policy:
+    """What the converter does with each tensor (stored in the manifest as ``policy``)."""
+
+    nf4: tuple = C.NF4_ROLES
+    blocksize: int = C.DEFAULT_BLOCKSIZE
+    dtype: str | None = None
+    codec: str = C.CODEC_PLANES
+    level: int = C.DEFAULT_LEVEL
+    frame_size: int = C.DEFAULT_FRAME_SIZE
+
+    def check(self) -> None:
+        """Raise ``PolicyError`` for options that cannot work."""
+        bad = [r for r in self.nf4 if r not in C.NF4_ROLES]
+        if bad:
+            raise PolicyError(f"--nf4: unknown part {bad[0]!r}; use none, embed, head or embed,head")
+        if self.dtype is not None and self.dtype not in C.CAST_TARGETS:
+            raise PolicyError(f"--dtype: {self.dtype!r} is not one of {C.CAST_TARGETS}")
+        if self.codec not in (C.CODEC_RAW, C.CODEC_ZSTD, C.CODEC_PLANES):
+            raise PolicyError(f"codec {self.codec!r} is not one of raw, zstd, planes")
+        if not -7 <= self.level <= 22:
+            raise PolicyError(f"--level {self.level} must be in -7..22")
+        if self.blocksize <= 0 or self.blocksize % 2:
+            raise PolicyError(f"--blocksize {self.blocksize} must be a positive even number")
+        if not 4096 <= self.frame_size <= C.MAX_FRAME_SIZE or self.frame_size % 4096:
+            raise PolicyError(f"frame size {self.frame_size} must be a multiple of 4096 "
+                              f"up to {C.MAX_FRAME_SIZE}")
+
+    def to_dict(self) -> dict:
+        return {"nf4": list(self.nf4), "blocksize": self.blocksize, "dtype": self.dtype,
+                "codec": self.codec, "level": self.level, "frame_size": self.frame_size}
+
+
+@dataclass
+class SourceTensor:
+    name: str
+    file: str
+    dtype: str
+    shape: tuple
+
+
+@dataclass
+class ConvertReport:
+    """What ``convert`` did: the manifest plus timings."""
+
+    manifest: Manifest
+    path: Path
+    seconds: float
+    source_bytes: int
+    unmapped: list = field(default_factory=list)
+
+    @property
+    def mb_per_s(self) -> float:
+        return self.source_bytes / 1e6 / max(self.seconds, 1e-9)
+
+
+def scan(src: Source) -> dict:
+    """Read the safetensors headers of ``src``: ``{name: SourceTensor}``; no tensor data is read."""
+    from safetensors import safe_open
+    found: dict = {}
+    for fname in src.files:
+        path = src.root / fname
+        try:
+            with safe_open(str(path), framework="pt") as f:
+                for name in f.keys():
+                    sl = f.get_slice(name)
+                    st = sl.get_dtype()
+                    if st not in ST_DTYPES:
+                        raise PolicyError(f"{path}: tensor {name!r} has dtype {st}, which LCT does "
+                                          f"not store; supported: {sorted(ST_DTYPES)}")
+                    if name in found:
+                        raise SourceError(f"{path}: tensor {name!r} also appears in "
+                                          f"{found[name].file}")
+                    found[name] = SourceTensor(name, fname, ST_DTYPES[st], tuple(sl.get_shape()))
+        except (OSError, RuntimeError, ValueError) as e:
+            if isinstance(e, (PolicyError, SourceError)):
+                raise
+            raise SourceError(f"{path}: not a readable safetensors file ({e})") from e
+    if not found:
+        raise SourceError(f"{src.root}: the safetensors files hold no tensors")
+    return found
+
+
+def _tensor_bytes(t) -> np.ndarray:
+    import torch
+    t = t.contiguous().reshape(-1)
+    return t.view(torch.uint8).numpy() if t.dtype != torch.uint8 else t.numpy()
+
+
+def _cast(t, target: str, name: str, path):
+    import torch
+    out = t.to(getattr(torch, target))
+    overflow = torch.isfinite(t) & ~torch.isfinite(out)
+    if overflow.any():
+        worst = t[overflow].abs().max().item()
+        raise PolicyError(f"{path}: tensor {name!r}: casting {t.dtype} to {target} overflows "
+                          f"(|x| up to {worst:.4g} > {torch.finfo(out.dtype).max:.4g}); "
+                          f"keep the source dtype (omit --dtype)")
+    return out
+
+
+def _sha_all(src: Source, out: dict) -> None:
+    for fname in src.files + [p.name for p in src.sidecars()]:
+        p = src.root / fname
+        real = Path(os.path.realpath(p))
+        if src.kind == "hub" and re.fullmatch(r"[0-9a-f]{64}", real.name):
+            digest = real.name  # the Hub cache names LFS blobs by their sha256
+        else:
+            digest = sha256_file(p)
+        out[fname] = {"sha256": digest, "size": p.stat().st_size}
+
+
+def convert(source: str, out, *, revision: str | None = None, policy: Policy | None = None,
+            max_file_size: int = C.DEFAULT_MAX_FILE_SIZE, workers: int | None = None,
+            overwrite: bool = False, progress: Progress | None = None) -> ConvertReport:
+    """Convert a Hugging Face checkpoint to an LCT artifact.
+
+    Args:
+        source: a local model folder (single or sharded safetensors) or a Hub repo id.
+        out: the artifact directory to create (atomically).
+        revision: Hub revision (branch, tag or commit).
+        policy: NF4 parts, cast dtype, codec and level (default: NF4 embedding and head,
+            everything else lossless in its source dtype).
+        max_file_size: start a new data file past this many bytes.
+        workers: compression threads (default: all cores).
+        overwrite: replace an existing artifact at ``out``.
+        progress: called as ``progress(group, bytes_done, bytes_total)`` after each group.
+
+    Returns:
+        A ``ConvertReport`` with the validated manifest.
+
+    Raises:
+        SourceError, SourceNotFoundError: the source is missing or unusable.
+        PolicyError: an option cannot be applied (blocksize, overflowing cast, dtype).
+
+    Example:
+        >>> convert("google/gemma-2b", "gemma-2b.lct")
+    """
+    import torch
+    from safetensors import safe_open
+
+    t0 = time.perf_counter()
+    policy = policy or Policy()
+    policy.check()
+    src = resolve(source, revision)
+    tensors = scan(src)
+    table = M.mapping_for(src.model_type)
+    tie_flag = bool(src.config.get("tie_word_embeddings", True))
+
+    specs: dict = {}
+    unmapped = []
+    for name, st in tensors.items():
+        group, role = M.classify(name, table)
+        if group == C.GROUP_MISC:
+            unmapped.append(name)
+        encoding, stored = C.ENCODING_PLAIN, st.dtype
+        if role in policy.nf4 and st.dtype in C.FLOAT_DTYPES and len(st.shape) == 2:
+            from .nf4 import check_blocksize
+            check_blocksize(st.shape, policy.blocksize, f"{src.root / st.file}: tensor {name!r}")
+            encoding, stored = C.ENCODING_NF4, "nf4"
+        elif policy.dtype and st.dtype in C.FLOAT_DTYPES:
+            stored = policy.dtype
+        specs.setdefault(group, []).append(TensorSpec(
+            name, st.shape, st.dtype, stored, encoding, role, group,
+            policy.blocksize if encoding == C.ENCODING_NF4 else None))
+
+    embed_name = next((s.name for s in specs.get(C.GROUP_EMBED, []) if s.role == "embed"), None)
+    head_names = [s.name for s in specs.get(C.GROUP_HEAD, [])]
+    ties = {}
+    if embed_name and not head_names and tie_flag and table.head:
+        ties[table.tied_head] = embed_name
+    elif embed_name and len(head_names) == 1 and tie_flag:
+        e, h = tensors[embed_name], tensors[head_names[0]]
+        if e.shape == h.shape and e.dtype == h.dtype:
+            with safe_open(str(src.root / e.file), framework="pt") as fe, \
+                    safe_open(str(src.root / h.file), framework="pt") as fh:
+                if torch.equal(fe.get_tensor(e.name), fh.get_tensor(h.name)):
+                    ties[h.name] = e.name
+                    del specs[C.GROUP_HEAD]
+
+    groups = M.group_order(specs)
+    total = sum(int(np.prod(tensors[s.name].shape)) * C.DTYPE_SIZES[tensors[s.name].dtype]
+                for g in specs.values() for s in g)
+    hashes: dict = {}
+    hasher = threading.Thread(target=_sha_all, args=(src, hashes), daemon=True)
+    hasher.start()
+
+    done = 0
+    nworkers = workers or os.cpu_count() or 1
+    with ThreadPoolExecutor(nworkers, thread_name_prefix="lct-encode") as pool, \
+            ArtifactWriter(out, max_file_size=max_file_size, overwrite=overwrite,
+                           map_fn=pool.map) as writer:
+        for group in groups:
+            for plan in plan_group(group, specs[group]):
+                buf = plan.allocate()
+                files = {tensors[s.name].file for s in plan.specs}
+                handles = {f: safe_open(str(src.root / f), framework="pt") for f in files}
+                try:
+                    for s in plan.specs:
+                        path = src.root / tensors[s.name].file
+                        t = handles[tensors[s.name].file].get_tensor(s.name)
+                        off = plan.offsets[s.name]
+                        if s.encoding == C.ENCODING_NF4:
+                            from .nf4 import quantize
+                            packed, absmax = quantize(t, s.blocksize, f"{path}: tensor {s.name!r}")
+                            buf[off: off + s.nbytes] = packed.numpy()
+                            a = plan.absmax_offsets[s.name]
+                            buf[a: a + s.absmax_nbytes] = absmax.view(torch.uint8).numpy()
+                        else:
+                            if s.stored_dtype != s.dtype:
+                                t = _cast(t, s.stored_dtype, s.name, path)
+                            buf[off: off + s.nbytes] = _tensor_bytes(t)
+                        done += t.numel() * C.DTYPE_SIZES[s.dtype]
+                        del t
+                finally:
+                    handles.clear()
+                width = None if plan.width_class == "nf4" else plan.width_class
+                is_float = all(s.stored_dtype in C.FLOAT_DTYPES for s in plan.specs)
+                codec, params = choose_codec(width if is_float else None, policy.codec)
+                if codec != C.CODEC_RAW:
+                    params.update(level=policy.level, frame_size=policy.frame_size)
+                writer.write_chunk(plan, buf, codec, params)
+                del buf
+            if progress:
+                progress(group, done, total)
+        for p in src.sidecars():
+            writer.copy_file(p)
+        hasher.join()
+        manifest = writer.finish(
+            groups=groups,
+            source={"id": src.id, "kind": src.kind, "revision": src.revision, "files": hashes},
+            architecture={"model_type": src.model_type, "tie_word_embeddings": tie_flag,
+                          "mapping": table.name},
+            policy=policy.to_dict(), ties=ties, unmapped=unmapped,
+            created_by=f"lct {__version__}")
+    return ConvertReport(manifest, Path(out), time.perf_counter() - t0, total, unmapped)

@@ -1,0 +1,49 @@
+"""The one errors module of LCT.
+
+Every error LCT raises on purpose is an ``LCTError``; each subclass also inherits the builtin it
+resembles, so callers can catch either (``except FileNotFoundError`` still works).
+"""
+
+
+class LCTError(Exception):
+    """Base class of every LCT error."""
+
+
+class SourceError(LCTError, ValueError):
+    """The conversion source is missing, not a model, or in a refused format."""
+
+
+class SourceNotFoundError(SourceError, FileNotFoundError):
+    """The source path or Hub repository does not exist."""
+
+
+class ArtifactNotFoundError(LCTError, FileNotFoundError):
+    """The artifact directory, its manifest, or one of its data files is missing."""
+
+
+class ManifestError(LCTError, ValueError):
+    """The manifest is malformed, exceeds a cap, or contradicts itself or the data files."""
+
+
+class UnsupportedVersionError(ManifestError):
+    """The artifact's major format version (or a codec/encoding/dtype) is not known to this reader."""
+
+
+class ChecksumError(LCTError, ValueError):
+    """A chunk's stored bytes do not match the checksum recorded in the manifest."""
+
+
+class CorruptChunkError(LCTError, ValueError):
+    """A chunk's bytes cannot be decoded to what the manifest declares."""
+
+
+class PolicyError(LCTError, ValueError):
+    """A conversion option cannot be applied (bad blocksize, overflowing cast, unknown dtype)."""
+
+
+class VerifyError(LCTError, ValueError):
+    """``lct verify --against`` found a tensor that differs from the source."""
+
+
+class MissingDependencyError(LCTError, ImportError):
+    """An optional heavy dependency is needed for this operation and is not installed."""

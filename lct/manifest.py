@@ -1,0 +1,359 @@
+"""The manifest (``lct.json``): parse, validate against docs/FORMAT.md, serialize. No torch here.
+
+Everything in a manifest is untrusted: ``Manifest.from_json`` checks types, caps, sizes, offsets,
+overlaps and names before any of it is used, and raises ``ManifestError`` naming what is wrong.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import re
+from dataclasses import asdict, dataclass, field
+
+from . import codecs
+from . import constants as C
+from .errors import ManifestError, UnsupportedVersionError
+
+
+@dataclass(frozen=True)
+class ChunkInfo:
+    """One chunk: where its stored bytes are, how big it decodes, how to decode it."""
+
+    id: int
+    group: str
+    file: int
+    offset: int
+    stored_size: int
+    decoded_size: int
+    codec: str
+    params: dict
+    checksum: str
+
+
+@dataclass(frozen=True)
+class TensorInfo:
+    """One tensor: its shape and dtype, and the place of its bytes in a decoded chunk."""
+
+    name: str
+    shape: tuple
+    dtype: str
+    stored_dtype: str
+    encoding: str
+    role: str
+    group: str
+    chunk: int
+    offset: int
+    nbytes: int
+    nf4: dict | None = None
+
+    @property
+    def numel(self) -> int:
+        return math.prod(self.shape)
+
+
+@dataclass
+class Manifest:
+    """A validated manifest. Build with ``from_json``/``from_dict``; write with ``to_json``."""
+
+    format_version: tuple
+    created_by: str
+    artifact_id: str
+    source: dict
+    architecture: dict
+    policy: dict
+    files: list
+    groups: list
+    chunks: list
+    tensors: dict
+    ties: dict = field(default_factory=dict)
+    unmapped: list = field(default_factory=list)
+    extra: dict = field(default_factory=dict)
+
+    def to_dict(self) -> dict:
+        d = {
+            "format": C.FORMAT_NAME,
+            "format_version": list(self.format_version),
+            "created_by": self.created_by,
+            "artifact_id": self.artifact_id,
+            "source": self.source,
+            "architecture": self.architecture,
+            "policy": self.policy,
+            "files": self.files,
+            "groups": self.groups,
+            "chunks": [asdict(c) for c in self.chunks],
+            "tensors": [_tensor_dict(t) for t in self.tensors.values()],
+            "ties": self.ties,
+            "unmapped": self.unmapped,
+        }
+        d.update(self.extra)
+        return d
+
+    def to_json(self) -> str:
+        return json.dumps(self.to_dict(), indent=1, sort_keys=False) + "\n"
+
+    @classmethod
+    def from_json(cls, text: bytes | str, where: str = "lct.json") -> "Manifest":
+        """Parse and validate manifest text (``where`` names it in errors)."""
+        if len(text) > C.MAX_MANIFEST_BYTES:
+            raise ManifestError(f"{where}: manifest is {len(text)} bytes, cap is {C.MAX_MANIFEST_BYTES}")
+        try:
+            d = json.loads(text)
+        except (ValueError, UnicodeDecodeError) as e:
+            raise ManifestError(f"{where}: not valid JSON ({e})") from e
+        return cls.from_dict(d, where)
+
+    @classmethod
+    def from_dict(cls, d, where: str = "lct.json") -> "Manifest":
+        """Validate a parsed manifest dict; see docs/FORMAT.md."""
+        return _parse(d, where)
+
+    # Convenience views --------------------------------------------------------------------
+    def group_chunks(self, group: str) -> list:
+        """The chunks of ``group`` in order."""
+        return [c for c in self.chunks if c.group == group]
+
+    def group_tensors(self, group: str) -> list:
+        """The tensors of ``group`` in manifest order."""
+        return [t for t in self.tensors.values() if t.group == group]
+
+    @property
+    def stored_bytes(self) -> int:
+        return sum(c.stored_size for c in self.chunks)
+
+    @property
+    def decoded_bytes(self) -> int:
+        return sum(c.decoded_size for c in self.chunks)
+
+    @property
+    def source_bytes(self) -> int:
+        return sum(f.get("size", 0) for f in self.source.get("files", {}).values())
+
+
+def _tensor_dict(t: TensorInfo) -> dict:
+    d = asdict(t)
+    d["shape"] = list(t.shape)
+    if d["nf4"] is None:
+        del d["nf4"]
+    return d
+
+
+def _fail(where: str, msg: str):
+    raise ManifestError(f"{where}: {msg}")
+
+
+def _int(v, where: str, what: str, lo: int = 0, hi: int = 1 << 62) -> int:
+    if not isinstance(v, int) or isinstance(v, bool) or not lo <= v <= hi:
+        _fail(where, f"{what} must be an integer in [{lo}, {hi}], got {v!r}")
+    return v
+
+
+def _str(v, where: str, what: str, maxlen: int = C.MAX_NAME_LEN) -> str:
+    if not isinstance(v, str) or not 0 < len(v) <= maxlen or "\x00" in v:
+        _fail(where, f"{what} must be a non-empty string of at most {maxlen} characters "
+                     f"without NUL, got {str(v)[:80]!r}")
+    return v
+
+
+def _obj(d: dict, key: str, kind, where: str):
+    v = d.get(key)
+    if not isinstance(v, kind):
+        _fail(where, f"'{key}' must be a {kind.__name__}, got {type(v).__name__}")
+    return v
+
+
+def _parse(d, where: str) -> Manifest:
+    if not isinstance(d, dict):
+        _fail(where, "manifest must be a JSON object")
+    if d.get("format") != C.FORMAT_NAME:
+        _fail(where, f"'format' must be {C.FORMAT_NAME!r}, got {d.get('format')!r}")
+    ver = d.get("format_version")
+    if not (isinstance(ver, list) and len(ver) == 2 and all(isinstance(x, int) for x in ver)):
+        _fail(where, f"'format_version' must be [major, minor], got {ver!r}")
+    if ver[0] != C.FORMAT_VERSION[0]:
+        raise UnsupportedVersionError(
+            f"{where}: format version {ver[0]}.{ver[1]} is not readable by this LCT, which reads "
+            f"{C.FORMAT_VERSION[0]}.x (written version {C.FORMAT_VERSION[0]}.{C.FORMAT_VERSION[1]}); "
+            f"upgrade lct")
+
+    files = _obj(d, "files", list, where)
+    if len(files) > C.MAX_FILES:
+        _fail(where, f"{len(files)} data files exceed the cap {C.MAX_FILES}")
+    for i, f in enumerate(files):
+        if not isinstance(f, dict):
+            _fail(where, f"files[{i}] must be an object")
+        name = _str(f.get("name"), where, f"files[{i}].name")
+        if not re.fullmatch(C.DATA_FILE_PATTERN, name):
+            _fail(where, f"files[{i}].name {name!r} is not a data file name "
+                         f"(expected {C.DATA_FILE_PATTERN})")
+        _int(f.get("size"), where, f"files[{i}].size")
+    if len({f["name"] for f in files}) != len(files):
+        _fail(where, "data file names are not unique")
+
+    groups = _obj(d, "groups", list, where)
+    for g in groups:
+        _str(g, where, "group name")
+    if len(set(groups)) != len(groups):
+        _fail(where, "group names are not unique")
+
+    raw_chunks = _obj(d, "chunks", list, where)
+    if len(raw_chunks) > C.MAX_CHUNKS:
+        _fail(where, f"{len(raw_chunks)} chunks exceed the cap {C.MAX_CHUNKS}")
+    chunks = [_chunk(c, i, files, set(groups), where) for i, c in enumerate(raw_chunks)]
+    _check_no_overlap(
+        [(c.file, c.offset, c.offset + c.stored_size, f"chunk {c.id}") for c in chunks],
+        where, "chunk byte ranges")
+
+    raw_tensors = _obj(d, "tensors", list, where)
+    if len(raw_tensors) > C.MAX_TENSORS:
+        _fail(where, f"{len(raw_tensors)} tensors exceed the cap {C.MAX_TENSORS}")
+    tensors: dict[str, TensorInfo] = {}
+    spans = []
+    for i, t in enumerate(raw_tensors):
+        info = _tensor(t, i, chunks, where)
+        if info.name in tensors:
+            _fail(where, f"tensor name {info.name!r} appears twice")
+        tensors[info.name] = info
+        spans.append((info.chunk, info.offset, info.offset + info.nbytes, info.name))
+        if info.nf4:
+            a = info.nf4["absmax_offset"]
+            spans.append((info.chunk, a, a + info.nf4["absmax_nbytes"], info.name + " absmax"))
+    _check_no_overlap(spans, where, "tensor byte ranges")
+
+    ties = d.get("ties", {})
+    if not isinstance(ties, dict):
+        _fail(where, "'ties' must be an object")
+    for k, v in ties.items():
+        _str(k, where, "tied name")
+        if v not in tensors:
+            _fail(where, f"tie {k!r} -> {v!r}: no stored tensor named {v!r}")
+        if k in tensors:
+            _fail(where, f"tie {k!r} is also a stored tensor")
+
+    known = {"format", "format_version", "created_by", "artifact_id", "source", "architecture",
+             "policy", "files", "groups", "chunks", "tensors", "ties", "unmapped"}
+    return Manifest(
+        format_version=tuple(ver),
+        created_by=str(d.get("created_by", "")),
+        artifact_id=str(d.get("artifact_id", "")),
+        source=d.get("source") if isinstance(d.get("source"), dict) else {},
+        architecture=d.get("architecture") if isinstance(d.get("architecture"), dict) else {},
+        policy=d.get("policy") if isinstance(d.get("policy"), dict) else {},
+        files=files,
+        groups=groups,
+        chunks=chunks,
+        tensors=tensors,
+        ties=ties,
+        unmapped=[u for u in d.get("unmapped", []) if isinstance(u, str)],
+        extra={k: v for k, v in d.items() if k not in known},
+    )
+
+
+def _chunk(c, i: int, files: list, groups: set, where: str) -> ChunkInfo:
+    if not isinstance(c, dict):
+        _fail(where, f"chunks[{i}] must be an object")
+    w = f"{where}: chunk {i}"
+    if c.get("id") != i:
+        _fail(where, f"chunks[{i}].id must be {i}, got {c.get('id')!r}")
+    group = _str(c.get("group"), where, f"chunks[{i}].group")
+    if group not in groups:
+        _fail(where, f"chunk {i}: group {group!r} is not in 'groups'")
+    fidx = _int(c.get("file"), where, f"chunk {i} file", 0, max(len(files) - 1, 0))
+    if not files:
+        _fail(where, f"chunk {i} refers to a data file but 'files' is empty")
+    fsize = files[fidx]["size"]
+    offset = _int(c.get("offset"), where, f"chunk {i} offset", C.DATA_HEADER_SIZE)
+    if offset % C.CHUNK_ALIGNMENT:
+        _fail(where, f"chunk {i} offset {offset} is not a multiple of {C.CHUNK_ALIGNMENT}")
+    stored = _int(c.get("stored_size"), where, f"chunk {i} stored_size")
+    if offset + stored > fsize:
+        _fail(where, f"chunk {i} ends at {offset + stored}, past the end of "
+                     f"{files[fidx]['name']} ({fsize} bytes)")
+    decoded = _int(c.get("decoded_size"), where, f"chunk {i} decoded_size", 0, C.MAX_CHUNK_DECODED)
+    codec_name = _str(c.get("codec"), where, f"chunk {i} codec", 64)
+    params = c.get("params")
+    if not isinstance(params, dict):
+        _fail(where, f"chunk {i} params must be an object")
+    try:
+        codecs.get_codec(codec_name).check_params(params, decoded, stored)
+    except ManifestError as e:
+        raise ManifestError(f"{w}: {e}") from None
+    checksum = _str(c.get("checksum"), where, f"chunk {i} checksum", 128)
+    if not re.fullmatch(C.CHECKSUM_ALGO + r":[0-9a-f]{16}", checksum):
+        _fail(where, f"chunk {i} checksum {checksum!r} is not '{C.CHECKSUM_ALGO}:<16 hex>'")
+    return ChunkInfo(i, group, fidx, offset, stored, decoded, codec_name, params, checksum)
+
+
+def _tensor(t, i: int, chunks: list, where: str) -> TensorInfo:
+    if not isinstance(t, dict):
+        _fail(where, f"tensors[{i}] must be an object")
+    name = _str(t.get("name"), where, f"tensors[{i}].name")
+    w = f"tensor {name!r}"
+    shape = t.get("shape")
+    if not isinstance(shape, list) or len(shape) > C.MAX_RANK:
+        _fail(where, f"{w}: shape must be a list of at most {C.MAX_RANK} dims, got {shape!r}")
+    for s in shape:
+        _int(s, where, f"{w} dimension", 0, 1 << 40)
+    dtype = t.get("dtype")
+    if dtype not in C.DTYPE_SIZES:
+        raise UnsupportedVersionError(f"{where}: {w}: unknown dtype {dtype!r}")
+    encoding = t.get("encoding")
+    stored_dtype = t.get("stored_dtype")
+    role = t.get("role")
+    if role not in C.ROLES:
+        _fail(where, f"{w}: role {role!r} is not one of {C.ROLES}")
+    cidx = _int(t.get("chunk"), where, f"{w} chunk", 0, max(len(chunks) - 1, 0))
+    if not chunks:
+        _fail(where, f"{w} refers to a chunk but 'chunks' is empty")
+    chunk = chunks[cidx]
+    group = t.get("group")
+    if group != chunk.group:
+        _fail(where, f"{w}: group {group!r} differs from its chunk's group {chunk.group!r}")
+    offset = _int(t.get("offset"), where, f"{w} offset")
+    nbytes = _int(t.get("nbytes"), where, f"{w} nbytes")
+    n = math.prod(shape)
+    nf4 = None
+    if encoding == C.ENCODING_PLAIN:
+        if stored_dtype not in C.DTYPE_SIZES:
+            raise UnsupportedVersionError(f"{where}: {w}: unknown stored dtype {stored_dtype!r}")
+        expected = n * C.DTYPE_SIZES[stored_dtype]
+        if nbytes != expected:
+            _fail(where, f"{w}: nbytes {nbytes} != {expected} (shape {shape} x {stored_dtype})")
+        _span_in_chunk(offset, nbytes, chunk, where, w)
+    elif encoding == C.ENCODING_NF4:
+        if stored_dtype != "nf4":
+            _fail(where, f"{w}: nf4 tensor must have stored_dtype 'nf4', got {stored_dtype!r}")
+        nf4 = t.get("nf4")
+        if not isinstance(nf4, dict):
+            _fail(where, f"{w}: nf4 tensor lacks its 'nf4' object")
+        bs = _int(nf4.get("blocksize"), where, f"{w} blocksize", 2, 1 << 20)
+        if bs % 2 or not shape or shape[-1] % bs:
+            _fail(where, f"{w}: blocksize {bs} must be even and divide the row length")
+        if nbytes != (n + 1) // 2:
+            _fail(where, f"{w}: nf4 nbytes {nbytes} != {(n + 1) // 2}")
+        a_off = _int(nf4.get("absmax_offset"), where, f"{w} absmax_offset")
+        a_n = _int(nf4.get("absmax_nbytes"), where, f"{w} absmax_nbytes")
+        if a_n != 4 * (-(-n // bs)):
+            _fail(where, f"{w}: absmax_nbytes {a_n} != {4 * (-(-n // bs))}")
+        _span_in_chunk(offset, nbytes, chunk, where, w)
+        _span_in_chunk(a_off, a_n, chunk, where, w + " absmax")
+        nf4 = {"blocksize": bs, "absmax_offset": a_off, "absmax_nbytes": a_n}
+    else:
+        raise UnsupportedVersionError(f"{where}: {w}: unknown encoding {encoding!r}")
+    return TensorInfo(name, tuple(shape), dtype, stored_dtype, encoding, role, group, cidx,
+                      offset, nbytes, nf4)
+
+
+def _span_in_chunk(offset: int, nbytes: int, chunk: ChunkInfo, where: str, w: str) -> None:
+    if offset % C.TENSOR_ALIGNMENT:
+        _fail(where, f"{w}: offset {offset} is not a multiple of {C.TENSOR_ALIGNMENT}")
+    if offset + nbytes > chunk.decoded_size:
+        _fail(where, f"{w}: bytes [{offset}, {offset + nbytes}) run past chunk {chunk.id} "
+                     f"({chunk.decoded_size} decoded bytes)")
+
+
+def _check_no_overlap(spans: list, where: str, what: str) -> None:
+    spans = sorted(s for s in spans if s[2] > s[1])
+    for a, b in zip(spans, spans[1:]):
+        if a[0] == b[0] and b[1] < a[2]:
+            _fail(where, f"{what} overlap: {a[3]} [{a[1]}, {a[2]}) and {b[3]} [{b[1]}, {b[2]})")

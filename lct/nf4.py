@@ -1,0 +1,141 @@
+"""NF4 reference codec: byte-identical to bitsandbytes' CPU ``quantize_4bit(quant_type="nf4")``.
+
+Layout and rounding rules are in docs/FORMAT.md (section 2.2) and follow bitsandbytes exactly:
+blocks of ``blocksize`` consecutive elements, float32 ``absmax`` per block, scale by the float32
+reciprocal, code = number of float32 midpoints strictly below the scaled value, all-zero blocks
+get code 7, first element of a pair in the high nibble. Large tables are processed in pieces so
+memory does not grow with the table beyond one piece.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+
+from . import constants as C
+from .errors import PolicyError
+
+PIECE_ELEMENTS = 1 << 22
+
+
+def _torch():
+    import torch
+    return torch
+
+
+def code_table():
+    """The 16 NF4 values as a float32 tensor (index = code)."""
+    torch = _torch()
+    return torch.tensor(C.NF4_CODE, dtype=torch.float32)
+
+
+def _midpoints():
+    table = code_table()
+    return (table[:-1] + table[1:]) / 2
+
+
+def check_blocksize(shape, blocksize: int, name: str = "tensor") -> None:
+    """Raise ``PolicyError`` unless ``blocksize`` is even, positive and divides the last dimension."""
+    if blocksize <= 0 or blocksize % 2:
+        raise PolicyError(f"{name}: NF4 blocksize must be a positive even number, got {blocksize}")
+    if not shape or shape[-1] % blocksize:
+        raise PolicyError(
+            f"{name}: NF4 blocksize {blocksize} must divide the row length "
+            f"{shape[-1] if shape else '(scalar)'} so that no block spans two rows; "
+            f"choose a divisor with --blocksize")
+
+
+def quantize(tensor, blocksize: int = C.DEFAULT_BLOCKSIZE, name: str = "tensor"):
+    """Quantize ``tensor`` to NF4.
+
+    Args:
+        tensor: a floating-point torch tensor; every value must be finite.
+        blocksize: elements per absmax block; must divide the last dimension.
+        name: used in error messages.
+
+    Returns:
+        ``(packed, absmax)``: uint8 ``[ceil(n/2)]`` and float32 ``[ceil(n/blocksize)]``, equal
+        byte for byte to bitsandbytes ``quantize_4bit(..., compress_statistics=False)`` on CPU.
+
+    Raises:
+        PolicyError: bad blocksize, or a NaN/Inf value.
+
+    Example:
+        >>> packed, absmax = quantize(torch.randn(4, 128), 64)
+    """
+    torch = _torch()
+    check_blocksize(tuple(tensor.shape), blocksize, name)
+    if not tensor.is_floating_point():
+        raise PolicyError(f"{name}: NF4 needs a floating-point tensor, got {tensor.dtype}")
+    flat = tensor.reshape(-1)
+    n = flat.numel()
+    nblocks = -(-n // blocksize)
+    packed = torch.empty((n + 1) // 2, dtype=torch.uint8)
+    absmax = torch.empty(nblocks, dtype=torch.float32)
+    mids = _midpoints()
+    per_piece = max(1, PIECE_ELEMENTS // blocksize)
+    for b0 in range(0, nblocks, per_piece):
+        b1 = min(nblocks, b0 + per_piece)
+        e0, e1 = b0 * blocksize, min(n, b1 * blocksize)
+        x = flat[e0:e1].to(torch.float32)
+        if not torch.isfinite(x).all():
+            raise PolicyError(f"{name}: NF4 cannot encode NaN or Inf values "
+                              f"(found one in elements {e0}..{e1})")
+        pad = (b1 - b0) * blocksize - (e1 - e0)
+        if pad:
+            x = torch.cat([x, x.new_zeros(pad)])
+        blocks = x.view(-1, blocksize)
+        am = blocks.abs().amax(dim=1)
+        absmax[b0:b1] = am
+        scaled = blocks * (1.0 / am).unsqueeze(1)
+        codes = torch.bucketize(scaled, mids).to(torch.uint8)
+        codes[am == 0] = C.NF4_ZERO_CODE
+        codes = codes.view(-1)[: e1 - e0]
+        if codes.numel() % 2:
+            codes = torch.cat([codes, codes.new_full((1,), C.NF4_ZERO_CODE)])
+        pairs = codes.view(-1, 2)
+        packed[e0 // 2: e0 // 2 + pairs.shape[0]] = (pairs[:, 0] << 4) | pairs[:, 1]
+    return packed, absmax
+
+
+def dequantize(packed, absmax, shape, blocksize: int, dtype=None):
+    """Dequantize NF4 ``packed``/``absmax`` to a tensor of ``shape`` (float32, then cast to ``dtype``).
+
+    Bit-identical to bitsandbytes' ``dequantize_4bit``: ``code_table[nibble] * absmax[block]``
+    in float32. Works in pieces so the float32 intermediate never exceeds one piece.
+    """
+    torch = _torch()
+    n = math.prod(shape)
+    out = torch.empty(n, dtype=dtype or torch.float32)
+    table = code_table()
+    per_piece = max(1, PIECE_ELEMENTS // blocksize) * blocksize
+    for e0 in range(0, n, per_piece):
+        e1 = min(n, e0 + per_piece)
+        p = packed.reshape(-1)[e0 // 2: (e1 + 1) // 2]
+        codes = torch.stack([p >> 4, p & 0x0F], dim=1).view(-1)[: e1 - e0].long()
+        scale = absmax[e0 // blocksize: -(-e1 // blocksize)].repeat_interleave(blocksize)
+        out[e0:e1] = table[codes] * scale[: e1 - e0]
+    return out.view(*shape)
+
+
+def quant_state_json(shape, blocksize: int, dtype: str) -> bytes:
+    """The UTF-8 JSON that bitsandbytes stores under ``*.weight.quant_state.bitsandbytes__nf4``."""
+    return json.dumps({"quant_type": "nf4", "blocksize": blocksize, "dtype": dtype,
+                       "shape": list(shape)}).encode()
+
+
+def bnb_state_dict(prefix: str, packed, absmax, shape, blocksize: int, dtype: str) -> dict:
+    """The bitsandbytes state-dict entries for a parameter at module path ``prefix``.
+
+    ``QuantState.from_dict`` and ``Params4bit.from_prequantized`` rebuild the quantization state
+    from these keys unchanged.
+    """
+    torch = _torch()
+    blob = quant_state_json(shape, blocksize, dtype)
+    return {
+        f"{prefix}.weight": packed.reshape(-1, 1),
+        f"{prefix}.weight.absmax": absmax,
+        f"{prefix}.weight.quant_map": code_table(),
+        f"{prefix}.weight.quant_state.bitsandbytes__nf4":
+            torch.frombuffer(bytearray(blob), dtype=torch.uint8),
+    }

@@ -1,0 +1,233 @@
+"""Reading an artifact: ``lct.open(path)`` -> ``Artifact``.
+
+The manifest is validated before use and checked against the data files on disk (sizes, magic,
+artifact id). Chunks are read by byte range, their checksum verified, and decoded into one
+buffer; tensors are zero-copy views of that buffer.
+"""
+
+from __future__ import annotations
+
+import os
+import struct
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+
+from . import codecs
+from . import constants as C
+from .errors import ArtifactNotFoundError, ChecksumError, CorruptChunkError, ManifestError
+from .manifest import ChunkInfo, Manifest, TensorInfo
+from .writer import checksum
+
+_TORCH_DTYPES = {
+    "float64": "float64", "float32": "float32", "float16": "float16", "bfloat16": "bfloat16",
+    "int64": "int64", "int32": "int32", "int16": "int16", "int8": "int8", "uint8": "uint8",
+    "bool": "bool",
+}
+
+
+def torch_dtype(name: str):
+    """The torch dtype for an LCT dtype name."""
+    import torch
+    return getattr(torch, _TORCH_DTYPES[name])
+
+
+@dataclass
+class NF4Weight:
+    """An NF4-encoded tensor as stored: packed codes, absmax, and what it dequantizes to."""
+
+    name: str
+    packed: object       # torch.uint8 [ceil(n/2)]
+    absmax: object       # torch.float32 [ceil(n/blocksize)]
+    shape: tuple
+    blocksize: int
+    dtype: str
+
+    def dequantize(self, dtype=None):
+        """Dequantize to ``dtype`` (default: the source dtype), exactly as bitsandbytes does."""
+        from . import nf4
+        return nf4.dequantize(self.packed, self.absmax, self.shape, self.blocksize,
+                              dtype or torch_dtype(self.dtype))
+
+    def bnb_state_dict(self, prefix: str) -> dict:
+        """bitsandbytes state-dict keys for module path ``prefix`` (``prefix.weight...``)."""
+        from . import nf4
+        return nf4.bnb_state_dict(prefix, self.packed, self.absmax, self.shape,
+                                  self.blocksize, self.dtype)
+
+
+class Artifact:
+    """An opened LCT artifact. Use as a context manager, or call ``close()``.
+
+    Example:
+        >>> with lct.open("gemma.lct") as art:
+        ...     w = art.read_tensor("model.layers.0.mlp.up_proj.weight")
+    """
+
+    def __init__(self, path, *, verify: bool = True, workers: int | None = None):
+        self.path = Path(path)
+        if not self.path.is_dir():
+            raise ArtifactNotFoundError(f"{self.path}: no such artifact directory")
+        mpath = self.path / C.MANIFEST_NAME
+        if not mpath.is_file():
+            raise ArtifactNotFoundError(f"{self.path}: not an LCT artifact (no {C.MANIFEST_NAME})")
+        size = mpath.stat().st_size
+        if size > C.MAX_MANIFEST_BYTES:
+            raise ManifestError(f"{mpath}: manifest is {size} bytes, cap is {C.MAX_MANIFEST_BYTES}")
+        self.manifest = Manifest.from_json(mpath.read_bytes(), str(mpath))
+        self.verify = verify
+        self.workers = workers or os.cpu_count() or 1
+        self._pool = None
+        self._check_files()
+
+    # Lifecycle ---------------------------------------------------------------------------------
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.close()
+        return False
+
+    def close(self) -> None:
+        """Release the worker threads."""
+        if self._pool is not None:
+            self._pool.shutdown(wait=True, cancel_futures=True)
+            self._pool = None
+
+    @property
+    def pool(self) -> ThreadPoolExecutor:
+        if self._pool is None:
+            self._pool = ThreadPoolExecutor(self.workers, thread_name_prefix="lct-decode")
+        return self._pool
+
+    def _check_files(self) -> None:
+        for i, f in enumerate(self.manifest.files):
+            p = self.path / f["name"]
+            if not p.is_file():
+                raise ArtifactNotFoundError(f"{p}: data file missing")
+            actual = p.stat().st_size
+            if actual != f["size"]:
+                raise ManifestError(f"{p}: file is {actual} bytes, manifest says {f['size']} "
+                                    f"(truncated or replaced?)")
+            with open(p, "rb") as fh:
+                head = fh.read(C.DATA_HEADER_SIZE)
+            if len(head) < 24 or head[:8] != C.DATA_MAGIC:
+                raise ManifestError(f"{p}: not an LCT data file (bad magic)")
+            major, _minor, index = struct.unpack_from("<HHI", head, 8)
+            if major != C.FORMAT_VERSION[0] or index != i or head[16:32].hex() != self.manifest.artifact_id:
+                raise ManifestError(f"{p}: header (version {major}, index {index}, id "
+                                    f"{head[16:32].hex()}) does not match the manifest "
+                                    f"(index {i}, id {self.manifest.artifact_id})")
+
+    # Views ----------------------------------------------------------------------------------
+    @property
+    def groups(self) -> list:
+        """Group names in load order."""
+        return list(self.manifest.groups)
+
+    @property
+    def tensor_names(self) -> list:
+        """Names of all tensors, including tied names."""
+        return list(self.manifest.tensors) + list(self.manifest.ties)
+
+    def tensor_info(self, name: str) -> TensorInfo:
+        """The manifest entry of ``name`` (a tied name resolves to the stored tensor)."""
+        real = self.manifest.ties.get(name, name)
+        try:
+            return self.manifest.tensors[real]
+        except KeyError:
+            raise KeyError(f"{self.path}: no tensor named {name!r}") from None
+
+    # Chunks ----------------------------------------------------------------------------------
+    def read_stored(self, chunk: ChunkInfo) -> bytearray:
+        """The stored bytes of ``chunk``, checksum-verified unless verification is off."""
+        fname = self.path / self.manifest.files[chunk.file]["name"]
+        buf = bytearray(chunk.stored_size)
+        with open(fname, "rb") as fh:
+            fh.seek(chunk.offset)
+            got = fh.readinto(buf)
+        if got != chunk.stored_size:
+            raise CorruptChunkError(f"{fname}: chunk {chunk.id} ({chunk.group}) is truncated: "
+                                    f"read {got} of {chunk.stored_size} bytes")
+        if self.verify:
+            self.check(chunk, buf)
+        return buf
+
+    def check(self, chunk: ChunkInfo, stored) -> None:
+        """Raise ``ChecksumError`` unless ``stored`` matches the chunk's checksum."""
+        found = checksum(stored)
+        if found != chunk.checksum:
+            fname = self.manifest.files[chunk.file]["name"]
+            raise ChecksumError(f"{self.path / fname}: chunk {chunk.id} (group {chunk.group!r}, "
+                                f"offset {chunk.offset}) checksum mismatch: expected "
+                                f"{chunk.checksum}, found {found}")
+
+    def decode(self, chunk: ChunkInfo, stored) -> np.ndarray:
+        """Decode a chunk's stored bytes into a fresh uint8 buffer of its decoded size."""
+        out = np.empty(chunk.decoded_size, dtype=np.uint8)
+        codec = codecs.get_codec(chunk.codec)
+        where = f"{self.path / self.manifest.files[chunk.file]['name']}: chunk {chunk.id} ({chunk.group})"
+        map_fn = self.pool.map if chunk.decoded_size > chunk.params.get("frame_size", 1 << 62) else map
+        codec.decode(stored, out, chunk.params, map_fn, where)
+        return out
+
+    def read_chunk(self, chunk_id: int) -> np.ndarray:
+        """Read, verify and decode chunk ``chunk_id``."""
+        chunk = self.manifest.chunks[chunk_id]
+        return self.decode(chunk, self.read_stored(chunk))
+
+    # Tensors ---------------------------------------------------------------------------------
+    def tensor_from_buffer(self, info: TensorInfo, buf: np.ndarray, dequantize: bool = True):
+        """Build tensor ``info`` as a zero-copy view of its decoded chunk ``buf``."""
+        import torch
+        raw = torch.from_numpy(buf[info.offset: info.offset + info.nbytes])
+        if info.encoding == C.ENCODING_NF4:
+            a = info.nf4["absmax_offset"]
+            absmax = torch.from_numpy(buf[a: a + info.nf4["absmax_nbytes"]]).view(torch.float32)
+            w = NF4Weight(info.name, raw, absmax, info.shape, info.nf4["blocksize"], info.dtype)
+            return w.dequantize() if dequantize else w
+        return raw.view(torch_dtype(info.stored_dtype)).view(info.shape)
+
+    def read_group(self, group: str, dequantize: bool = True) -> dict:
+        """All tensors of ``group`` as ``{name: tensor}`` (NF4 as ``NF4Weight`` unless dequantized).
+
+        Tied names whose stored tensor is in this group are included under both names.
+        """
+        if group not in self.manifest.groups:
+            raise KeyError(f"{self.path}: no group named {group!r}; groups: {self.groups}")
+        out = {}
+        for chunk in self.manifest.group_chunks(group):
+            buf = self.read_chunk(chunk.id)
+            for t in self.manifest.tensors.values():
+                if t.chunk == chunk.id:
+                    out[t.name] = self.tensor_from_buffer(t, buf, dequantize)
+        for tied, real in self.manifest.ties.items():
+            if real in out:
+                out[tied] = out[real]
+        return out
+
+    def read_tensor(self, name: str, dequantize: bool = True):
+        """One tensor by name (decodes its whole chunk; use ``read_group`` for many)."""
+        info = self.tensor_info(name)
+        return self.tensor_from_buffer(info, self.read_chunk(info.chunk), dequantize)
+
+
+def open_artifact(path, *, verify: bool = True, workers: int | None = None) -> Artifact:
+    """Open the LCT artifact at ``path`` (a directory).
+
+    Args:
+        path: the artifact directory.
+        verify: check every chunk's checksum as it is read.
+        workers: decode threads (default: all cores).
+
+    Returns:
+        An ``Artifact``; close it (or use ``with``) to release its threads.
+
+    Raises:
+        ArtifactNotFoundError: no such directory, manifest or data file.
+        ManifestError: the manifest is invalid or disagrees with the data files.
+        UnsupportedVersionError: a newer major version, or an unknown codec/dtype.
+    """
+    return Artifact(path, verify=verify, workers=workers)

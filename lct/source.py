@@ -1,0 +1,130 @@
+"""Conversion sources: a local Hugging Face folder or a Hub repo id, resolved to safetensors files.
+
+Pickle checkpoints (``.bin``, ``.pt``, ``.pth``, ``.ckpt``) are refused: LCT never unpickles.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import re
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from . import constants as C
+from .errors import MissingDependencyError, SourceError, SourceNotFoundError
+
+PICKLE_SUFFIXES = (".bin", ".pt", ".pth", ".ckpt", ".pkl")
+INDEX_NAME = "model.safetensors.index.json"
+_REPO_ID = re.compile(r"[A-Za-z0-9][\w.\-]*(/[\w.\-]+)?")
+
+# safetensors dtype strings -> LCT dtype names.
+ST_DTYPES = {
+    "F64": "float64", "F32": "float32", "F16": "float16", "BF16": "bfloat16",
+    "I64": "int64", "I32": "int32", "I16": "int16", "I8": "int8", "U8": "uint8", "BOOL": "bool",
+}
+
+
+@dataclass
+class Source:
+    """A resolved source: where its files are and what it is."""
+
+    root: Path
+    id: str
+    kind: str                      # "local" or "hub"
+    revision: str | None
+    files: list                    # safetensors file names, relative to root
+    config: dict = field(default_factory=dict)
+
+    @property
+    def model_type(self) -> str | None:
+        return self.config.get("model_type")
+
+    def sidecars(self) -> list:
+        """Side files (config, tokenizer) present in the source."""
+        return [self.root / n for n in C.SIDECAR_FILES if (self.root / n).is_file()]
+
+
+def sha256_file(path, block: int = 8 << 20) -> str:
+    """Hex sha256 of a file, read in blocks."""
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        while chunk := f.read(block):
+            h.update(chunk)
+    return h.hexdigest()
+
+
+def resolve(source: str, revision: str | None = None) -> Source:
+    """Resolve ``source`` (local folder or Hub repo id) to its safetensors files.
+
+    Raises:
+        SourceNotFoundError: no such folder, and not a Hub id (or no such repo).
+        SourceError: the folder holds no safetensors, only pickle checkpoints, or a broken index.
+    """
+    path = Path(source).expanduser()
+    if path.exists():
+        if not path.is_dir():
+            raise SourceError(f"{path}: is a file; pass the model folder that contains it")
+        return _local(path, str(path.absolute()), "local", revision)
+    if source.startswith(("/", ".", "~")) or not _REPO_ID.fullmatch(source):
+        raise SourceNotFoundError(f"{source}: no such folder (and not a Hub repo id like org/name)")
+    return _local(_download(source, revision), source, "hub", revision)
+
+
+def _download(repo_id: str, revision: str | None) -> Path:
+    try:
+        import huggingface_hub as hub
+        from huggingface_hub import errors as herr
+    except ImportError as e:  # pragma: no cover
+        raise MissingDependencyError("huggingface_hub is required for Hub sources: "
+                                     "pip install huggingface_hub") from e
+    try:
+        return Path(hub.snapshot_download(
+            repo_id, revision=revision,
+            allow_patterns=["*.safetensors", INDEX_NAME, *C.SIDECAR_FILES]))
+    except herr.RevisionNotFoundError as e:
+        raise SourceNotFoundError(f"{repo_id}: no revision {revision!r} on the Hub") from e
+    except herr.GatedRepoError as e:
+        raise SourceError(f"{repo_id}: gated repo; accept its license on the Hub and log in "
+                          f"(hf auth login or HF_TOKEN)") from e
+    except herr.RepositoryNotFoundError as e:
+        raise SourceNotFoundError(f"{repo_id}: no such folder, and no such Hub repo "
+                                  f"(or it is private: log in or set HF_TOKEN)") from e
+    except herr.LocalEntryNotFoundError as e:
+        raise SourceError(f"{repo_id}: not in the local Hugging Face cache and offline "
+                          f"(HF_HUB_OFFLINE is set or the Hub is unreachable)") from e
+    except (herr.HfHubHTTPError, OSError) as e:
+        raise SourceError(f"{repo_id}: download failed: {e}") from e
+
+
+def _local(root: Path, sid: str, kind: str, revision: str | None) -> Source:
+    config = {}
+    cfg = root / "config.json"
+    if cfg.is_file():
+        try:
+            config = json.loads(cfg.read_text())
+        except ValueError as e:
+            raise SourceError(f"{cfg}: not valid JSON ({e})") from e
+        if not isinstance(config, dict):
+            raise SourceError(f"{cfg}: must hold a JSON object")
+    index = root / INDEX_NAME
+    if index.is_file():
+        try:
+            weight_map = json.loads(index.read_text())["weight_map"]
+            files = sorted(set(weight_map.values()))
+        except (ValueError, KeyError, TypeError, AttributeError) as e:
+            raise SourceError(f"{index}: not a safetensors index (needs a 'weight_map')") from e
+        for f in files:
+            if not isinstance(f, str) or Path(f).name != f or not (root / f).is_file():
+                raise SourceError(f"{index}: refers to {f!r}, which is not a file in {root}")
+    else:
+        files = sorted(p.name for p in root.glob("*.safetensors"))
+    if not files:
+        pickles = sorted(p.name for p in root.iterdir() if p.suffix in PICKLE_SUFFIXES)
+        if pickles:
+            raise SourceError(
+                f"{root}: only pickle checkpoints ({', '.join(pickles[:3])}); LCT never unpickles. "
+                f"Re-save the model as safetensors first (model.save_pretrained(dir) in transformers)")
+        raise SourceError(f"{root}: not a model folder (no *.safetensors files)")
+    return Source(root=root, id=sid, kind=kind, revision=revision, files=files, config=config)

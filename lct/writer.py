@@ -1,0 +1,265 @@
+"""Artifact writer: lays out groups into chunks, encodes them, writes data files, and publishes the
+artifact directory atomically (temporary name beside the target, then ``os.replace``).
+
+The writer is a small state machine: ``open`` -> ``finished`` or ``aborted``; any call in the
+wrong state raises ``RuntimeError`` naming the state.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import struct
+import uuid
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import numpy as np
+
+from . import codecs
+from . import constants as C
+from .errors import LCTError
+from .manifest import ChunkInfo, Manifest, TensorInfo
+
+
+def checksum(data) -> str:
+    """The manifest checksum string of ``data`` (xxh3_64 of its bytes)."""
+    import xxhash
+    return f"{C.CHECKSUM_ALGO}:{xxhash.xxh3_64_hexdigest(data)}"
+
+
+def _align(n: int, a: int) -> int:
+    return -(-n // a) * a
+
+
+@dataclass
+class TensorSpec:
+    """A tensor to place in a chunk: what the manifest will say, minus the chunk and offsets."""
+
+    name: str
+    shape: tuple
+    dtype: str
+    stored_dtype: str
+    encoding: str
+    role: str
+    group: str
+    blocksize: int | None = None
+
+    @property
+    def numel(self) -> int:
+        n = 1
+        for s in self.shape:
+            n *= s
+        return n
+
+    @property
+    def nbytes(self) -> int:
+        if self.encoding == C.ENCODING_NF4:
+            return (self.numel + 1) // 2
+        return self.numel * C.DTYPE_SIZES[self.stored_dtype]
+
+    @property
+    def absmax_nbytes(self) -> int:
+        return 4 * (-(-self.numel // self.blocksize)) if self.encoding == C.ENCODING_NF4 else 0
+
+    @property
+    def width_class(self):
+        """Tensors of one class share a chunk: NF4 apart, plain tensors by element width."""
+        if self.encoding == C.ENCODING_NF4:
+            return "nf4"
+        return C.DTYPE_SIZES[self.stored_dtype]
+
+
+@dataclass
+class ChunkPlan:
+    """The layout of one chunk before its bytes exist: tensor offsets and the decoded size."""
+
+    group: str
+    width_class: object
+    specs: list = field(default_factory=list)
+    offsets: dict = field(default_factory=dict)        # name -> offset
+    absmax_offsets: dict = field(default_factory=dict)  # name -> offset (nf4)
+    decoded_size: int = 0
+
+    def allocate(self) -> np.ndarray:
+        """A zeroed decoded buffer for this chunk."""
+        return np.zeros(self.decoded_size, dtype=np.uint8)
+
+
+def plan_group(group: str, specs: list) -> list:
+    """Split a group's tensors into chunks by width class and place them 64-byte aligned."""
+    plans: dict = {}
+    for spec in specs:
+        plan = plans.setdefault(spec.width_class, ChunkPlan(group, spec.width_class))
+        pos = _align(plan.decoded_size, C.TENSOR_ALIGNMENT)
+        plan.offsets[spec.name] = pos
+        pos += spec.nbytes
+        if spec.encoding == C.ENCODING_NF4:
+            pos = _align(pos, C.TENSOR_ALIGNMENT)
+            plan.absmax_offsets[spec.name] = pos
+            pos += spec.absmax_nbytes
+        plan.decoded_size = pos
+        plan.specs.append(spec)
+    return list(plans.values())
+
+
+class ArtifactWriter:
+    """Write an artifact directory atomically.
+
+    Example:
+        >>> with ArtifactWriter("out.lct") as w:
+        ...     w.write_chunk(plan, buffer, "planes", {"level": 1, "frame_size": 1 << 20})
+        ...     w.finish(manifest_fields)
+    """
+
+    def __init__(self, out_dir, *, max_file_size: int = C.DEFAULT_MAX_FILE_SIZE,
+                 overwrite: bool = False, map_fn=map):
+        self.target = Path(out_dir).absolute()
+        if self.target.exists():
+            if not overwrite:
+                raise LCTError(f"{self.target} already exists; pass --force to replace it")
+            if not (self.target.is_dir() and ((self.target / C.MANIFEST_NAME).exists()
+                                              or not any(self.target.iterdir()))):
+                raise LCTError(f"{self.target} exists and is not an LCT artifact; refusing to replace it")
+        self.target.parent.mkdir(parents=True, exist_ok=True)
+        self.tmp = self.target.parent / f".{self.target.name}.tmp-{uuid.uuid4().hex[:12]}"
+        self.tmp.mkdir()
+        self.artifact_id = uuid.uuid4().hex
+        self.max_file_size = max_file_size
+        self.overwrite = overwrite
+        self.map_fn = map_fn
+        self.files: list = []
+        self.chunks: list = []
+        self.tensors: list = []
+        self._fh = None
+        self._pos = 0
+        self.state = "open"
+
+    # State machine ----------------------------------------------------------------------------
+    def _require_open(self):
+        if self.state != "open":
+            raise RuntimeError(f"ArtifactWriter is {self.state}; no more writes allowed")
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, exc_type, exc, tb):
+        if self.state == "open":
+            self.abort()
+        return False
+
+    # Data files -------------------------------------------------------------------------------
+    def _new_file(self):
+        self._close_file()
+        index = len(self.files)
+        name = C.DATA_FILE_TEMPLATE.format(index=index)
+        self._fh = open(self.tmp / name, "wb")
+        header = C.DATA_MAGIC + struct.pack("<HHI", *C.FORMAT_VERSION, index) \
+            + bytes.fromhex(self.artifact_id)
+        self._fh.write(header.ljust(C.DATA_HEADER_SIZE, b"\0"))
+        self._pos = C.DATA_HEADER_SIZE
+        self.files.append({"name": name, "size": self._pos})
+
+    def _close_file(self):
+        if self._fh is not None:
+            self._fh.flush()
+            os.fsync(self._fh.fileno())
+            self._fh.close()
+            self._fh = None
+
+    def _place(self, stored_size: int) -> tuple:
+        start = _align(self._pos, C.CHUNK_ALIGNMENT)
+        if self._fh is None or (start + stored_size > self.max_file_size
+                                and self._pos > C.DATA_HEADER_SIZE):
+            self._new_file()
+            start = self._pos
+        if start > self._pos:
+            self._fh.write(b"\0" * (start - self._pos))
+        return len(self.files) - 1, start
+
+    # Chunks -----------------------------------------------------------------------------------
+    def write_chunk(self, plan: ChunkPlan, buffer: np.ndarray, codec: str, params: dict) -> ChunkInfo:
+        """Encode ``buffer`` (the decoded bytes laid out as ``plan`` says) and append it.
+
+        Returns the chunk's manifest entry; the plan's tensors are recorded with it.
+        """
+        self._require_open()
+        if buffer.nbytes != plan.decoded_size:
+            raise ValueError(f"buffer has {buffer.nbytes} bytes, plan says {plan.decoded_size}")
+        stored = codecs.get_codec(codec).encode(buffer, params, self.map_fn)
+        if codec != C.CODEC_RAW and len(stored) >= buffer.nbytes:
+            codec, params, stored = C.CODEC_RAW, {}, buffer.tobytes()
+        return self.write_stored(plan, stored, codec, params)
+
+    def write_stored(self, plan: ChunkPlan, stored: bytes, codec: str, params: dict) -> ChunkInfo:
+        """Append already-encoded chunk bytes for ``plan``."""
+        self._require_open()
+        fidx, offset = self._place(len(stored))
+        self._fh.write(stored)
+        self._pos = offset + len(stored)
+        self.files[fidx]["size"] = self._pos
+        info = ChunkInfo(len(self.chunks), plan.group, fidx, offset, len(stored),
+                         plan.decoded_size, codec, dict(params), checksum(stored))
+        self.chunks.append(info)
+        for spec in plan.specs:
+            nf4 = None
+            if spec.encoding == C.ENCODING_NF4:
+                nf4 = {"blocksize": spec.blocksize, "absmax_offset": plan.absmax_offsets[spec.name],
+                       "absmax_nbytes": spec.absmax_nbytes}
+            self.tensors.append(TensorInfo(spec.name, tuple(spec.shape), spec.dtype,
+                                           spec.stored_dtype, spec.encoding, spec.role, spec.group,
+                                           info.id, plan.offsets[spec.name], spec.nbytes, nf4))
+        return info
+
+    def copy_file(self, src, name: str | None = None) -> None:
+        """Copy a side file (config, tokenizer) into the artifact."""
+        self._require_open()
+        src = Path(src)
+        dest = self.tmp / (name or src.name)
+        if dest.name != Path(dest.name).name or dest.name in ("", ".", ".."):
+            raise LCTError(f"refusing side file name {dest.name!r}")
+        shutil.copyfile(src, dest)
+
+    def write_text(self, name: str, text: str) -> None:
+        """Write a small text file into the artifact."""
+        self._require_open()
+        (self.tmp / name).write_text(text)
+
+    # Finish -----------------------------------------------------------------------------------
+    def finish(self, *, groups: list, source: dict, architecture: dict, policy: dict,
+               ties: dict, unmapped: list, created_by: str) -> Manifest:
+        """Write the manifest, validate it, and move the artifact into place."""
+        self._require_open()
+        self._close_file()
+        manifest = Manifest(
+            format_version=C.FORMAT_VERSION, created_by=created_by, artifact_id=self.artifact_id,
+            source=source, architecture=architecture, policy=policy, files=self.files,
+            groups=groups, chunks=self.chunks, tensors={t.name: t for t in self.tensors},
+            ties=ties, unmapped=unmapped)
+        text = manifest.to_json()
+        manifest = Manifest.from_json(text, str(self.target / C.MANIFEST_NAME))
+        with open(self.tmp / C.MANIFEST_NAME, "w") as f:
+            f.write(text)
+            f.flush()
+            os.fsync(f.fileno())
+        trash = None
+        if self.target.exists():
+            trash = self.target.parent / f".{self.target.name}.old-{uuid.uuid4().hex[:12]}"
+            os.replace(self.target, trash)
+        os.replace(self.tmp, self.target)
+        if trash is not None:
+            shutil.rmtree(trash, ignore_errors=True)
+        self.state = "finished"
+        return manifest
+
+    def abort(self) -> None:
+        """Drop everything written so far; nothing that looks like an artifact remains."""
+        if self.state != "open":
+            return
+        try:
+            if self._fh is not None:
+                self._fh.close()
+                self._fh = None
+        finally:
+            shutil.rmtree(self.tmp, ignore_errors=True)
+            self.state = "aborted"
