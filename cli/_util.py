@@ -1,0 +1,69 @@
+"""Shared CLI plumbing: one-line errors, progress bars, size formatting."""
+
+from __future__ import annotations
+
+import os
+import sys
+import traceback
+
+import click
+
+from lct.errors import LCTError
+
+
+class LCTGroup(click.Group):
+    """A click group that turns library errors into one-line messages and a non-zero exit.
+
+    Set ``LCT_DEBUG=1`` to see the full traceback.
+    """
+
+    def invoke(self, ctx):
+        try:
+            return super().invoke(ctx)
+        except (LCTError, FileNotFoundError, PermissionError, KeyError) as e:
+            if os.environ.get("LCT_DEBUG"):
+                traceback.print_exc()
+            msg = e.args[0] if isinstance(e, KeyError) and e.args else e
+            click.echo(f"error: {msg}", err=True)
+            sys.exit(1)
+        except KeyboardInterrupt:
+            click.echo("interrupted; nothing was left half-written", err=True)
+            sys.exit(130)
+
+
+class GroupProgress:
+    """A tqdm bar fed by the library's ``progress(group, done, total)`` callback."""
+
+    def __init__(self, desc: str, unit: str = "B", enabled: bool = True):
+        self.desc, self.unit, self.enabled = desc, unit, enabled
+        self.bar = None
+        self.groups = 0
+
+    def __call__(self, group: str, done: int, total: int) -> None:
+        if not self.enabled:
+            return
+        if self.bar is None:
+            from tqdm import tqdm
+            scale = self.unit == "B"
+            self.bar = tqdm(total=total, desc=self.desc, unit=self.unit, unit_scale=scale,
+                            unit_divisor=1000, file=sys.stderr, leave=True, dynamic_ncols=True)
+        self.groups += 1
+        self.bar.set_postfix_str(f"{self.groups} groups, {group}", refresh=False)
+        self.bar.update(done - self.bar.n)
+
+    def close(self) -> None:
+        if self.bar is not None:
+            self.bar.close()
+
+
+def table(rows: list, headers: list) -> str:
+    """Format rows as an aligned plain-text table (first column left, others right)."""
+    cells = [[str(h) for h in headers]] + [[str(c) for c in r] for r in rows]
+    widths = [max(len(r[i]) for r in cells) for i in range(len(headers))]
+    lines = []
+    for j, r in enumerate(cells):
+        lines.append("  ".join(c.ljust(widths[i]) if i == 0 else c.rjust(widths[i])
+                               for i, c in enumerate(r)))
+        if j == 0:
+            lines.append("  ".join("-" * w for w in widths))
+    return "\n".join(lines)

@@ -1,0 +1,73 @@
+"""`lct convert`: a Hugging Face checkpoint to an LCT artifact."""
+
+from __future__ import annotations
+
+import click
+
+from lct import constants as C
+
+from ._util import GroupProgress
+
+
+def _parse_nf4(ctx, param, value: str) -> tuple:
+    if value.strip().lower() in ("none", ""):
+        return ()
+    parts = tuple(p.strip() for p in value.split(",") if p.strip())
+    bad = [p for p in parts if p not in C.NF4_ROLES]
+    if bad:
+        raise click.BadParameter(f"{bad[0]!r}: use none, embed, head or embed,head")
+    return parts
+
+
+@click.command("convert")
+@click.argument("source")
+@click.option("-o", "--output", "output", required=True, type=click.Path(),
+              help="Artifact directory to create (appears atomically when complete).")
+@click.option("--revision", default=None, help="Hub revision (branch, tag or commit) of SOURCE.")
+@click.option("--nf4", "nf4", default="embed,head", show_default=True, callback=_parse_nf4,
+              help="Parts stored in NF4 (bitsandbytes layout): none, embed, head or embed,head.")
+@click.option("--dtype", type=click.Choice(C.CAST_TARGETS), default=None,
+              help="Cast the lossless floating-point tensors (refused if a value overflows). "
+                   "Default: keep each tensor's source dtype.")
+@click.option("--level", type=click.IntRange(-7, 22), default=C.DEFAULT_LEVEL, show_default=True,
+              help="zstd level for the lossless planes (see docs/BENCHMARKS.md for the trade-off).")
+@click.option("--blocksize", type=int, default=C.DEFAULT_BLOCKSIZE, show_default=True,
+              help="NF4 block size; must divide the hidden size.")
+@click.option("--codec", type=click.Choice([C.CODEC_PLANES, C.CODEC_ZSTD, C.CODEC_RAW]),
+              default=C.CODEC_PLANES, show_default=True,
+              help="Codec for lossless chunks: planes (exponent/mantissa split), zstd, raw.")
+@click.option("--max-file-size", type=int, default=C.DEFAULT_MAX_FILE_SIZE, show_default=True,
+              help="Start a new data file past this many bytes.")
+@click.option("--workers", type=int, default=None, help="Compression threads (default: all cores).")
+@click.option("--force", is_flag=True, help="Replace OUTPUT if it is an existing artifact.")
+@click.option("--quiet", is_flag=True, help="No progress bar.")
+def convert_cmd(source, output, revision, nf4, dtype, level, blocksize, codec, max_file_size,
+                workers, force, quiet):
+    """Convert SOURCE (a local model folder with safetensors, or a Hub id such as
+    google/gemma-2b) into an LCT artifact.
+
+    Each transformer layer becomes an independent compressed chunk; the embedding and LM head are
+    stored in NF4; everything else is kept losslessly in its dtype. Pickle checkpoints (.bin) are
+    refused. HF_HUB_OFFLINE=1 uses only the local Hugging Face cache.
+    """
+    from lct.converter import Policy, convert
+
+    policy = Policy(nf4=nf4, blocksize=blocksize, dtype=dtype, codec=codec, level=level)
+    bar = GroupProgress("convert", enabled=not quiet)
+    try:
+        rep = convert(source, output, revision=revision, policy=policy,
+                      max_file_size=max_file_size, workers=workers, overwrite=force, progress=bar)
+    finally:
+        bar.close()
+    m = rep.manifest
+    from lct.info import human
+    click.echo(f"wrote {rep.path}: {len(m.groups)} groups, {len(m.tensors)} tensors, "
+               f"{human(m.stored_bytes)} from {human(rep.source_bytes)} of tensors "
+               f"({m.stored_bytes / max(rep.source_bytes, 1):.3f}x) in {rep.seconds:.1f} s "
+               f"({rep.mb_per_s:.0f} MB/s)")
+    if m.ties:
+        click.echo("tied: " + ", ".join(f"{k} -> {v}" for k, v in m.ties.items()))
+    if rep.unmapped:
+        click.echo(f"note: {len(rep.unmapped)} tensors not in the {m.architecture.get('mapping')} "
+                   f"table were kept in group 'misc': {', '.join(rep.unmapped[:5])}"
+                   + (" ..." if len(rep.unmapped) > 5 else ""), err=True)

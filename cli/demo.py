@@ -1,0 +1,32 @@
+"""`lct demo`: the main job on a tiny embedded model, no network."""
+
+from __future__ import annotations
+
+import click
+
+from ._util import table
+
+
+@click.command("demo")
+@click.option("--workdir", type=click.Path(), default=None,
+              help="Where to put the tiny model, the artifact and the export (default: a new "
+                   "temporary folder, kept so you can inspect it).")
+def demo_cmd(workdir):
+    """Build a tiny random Gemma, convert it to LCT, verify it against the source, export it
+    back to safetensors and reload it with transformers. Prints the size table and timings."""
+    from lct.demo import run_demo
+    from lct.info import human
+
+    res = run_demo(workdir, log=click.echo)
+    click.echo(table([(g.group, g.tensors, g.encodings, human(g.stored), human(g.decoded))
+                      for g in res.groups], ["group", "tensors", "stored as", "stored", "decoded"]))
+    click.echo(f"safetensors {human(res.source_bytes)} -> LCT {human(res.artifact_bytes)} "
+               f"({res.artifact_bytes / res.source_bytes:.3f}x)")
+    click.echo(f"verify: {'OK' if res.verify_ok else 'FAILED'}; lossless tensors bit-identical: "
+               f"{res.lossless_identical}; NF4 min cosine {res.nf4_cosine:.5f}")
+    click.echo(f"export reloaded with transformers: logits cosine vs source "
+               f"{res.logits_cosine:.5f} (NF4 embedding)")
+    click.echo(table([(k, f"{v:.2f} s") for k, v in res.timings.items()], ["step", "time"]))
+    click.echo(f"files are in {res.workdir}")
+    if not res.verify_ok:
+        raise SystemExit(1)

@@ -1,0 +1,49 @@
+"""`lct info`: what an artifact holds."""
+
+from __future__ import annotations
+
+import json
+
+import click
+
+from ._util import table
+
+
+@click.command("info")
+@click.argument("artifact", type=click.Path())
+@click.option("--json", "as_json", is_flag=True, help="Print the manifest as JSON.")
+@click.option("--tensors", is_flag=True, help="List every tensor too.")
+def info_cmd(artifact, as_json, tensors):
+    """Show the groups, tensors, encodings and stored vs decoded sizes of ARTIFACT, and the
+    overall ratio against the source checkpoint. Reads only the manifest (no torch needed)."""
+    from lct.info import human, summarize
+    from lct.reader import open_artifact
+
+    with open_artifact(artifact) as art:
+        m = art.manifest
+        if as_json:
+            click.echo(json.dumps(m.to_dict(), indent=1))
+            return
+        rows = [(r.group, r.tensors, r.encodings, r.codecs, human(r.stored), human(r.decoded),
+                 f"{r.decoded / max(r.stored, 1):.2f}") for r in summarize(m)]
+        click.echo(f"{art.path}  (LCT {m.format_version[0]}.{m.format_version[1]}, "
+                   f"{m.created_by})")
+        click.echo(f"source: {m.source.get('id')}"
+                   + (f" @ {m.source['revision']}" if m.source.get("revision") else ""))
+        p = m.policy
+        click.echo(f"policy: nf4={','.join(p.get('nf4', [])) or 'none'} blocksize={p.get('blocksize')} "
+                   f"dtype={p.get('dtype') or 'source'} codec={p.get('codec')} level={p.get('level')}")
+        click.echo(table(rows, ["group", "tensors", "stored as", "codec", "stored", "decoded",
+                                "ratio"]))
+        src = m.source_bytes
+        click.echo(f"total: {human(m.stored_bytes)} stored, {human(m.decoded_bytes)} decoded, "
+                   f"{len(m.files)} data file(s)"
+                   + (f"; source {human(src)} -> {m.stored_bytes / src:.3f}x" if src else ""))
+        if m.ties:
+            click.echo("tied: " + ", ".join(f"{k} -> {v}" for k, v in m.ties.items()))
+        if m.unmapped:
+            click.echo(f"unmapped (kept in misc): {', '.join(m.unmapped)}")
+        if tensors:
+            click.echo(table([(t.name, "x".join(map(str, t.shape)), t.dtype, t.encoding, t.group,
+                               human(t.nbytes)) for t in m.tensors.values()],
+                             ["tensor", "shape", "dtype", "encoding", "group", "bytes"]))
