@@ -1,0 +1,45 @@
+"""Shared fixtures: tiny random models saved as Hugging Face folders, and their artifacts."""
+
+import os
+import warnings
+
+import pytest
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
+warnings.filterwarnings("ignore", message=".*gemm_4bit.*")
+
+
+def _save(tmp_path_factory, arch, **kw):
+    from lct import tiny
+    return tiny.save_tiny(tmp_path_factory.mktemp(f"src-{arch}") / "model", arch, **kw)
+
+
+@pytest.fixture(scope="session")
+def gemma_src(tmp_path_factory):
+    """A tiny random Gemma (bf16, tied head) saved with save_pretrained."""
+    return _save(tmp_path_factory, "gemma")
+
+
+@pytest.fixture(scope="session")
+def llama_src(tmp_path_factory):
+    """A tiny random Llama (bf16, untied head)."""
+    return _save(tmp_path_factory, "llama")
+
+
+@pytest.fixture(scope="session")
+def gemma_art(gemma_src, tmp_path_factory):
+    """The default conversion of ``gemma_src`` (read-only: copy before corrupting)."""
+    import lct
+    out = tmp_path_factory.mktemp("art") / "gemma.lct"
+    lct.convert(str(gemma_src), out)
+    return out
+
+
+@pytest.fixture(scope="session")
+def llama_art(llama_src, tmp_path_factory):
+    """The default conversion of ``llama_src``."""
+    import lct
+    out = tmp_path_factory.mktemp("art") / "llama.lct"
+    lct.convert(str(llama_src), out)
+    return out
