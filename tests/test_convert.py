@@ -1,0 +1,280 @@
+"""Convert -> read/export -> transformers: lossless parts bit-exact, NF4 parts equal bitsandbytes'
+dequantization; policies, ties, shards, and bad input."""
+
+import json
+import shutil
+
+import pytest
+import torch
+from safetensors.torch import load_file, save_file
+
+import lct
+from lct import constants as C
+from lct.converter import Policy
+from lct.errors import LCTError, PolicyError, SourceError, SourceNotFoundError
+
+
+def _source_tensors(src):
+    out = {}
+    for f in sorted(src.glob("*.safetensors")):
+        out.update(load_file(f))
+    return out
+
+
+def _logits(path, ids, **kw):
+    from transformers import AutoModelForCausalLM
+    model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.bfloat16, **kw).eval()
+    with torch.no_grad():
+        return model(ids).logits, model
+
+
+IDS = torch.tensor([[1, 5, 9, 200, 17, 3, 44, 100]])
+
+
+@pytest.mark.parametrize("fixture", ["gemma_art", "llama_art"])
+def test_lossless_tensors_bit_exact_and_nf4_equals_reference(fixture, request):
+    art_path = request.getfixturevalue(fixture)
+    src = request.getfixturevalue(fixture.replace("_art", "_src"))
+    ref = _source_tensors(src)
+    with lct.open(art_path) as art:
+        for name, t in ref.items():
+            info = art.tensor_info(name)
+            got = art.read_tensor(name)
+            if info.encoding == "plain":
+                assert got.dtype == t.dtype and torch.equal(got, t), name
+            else:
+                packed, absmax = lct.nf4.quantize(t, 64)
+                assert torch.equal(got, lct.nf4.dequantize(packed, absmax, t.shape, 64, t.dtype))
+        assert set(ref) <= set(art.tensor_names)
+
+
+def test_gemma_tied_head_stored_once(gemma_art):
+    with lct.open(gemma_art) as art:
+        m = art.manifest
+        assert m.ties == {"lm_head.weight": "model.embed_tokens.weight"}
+        assert C.GROUP_HEAD not in m.groups
+        assert m.groups[0] == "embed" and m.groups[-1] == "norm"
+        assert m.tensors["model.embed_tokens.weight"].encoding == "nf4"
+        assert torch.equal(art.read_tensor("lm_head.weight"),
+                           art.read_tensor("model.embed_tokens.weight"))
+
+
+def test_llama_untied_head_in_nf4(llama_art):
+    with lct.open(llama_art) as art:
+        m = art.manifest
+        assert not m.ties and "head" in m.groups
+        assert m.tensors["lm_head.weight"].encoding == "nf4"
+        assert m.tensors["lm_head.weight"].group == "head"
+        layer = art.read_group("layers.1")
+        assert all(n.startswith("model.layers.1.") for n in layer)
+        assert len(layer) == 9
+
+
+def test_manifest_records_source_and_policy(gemma_art, gemma_src):
+    import hashlib
+    m = json.loads((gemma_art / C.MANIFEST_NAME).read_text())
+    assert m["format_version"] == list(C.FORMAT_VERSION)
+    digest = hashlib.sha256((gemma_src / "model.safetensors").read_bytes()).hexdigest()
+    assert m["source"]["files"]["model.safetensors"]["sha256"] == digest
+    assert m["policy"]["nf4"] == ["embed", "head"] and m["policy"]["codec"] == "planes"
+    for c in m["chunks"]:
+        assert c["offset"] % C.CHUNK_ALIGNMENT == 0
+    for name in ("config.json", "generation_config.json"):
+        assert (gemma_art / name).read_bytes() == (gemma_src / name).read_bytes()
+
+
+def test_chunks_decode_independently_by_byte_range(gemma_art):
+    """A chunk decodes from its own byte range and manifest entry alone."""
+    with lct.open(gemma_art) as art:
+        for chunk in reversed(art.manifest.chunks):
+            path = gemma_art / art.manifest.files[chunk.file]["name"]
+            with open(path, "rb") as f:
+                f.seek(chunk.offset)
+                stored = f.read(chunk.stored_size)
+            art.check(chunk, stored)
+            assert art.decode(chunk, stored).nbytes == chunk.decoded_size
+
+
+@pytest.mark.parametrize("arch", ["gemma", "llama"])
+def test_export_without_nf4_gives_identical_logits(arch, tmp_path, request):
+    src = request.getfixturevalue(f"{arch}_src")
+    lct.convert(str(src), tmp_path / "a.lct", policy=Policy(nf4=()))
+    lct.export(tmp_path / "a.lct", tmp_path / "hf")
+    ref, _ = _logits(src, IDS)
+    got, _ = _logits(tmp_path / "hf", IDS)
+    assert torch.equal(ref, got)
+    exported = _source_tensors(tmp_path / "hf")
+    for name, t in _source_tensors(src).items():
+        if name in exported:
+            assert torch.equal(exported[name], t)
+
+
+def test_export_with_nf4_equals_bnb_dequantized_reference(llama_src, llama_art, tmp_path):
+    lct.export(llama_art, tmp_path / "hf")
+    got, _ = _logits(tmp_path / "hf", IDS)
+    _, ref_model = _logits(llama_src, IDS)
+    F = pytest.importorskip("bitsandbytes.functional")
+    with torch.no_grad():
+        for mod in (ref_model.model.embed_tokens, ref_model.lm_head):
+            q, st = F.quantize_4bit(mod.weight.data, quant_type="nf4", blocksize=64,
+                                    compress_statistics=False)
+            mod.weight.data = F.dequantize_4bit(q, st)
+        ref = ref_model(IDS).logits
+    assert torch.equal(ref, got)
+
+
+def test_sharded_source_and_several_data_files(tmp_path):
+    from lct import tiny
+    config = tiny.config_for("llama")
+    model = tiny.build_model(config, dtype=torch.bfloat16)
+    src = tmp_path / "src"
+    model.save_pretrained(src, max_shard_size="150KB")
+    assert (src / "model.safetensors.index.json").exists()
+    rep = lct.convert(str(src), tmp_path / "a.lct", max_file_size=200_000)
+    assert len(rep.manifest.files) > 1
+    ref = _source_tensors(src)
+    with lct.open(tmp_path / "a.lct") as art:
+        for name, t in ref.items():
+            if art.tensor_info(name).encoding == "plain":
+                assert torch.equal(art.read_tensor(name), t)
+
+
+def test_unmapped_tensors_kept_in_misc(gemma_src, tmp_path):
+    src = tmp_path / "src"
+    shutil.copytree(gemma_src, src)
+    extra = {"custom.scale": torch.arange(6, dtype=torch.int32).reshape(2, 3)}
+    save_file(extra, src / "extra.safetensors")
+    rep = lct.convert(str(src), tmp_path / "a.lct")
+    assert rep.unmapped == ["custom.scale"]
+    with lct.open(tmp_path / "a.lct") as art:
+        assert art.manifest.tensors["custom.scale"].group == "misc"
+        assert torch.equal(art.read_tensor("custom.scale"), extra["custom.scale"])
+
+
+def test_present_head_equal_to_embedding_is_tied(tmp_path):
+    w = torch.randn(64, 32).to(torch.bfloat16)
+    src = tmp_path / "src"
+    src.mkdir()
+    save_file({"model.embed_tokens.weight": w, "lm_head.weight": w.clone(),
+               "model.norm.weight": torch.ones(32, dtype=torch.bfloat16)}, src / "model.safetensors")
+    (src / "config.json").write_text(json.dumps({"model_type": "llama", "tie_word_embeddings": True}))
+    m = lct.convert(str(src), tmp_path / "a.lct", policy=Policy(blocksize=32)).manifest
+    assert m.ties == {"lm_head.weight": "model.embed_tokens.weight"}
+    assert "lm_head.weight" not in m.tensors
+
+
+def test_cast_to_float16(gemma_src, tmp_path):
+    lct.convert(str(gemma_src), tmp_path / "a.lct", policy=Policy(dtype="float16"))
+    ref = _source_tensors(gemma_src)
+    with lct.open(tmp_path / "a.lct") as art:
+        t = art.read_tensor("model.layers.0.mlp.up_proj.weight")
+        assert t.dtype == torch.float16
+        assert torch.equal(t, ref["model.layers.0.mlp.up_proj.weight"].to(torch.float16))
+        info = art.tensor_info("model.layers.0.mlp.up_proj.weight")
+        assert info.dtype == "bfloat16" and info.stored_dtype == "float16"
+    rep = lct.verify(tmp_path / "a.lct", against=str(gemma_src))
+    assert rep.ok
+
+
+def test_overflowing_cast_is_refused_and_leaves_nothing(tmp_path):
+    src = tmp_path / "src"
+    src.mkdir()
+    big = torch.full((4, 64), 1e6, dtype=torch.float32)
+    save_file({"model.layers.0.mlp.w": big}, src / "model.safetensors")
+    with pytest.raises(PolicyError, match=r"model\.layers\.0\.mlp\.w.*overflows"):
+        lct.convert(str(src), tmp_path / "out" / "a.lct", policy=Policy(dtype="float16"))
+    assert not any((tmp_path / "out").iterdir())
+
+
+def test_bad_blocksize_names_tensor(gemma_src, tmp_path):
+    with pytest.raises(PolicyError, match=r"model\.embed_tokens\.weight.*blocksize 48"):
+        lct.convert(str(gemma_src), tmp_path / "a.lct", policy=Policy(blocksize=48))
+    assert not (tmp_path / "a.lct").exists()
+
+
+def test_failure_midway_leaves_no_artifact(gemma_src, tmp_path, monkeypatch):
+    from lct import writer
+    calls = []
+    real = writer.ArtifactWriter.write_chunk
+
+    def flaky(self, *a, **kw):
+        calls.append(1)
+        if len(calls) == 3:
+            raise OSError("disk full")
+        return real(self, *a, **kw)
+
+    monkeypatch.setattr(writer.ArtifactWriter, "write_chunk", flaky)
+    out = tmp_path / "out"
+    with pytest.raises(OSError, match="disk full"):
+        lct.convert(str(gemma_src), out / "a.lct")
+    assert list(out.iterdir()) == []
+
+
+def test_existing_output_needs_overwrite(gemma_src, tmp_path):
+    lct.convert(str(gemma_src), tmp_path / "a.lct")
+    with pytest.raises(LCTError, match="already exists"):
+        lct.convert(str(gemma_src), tmp_path / "a.lct")
+    lct.convert(str(gemma_src), tmp_path / "a.lct", overwrite=True, policy=Policy(nf4=()))
+    with lct.open(tmp_path / "a.lct") as art:
+        assert art.manifest.policy["nf4"] == []
+    (tmp_path / "plain").mkdir()
+    (tmp_path / "plain" / "notes.txt").write_text("mine")
+    with pytest.raises(LCTError, match="not an LCT artifact"):
+        lct.convert(str(gemma_src), tmp_path / "plain", overwrite=True)
+    assert (tmp_path / "plain" / "notes.txt").exists()
+
+
+def test_pickle_checkpoints_refused(tmp_path):
+    (tmp_path / "pytorch_model.bin").write_bytes(b"\x80\x04not really")
+    (tmp_path / "config.json").write_text("{}")
+    with pytest.raises(SourceError, match="pickle"):
+        lct.convert(str(tmp_path), tmp_path / "a.lct")
+
+
+def test_missing_and_non_model_sources(tmp_path):
+    with pytest.raises(SourceNotFoundError):
+        lct.convert(str(tmp_path / "nope"), tmp_path / "a.lct")
+    with pytest.raises(SourceError, match="not a model folder"):
+        lct.convert(str(tmp_path), tmp_path / "a.lct")
+    (tmp_path / "f.txt").write_text("x")
+    with pytest.raises(SourceError, match="is a file"):
+        lct.convert(str(tmp_path / "f.txt"), tmp_path / "a.lct")
+
+
+def test_unsupported_dtype_names_tensor(tmp_path):
+    src = tmp_path / "src"
+    src.mkdir()
+    save_file({"model.layers.0.w": torch.zeros(4, dtype=torch.float8_e4m3fn)},
+              src / "model.safetensors")
+    with pytest.raises(PolicyError, match=r"model\.layers\.0\.w.*F8_E4M3"):
+        lct.convert(str(src), tmp_path / "a.lct")
+
+
+def test_hub_id_offline_uses_cache_or_says_offline(gemma_src, tmp_path, monkeypatch):
+    import huggingface_hub.constants as hc
+    cache = tmp_path / "hub"
+    monkeypatch.setattr(hc, "HF_HUB_CACHE", str(cache))
+    monkeypatch.setattr(hc, "HF_HUB_OFFLINE", True)
+    with pytest.raises(SourceError, match="offline"):
+        lct.convert("someorg/tiny-gemma", tmp_path / "a.lct")
+    sha = "a" * 40
+    repo = cache / "models--someorg--tiny-gemma"
+    shutil.copytree(gemma_src, repo / "snapshots" / sha)
+    (repo / "refs").mkdir()
+    (repo / "refs" / "main").write_text(sha)
+    m = lct.convert("someorg/tiny-gemma", tmp_path / "a.lct").manifest
+    assert m.source["id"] == "someorg/tiny-gemma" and m.source["kind"] == "hub"
+    assert "model.safetensors" in m.source["files"]
+
+
+def test_gpt2_naming(tmp_path):
+    from lct import tiny
+    src = tiny.save_tiny(tmp_path / "src", "gpt2")
+    rep = lct.convert(str(src), tmp_path / "a.lct")
+    m = rep.manifest
+    assert rep.unmapped == []
+    assert m.tensors["transformer.wte.weight"].encoding == "nf4"
+    assert m.tensors["transformer.wpe.weight"].role == "pos_embed"
+    assert m.tensors["transformer.wpe.weight"].encoding == "plain"
+    assert m.tensors["transformer.h.1.mlp.c_fc.weight"].group == "layers.1"
+    assert m.tensors["transformer.ln_f.weight"].group == "norm"
