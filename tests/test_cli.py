@@ -1,0 +1,105 @@
+"""The CLI: every command works through CliRunner, errors are one line with a non-zero exit."""
+
+import json
+import shutil
+
+import pytest
+import torch
+from click.testing import CliRunner
+from safetensors.torch import load_file
+
+from lct.cli.main import cli
+
+
+@pytest.fixture
+def run():
+    runner = CliRunner()
+
+    def invoke(*args):
+        return runner.invoke(cli, [str(a) for a in args], catch_exceptions=False)
+    return invoke
+
+
+def test_help_on_every_command(run):
+    top = run("--help")
+    assert top.exit_code == 0
+    for cmd in ("convert", "info", "verify", "export", "demo"):
+        assert cmd in top.output
+        res = run(cmd, "--help")
+        assert res.exit_code == 0 and "Usage:" in res.output
+    assert "--nf4" in run("convert", "--help").output
+    assert "--against" in run("verify", "--help").output
+
+
+def test_convert_info_verify_export(run, llama_src, tmp_path):
+    out = tmp_path / "m.lct"
+    res = run("convert", llama_src, "-o", out, "--quiet")
+    assert res.exit_code == 0, res.output
+    assert "wrote" in res.output and "groups" in res.output
+    res = run("info", out)
+    assert res.exit_code == 0
+    for word in ("embed", "layers.0", "layers.1", "norm", "head", "nf4", "bfloat16", "total"):
+        assert word in res.output
+    res = run("info", out, "--json")
+    assert json.loads(res.output)["format"] == "lct"
+    res = run("verify", out, "--against", llama_src, "--quiet")
+    assert res.exit_code == 0, res.output
+    assert "OK" in res.output and "lm_head.weight" in res.output and "bit-identical" in res.output
+    res = run("export", out, tmp_path / "hf", "--quiet")
+    assert res.exit_code == 0
+    exported = load_file(tmp_path / "hf" / "model.safetensors")
+    ref = load_file(llama_src / "model.safetensors")
+    assert torch.equal(exported["model.layers.0.mlp.up_proj.weight"],
+                       ref["model.layers.0.mlp.up_proj.weight"])
+
+
+def test_convert_options(run, gemma_src, tmp_path):
+    res = run("convert", gemma_src, "-o", tmp_path / "a.lct", "--nf4", "none", "--dtype",
+              "float16", "--level", "3", "--quiet")
+    assert res.exit_code == 0, res.output
+    m = json.loads((tmp_path / "a.lct" / "lct.json").read_text())
+    assert m["policy"]["nf4"] == [] and m["policy"]["dtype"] == "float16"
+    assert m["policy"]["level"] == 3
+    res = run("convert", gemma_src, "-o", tmp_path / "b.lct", "--nf4", "tail")
+    assert res.exit_code != 0 and "tail" in res.output
+
+
+def test_verify_against_changed_source_fails(run, gemma_src, gemma_art, tmp_path):
+    from safetensors.torch import save_file
+    src = tmp_path / "src"
+    shutil.copytree(gemma_src, src)
+    tensors = load_file(src / "model.safetensors")
+    tensors["model.layers.1.mlp.up_proj.weight"][0, 0] += 1
+    save_file(tensors, src / "model.safetensors")
+    res = run("verify", gemma_art, "--against", src, "--quiet")
+    assert res.exit_code == 1
+    assert "model.layers.1.mlp.up_proj.weight" in res.output
+
+
+@pytest.mark.parametrize("args,fragment", [
+    (["info", "/nonexistent/x.lct"], "no such artifact"),
+    (["convert", "/nonexistent/model", "-o", "OUT"], "no such folder"),
+    (["verify", "/nonexistent/x.lct"], "no such artifact"),
+])
+def test_errors_are_one_line(run, tmp_path, args, fragment, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    res = run(*args)
+    assert res.exit_code == 1
+    assert fragment in res.output
+    assert "Traceback" not in res.output
+    assert res.output.strip().count("\n") == 0
+
+
+def test_debug_env_shows_traceback(tmp_path, monkeypatch):
+    monkeypatch.setenv("LCT_DEBUG", "1")
+    res = CliRunner().invoke(cli, ["info", str(tmp_path / "nope")])
+    assert res.exit_code == 1 and "Traceback" in res.output
+
+
+def test_demo(run, tmp_path):
+    res = run("demo", "--workdir", tmp_path / "demo")
+    assert res.exit_code == 0, res.output
+    assert "verify: OK" in res.output
+    assert "lossless tensors bit-identical" in res.output
+    assert "convert" in res.output and "safetensors" in res.output
+    assert (tmp_path / "demo" / "model.lct" / "lct.json").exists()
