@@ -12,7 +12,7 @@ Example:
 
 __version__ = "0.1.0"
 
-__all__ = ["__version__", "open", "convert", "export", "verify", "Policy"]
+__all__ = ["__version__", "open", "convert", "export", "verify", "load", "Policy"]
 
 
 def open(path, *, verify: bool = True, workers=None):  # noqa: A001 - mirrors builtins.open
@@ -37,6 +37,14 @@ def verify(artifact, **kwargs):
     """Verify an artifact's checksums (and against its source); see ``lct.verifier.verify``."""
     from .verifier import verify as _verify
     return _verify(artifact, **kwargs)
+
+
+def load(path, prefetch: int = 2, device="cpu", dtype=None, nf4: str = "keep", workers=None,
+         **kwargs):
+    """Load an artifact into a ready transformers model; see ``lct.loader.build.load``."""
+    from .loader import load as _load
+    return _load(path, prefetch=prefetch, device=device, dtype=dtype, nf4=nf4, workers=workers,
+                 **kwargs)
 
 
 def __getattr__(name):

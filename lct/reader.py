@@ -166,9 +166,10 @@ class Artifact:
 
     def decode(self, chunk: ChunkInfo, stored) -> np.ndarray:
         """Decode a chunk's stored bytes into a fresh uint8 buffer of its decoded size."""
-        out = np.empty(chunk.decoded_size, dtype=np.uint8)
         codec = codecs.get_codec(chunk.codec)
         where = f"{self.path / self.manifest.files[chunk.file]['name']}: chunk {chunk.id} ({chunk.group})"
+        codec.check_stored(stored, chunk.decoded_size, chunk.params, where)  # before allocating
+        out = np.empty(chunk.decoded_size, dtype=np.uint8)
         map_fn = self.pool.map if chunk.decoded_size > chunk.params.get("frame_size", 1 << 62) else map
         codec.decode(stored, out, chunk.params, map_fn, where)
         return out
@@ -207,6 +208,17 @@ class Artifact:
             if real in out:
                 out[tied] = out[real]
         return out
+
+    def stream(self, groups=None, prefetch: int = 2, dequantize: bool = False):
+        """Decoded groups in order, ``prefetch`` of them decoding ahead; see ``GroupStream``.
+
+        Example:
+            >>> with lct.open("m.lct") as art:
+            ...     for group in art.stream(prefetch=2):
+            ...         print(group.name, len(group.tensors))
+        """
+        from .loader.stream import GroupStream
+        return GroupStream(self, groups, prefetch=prefetch, dequantize=dequantize)
 
     def read_tensor(self, name: str, dequantize: bool = True):
         """One tensor by name (decodes its whole chunk; use ``read_group`` for many)."""

@@ -1,0 +1,93 @@
+"""Padding-aware embedding lookups: over an NF4 table (gather packed rows, dequantize only those)
+and over a dense table. Pad ids are never gathered; their output rows are zeros."""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from .nf4 import dequantize_rows
+
+
+def _pad_mask(ids: torch.Tensor, pad_ids) -> torch.Tensor | None:
+    if pad_ids is None or pad_ids.numel() == 0:
+        return None
+    return torch.isin(ids, pad_ids)
+
+
+def padded_lookup(weight: torch.Tensor, ids: torch.Tensor, pad_ids=None) -> torch.Tensor:
+    """Dense embedding lookup where ids in ``pad_ids`` give zero rows and are not gathered."""
+    flat = ids.reshape(-1)
+    mask = _pad_mask(flat, pad_ids)
+    if mask is None:
+        return weight[flat].view(*ids.shape, weight.shape[1])
+    out = weight.new_zeros(flat.numel(), weight.shape[1])
+    keep = ~mask
+    out[keep] = weight[flat[keep]]
+    return out.view(*ids.shape, weight.shape[1])
+
+
+class PaddedEmbedding(nn.Embedding):
+    """``nn.Embedding`` whose pad ids yield zeros and are never gathered (so they get no gradient)."""
+
+    def __init__(self, num_embeddings, embedding_dim, pad_ids=(), **kw):
+        super().__init__(num_embeddings, embedding_dim, **kw)
+        self.register_buffer("pad_ids", torch.tensor(sorted(set(pad_ids)), dtype=torch.long),
+                             persistent=False)
+
+    def forward(self, ids):
+        return padded_lookup(self.weight, ids, self.pad_ids)
+
+
+class NF4Embedding(nn.Module):
+    """An embedding table kept in NF4 (bitsandbytes layout); lookups dequantize only the rows used.
+
+    Args:
+        packed: uint8 NF4 codes of the [num_embeddings, embedding_dim] table, ``[V*H/2]`` or
+            ``[V*H/2, 1]``.
+        absmax: float32 ``[V*H/blocksize]``.
+        blocksize: must divide ``embedding_dim``.
+        dtype: output dtype (the table's source dtype).
+        pad_ids: ids that yield zero rows without being gathered.
+        scale: optional multiplier applied like Gemma's scaled embedding (``out * scale``).
+
+    The output for every non-pad id is bit-identical to dequantizing the whole table and indexing.
+    """
+
+    def __init__(self, packed, absmax, num_embeddings: int, embedding_dim: int, blocksize: int,
+                 dtype: torch.dtype, pad_ids=(), scale: torch.Tensor | None = None):
+        super().__init__()
+        if embedding_dim % blocksize:
+            raise ValueError(f"blocksize {blocksize} must divide embedding_dim {embedding_dim}")
+        self.num_embeddings, self.embedding_dim = num_embeddings, embedding_dim
+        self.blocksize, self.dtype = blocksize, dtype
+        self.register_buffer("packed", packed.reshape(num_embeddings, embedding_dim // 2))
+        self.register_buffer("absmax", absmax.reshape(num_embeddings, embedding_dim // blocksize))
+        self.register_buffer("pad_ids", torch.tensor(sorted(set(pad_ids)), dtype=torch.long,
+                                                     device=packed.device), persistent=False)
+        self.register_buffer("scale", scale, persistent=False)
+        self.gathered_rows = 0   # instrumentation: rows dequantized so far
+
+    @property
+    def weight(self) -> torch.Tensor:
+        """The whole table dequantized (for code that insists on ``.weight``; costs memory)."""
+        return dequantize_rows(self.packed, self.absmax, self.blocksize, self.dtype)
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        flat = ids.reshape(-1)
+        mask = _pad_mask(flat, self.pad_ids)
+        sel = flat if mask is None else flat[~mask]
+        self.gathered_rows += sel.numel()
+        rows = dequantize_rows(self.packed[sel], self.absmax[sel], self.blocksize, self.dtype)
+        if mask is None:
+            out = rows
+        else:
+            out = rows.new_zeros(flat.numel(), self.embedding_dim)
+            out[~mask] = rows
+        if self.scale is not None:
+            out = out * self.scale.to(self.dtype)
+        return out.view(*ids.shape, self.embedding_dim)
+
+    def extra_repr(self) -> str:
+        return (f"{self.num_embeddings}, {self.embedding_dim}, nf4 blocksize={self.blocksize}, "
+                f"dtype={self.dtype}, pad_ids={self.pad_ids.tolist()}")

@@ -1,0 +1,42 @@
+"""NF4 dequantization for the runtime: bitsandbytes' CUDA kernels on a GPU, the bit-exact torch
+reference (``lct.nf4``) on the CPU."""
+
+from __future__ import annotations
+
+import torch
+
+from lct import nf4 as ref
+
+
+def quant_state(absmax, shape, blocksize: int, dtype: torch.dtype):
+    """A bitsandbytes ``QuantState`` for NF4 data with plain (non-double-quantized) ``absmax``."""
+    from bitsandbytes.functional import QuantState
+    return QuantState(absmax=absmax, shape=torch.Size(shape), code=ref.code_table().to(absmax.device),
+                      blocksize=blocksize, quant_type="nf4", dtype=dtype)
+
+
+def dequantize(packed, absmax, shape, blocksize: int, dtype: torch.dtype) -> torch.Tensor:
+    """Dequantize NF4 ``packed``/``absmax`` to ``shape`` in ``dtype``.
+
+    On CUDA this calls ``bitsandbytes.functional.dequantize_4bit``; on CPU the torch reference,
+    which equals bitsandbytes bit for bit (tests/test_nf4.py).
+    """
+    if packed.is_cuda:
+        import bitsandbytes.functional as F
+        n = packed.numel() * 2
+        flat = F.dequantize_4bit(packed.reshape(-1, 1), quant_state(absmax, (n,), blocksize, dtype))
+        return flat[: torch.Size(shape).numel()].view(shape)
+    return ref.dequantize(packed, absmax, tuple(shape), blocksize, dtype)
+
+
+def dequantize_rows(packed_rows, absmax_rows, blocksize: int, dtype: torch.dtype) -> torch.Tensor:
+    """Dequantize whole rows: ``packed_rows`` [k, H/2] and ``absmax_rows`` [k, H/blocksize] -> [k, H].
+
+    Because the blocksize divides H, this is bit-identical to dequantizing the whole table and
+    indexing those rows.
+    """
+    k, half = packed_rows.shape
+    if k == 0:
+        return torch.empty(0, half * 2, dtype=dtype, device=packed_rows.device)
+    return dequantize(packed_rows.reshape(-1), absmax_rows.reshape(-1), (k, half * 2), blocksize,
+                      dtype)

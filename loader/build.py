@@ -1,0 +1,257 @@
+"""``lct.load``: an artifact to a ready transformers model, streamed group by group.
+
+The skeleton is built from the stored config with its parameters on the meta device (buffers
+such as rotary frequencies are real, as from_pretrained makes them); decoded tensors are then
+installed as zero-copy views of the decoded chunk buffers, while the next ``prefetch`` groups
+decode in the background.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+
+from lct import constants as C
+from lct.errors import LCTError
+
+NF4_MODES = ("keep", "dequantize")
+
+
+@dataclass
+class LoadStats:
+    """Where the time of one load went (seconds) and the prefetch window used."""
+
+    imports_s: float = 0.0
+    manifest_s: float = 0.0
+    skeleton_s: float = 0.0
+    read_s: float = 0.0
+    decode_s: float = 0.0
+    wait_s: float = 0.0
+    install_s: float = 0.0
+    total_s: float = 0.0
+    bytes_read: int = 0
+    bytes_decoded: int = 0
+    groups: int = 0
+    max_in_flight: int = 0
+    nf4_modules: list = field(default_factory=list)
+
+
+def build_skeleton(art, dtype=None):
+    """The model for ``art``'s config with parameters on the meta device and real buffers."""
+    from accelerate import init_empty_weights
+    from transformers import AutoConfig, AutoModelForCausalLM
+    if not (art.path / "config.json").is_file():
+        raise LCTError(f"{art.path}: no config.json in the artifact; cannot build a model "
+                       f"(the source had none)")
+    config = AutoConfig.from_pretrained(art.path)
+    with init_empty_weights(include_buffers=False):
+        model = AutoModelForCausalLM.from_config(config, dtype=dtype)
+    return model
+
+
+def _param_name(model, name: str, names: set) -> str | None:
+    if name in names:
+        return name
+    prefix = getattr(model, "base_model_prefix", "")
+    if prefix and f"{prefix}.{name}" in names:
+        return f"{prefix}.{name}"
+    return None
+
+
+def _set(model, full: str, tensor, as_buffer: bool = False) -> None:
+    import torch
+    mod_path, _, leaf = full.rpartition(".")
+    module = model.get_submodule(mod_path) if mod_path else model
+    if as_buffer or leaf in module._buffers:
+        module._buffers[leaf] = tensor
+    else:
+        module._parameters[leaf] = torch.nn.Parameter(tensor, requires_grad=False)
+
+
+class Installer:
+    """Installs decoded groups into a meta-initialised model; NF4 parts kept or dequantized."""
+
+    def __init__(self, model, art, *, device="cpu", dtype=None, nf4: str = "keep",
+                 pad_ids=None):
+        import torch
+        if nf4 not in NF4_MODES:
+            raise ValueError(f"nf4 must be one of {NF4_MODES}, got {nf4!r}")
+        self.model, self.art, self.nf4 = model, art, nf4
+        self.device = torch.device(device)
+        self.dtype = dtype
+        self.names = {n for n, _ in model.named_parameters(remove_duplicate=False)} | \
+            {n for n, _ in model.named_buffers(remove_duplicate=False)}
+        self.pad_ids = pad_ids
+        self.installed: set = set()
+        self.nf4_modules: list = []
+        self._stream = None
+        if self.device.type == "cuda":
+            self._stream = torch.cuda.Stream(self.device)
+
+    def _to_device(self, t):
+        """Move a host tensor to the target device: pinned buffer + non-blocking copy on a side
+        stream on CUDA; nothing on CPU (the decoded view is used as it is)."""
+        import torch
+        if self.device.type == "cpu":
+            return t
+        pinned = t.pin_memory()
+        with torch.cuda.stream(self._stream):
+            out = pinned.to(self.device, non_blocking=True)
+        out.record_stream(torch.cuda.current_stream(self.device))
+        return out
+
+    def synchronize(self) -> None:
+        if self._stream is not None:
+            self._stream.synchronize()
+
+    def install(self, group) -> None:
+        """Install every tensor of a decoded group."""
+        from lct.reader import NF4Weight
+        for name, t in group.tensors.items():
+            full = _param_name(self.model, name, self.names)
+            if full is None or full in self.installed:
+                continue  # a name the model does not expose, or a tie already installed
+            if isinstance(t, NF4Weight):
+                if self.nf4 == "keep":
+                    self._install_nf4(full, t)
+                    continue
+                t = t.dequantize()
+            if self.dtype is not None and t.is_floating_point():
+                t = t.to(self.dtype)
+            _set(self.model, full, self._to_device(t))
+            self.installed.add(full)
+
+    def _install_nf4(self, full: str, w) -> None:
+        import torch
+
+        from lct.kernels import NF4Embedding, NF4Linear
+        mod_path = full.rpartition(".")[0]
+        parent_path, _, leaf = mod_path.rpartition(".")
+        parent = self.model.get_submodule(parent_path) if parent_path else self.model
+        old = getattr(parent, leaf)
+        dtype = self.dtype or _dtype(w.dtype)
+        packed, absmax = self._to_device(w.packed), self._to_device(w.absmax)
+        if isinstance(old, torch.nn.Embedding):
+            scale = getattr(old, "embed_scale", None)
+            pad = self.pad_ids if self.pad_ids is not None else ()
+            new = NF4Embedding(packed, absmax, w.shape[0], w.shape[1], w.blocksize, dtype,
+                               pad_ids=pad, scale=scale.to(self.device) if scale is not None else None)
+        elif isinstance(old, torch.nn.Linear):
+            bias = old.bias if old.bias is not None and not old.bias.is_meta else None
+            new = NF4Linear(packed, absmax, w.shape[0], w.shape[1], w.blocksize, dtype, bias=bias)
+        else:
+            raise LCTError(f"{self.art.path}: tensor {full!r} is NF4 but its module is a "
+                           f"{type(old).__name__}; load with nf4='dequantize'")
+        setattr(parent, leaf, new)
+        self.nf4_modules.append(mod_path)
+        self.installed.add(full)
+        # A tied head shares the embedding's NF4 storage.
+        for tied, real in self.art.manifest.ties.items():
+            if real == w.name:
+                tfull = _param_name(self.model, tied, self.names)
+                if tfull:
+                    tparent_path, _, tleaf_w = tfull.rpartition(".")
+                    tmod = self.model.get_submodule(tparent_path)
+                    if isinstance(tmod, torch.nn.Linear) and tmod is not new:
+                        pp, _, pl = tparent_path.rpartition(".")
+                        bias = tmod.bias if tmod.bias is not None and not tmod.bias.is_meta else None
+                        setattr(self.model.get_submodule(pp) if pp else self.model, pl,
+                                NF4Linear(packed, absmax, w.shape[0], w.shape[1], w.blocksize,
+                                          dtype, bias=bias))
+                        self.nf4_modules.append(tparent_path)
+                        self.installed.add(tfull)
+
+    def finish(self) -> None:
+        """Tie what is tied, and fail if any parameter is still on the meta device."""
+        self.synchronize()
+        for tied, real in self.art.manifest.ties.items():
+            tfull = _param_name(self.model, tied, self.names)
+            rfull = _param_name(self.model, real, self.names)
+            if tfull and rfull and tfull not in self.installed and rfull in self.installed:
+                mod_path, _, leaf = tfull.rpartition(".")
+                module = self.model.get_submodule(mod_path)
+                module._parameters[leaf] = self.model.get_parameter(rfull)
+                self.installed.add(tfull)
+        missing = [n for n, p in self.model.named_parameters(remove_duplicate=False) if p.is_meta]
+        if missing:
+            raise LCTError(f"{self.art.path}: the artifact has no tensor for {len(missing)} model "
+                           f"parameter(s): {', '.join(missing[:5])}")
+
+
+def _dtype(name: str):
+    from lct.reader import torch_dtype
+    return torch_dtype(name)
+
+
+def _pad_ids(model, pad_ids):
+    if pad_ids is not None:
+        return tuple(pad_ids)
+    pid = getattr(model.config, "pad_token_id", None)
+    if isinstance(pid, int):
+        return (pid,)
+    return ()
+
+
+def load(path, prefetch: int = 2, device="cpu", dtype=None, nf4: str = "keep",
+         workers: int | None = None, *, verify: bool = True, pad_ids=None, stats: LoadStats | None = None):
+    """Load an LCT artifact into a transformers model ready for ``generate()``.
+
+    Args:
+        path: the artifact directory.
+        prefetch: groups decoded ahead of the one being installed (0: strictly sequential).
+        device: ``"cpu"`` or a CUDA device (pinned host buffers, non-blocking copies).
+        dtype: cast floating-point weights to this torch dtype (default: keep stored dtypes).
+        nf4: ``"keep"`` keeps NF4 parts in NF4 (``NF4Embedding``/``NF4Linear``);
+            ``"dequantize"`` expands them to the model dtype at load.
+        workers: decode threads (default: all cores).
+        verify: check chunk checksums as they stream.
+        pad_ids: ids the NF4 embedding never gathers (default: the config's pad_token_id).
+        stats: a ``LoadStats`` to fill with the time breakdown.
+
+    Returns:
+        A ``PreTrainedModel`` in eval mode.
+
+    Raises:
+        LCTError subclasses: bad artifact, checksum mismatch (naming the chunk), missing tensors.
+
+    Example:
+        >>> model = lct.load("gemma-2b.lct", prefetch=2)
+        >>> model.generate(ids, max_new_tokens=20)
+    """
+    from lct.reader import open_artifact
+
+    from .stream import GroupStream
+    stats = stats if stats is not None else LoadStats()
+    t0 = time.perf_counter()
+    art = open_artifact(path, verify=verify, workers=workers)
+    stats.manifest_s = time.perf_counter() - t0
+    try:
+        t1 = time.perf_counter()
+        model = build_skeleton(art, dtype)
+        stats.skeleton_s = time.perf_counter() - t1
+        inst = Installer(model, art, device=device, dtype=dtype, nf4=nf4,
+                         pad_ids=_pad_ids(model, pad_ids))
+        with GroupStream(art, prefetch=prefetch, dequantize=False) as stream:
+            for group in stream:
+                t2 = time.perf_counter()
+                inst.install(group)
+                stats.install_s += time.perf_counter() - t2
+            s = stream.stats
+        inst.finish()
+        if device != "cpu":
+            model.to(device)  # buffers (rotary tables) follow the weights
+    finally:
+        art.close()
+    stats.read_s, stats.decode_s, stats.wait_s = s.read_s, s.decode_s, s.wait_s
+    stats.bytes_read, stats.bytes_decoded = s.bytes_read, s.bytes_decoded
+    stats.groups, stats.max_in_flight = s.groups, s.max_in_flight
+    stats.nf4_modules = list(inst.nf4_modules)
+    stats.total_s = time.perf_counter() - t0
+    _generation_config(model, art.path)
+    return model.eval()
+
+
+def _generation_config(model, path) -> None:
+    if (path / "generation_config.json").is_file():
+        from transformers import GenerationConfig
+        model.generation_config = GenerationConfig.from_pretrained(path)

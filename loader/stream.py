@@ -1,0 +1,152 @@
+"""Prefetching group stream: decode groups in order, at most ``prefetch`` ahead of the consumer.
+
+While the consumer holds group i, groups i+1 .. i+prefetch are being read and decoded by
+background threads; group i+prefetch+1 is not started until group i is released (the consumer
+asks for the next one). ``prefetch=0`` is strictly sequential: each group is read and decoded in
+the consumer's thread when asked for.
+
+Errors raised by a worker (checksum mismatch, I/O error, corrupt chunk) reach the consumer as the
+same typed exception when it reaches that group. Closing the stream (``close()``, leaving a
+``with`` block, breaking out of a ``for`` loop, Ctrl-C) cancels what has not started and waits for
+what has, so no thread outlives it.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections import deque
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
+
+
+@dataclass
+class StreamStats:
+    """Instrumentation of one stream: timings and the prefetch window actually used."""
+
+    groups: int = 0
+    read_s: float = 0.0
+    decode_s: float = 0.0
+    wait_s: float = 0.0
+    bytes_read: int = 0
+    bytes_decoded: int = 0
+    max_in_flight: int = 0           # groups submitted but not yet handed to the consumer
+    _lock: threading.Lock = field(default_factory=threading.Lock, repr=False)
+
+    def add(self, read_s: float, decode_s: float, stored: int, decoded: int) -> None:
+        with self._lock:
+            self.read_s += read_s
+            self.decode_s += decode_s
+            self.bytes_read += stored
+            self.bytes_decoded += decoded
+
+
+@dataclass
+class Group:
+    """One decoded group: its name, tensors (zero-copy views of ``buffers``) and the buffers."""
+
+    name: str
+    tensors: dict
+    buffers: dict
+
+
+class GroupStream:
+    """Iterator over decoded groups of an artifact with a bounded prefetch window.
+
+    Example:
+        >>> with lct.open("model.lct") as art, art.stream(prefetch=2) as stream:
+        ...     for group in stream:
+        ...         install(group.tensors)
+    """
+
+    def __init__(self, artifact, groups=None, *, prefetch: int = 2, dequantize: bool = False):
+        if prefetch < 0:
+            raise ValueError(f"prefetch must be >= 0, got {prefetch}")
+        self.art = artifact
+        self.names = list(groups if groups is not None else artifact.groups)
+        unknown = [g for g in self.names if g not in artifact.manifest.groups]
+        if unknown:
+            raise KeyError(f"{artifact.path}: no group named {unknown[0]!r}")
+        self.prefetch = prefetch
+        self.dequantize = dequantize
+        self.stats = StreamStats()
+        self._next = 0               # next group index to submit
+        self._given = 0              # groups handed to the consumer
+        self._pending: deque = deque()
+        self._pool = ThreadPoolExecutor(prefetch, thread_name_prefix="lct-prefetch") \
+            if prefetch else None
+        self._closed = False
+
+    # Lifecycle ---------------------------------------------------------------------------------
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.close()
+        return False
+
+    def __del__(self):
+        self.close()
+
+    def close(self) -> None:
+        """Cancel what has not started, wait for what has, release the threads."""
+        if self._closed:
+            return
+        self._closed = True
+        for fut in self._pending:
+            fut.cancel()
+        self._pending.clear()
+        if self._pool is not None:
+            self._pool.shutdown(wait=True, cancel_futures=True)
+
+    # Work --------------------------------------------------------------------------------------
+    def _load(self, name: str) -> Group:
+        import time
+        art = self.art
+        tensors, buffers = {}, {}
+        for chunk in art.manifest.group_chunks(name):
+            t0 = time.perf_counter()
+            stored = art.read_stored(chunk)
+            t1 = time.perf_counter()
+            buf = art.decode(chunk, stored)
+            del stored
+            t2 = time.perf_counter()
+            self.stats.add(t1 - t0, t2 - t1, chunk.stored_size, chunk.decoded_size)
+            buffers[chunk.id] = buf
+            for t in art.manifest.group_tensors(name):
+                if t.chunk == chunk.id:
+                    tensors[t.name] = art.tensor_from_buffer(t, buf, self.dequantize)
+        for tied, real in art.manifest.ties.items():
+            if real in tensors:
+                tensors[tied] = tensors[real]
+        return Group(name, tensors, buffers)
+
+    def _fill(self) -> None:
+        while self._next < len(self.names) and len(self._pending) < self.prefetch:
+            self._pending.append(self._pool.submit(self._load, self.names[self._next]))
+            self._next += 1
+        self.stats.max_in_flight = max(self.stats.max_in_flight, len(self._pending))
+
+    def __iter__(self):
+        return self
+
+    def __next__(self) -> Group:
+        import time
+        if self._closed or self._given >= len(self.names):
+            self.close()
+            raise StopIteration
+        try:
+            if self._pool is None:
+                group = self._load(self.names[self._given])
+            else:
+                self._fill()
+                fut = self._pending.popleft()
+                t0 = time.perf_counter()
+                group = fut.result()
+                self.stats.wait_s += time.perf_counter() - t0
+                self._fill()
+        except BaseException:
+            self.close()
+            raise
+        self._given += 1
+        self.stats.groups += 1
+        return group
