@@ -107,9 +107,10 @@ class Installer:
     def install(self, group) -> None:
         """Install every tensor of a decoded group."""
         from lct.reader import NF4Weight
+        self._done: set = set()
         for name, t in group.tensors.items():
             full = _param_name(self.model, name, self.names)
-            if full is None or full in self.installed:
+            if full is None or full in self._done:
                 continue  # a name the model does not expose, or a tie already installed
             if isinstance(t, NF4Weight):
                 if self.nf4 == "keep":
@@ -119,7 +120,11 @@ class Installer:
             if self.dtype is not None and t.is_floating_point():
                 t = t.to(self.dtype)
             _set(self.model, full, self._to_device(t))
-            self.installed.add(full)
+            self._mark(full)
+
+    def _mark(self, full: str) -> None:
+        self.installed.add(full)
+        self._done.add(full)
 
     def _install_nf4(self, full: str, w) -> None:
         import torch
@@ -144,7 +149,7 @@ class Installer:
                            f"{type(old).__name__}; load with nf4='dequantize'")
         setattr(parent, leaf, new)
         self.nf4_modules.append(mod_path)
-        self.installed.add(full)
+        self._mark(full)
         # A tied head shares the embedding's NF4 storage.
         for tied, real in self.art.manifest.ties.items():
             if real == w.name:
@@ -159,10 +164,11 @@ class Installer:
                                 NF4Linear(packed, absmax, w.shape[0], w.shape[1], w.blocksize,
                                           dtype, bias=bias))
                         self.nf4_modules.append(tparent_path)
-                        self.installed.add(tfull)
+                        self._mark(tfull)
 
-    def finish(self) -> None:
-        """Tie what is tied, and fail if any parameter is still on the meta device."""
+    def finish(self, streamed=()) -> None:
+        """Tie what is tied, and fail if any parameter is still on the meta device (except the
+        ``streamed`` names, which a layer-wise executor installs on demand)."""
         self.synchronize()
         for tied, real in self.art.manifest.ties.items():
             tfull = _param_name(self.model, tied, self.names)
@@ -172,7 +178,9 @@ class Installer:
                 module = self.model.get_submodule(mod_path)
                 module._parameters[leaf] = self.model.get_parameter(rfull)
                 self.installed.add(tfull)
-        missing = [n for n, p in self.model.named_parameters(remove_duplicate=False) if p.is_meta]
+        streamed = set(streamed)
+        missing = [n for n, p in self.model.named_parameters(remove_duplicate=False)
+                   if p.is_meta and n not in streamed]
         if missing:
             raise LCTError(f"{self.art.path}: the artifact has no tensor for {len(missing)} model "
                            f"parameter(s): {', '.join(missing[:5])}")
