@@ -13,7 +13,8 @@ from ._util import table
                    "temporary folder, kept so you can inspect it).")
 def demo_cmd(workdir):
     """Build a tiny random Gemma, convert it to LCT, verify it against the source, export it
-    back to safetensors and reload it with transformers. Prints the size table and timings."""
+    back to safetensors and reload it with transformers, then load it with the prefetching
+    streaming loader and generate from a prompt. Prints the size table and timings."""
     from lct.demo import run_demo
     from lct.info import human
 
@@ -26,7 +27,9 @@ def demo_cmd(workdir):
                f"{res.lossless_identical}; NF4 min cosine {res.nf4_cosine:.5f}")
     click.echo(f"export reloaded with transformers: logits cosine vs source "
                f"{res.logits_cosine:.5f} (NF4 embedding)")
+    click.echo(f"lct.load (NF4 kept) logits equal the exported model's: {res.load_equal}")
+    click.echo(f"prompt: {res.prompt!r} -> {res.output!r}")
     click.echo(table([(k, f"{v:.2f} s") for k, v in res.timings.items()], ["step", "time"]))
     click.echo(f"files are in {res.workdir}")
-    if not res.verify_ok:
+    if not (res.verify_ok and res.load_equal):
         raise SystemExit(1)

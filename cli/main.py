@@ -11,6 +11,7 @@ from .convert import convert_cmd
 from .demo import demo_cmd
 from .export import export_cmd
 from .info import info_cmd
+from .load import load_cmd
 from .verify import verify_cmd
 
 
@@ -18,14 +19,15 @@ from .verify import verify_cmd
 @click.version_option(__version__, prog_name="lct")
 def cli():
     """LCT: convert Hugging Face checkpoints to the Layer-wise Compressed Tensor format, inspect,
-    verify and export them.
+    verify, export and load them.
 
-    Start with `lct demo` (no network needed), then `lct convert ORG/NAME -o OUT`.
+    Start with `lct demo` (no network needed), then `lct convert ORG/NAME -o OUT` and
+    `lct load OUT --prompt "Hello"`.
     Set LCT_DEBUG=1 for full tracebacks.
     """
 
 
-for command in (convert_cmd, info_cmd, verify_cmd, export_cmd, demo_cmd):
+for command in (convert_cmd, info_cmd, verify_cmd, export_cmd, load_cmd, demo_cmd):
     cli.add_command(command)
 
 

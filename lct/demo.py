@@ -1,7 +1,9 @@
 """`lct demo`: the whole job on an embedded tiny model, offline.
 
-Builds a small random Gemma (bf16), converts it, verifies it against the source, exports it back
-to a Hugging Face folder, reloads that with transformers and compares logits with the source.
+Builds a small random Gemma (bf16) with a small trained tokenizer, converts it, verifies it
+against the source, exports it back to a Hugging Face folder, reloads that with transformers and
+compares logits with the source, then loads the artifact with the streaming loader (NF4 kept) and
+generates from a prompt. The weights are random, so the text is gibberish; the point is the path.
 """
 
 from __future__ import annotations
@@ -28,6 +30,9 @@ class DemoResult:
     lossless_identical: str = ""
     nf4_cosine: float = 0.0
     logits_cosine: float = 0.0
+    prompt: str = ""
+    output: str = ""
+    load_equal: bool = False
 
 
 def _dir_bytes(path: Path, suffix: str) -> int:
@@ -53,6 +58,7 @@ def run_demo(workdir=None, log=print) -> DemoResult:
     model = tiny.build_model(config, seed=0, dtype=torch.bfloat16)
     src = work / "source"
     model.save_pretrained(src, safe_serialization=True)
+    tiny.save_tokenizer(src, vocab_size=512)
     res.timings["build tiny Gemma"] = time.perf_counter() - t
     res.source_bytes = _dir_bytes(src, ".safetensors")
     log(f"built a random Gemma ({sum(p.numel() for p in model.parameters()):,} parameters) in {src}")
@@ -85,4 +91,16 @@ def run_demo(workdir=None, log=print) -> DemoResult:
     with torch.no_grad():
         a, b = ref(ids).logits.float().reshape(-1), back(ids).logits.float().reshape(-1)
     res.logits_cosine = torch.nn.functional.cosine_similarity(a, b, dim=0).item()
+
+    from .loader import load
+    from .loader.generate import generate_timed
+    t = time.perf_counter()
+    loaded = load(work / "model.lct", prefetch=2)
+    res.timings["lct.load(prefetch=2)"] = time.perf_counter() - t
+    with torch.no_grad():
+        res.load_equal = torch.equal(loaded(ids).logits, back(ids).logits)
+    res.prompt = "Hello world, the quick brown fox"
+    gen = generate_timed(loaded, work / "model.lct", prompt=res.prompt, max_new_tokens=12)
+    res.timings["first token"] = gen.first_token_s
+    res.output = gen.text
     return res

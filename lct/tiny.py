@@ -82,3 +82,25 @@ def save_tiny(out_dir, arch: str = "gemma", seed: int = 0, dtype=None, **overrid
     out = Path(out_dir)
     model.save_pretrained(out, safe_serialization=True)
     return out
+
+
+_CORPUS = """LCT converts a Hugging Face checkpoint once into the Layer-wise Compressed Tensor format,
+and from then on loads it in seconds with a prefetching streaming loader. Each transformer layer
+is an independent compressed chunk; the embedding and the LM head are stored in NF4. The loader
+decodes layer i plus two while layer i is handed to the runtime kernels. Hello world, the quick
+brown fox jumps over the lazy dog. Memory stays bounded by what is resident plus the window."""
+
+
+def save_tokenizer(out_dir, vocab_size: int = 512) -> None:
+    """Train a small byte-level BPE tokenizer on an embedded text and save it (offline)."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+    from transformers import PreTrainedTokenizerFast
+    tok = Tokenizer(models.BPE(unk_token="<unk>"))
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(vocab_size=vocab_size, special_tokens=["<pad>", "<bos>", "<eos>", "<unk>"],
+                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
+    tok.train_from_iterator([_CORPUS] * 4, trainer)
+    fast = PreTrainedTokenizerFast(tokenizer_object=tok, pad_token="<pad>", bos_token="<bos>",
+                                   eos_token="<eos>", unk_token="<unk>")
+    fast.save_pretrained(out_dir)

@@ -49,6 +49,20 @@ def build_skeleton(art, dtype=None):
     return model
 
 
+def import_model_class(path) -> None:
+    """Import the transformers modeling module of the artifact's architecture (so that load
+    breakdowns can count it as import time); silently does nothing if that is not possible."""
+    import json
+    from pathlib import Path
+    try:
+        from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
+        import transformers
+        model_type = json.loads((Path(path) / "config.json").read_text()).get("model_type")
+        getattr(transformers, MODEL_FOR_CAUSAL_LM_MAPPING_NAMES[model_type])
+    except Exception:  # noqa: BLE001 - only a timing aid; build_skeleton reports real errors
+        pass
+
+
 def _param_name(model, name: str, names: set) -> str | None:
     if name in names:
         return name

@@ -40,6 +40,8 @@ class LayerwiseModel:
 
     def __init__(self, path, prefetch: int = 2, device="cpu", dtype=None, nf4: str = "keep",
                  workers: int | None = None, *, verify: bool = True, pad_ids=None):
+        import torch
+
         from lct.reader import open_artifact
         self.art = open_artifact(path, verify=verify, workers=workers)
         self.prefetch = prefetch
@@ -62,8 +64,14 @@ class LayerwiseModel:
                     raise LCTError(f"{self.art.path}: group {g} has tensors the model does not have")
                 module = self.model.get_submodule(_common_module(names))
                 self._modules[g] = module
-                self._placeholders[g] = {n: p for n, p in module.named_parameters()}
+                # Zero-element stand-ins on the target device: they hold no memory, and
+                # model.device (generate() uses it) stays the real device, not meta.
+                self._placeholders[g] = {
+                    n: torch.nn.Parameter(torch.empty(0, dtype=p.dtype, device=self.installer.device),
+                                          requires_grad=False)
+                    for n, p in module.named_parameters()}
                 streamed.update(names)
+                self._release(g)
             self.installer.finish(streamed)
             self._stream = None
             self._expected = 0
@@ -109,11 +117,15 @@ class LayerwiseModel:
             self.layers_streamed += 1
         return pre
 
+    def _release(self, g: str) -> None:
+        module = self._modules[g]
+        for name, placeholder in self._placeholders[g].items():
+            mod_path, _, leaf = name.rpartition(".")
+            (module.get_submodule(mod_path) if mod_path else module)._parameters[leaf] = placeholder
+
     def _make_post(self, g: str):
         def post(module, args, output):
-            for name, placeholder in self._placeholders[g].items():
-                mod_path, _, leaf = name.rpartition(".")
-                (module.get_submodule(mod_path) if mod_path else module)._parameters[leaf] = placeholder
+            self._release(g)
             self.resident_layers -= 1
         return post
 

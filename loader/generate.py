@@ -1,0 +1,81 @@
+"""Timed generation for ``lct load --prompt``: time to first token and tokens per second."""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+
+from lct.errors import LCTError
+
+
+@dataclass
+class GenerationResult:
+    """What one timed ``generate`` produced."""
+
+    text: str
+    new_tokens: int
+    first_token_s: float      # from the call to the first generated token
+    total_s: float
+    first_token_at: float     # time.perf_counter() of the first token
+
+    @property
+    def tokens_per_s(self) -> float:
+        rest = self.total_s - self.first_token_s
+        return (self.new_tokens - 1) / rest if self.new_tokens > 1 and rest > 0 else 0.0
+
+
+class _Clock:
+    """A transformers streamer that only records when tokens arrive."""
+
+    def __init__(self):
+        self.calls = 0
+        self.first = None
+
+    def put(self, value):
+        self.calls += 1
+        if self.calls == 2 and self.first is None:  # call 1 is the prompt
+            self.first = time.perf_counter()
+
+    def end(self):
+        pass
+
+
+def load_tokenizer(path):
+    """The tokenizer stored in the artifact, or ``None`` if it has none."""
+    from pathlib import Path
+    path = Path(path)
+    if not any((path / n).is_file() for n in ("tokenizer.json", "tokenizer.model")):
+        return None
+    from transformers import AutoTokenizer
+    return AutoTokenizer.from_pretrained(path)
+
+
+def generate_timed(model, path, prompt: str | None = None, ids=None,
+                   max_new_tokens: int = 16) -> GenerationResult:
+    """Greedy-generate from ``prompt`` (tokenized with the artifact's tokenizer) or token ``ids``.
+
+    Raises:
+        LCTError: a prompt was given but the artifact has no tokenizer.
+    """
+    import torch
+    tok = load_tokenizer(path)
+    if prompt is not None:
+        if tok is None:
+            raise LCTError(f"{path}: the artifact has no tokenizer; pass token ids with --ids")
+        input_ids = tok(prompt, return_tensors="pt").input_ids
+    else:
+        input_ids = torch.tensor([list(ids)], dtype=torch.long)
+    gen = model.model if hasattr(model, "installer") else model
+    input_ids = input_ids.to(gen.device)
+    clock = _Clock()
+    t0 = time.perf_counter()
+    with torch.no_grad():
+        out = model.generate(input_ids, attention_mask=torch.ones_like(input_ids),
+                             max_new_tokens=max_new_tokens, do_sample=False, streamer=clock,
+                             pad_token_id=getattr(gen.config, "pad_token_id", None) or 0)
+    total = time.perf_counter() - t0
+    new = out[0, input_ids.shape[1]:]
+    text = tok.decode(new, skip_special_tokens=True) if tok is not None else " ".join(
+        map(str, new.tolist()))
+    first = clock.first or (t0 + total)
+    return GenerationResult(text, int(new.numel()), first - t0, total, first)
