@@ -77,7 +77,8 @@ def _zstd_compress(data, level: int) -> bytes:
     return _cctx(level).compress(data)
 
 
-def _zstd_decompress(data, expected: int, what: str) -> bytes:
+def _check_frame_header(data, expected: int, what: str) -> None:
+    """Raise ``CorruptChunkError`` unless ``data`` starts a zstd frame declaring ``expected`` bytes."""
     zstandard = _zstd()
     try:
         declared = zstandard.frame_content_size(data)
@@ -85,8 +86,13 @@ def _zstd_decompress(data, expected: int, what: str) -> bytes:
         raise CorruptChunkError(f"{what}: not a zstd frame ({e})") from e
     if declared != expected:
         raise CorruptChunkError(f"{what}: zstd frame declares {declared} bytes, expected {expected}")
+
+
+def _zstd_decompress(data, expected: int, what: str) -> bytes:
+    zstandard = _zstd()
+    _check_frame_header(data, expected, what)
     try:
-        out = _dctx().decompress(data, max_output_size=expected)
+        out = _dctx().decompress(data, max_output_size=expected, allow_extra_data=False)
     except zstandard.ZstdError as e:
         raise CorruptChunkError(f"{what}: zstd error: {e}") from e
     if len(out) != expected:
@@ -105,6 +111,14 @@ def _check_frame_size(params: dict, multiple: int = 1) -> int:
         raise ManifestError(f"frame_size {fs!r} must be an int in 1..{C.MAX_FRAME_SIZE} "
                             f"and a multiple of {multiple}")
     return fs
+
+
+def _check_table_fits(decoded_size: int, frame_size: int, entry_size: int, stored_size: int) -> None:
+    count = -(-decoded_size // frame_size)
+    need = 4 + count * entry_size
+    if need > stored_size:
+        raise ManifestError(f"frame table of {count} frames needs {need} bytes, "
+                            f"stored_size is {stored_size}")
 
 
 def _check_level(params: dict) -> int:
@@ -126,6 +140,10 @@ class Codec:
         """Encode the decoded bytes ``data`` (1-D uint8) to stored bytes."""
         raise NotImplementedError
 
+    def check_stored(self, stored, decoded_size: int, params: dict, what: str = "chunk") -> None:
+        """Raise ``CorruptChunkError`` unless the framing of ``stored`` (frame table, zstd frame
+        headers) matches ``decoded_size``; cheap, and run before the output is allocated."""
+
     def decode(self, stored, out: np.ndarray, params: dict, map_fn: MapFn = map,
                what: str = "chunk") -> None:
         """Decode ``stored`` into ``out`` (1-D uint8 of exactly the decoded size)."""
@@ -145,23 +163,30 @@ class RawCodec(Codec):
     def encode(self, data, params, map_fn=map):
         return data.tobytes()
 
+    def check_stored(self, stored, decoded_size, params, what="chunk"):
+        if len(stored) != decoded_size:
+            raise CorruptChunkError(f"{what}: raw chunk has {len(stored)} bytes, expected {decoded_size}")
+
     def decode(self, stored, out, params, map_fn=map, what="chunk"):
-        if len(stored) != out.nbytes:
-            raise CorruptChunkError(f"{what}: raw chunk has {len(stored)} bytes, expected {out.nbytes}")
+        self.check_stored(stored, out.nbytes, params, what)
         out[:] = np.frombuffer(stored, dtype=np.uint8)
 
 
-def _read_table(stored, count: int, entry: struct.Struct, what: str) -> tuple[list[tuple], int]:
+def _read_table(stored, decoded_size: int, frame_size: int, entry: struct.Struct,
+                what: str) -> tuple[list, list[tuple], int]:
+    """The frames ``(start, size)``, the table entries and the end of the table, all checked."""
     mv = memoryview(stored)
     if len(mv) < 4:
         raise CorruptChunkError(f"{what}: too short for a frame table")
     (n,) = struct.unpack_from("<I", mv, 0)
+    count = -(-decoded_size // frame_size)
     if n != count:
         raise CorruptChunkError(f"{what}: frame table says {n} frames, expected {count}")
     end = 4 + n * entry.size
     if end > len(mv):
         raise CorruptChunkError(f"{what}: frame table runs past the chunk ({end} > {len(mv)})")
-    return [entry.unpack_from(mv, 4 + i * entry.size) for i in range(n)], end
+    return (_frames(decoded_size, frame_size),
+            [entry.unpack_from(mv, 4 + i * entry.size) for i in range(n)], end)
 
 
 @register
@@ -173,7 +198,8 @@ class ZstdCodec(Codec):
 
     def check_params(self, params, decoded_size, stored_size):
         _check_level(params)
-        _check_frame_size(params)
+        fs = _check_frame_size(params)
+        _check_table_fits(decoded_size, fs, self._entry.size, stored_size)
 
     def encode(self, data, params, map_fn=map):
         level, fs = params["level"], params["frame_size"]
@@ -182,15 +208,24 @@ class ZstdCodec(Codec):
         table = struct.pack("<I", len(frames)) + b"".join(self._entry.pack(len(f)) for f in frames)
         return table + b"".join(frames)
 
-    def decode(self, stored, out, params, map_fn=map, what="chunk"):
-        frames = _frames(out.nbytes, params["frame_size"])
-        table, pos = _read_table(stored, len(frames), self._entry, what)
+    def _spans(self, stored, decoded_size, params, what):
+        frames, table, pos = _read_table(stored, decoded_size, params["frame_size"], self._entry,
+                                         what)
         spans = []
         for (start, size), (length,) in zip(frames, table):
             spans.append((start, size, pos, length))
             pos += length
         if pos != len(stored):
             raise CorruptChunkError(f"{what}: frames cover {pos} bytes, chunk has {len(stored)}")
+        return spans
+
+    def check_stored(self, stored, decoded_size, params, what="chunk"):
+        mv = memoryview(stored)
+        for start, size, at, length in self._spans(stored, decoded_size, params, what):
+            _check_frame_header(mv[at:at + length], size, f"{what} frame at {start}")
+
+    def decode(self, stored, out, params, map_fn=map, what="chunk"):
+        spans = self._spans(stored, out.nbytes, params, what)
         mv = memoryview(stored)
 
         def one(span):
@@ -214,13 +249,14 @@ class PlanesCodec(Codec):
 
     def check_params(self, params, decoded_size, stored_size):
         width = params.get("width")
-        if width not in _UINT:
+        if not isinstance(width, int) or isinstance(width, bool) or width not in _UINT:
             raise ManifestError(f"planes codec: width {width!r} must be 2 or 4")
         _check_level(params)
-        _check_frame_size(params, width)
+        fs = _check_frame_size(params, width)
         if decoded_size % width:
             raise ManifestError(f"planes codec: decoded_size {decoded_size} is not a multiple "
                                 f"of width {width}")
+        _check_table_fits(decoded_size, fs, self._entry.size, stored_size)
 
     def encode(self, data, params, map_fn=map):
         width, level = params["width"], params["level"]
@@ -240,10 +276,10 @@ class PlanesCodec(Codec):
             self._entry.pack(len(h), len(lo), mode) for h, lo, mode in frames)
         return table + b"".join(h + lo for h, lo, _ in frames)
 
-    def decode(self, stored, out, params, map_fn=map, what="chunk"):
+    def _spans(self, stored, decoded_size, params, what):
         width = params["width"]
-        frames = _frames(out.nbytes, params["frame_size"])
-        table, pos = _read_table(stored, len(frames), self._entry, what)
+        frames, table, pos = _read_table(stored, decoded_size, params["frame_size"], self._entry,
+                                         what)
         spans = []
         for (start, size), (hi_len, lo_len, mode) in zip(frames, table):
             n = size // width
@@ -254,6 +290,20 @@ class PlanesCodec(Codec):
             pos += hi_len + lo_len
         if pos != len(stored):
             raise CorruptChunkError(f"{what}: frames cover {pos} bytes, chunk has {len(stored)}")
+        return spans
+
+    def check_stored(self, stored, decoded_size, params, what="chunk"):
+        width = params["width"]
+        mv = memoryview(stored)
+        for start, n, at, hi_len, lo_len, mode in self._spans(stored, decoded_size, params, what):
+            _check_frame_header(mv[at:at + hi_len], n, f"{what} frame at {start}")
+            if mode == 1:
+                _check_frame_header(mv[at + hi_len:at + hi_len + lo_len], n * (width - 1),
+                                    f"{what} frame at {start}")
+
+    def decode(self, stored, out, params, map_fn=map, what="chunk"):
+        width = params["width"]
+        spans = self._spans(stored, out.nbytes, params, what)
         mv = memoryview(stored)
         bits = 8 * width
 

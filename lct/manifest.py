@@ -99,7 +99,7 @@ class Manifest:
             raise ManifestError(f"{where}: manifest is {len(text)} bytes, cap is {C.MAX_MANIFEST_BYTES}")
         try:
             d = json.loads(text)
-        except (ValueError, UnicodeDecodeError) as e:
+        except (ValueError, UnicodeDecodeError, RecursionError) as e:
             raise ManifestError(f"{where}: not valid JSON ({e})") from e
         return cls.from_dict(d, where)
 
@@ -225,10 +225,15 @@ def _parse(d, where: str) -> Manifest:
         _fail(where, "'ties' must be an object")
     for k, v in ties.items():
         _str(k, where, "tied name")
+        _str(v, where, f"tie {k!r} target")
         if v not in tensors:
             _fail(where, f"tie {k!r} -> {v!r}: no stored tensor named {v!r}")
         if k in tensors:
             _fail(where, f"tie {k!r} is also a stored tensor")
+
+    unmapped = d.get("unmapped", [])
+    if not isinstance(unmapped, list):
+        _fail(where, f"'unmapped' must be a list, got {type(unmapped).__name__}")
 
     known = {"format", "format_version", "created_by", "artifact_id", "source", "architecture",
              "policy", "files", "groups", "chunks", "tensors", "ties", "unmapped"}
@@ -244,7 +249,7 @@ def _parse(d, where: str) -> Manifest:
         chunks=chunks,
         tensors=tensors,
         ties=ties,
-        unmapped=[u for u in d.get("unmapped", []) if isinstance(u, str)],
+        unmapped=[u for u in unmapped if isinstance(u, str)],
         extra={k: v for k, v in d.items() if k not in known},
     )
 
@@ -276,8 +281,8 @@ def _chunk(c, i: int, files: list, groups: set, where: str) -> ChunkInfo:
         _fail(where, f"chunk {i} params must be an object")
     try:
         codecs.get_codec(codec_name).check_params(params, decoded, stored)
-    except ManifestError as e:
-        raise ManifestError(f"{w}: {e}") from None
+    except ManifestError as e:  # UnsupportedVersionError (unknown codec) keeps its type
+        raise type(e)(f"{w}: {e}") from None
     checksum = _str(c.get("checksum"), where, f"chunk {i} checksum", 128)
     if not re.fullmatch(C.CHECKSUM_ALGO + r":[0-9a-f]{16}", checksum):
         _fail(where, f"chunk {i} checksum {checksum!r} is not '{C.CHECKSUM_ALGO}:<16 hex>'")
@@ -295,7 +300,7 @@ def _tensor(t, i: int, chunks: list, where: str) -> TensorInfo:
     for s in shape:
         _int(s, where, f"{w} dimension", 0, 1 << 40)
     dtype = t.get("dtype")
-    if dtype not in C.DTYPE_SIZES:
+    if not isinstance(dtype, str) or dtype not in C.DTYPE_SIZES:
         raise UnsupportedVersionError(f"{where}: {w}: unknown dtype {dtype!r}")
     encoding = t.get("encoding")
     stored_dtype = t.get("stored_dtype")
@@ -314,7 +319,7 @@ def _tensor(t, i: int, chunks: list, where: str) -> TensorInfo:
     n = math.prod(shape)
     nf4 = None
     if encoding == C.ENCODING_PLAIN:
-        if stored_dtype not in C.DTYPE_SIZES:
+        if not isinstance(stored_dtype, str) or stored_dtype not in C.DTYPE_SIZES:
             raise UnsupportedVersionError(f"{where}: {w}: unknown stored dtype {stored_dtype!r}")
         expected = n * C.DTYPE_SIZES[stored_dtype]
         if nbytes != expected:
@@ -323,6 +328,8 @@ def _tensor(t, i: int, chunks: list, where: str) -> TensorInfo:
     elif encoding == C.ENCODING_NF4:
         if stored_dtype != "nf4":
             _fail(where, f"{w}: nf4 tensor must have stored_dtype 'nf4', got {stored_dtype!r}")
+        if dtype not in C.FLOAT_DTYPES:
+            _fail(where, f"{w}: nf4 tensor must dequantize to one of {C.FLOAT_DTYPES}, got {dtype!r}")
         nf4 = t.get("nf4")
         if not isinstance(nf4, dict):
             _fail(where, f"{w}: nf4 tensor lacks its 'nf4' object")

@@ -1,0 +1,102 @@
+"""Runtime kernels: NF4 dequantize, NF4Embedding, NF4Linear and dense padded lookups are exact."""
+
+import pytest
+import torch
+from torch.nn import functional as F
+
+from lct import nf4
+from lct.kernels import NF4Embedding, NF4Linear, PaddedEmbedding, dequantize, padded_lookup
+from lct.kernels import embedding as kemb
+from lct.kernels import linear as klin
+
+V, H, BS = 300, 128, 64
+
+
+@pytest.fixture(scope="module")
+def table():
+    w = (torch.randn(V, H, generator=torch.Generator().manual_seed(1)) * 0.02).to(torch.bfloat16)
+    packed, absmax = nf4.quantize(w, BS)
+    return w, packed, absmax, nf4.dequantize(packed, absmax, (V, H), BS, torch.bfloat16)
+
+
+def test_dequantize_equals_bitsandbytes(table):
+    Fb = pytest.importorskip("bitsandbytes.functional")
+    w = table[0]
+    q, st = Fb.quantize_4bit(w, quant_type="nf4", blocksize=BS, compress_statistics=False)
+    assert torch.equal(dequantize(table[1], table[2], (V, H), BS, torch.bfloat16),
+                       Fb.dequantize_4bit(q, st))
+
+
+def test_nf4_embedding_equals_full_dequantize_and_index(table):
+    _, packed, absmax, full = table
+    emb = NF4Embedding(packed, absmax, V, H, BS, torch.bfloat16)
+    ids = torch.tensor([[0, 5, 5, 299, 17], [3, 2, 1, 0, 298]])
+    out = emb(ids)
+    assert out.shape == (2, 5, H) and out.dtype == torch.bfloat16
+    assert torch.equal(out, full[ids])
+    assert emb.gathered_rows == ids.numel()
+
+
+def test_nf4_embedding_pad_ids_zero_and_not_gathered(table, monkeypatch):
+    _, packed, absmax, full = table
+    absmax = absmax.clone()
+    absmax.view(V, H // BS)[7] = float("nan")  # poison row 7: gathering it would give NaN
+    emb = NF4Embedding(packed, absmax, V, H, BS, torch.bfloat16, pad_ids=(7, 9))
+    seen = []
+    real = kemb.dequantize_rows
+    monkeypatch.setattr(kemb, "dequantize_rows",
+                        lambda p, a, bs, dt: seen.append(p.shape[0]) or real(p, a, bs, dt))
+    ids = torch.tensor([[7, 1, 9, 2, 7]])
+    out = emb(ids)
+    assert seen == [2]
+    assert torch.equal(out[0, [0, 2, 4]], torch.zeros(3, H, dtype=torch.bfloat16))
+    assert torch.equal(out[0, [1, 3]], full[[1, 2]])
+    assert not torch.isnan(out).any()
+
+
+def test_nf4_embedding_scale_like_gemma(table):
+    _, packed, absmax, full = table
+    scale = torch.tensor(H ** 0.5)
+    emb = NF4Embedding(packed, absmax, V, H, BS, torch.bfloat16, scale=scale)
+    ids = torch.tensor([[4, 8]])
+    assert torch.equal(emb(ids), full[ids] * scale.to(torch.bfloat16))
+
+
+@pytest.mark.parametrize("chunk_rows", [V, 64, 7])
+def test_nf4_linear_equals_dequantized_matmul(table, chunk_rows, monkeypatch):
+    _, packed, absmax, full = table
+    head = NF4Linear(packed, absmax, V, H, BS, torch.bfloat16, chunk_rows=chunk_rows)
+    rows = []
+    real = klin.dequantize_rows
+    monkeypatch.setattr(klin, "dequantize_rows",
+                        lambda p, a, bs, dt: rows.append(p.shape[0]) or real(p, a, bs, dt))
+    x = torch.randn(2, 6, H).to(torch.bfloat16)
+    assert torch.equal(head(x), F.linear(x, full))
+    assert max(rows) <= chunk_rows  # memory bounded by one chunk of the vocabulary
+    assert sum(rows) == V
+
+
+def test_nf4_linear_bias(table):
+    _, packed, absmax, full = table
+    bias = torch.randn(V).to(torch.bfloat16)
+    x = torch.randn(3, H).to(torch.bfloat16)
+    head = NF4Linear(packed, absmax, V, H, BS, torch.bfloat16, bias=bias, chunk_rows=100)
+    assert torch.equal(head(x), F.linear(x, full, bias))
+
+
+def test_dense_padded_lookup_and_gradient():
+    w = torch.randn(10, 4)
+    ids = torch.tensor([[0, 3, 3, 9]])
+    out = padded_lookup(w, ids, torch.tensor([3]))
+    assert torch.equal(out[0, 1], torch.zeros(4)) and torch.equal(out[0, 2], torch.zeros(4))
+    assert torch.equal(out[0, [0, 3]], w[[0, 9]])
+    assert torch.equal(padded_lookup(w, ids), w[ids])
+    emb = PaddedEmbedding(10, 4, pad_ids=(3,))
+    emb(ids).sum().backward()
+    assert torch.equal(emb.weight.grad[3], torch.zeros(4))
+    assert torch.equal(emb.weight.grad[0], torch.ones(4))
+
+
+def test_blocksize_must_divide(table):
+    with pytest.raises(ValueError):
+        NF4Embedding(table[1], table[2], V, H, 96, torch.bfloat16)

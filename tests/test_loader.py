@@ -1,0 +1,187 @@
+"""The streaming loader: exact logits, the prefetch window, errors and clean shutdown, layer-wise."""
+
+import shutil
+import threading
+import time
+
+import pytest
+import torch
+from click.testing import CliRunner
+
+import lct
+from lct.converter import Policy
+from lct.errors import ChecksumError
+from lct.loader import GroupStream, LayerwiseModel, LoadStats
+from lct.loader import stream as lstream
+
+IDS = torch.tensor([[1, 5, 9, 200, 17, 3, 44, 100]])
+
+
+def _threads():
+    return [t for t in threading.enumerate() if t.name.startswith(("lct-prefetch", "lct-decode"))]
+
+
+def _logits(model, ids=IDS):
+    with torch.no_grad():
+        return model(ids).logits
+
+
+@pytest.mark.parametrize("arch", ["gemma", "llama"])
+def test_load_equals_from_pretrained_lossless(arch, request, tmp_path):
+    from transformers import AutoModelForCausalLM
+    src = request.getfixturevalue(f"{arch}_src")
+    lct.convert(str(src), tmp_path / "a.lct", policy=Policy(nf4=()))
+    ref = AutoModelForCausalLM.from_pretrained(src, dtype=torch.bfloat16).eval()
+    for prefetch in (0, 2):
+        model = lct.load(tmp_path / "a.lct", prefetch=prefetch)
+        assert not model.training
+        assert torch.equal(_logits(model), _logits(ref))
+
+
+@pytest.mark.parametrize("arch", ["gemma", "llama"])
+def test_nf4_keep_equals_dequantize_and_bnb_reference(arch, request):
+    from transformers import AutoModelForCausalLM
+    Fb = pytest.importorskip("bitsandbytes.functional")
+    art = request.getfixturevalue(f"{arch}_art")
+    src = request.getfixturevalue(f"{arch}_src")
+    stats = LoadStats()
+    keep = lct.load(art, nf4="keep", stats=stats)
+    deq = lct.load(art, nf4="dequantize")
+    assert type(keep.get_input_embeddings()).__name__ == "NF4Embedding"
+    assert type(keep.get_output_embeddings()).__name__ == "NF4Linear"
+    assert isinstance(deq.get_input_embeddings(), torch.nn.Embedding)
+    assert stats.nf4_modules and stats.groups == len(lct.open(art).groups)
+    ref = AutoModelForCausalLM.from_pretrained(src, dtype=torch.bfloat16).eval()
+    with torch.no_grad():
+        mods = {id(m): m for m in (ref.get_input_embeddings(), ref.get_output_embeddings())}
+        for m in mods.values():
+            q, st = Fb.quantize_4bit(m.weight.data, quant_type="nf4", blocksize=64,
+                                     compress_statistics=False)
+            m.weight.data = Fb.dequantize_4bit(q, st)
+    assert torch.equal(_logits(keep), _logits(deq))
+    assert torch.equal(_logits(keep), _logits(ref))
+    out = keep.generate(IDS, max_new_tokens=4, do_sample=False)
+    assert out.shape == (1, IDS.shape[1] + 4)
+
+
+def test_nf4_keep_saves_memory(llama_art):
+    keep = lct.load(llama_art, nf4="keep")
+    deq = lct.load(llama_art, nf4="dequantize")
+    def size(m):
+        mod = m.get_input_embeddings()
+        return sum(t.numel() * t.element_size() for t in list(mod.parameters()) + list(mod.buffers()))
+    assert size(deq) / size(keep) > 3.0
+
+
+@pytest.mark.parametrize("prefetch", [0, 1, 2, 3])
+def test_prefetch_window_never_exceeded(llama_art, prefetch, monkeypatch):
+    lock = threading.Lock()
+    state = {"started": 0, "consumed": 0, "max_ahead": 0, "threads": set()}
+    real = lstream.GroupStream._load
+
+    def load(self, name):
+        with lock:
+            state["started"] += 1
+            state["max_ahead"] = max(state["max_ahead"], state["started"] - state["consumed"])
+            state["threads"].add(threading.current_thread().name)
+        time.sleep(0.02)
+        return real(self, name)
+
+    monkeypatch.setattr(lstream.GroupStream, "_load", load)
+    with lct.open(llama_art) as art, art.stream(prefetch=prefetch) as stream:
+        names = []
+        for group in stream:
+            names.append(group.name)
+            time.sleep(0.03)  # a slow consumer lets the workers run ahead as far as allowed
+            with lock:
+                state["consumed"] += 1  # the consumer is done with this group
+        assert names == art.groups
+    # started - consumed = the group the consumer holds + the groups decoding ahead of it:
+    # never more than 1 + prefetch, and a slow consumer reaches exactly that.
+    assert state["max_ahead"] == prefetch + 1
+    if prefetch == 0:
+        assert state["threads"] == {threading.current_thread().name}
+    else:
+        assert stream.stats.max_in_flight == prefetch
+        assert all(t.startswith("lct-prefetch") for t in state["threads"])
+    assert not _threads()
+
+
+def _corrupt(art_path, tmp_path, group):
+    dst = tmp_path / "bad.lct"
+    shutil.copytree(art_path, dst)
+    with lct.open(dst) as art:
+        chunk = art.manifest.group_chunks(group)[0]
+        path = dst / art.manifest.files[chunk.file]["name"]
+    data = bytearray(path.read_bytes())
+    data[chunk.offset + chunk.stored_size // 2] ^= 0x10
+    path.write_bytes(bytes(data))
+    return dst, chunk
+
+
+@pytest.mark.parametrize("prefetch", [0, 2])
+def test_corrupt_chunk_mid_stream_raises_and_leaves_no_thread(llama_art, tmp_path, prefetch):
+    bad, chunk = _corrupt(llama_art, tmp_path, "layers.1")
+    seen = []
+    with pytest.raises(ChecksumError, match=rf"chunk {chunk.id} \(group 'layers.1'"):
+        with lct.open(bad) as art:
+            for group in art.stream(prefetch=prefetch):
+                seen.append(group.name)
+    assert seen == ["embed", "layers.0"]
+    assert not _threads()
+    with pytest.raises(ChecksumError, match="layers.1"):
+        lct.load(bad, prefetch=prefetch)
+    assert not _threads()
+    model = lct.load(bad, verify=False, nf4="dequantize")  # checksums off: loads, caller's choice
+    assert model is not None
+
+
+def test_breaking_out_releases_threads(llama_art):
+    with lct.open(llama_art) as art:
+        stream = art.stream(prefetch=3)
+        for group in stream:
+            break
+        stream.close()
+        assert not [t for t in _threads() if t.name.startswith("lct-prefetch")]
+    assert not _threads()
+
+
+def test_stream_yields_zero_copy_views(llama_art):
+    with lct.open(llama_art) as art:
+        for group in GroupStream(art, ["layers.0"], prefetch=1):
+            t = group.tensors["model.layers.0.mlp.up_proj.weight"]
+            info = art.tensor_info("model.layers.0.mlp.up_proj.weight")
+            buf = group.buffers[info.chunk]
+            assert t.data_ptr() == buf.ctypes.data + info.offset
+
+
+@pytest.mark.parametrize("arch", ["gemma", "llama"])
+@pytest.mark.parametrize("prefetch", [0, 1, 2])
+def test_layerwise_equals_full_model(arch, prefetch, request):
+    art = request.getfixturevalue(f"{arch}_art")
+    full = lct.load(art)
+    with LayerwiseModel(art, prefetch=prefetch) as lw:
+        assert torch.equal(_logits(lw), _logits(full))
+        assert lw.max_resident_layers <= prefetch + 1
+        a = full.generate(IDS, max_new_tokens=3, do_sample=False)
+        b = lw.generate(IDS, max_new_tokens=3, do_sample=False)
+        assert torch.equal(a, b)
+        n_layers = len([g for g in lct.open(art).groups if g.startswith("layers.")])
+        assert lw.layers_streamed == 4 * n_layers  # prompt + 3 steps, every layer each time
+        layer0 = lw.model.model.layers[0].mlp.up_proj.weight
+        assert layer0.numel() == 0  # nothing resident between forwards
+    assert not _threads()
+
+
+def test_cli_load(llama_art):
+    from lct.cli.main import cli
+    res = CliRunner().invoke(cli, ["load", str(llama_art), "--ids", "1,5,9", "--max-new-tokens",
+                                   "3", "--prefetch", "1"], catch_exceptions=False)
+    assert res.exit_code == 0, res.output
+    for line in ("imports", "manifest", "decode", "install", "load to ready", "first token",
+                 "tok/s", "peak RSS"):
+        assert line in res.output
+    res = CliRunner().invoke(cli, ["load", str(llama_art), "--layerwise", "--ids", "1,2"])
+    assert res.exit_code == 0 and "max resident layers" in res.output
+    res = CliRunner().invoke(cli, ["load", str(llama_art), "--prompt", "hi"])
+    assert res.exit_code == 1 and "no tokenizer" in res.output
