@@ -66,8 +66,10 @@ class Artifact:
         ...     w = art.read_tensor("model.layers.0.mlp.up_proj.weight")
     """
 
-    def __init__(self, path, *, verify: bool = True, workers: int | None = None):
+    def __init__(self, path, *, verify: bool = True, workers: int | None = None,
+                 pin_memory: bool = False):
         self.path = Path(path)
+        self.pin_memory = pin_memory
         if not self.path.is_dir():
             raise ArtifactNotFoundError(f"{self.path}: no such artifact directory")
         mpath = self.path / C.MANIFEST_NAME
@@ -169,10 +171,18 @@ class Artifact:
         codec = codecs.get_codec(chunk.codec)
         where = f"{self.path / self.manifest.files[chunk.file]['name']}: chunk {chunk.id} ({chunk.group})"
         codec.check_stored(stored, chunk.decoded_size, chunk.params, where)  # before allocating
-        out = np.empty(chunk.decoded_size, dtype=np.uint8)
+        out = self._alloc(chunk.decoded_size)
         map_fn = self.pool.map if chunk.decoded_size > chunk.params.get("frame_size", 1 << 62) else map
         codec.decode(stored, out, chunk.params, map_fn, where)
         return out
+
+    def _alloc(self, size: int) -> np.ndarray:
+        """A decoded-chunk buffer; page-locked (pinned) when the artifact feeds a GPU, so that
+        host-to-device copies can be asynchronous without a staging copy."""
+        if self.pin_memory:
+            import torch
+            return torch.empty(size, dtype=torch.uint8, pin_memory=True).numpy()
+        return np.empty(size, dtype=np.uint8)
 
     def read_chunk(self, chunk_id: int) -> np.ndarray:
         """Read, verify and decode chunk ``chunk_id``."""
@@ -226,13 +236,15 @@ class Artifact:
         return self.tensor_from_buffer(info, self.read_chunk(info.chunk), dequantize)
 
 
-def open_artifact(path, *, verify: bool = True, workers: int | None = None) -> Artifact:
+def open_artifact(path, *, verify: bool = True, workers: int | None = None,
+                  pin_memory: bool = False) -> Artifact:
     """Open the LCT artifact at ``path`` (a directory).
 
     Args:
         path: the artifact directory.
         verify: check every chunk's checksum as it is read.
         workers: decode threads (default: all cores).
+        pin_memory: decode into page-locked host memory (for asynchronous copies to a GPU).
 
     Returns:
         An ``Artifact``; close it (or use ``with``) to release its threads.
@@ -242,4 +254,4 @@ def open_artifact(path, *, verify: bool = True, workers: int | None = None) -> A
         ManifestError: the manifest is invalid or disagrees with the data files.
         UnsupportedVersionError: a newer major version, or an unknown codec/dtype.
     """
-    return Artifact(path, verify=verify, workers=workers)
+    return Artifact(path, verify=verify, workers=workers, pin_memory=pin_memory)

@@ -108,7 +108,7 @@ class Installer:
         import torch
         if self.device.type == "cpu":
             return t
-        pinned = t.pin_memory()
+        pinned = t if t.is_pinned() else t.pin_memory()
         with torch.cuda.stream(self._stream):
             out = pinned.to(self.device, non_blocking=True)
         out.record_stream(torch.cuda.current_stream(self.device))
@@ -245,7 +245,9 @@ def load(path, prefetch: int = 2, device="cpu", dtype=None, nf4: str = "keep",
     from .stream import GroupStream
     stats = stats if stats is not None else LoadStats()
     t0 = time.perf_counter()
-    art = open_artifact(path, verify=verify, workers=workers)
+    import torch
+    art = open_artifact(path, verify=verify, workers=workers,
+                        pin_memory=torch.device(device).type == "cuda")
     stats.manifest_s = time.perf_counter() - t0
     try:
         t1 = time.perf_counter()

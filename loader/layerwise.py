@@ -43,7 +43,8 @@ class LayerwiseModel:
         import torch
 
         from lct.reader import open_artifact
-        self.art = open_artifact(path, verify=verify, workers=workers)
+        self.art = open_artifact(path, verify=verify, workers=workers,
+                                 pin_memory=torch.device(device).type == "cuda")
         self.prefetch = prefetch
         try:
             self.model = build_skeleton(self.art, dtype)
@@ -73,6 +74,8 @@ class LayerwiseModel:
                 streamed.update(names)
                 self._release(g)
             self.installer.finish(streamed)
+            if self.installer.device.type != "cpu":
+                self.model.to(self.installer.device)  # buffers (rotary tables) follow
             self._stream = None
             self._expected = 0
             self.resident_layers = 0
