@@ -57,12 +57,26 @@ def _zstd():
     return zstandard
 
 
-def _cctx(level: int):
+# The exponent plane is an order-0 source (a few dozen symbols, no repeats worth finding):
+# zstd's Huffman-coded literals are what compress it, and match finding only costs time and
+# ratio. These parameters make matches rare: on bf16 weights the plane compresses 3.07x instead
+# of 2.79x (level 1), encodes 2.2x and decodes 1.8x faster (docs/BENCHMARKS.md).
+ENTROPY_ONLY = "entropy-only"
+
+
+def _cctx(level):
     cache = getattr(_local, "cctx", None)
     if cache is None:
         cache = _local.cctx = {}
     if level not in cache:
-        cache[level] = _zstd().ZstdCompressor(level=level, write_content_size=True)
+        zstandard = _zstd()
+        if level == ENTROPY_ONLY:
+            params = zstandard.ZstdCompressionParameters(
+                strategy=zstandard.STRATEGY_FAST, window_log=17, hash_log=6, search_log=1,
+                min_match=7, target_length=0, write_content_size=1)
+            cache[level] = zstandard.ZstdCompressor(compression_params=params)
+        else:
+            cache[level] = zstandard.ZstdCompressor(level=level, write_content_size=True)
     return cache[level]
 
 
@@ -73,7 +87,7 @@ def _dctx():
     return d
 
 
-def _zstd_compress(data, level: int) -> bytes:
+def _zstd_compress(data, level) -> bytes:
     return _cctx(level).compress(data)
 
 
@@ -238,6 +252,8 @@ class ZstdCodec(Codec):
 
 
 _UINT = {2: np.uint16, 4: np.uint32}
+LO_SAMPLE = 64 * 1024
+LO_SAMPLE_GAIN = 0.97
 
 
 @register
@@ -266,8 +282,13 @@ class PlanesCodec(Codec):
             x = data[start:start + size].view(_UINT[width])
             y = (x << 1) | (x >> (8 * width - 1))
             yb = y.view(np.uint8).reshape(-1, width)
-            hi = _zstd_compress(np.ascontiguousarray(yb[:, width - 1]), level)
+            hi = _zstd_compress(np.ascontiguousarray(yb[:, width - 1]), ENTROPY_ONLY)
             lo_raw = np.ascontiguousarray(yb[:, :width - 1]).tobytes()
+            # Sign/mantissa bytes of trained weights are close to random: try a sample first and
+            # compress the whole plane only if the sample shrinks (saves ~40% of encode time).
+            sample = lo_raw[:LO_SAMPLE]
+            if len(_zstd_compress(sample, level)) > LO_SAMPLE_GAIN * len(sample):
+                return hi, lo_raw, 0
             lo_z = _zstd_compress(lo_raw, level)
             return (hi, lo_z, 1) if len(lo_z) < len(lo_raw) else (hi, lo_raw, 0)
 

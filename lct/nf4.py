@@ -9,6 +9,7 @@ memory does not grow with the table beyond one piece.
 
 from __future__ import annotations
 
+import functools
 import json
 import math
 
@@ -32,6 +33,41 @@ def code_table():
 def _midpoints():
     table = code_table()
     return (table[:-1] + table[1:]) / 2
+
+
+@functools.lru_cache(maxsize=1)
+def _code_lut():
+    """A 65,536-entry table indexed by the top 16 bits of a float32 scaled value.
+
+    All float32 values sharing their top 16 bits lie in one narrow interval, which contains at
+    most one midpoint. ``base[i]`` is the code of the interval's low end and ``split[i]`` that
+    midpoint (+inf if none), so ``code = base[i] + (s > split[i])`` equals the number of midpoints
+    strictly below ``s`` (the bucketize rule) for every float32 ``s``, 2.5x faster than a search.
+    """
+    import numpy as np
+    torch = _torch()
+    mids = _midpoints()
+    bits = np.arange(65536, dtype=np.uint32) << 16
+    lo = torch.from_numpy(bits.view(np.float32).copy())
+    hi = torch.from_numpy((bits | 0xFFFF).view(np.float32).copy())
+    a, b = torch.minimum(lo, hi), torch.maximum(lo, hi)
+    ca, cb = torch.bucketize(a, mids), torch.bucketize(b, mids)
+    finite = torch.isfinite(a) & torch.isfinite(b)
+    if not bool(((cb - ca)[finite] <= 1).all()):  # pragma: no cover - a property of the table
+        raise AssertionError("NF4 midpoints closer than one float32 16-bit cell")
+    base = ca.to(torch.uint8)
+    base[~finite] = C.NF4_ZERO_CODE
+    split = torch.full((65536,), float("inf"))
+    cut = finite & (cb > ca)
+    split[cut] = mids[ca[cut]]
+    return base, split
+
+
+def _codes(scaled):
+    """NF4 codes of float32 ``scaled`` values (any shape), by the bucketize rule."""
+    base, split = _code_lut()
+    idx = ((scaled.view(_torch().int32) >> 16) & 0xFFFF).long()
+    return base[idx] + (scaled > split[idx]).to(base.dtype)
 
 
 def check_blocksize(shape, blocksize: int, name: str = "tensor") -> None:
@@ -72,7 +108,6 @@ def quantize(tensor, blocksize: int = C.DEFAULT_BLOCKSIZE, name: str = "tensor")
     nblocks = -(-n // blocksize)
     packed = torch.empty((n + 1) // 2, dtype=torch.uint8)
     absmax = torch.empty(nblocks, dtype=torch.float32)
-    mids = _midpoints()
     per_piece = max(1, PIECE_ELEMENTS // blocksize)
     for b0 in range(0, nblocks, per_piece):
         b1 = min(nblocks, b0 + per_piece)
@@ -88,7 +123,7 @@ def quantize(tensor, blocksize: int = C.DEFAULT_BLOCKSIZE, name: str = "tensor")
         am = blocks.abs().amax(dim=1)
         absmax[b0:b1] = am
         scaled = blocks * (1.0 / am).unsqueeze(1)
-        codes = torch.bucketize(scaled, mids).to(torch.uint8)
+        codes = _codes(scaled)
         codes[am == 0] = C.NF4_ZERO_CODE
         codes = codes.view(-1)[: e1 - e0]
         if codes.numel() % 2:

@@ -64,3 +64,14 @@ def test_nan_is_refused_with_the_name():
     x[2, 3] = float("nan")
     with pytest.raises(PolicyError, match="emb.weight.*NaN"):
         nf4.quantize(x, 64, name="emb.weight")
+
+
+def test_code_lut_equals_bucketize_everywhere():
+    """The lookup-table coder equals the midpoint rule on exact midpoints, their float32
+    neighbours, signed zeros, the ends of the range and a dense random sweep."""
+    mids = nf4._midpoints()
+    up, down = torch.nextafter(mids, torch.tensor(2.0)), torch.nextafter(mids, torch.tensor(-2.0))
+    edge = torch.cat([mids, up, down, torch.tensor([0.0, -0.0, 1.0, -1.0, 1e-38, -1e-38])])
+    sweep = torch.rand(2_000_000, generator=torch.Generator().manual_seed(3)) * 2.2 - 1.1
+    for s in (edge, sweep):
+        assert torch.equal(nf4._codes(s), torch.bucketize(s, mids).to(torch.uint8))
