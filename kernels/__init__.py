@@ -2,7 +2,8 @@
 
 from .embedding import NF4Embedding, PaddedEmbedding, padded_lookup
 from .linear import NF4Linear
+from .maximus import MaximusEmbedding, MaximusStats
 from .nf4 import dequantize, dequantize_rows
 
-__all__ = ["NF4Embedding", "NF4Linear", "PaddedEmbedding", "padded_lookup", "dequantize",
+__all__ = ["MaximusEmbedding", "MaximusStats", "NF4Embedding", "NF4Linear", "PaddedEmbedding", "padded_lookup", "dequantize",
            "dequantize_rows"]

@@ -98,13 +98,18 @@ class MaximusEmbedding(nn.Module):
         load_rate / evict_rate / decay: residency policy (accesses per step, decay per step).
         weight: initial weights in id order [V, H] (default: ``nn.Embedding``'s init).
         counts: token counts [V] that define the frequency order (default: id order).
+        nf4: ``(packed, absmax, blocksize)`` to serve an NF4 table instead of a dense weight
+            (inference: gather-then-dequantize, bit-identical to dequantizing the table).
+        row_to_id: an explicit frequency order (overrides the one derived from ``counts``).
+        ordered: ``weight``/``nf4`` are already in row (frequency) order.
     """
 
     def __init__(self, num_embeddings: int, embedding_dim: int, padding_idx: int | None = None,
                  max_shards: int = 32, bucket_size: int = 1, *, budget_shards: int | None = None,
                  budget_bytes: int | None = None, pad_ids=(), sparse: bool = True, device=None,
                  load_rate: float = 0.3, evict_rate: float = 0.05, decay: float = 0.9,
-                 weight: torch.Tensor | None = None, counts=None, dtype=None):
+                 weight: torch.Tensor | None = None, counts=None, dtype=None, nf4=None,
+                 row_to_id: torch.Tensor | None = None, ordered: bool = False):
         super().__init__()
         if padding_idx is not None and padding_idx < 0:
             padding_idx += num_embeddings
@@ -123,22 +128,42 @@ class MaximusEmbedding(nn.Module):
             torch.as_tensor(counts, dtype=torch.int64).clone()
         if counts.shape != (num_embeddings,):
             raise ValueError(f"counts must have shape [{num_embeddings}], got {list(counts.shape)}")
-        row_to_id = frequency_order(counts)
+        row_to_id = frequency_order(counts) if row_to_id is None else \
+            torch.as_tensor(row_to_id, dtype=torch.int64).clone()
+        if not torch.equal(torch.sort(row_to_id).values, torch.arange(num_embeddings)):
+            raise ValueError(f"row_to_id is not a permutation of 0..{num_embeddings - 1}")
         id_to_row = torch.empty_like(row_to_id)
         id_to_row[row_to_id] = torch.arange(num_embeddings)
-        self.register_buffer("row_to_id", row_to_id)
-        self.register_buffer("id_to_row", id_to_row)
-        self.register_buffer("token_counts", counts)
-        self.register_buffer("shard_offsets", shard_offsets(num_embeddings, self.num_shards))
-        self.register_buffer("shard_score", torch.zeros(self.num_shards, dtype=torch.float32))
+        # Shard state is not part of the state dict (save_maximus_state writes it next to the
+        # weights); the state dict holds the weight in token-id order, so save_pretrained of a
+        # model using this module stays a plain, unscrambled embedding.
+        buf = dict(persistent=False)
+        self.register_buffer("row_to_id", row_to_id, **buf)
+        self.register_buffer("id_to_row", id_to_row, **buf)
+        self.register_buffer("token_counts", counts, **buf)
+        self.register_buffer("shard_offsets", shard_offsets(num_embeddings, self.num_shards), **buf)
+        self.register_buffer("shard_score", torch.zeros(self.num_shards, dtype=torch.float32), **buf)
         self.register_buffer("shard_last_access_step",
-                             torch.full((self.num_shards,), -1, dtype=torch.int64))
+                             torch.full((self.num_shards,), -1, dtype=torch.int64), **buf)
         pads = set(int(p) for p in pad_ids)
         if padding_idx is not None:
             pads.add(padding_idx)
-        self.register_buffer("pad_ids", torch.tensor(sorted(pads), dtype=torch.int64))
+        self.register_buffer("pad_ids", torch.tensor(sorted(pads), dtype=torch.int64),
+                             persistent=False)
 
-        if weight is None:
+        self.nf4 = None                   # (packed [V, H/2], absmax [V, H/bs], blocksize) by row
+        if nf4 is not None:
+            packed, absmax, bs = nf4
+            if embedding_dim % bs:
+                raise ValueError(f"NF4 blocksize {bs} must divide embedding_dim {embedding_dim}")
+            packed = packed.reshape(num_embeddings, embedding_dim // 2)
+            absmax = absmax.reshape(num_embeddings, embedding_dim // bs)
+            if not ordered:
+                packed, absmax = packed[row_to_id], absmax[row_to_id]
+            self.nf4 = (packed, absmax, bs)
+            self.weight = nn.Parameter(torch.empty(0, embedding_dim, dtype=dtype or torch.float32),
+                                       requires_grad=False)
+        elif weight is None:
             weight = torch.empty(num_embeddings, embedding_dim, dtype=dtype)
             nn.init.normal_(weight)
             if padding_idx is not None:
@@ -147,9 +172,13 @@ class MaximusEmbedding(nn.Module):
         elif weight.shape != (num_embeddings, embedding_dim):
             raise ValueError(f"weight must be [{num_embeddings}, {embedding_dim}], "
                              f"got {list(weight.shape)}")
-        self.weight = nn.Parameter(weight.detach()[row_to_id].clone())
+        if nf4 is None:
+            w = weight.detach() if ordered else weight.detach()[row_to_id]
+            self.weight = nn.Parameter(w.clone() if ordered else w)
 
-        shard_bytes = self.rows_per_shard * embedding_dim * self.weight.element_size()
+        shard_bytes = self.rows_per_shard * (
+            embedding_dim // 2 + 4 * embedding_dim // self.nf4[2] if self.nf4 is not None
+            else embedding_dim * self.weight.element_size())
         if budget_shards is None and budget_bytes is None:
             budget_shards = max(1, self.num_shards // 4)
         if budget_bytes is not None:
@@ -172,18 +201,31 @@ class MaximusEmbedding(nn.Module):
 
     @property
     def resident_bytes(self) -> int:
-        return sum(t.numel() * t.element_size() for t in self.resident.values())
+        return sum(t.numel() * t.element_size() for copy in self.resident.values()
+                   for t in (copy if isinstance(copy, tuple) else (copy,)))
+
+    def _host(self):
+        """The host table in row order: the weight, or (packed, absmax) for NF4."""
+        return self.weight.detach() if self.nf4 is None else self.nf4[:2]
+
+    def _take(self, source, rows: torch.Tensor) -> torch.Tensor:
+        if self.nf4 is None:
+            return source[rows]
+        from .nf4 import dequantize_rows
+        return dequantize_rows(source[0][rows], source[1][rows], self.nf4[2], self.weight.dtype)
 
     # Residency ------------------------------------------------------------------------------
     def _load(self, s: int) -> None:
         lo, hi = int(self.shard_offsets[s]), int(self.shard_offsets[s + 1])
-        host = self.weight.detach()[lo:hi]
-        if self.compute_device == host.device:
-            self.resident[s] = host  # a view: nothing to copy or refresh
-        else:
-            src = host.pin_memory() if self.compute_device.type == "cuda" else host
-            self.resident[s] = src.to(self.compute_device, non_blocking=True)
-            self.stats.bytes_moved += host.numel() * host.element_size()
+        host = self._host()
+        parts = (host,) if self.nf4 is None else host
+        parts = tuple(p[lo:hi] for p in parts)
+        if self.compute_device != parts[0].device:
+            parts = tuple((p.pin_memory() if self.compute_device.type == "cuda" else p)
+                          .to(self.compute_device, non_blocking=True) for p in parts)
+            self.stats.bytes_moved += sum(p.numel() * p.element_size() for p in parts)
+        # On the host device the copy is a view: nothing moves, nothing goes stale.
+        self.resident[s] = parts[0] if self.nf4 is None else parts
         self._dirty.discard(s)
         self.stats.shard_loads += 1
 
@@ -210,7 +252,7 @@ class MaximusEmbedding(nn.Module):
 
     def _refresh_dirty(self) -> None:
         for s in list(self._dirty):
-            if s in self.resident and self.resident[s].data_ptr() != \
+            if s in self.resident and self.nf4 is None and self.resident[s].data_ptr() != \
                     self.weight.detach()[int(self.shard_offsets[s])].data_ptr():
                 self._load(s)
                 self.stats.shard_loads -= 1  # a refresh, not a residency change
@@ -225,11 +267,12 @@ class MaximusEmbedding(nn.Module):
         for s, copy in self.resident.items():
             m = shards == s
             if m.any():
-                out[m.to(out.device)] = copy[(rows[m] - self.shard_offsets[s]).to(copy.device)]
+                dev = (copy if self.nf4 is None else copy[0]).device
+                out[m.to(out.device)] = self._take(copy, (rows[m] - self.shard_offsets[s]).to(dev))
                 hit |= m
         miss = ~hit
         if miss.any():
-            out[miss.to(out.device)] = self.weight.detach()[rows[miss]].to(self.compute_device)
+            out[miss.to(out.device)] = self._take(self._host(), rows[miss]).to(self.compute_device)
         self.stats.hits += int(hit.sum())
         self.stats.misses += int(miss.sum())
         return out
@@ -247,7 +290,7 @@ class MaximusEmbedding(nn.Module):
         self._observe(rows)
         self._refresh_dirty()
         gathered = _Lookup.apply(self.weight, rows, self) if torch.is_grad_enabled() and \
-            self.weight.requires_grad else self._gather(rows)
+            self.weight.requires_grad and self.nf4 is None else self._gather(rows)
         if bool(keep.all()):
             out = gathered
         else:
@@ -293,7 +336,7 @@ class MaximusEmbedding(nn.Module):
         self._pending = None
         if self.sparse:
             g = torch.sparse_coo_tensor(rows.unsqueeze(0), grad, self.weight.shape,
-                                        is_coalesced=True)
+                                        is_coalesced=True, check_invariants=False)
         else:
             g = torch.zeros_like(self.weight)
             g[rows] = grad
@@ -301,10 +344,124 @@ class MaximusEmbedding(nn.Module):
         self._dirty.update(self.shard_of_rows(rows).unique().tolist()
                            if self.sparse else range(self.num_shards))
 
-    # Views ----------------------------------------------------------------------------------
+    # Views and state -------------------------------------------------------------------------
     def id_ordered_weight(self) -> torch.Tensor:
         """The table in token-id order (what ``nn.Embedding.weight`` would hold)."""
+        if self.nf4 is not None:
+            from .nf4 import dequantize_rows
+            packed, absmax, bs = self.nf4
+            return dequantize_rows(packed[self.id_to_row], absmax[self.id_to_row], bs,
+                                   self.weight.dtype)
         return self.weight.detach()[self.id_to_row]
+
+    def _save_to_state_dict(self, destination, prefix, keep_vars):
+        self.flush_gradients()
+        destination[prefix + "weight"] = self.id_ordered_weight()
+
+    def _load_from_state_dict(self, state_dict, prefix, local_metadata, strict, missing_keys,
+                              unexpected_keys, error_msgs):
+        key = prefix + "weight"
+        if key not in state_dict:
+            missing_keys.append(key)
+            return
+        w = state_dict[key]
+        if tuple(w.shape) != (self.num_embeddings, self.embedding_dim):
+            error_msgs.append(f"{key}: shape {list(w.shape)} != "
+                              f"{[self.num_embeddings, self.embedding_dim]}")
+            return
+        with torch.no_grad():
+            self.weight.copy_(w[self.row_to_id])
+        self._reset_resident()
+
+    def _reset_resident(self) -> None:
+        keep = sorted(self.resident)
+        self.resident.clear()
+        for s in keep:
+            self._load(s)
+            self.stats.shard_loads -= 1  # re-materialised, not a residency decision
+
+    def state_tensors(self) -> dict:
+        """The shard state as named tensors (the ``maximus.*`` namespace of the state file)."""
+        self.flush_gradients()
+        resident = torch.zeros(self.num_shards, dtype=torch.uint8)
+        resident[list(self.resident)] = 1
+        return {
+            "maximus.id_to_row": self.id_to_row.clone(),
+            "maximus.row_to_id": self.row_to_id.clone(),
+            "maximus.shard_offsets": self.shard_offsets.clone(),
+            "maximus.token_freq": self.token_counts.clone(),
+            "maximus.shard_score": self.shard_score.clone(),
+            "maximus.shard_last_access_step": self.shard_last_access_step.clone(),
+            "maximus.resident": resident,
+            "maximus.pad_ids": self.pad_ids.clone(),
+            "maximus.step": torch.tensor([self._backwards, self.stats.steps], dtype=torch.int64),
+            "maximus.stats": torch.tensor(self.stats.as_list(), dtype=torch.int64),
+        }
+
+    def policy(self) -> dict:
+        """The residency policy and geometry, for the state file's metadata."""
+        return {"num_embeddings": self.num_embeddings, "embedding_dim": self.embedding_dim,
+                "num_shards": self.num_shards, "budget_shards": self.budget_shards,
+                "bucket_size": self.bucket_size, "load_rate": self.load_rate,
+                "evict_rate": self.evict_rate, "decay": self.decay, "sparse": self.sparse,
+                "padding_idx": self.padding_idx}
+
+    def load_state_tensors(self, t: dict, where: str = "maximus state") -> None:
+        """Restore shard state from ``state_tensors()`` output, re-ordering the weights if the
+        stored permutation differs from the current one. Validates everything first.
+
+        Raises:
+            ValueError: a tensor is missing or malformed, or does not fit this module.
+        """
+        V, N = self.num_embeddings, self.num_shards
+        need = {"maximus.id_to_row": (V,), "maximus.row_to_id": (V,),
+                "maximus.shard_offsets": (N + 1,), "maximus.token_freq": (V,),
+                "maximus.shard_score": (N,), "maximus.shard_last_access_step": (N,),
+                "maximus.resident": (N,), "maximus.step": (2,),
+                "maximus.stats": (len(STATS_FIELDS),)}
+        for k, shape in need.items():
+            if k not in t:
+                raise ValueError(f"{where}: missing {k}")
+            if tuple(t[k].shape) != shape:
+                raise ValueError(f"{where}: {k} has shape {list(t[k].shape)}, this embedding "
+                                 f"needs {list(shape)} (vocabulary {V}, {N} shards)")
+        id_to_row, row_to_id = t["maximus.id_to_row"].long(), t["maximus.row_to_id"].long()
+        if not torch.equal(torch.sort(row_to_id).values, torch.arange(V)) or \
+                not torch.equal(row_to_id[id_to_row], torch.arange(V)):
+            raise ValueError(f"{where}: id_to_row/row_to_id are not inverse permutations of "
+                             f"0..{V - 1}; refusing to scramble the vocabulary")
+        if not torch.equal(t["maximus.shard_offsets"].long(), self.shard_offsets):
+            raise ValueError(f"{where}: shard_offsets {t['maximus.shard_offsets'].tolist()[:4]}... "
+                             f"do not match this embedding's {self.shard_offsets.tolist()[:4]}...")
+        self.flush_gradients()
+        ordered = self.id_ordered_weight() if self.nf4 is None else None
+        self.id_to_row.copy_(id_to_row)
+        self.row_to_id.copy_(row_to_id)
+        if ordered is not None:
+            with torch.no_grad():
+                self.weight.copy_(ordered[row_to_id])
+        self.token_counts.copy_(t["maximus.token_freq"])
+        self.shard_score.copy_(t["maximus.shard_score"])
+        self.shard_last_access_step.copy_(t["maximus.shard_last_access_step"])
+        if "maximus.pad_ids" in t:
+            self.pad_ids = t["maximus.pad_ids"].long().clone()
+        self._backwards, steps = (int(x) for x in t["maximus.step"])
+        self.stats = MaximusStats(*[int(x) for x in t["maximus.stats"]])
+        self.stats.steps = steps
+        self.resident.clear()
+        for s in t["maximus.resident"].nonzero().flatten().tolist()[: self.budget_shards]:
+            self._load(s)
+            self.stats.shard_loads -= 1
+
+    def save_maximus_state(self, path, **kw):
+        """Save this module's shard state (see ``lct.maximus.save_maximus_state``)."""
+        from lct.maximus import save_maximus_state
+        return save_maximus_state(self, path, **kw)
+
+    def load_maximus_state(self, path) -> None:
+        """Restore shard state saved by ``save_maximus_state`` (validated first)."""
+        from lct.maximus import load_maximus_state
+        load_maximus_state(self, path)
 
     def extra_repr(self) -> str:
         return (f"{self.num_embeddings}, {self.embedding_dim}, shards={self.num_shards}, "

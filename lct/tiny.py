@@ -33,45 +33,32 @@ def config_for(arch: str, **overrides):
 
 
 def build_model(config, seed: int = 0, dtype=None, std: float = 0.02):
-    """A causal LM from ``config`` with seeded random normal weights (no slow init)."""
+    """A causal LM from ``config`` with seeded random normal weights (no slow init).
+
+    Parameters are created on the meta device and then filled, so building is fast even for
+    Gemma-2B's shape; buffers (rotary tables, masks) are built normally.
+    """
     import torch
+    from accelerate import init_empty_weights
     from transformers import AutoModelForCausalLM
-    with torch.device("meta"):
+    with init_empty_weights(include_buffers=False):
         model = AutoModelForCausalLM.from_config(config)
-    model = model.to_empty(device="cpu")
     gen = torch.Generator().manual_seed(seed)
-    with torch.no_grad():
-        for name, p in model.named_parameters():
-            if p.dim() == 1 and ("norm" in name or "ln_" in name):
-                p.copy_(1.0 + 0.1 * torch.randn(p.shape, generator=gen))
-            elif p.dim() == 1:
-                p.copy_(std * torch.randn(p.shape, generator=gen))
-            else:
-                p.copy_(std * torch.randn(p.shape, generator=gen))
-        for name, b in model.named_buffers():
-            if b.is_floating_point() and not b.is_meta:
-                continue
-    # Buffers such as rotary inv_freq must be recomputed after to_empty.
-    _reset_buffers(model)
-    if dtype is not None:
-        model = model.to(dtype)
+    seen = set()
+    for name, p in list(model.named_parameters()):
+        if id(p) in seen:
+            continue
+        seen.add(id(p))
+        t = torch.empty(p.shape, dtype=torch.float32)
+        if p.dim() == 1 and ("norm" in name or "ln_" in name):
+            t.copy_(1.0 + 0.1 * torch.randn(p.shape, generator=gen))
+        else:
+            t.normal_(0.0, std, generator=gen)
+        mod_path, _, leaf = name.rpartition(".")
+        module = model.get_submodule(mod_path) if mod_path else model
+        module._parameters[leaf] = torch.nn.Parameter(t.to(dtype or p.dtype))
     model.tie_weights()
     return model.eval()
-
-
-def _reset_buffers(model) -> None:
-    import torch
-    for module in model.modules():
-        if hasattr(module, "rope_init_fn") and hasattr(module, "inv_freq"):
-            inv_freq, scaling = module.rope_init_fn(module.config, torch.device("cpu"))
-            module.inv_freq.copy_(inv_freq)
-            if hasattr(module, "original_inv_freq"):
-                module.original_inv_freq = module.inv_freq
-            module.attention_scaling = scaling
-        for name, b in list(module.named_buffers(recurse=False)):
-            if name == "bias" and b.dtype == torch.bool:  # GPT-2 causal mask
-                n = b.shape[-1]
-                b.copy_(torch.tril(torch.ones(n, n, dtype=torch.bool)).view(b.shape))
 
 
 def save_tiny(out_dir, arch: str = "gemma", seed: int = 0, dtype=None, **overrides) -> Path:

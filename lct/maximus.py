@@ -1,0 +1,127 @@
+"""Maximus shard state on disk: a safetensors file of ``maximus.*`` tensors plus JSON metadata,
+written atomically next to the weights (an LCT artifact or a ``save_pretrained`` folder).
+
+``save_pretrained`` does not know about shard state, and a lost permutation silently scrambles
+the vocabulary; so the state travels in its own file, is validated on load (permutation, offsets,
+sizes, geometry), and a mismatch with the model is an error, never a scrambled embedding.
+See docs/FORMAT.md, section 9.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import uuid
+from pathlib import Path
+
+from .errors import LCTError
+
+STATE_FILE = "maximus.safetensors"
+STATE_FORMAT = "lct-maximus"
+STATE_VERSION = "1"
+
+
+class MaximusStateError(LCTError, ValueError):
+    """A Maximus state file is missing, corrupt, or does not fit the model."""
+
+
+def _modules(model) -> dict:
+    from lct.kernels.maximus import MaximusEmbedding
+    if isinstance(model, MaximusEmbedding):
+        return {"": model}
+    return {name: m for name, m in model.named_modules() if isinstance(m, MaximusEmbedding)}
+
+
+def _key(module_path: str, name: str) -> str:
+    # "maximus.id_to_row" for a bare module, "maximus.model.embed_tokens.id_to_row" in a model.
+    return name if not module_path else name.replace("maximus.", f"maximus.{module_path}.", 1)
+
+
+def save_maximus_state(model, path, *, frequency_source: str | None = None) -> Path:
+    """Write the shard state of every ``MaximusEmbedding`` in ``model`` (or of one module).
+
+    Pending gradient buckets are flushed first. ``path`` is a file, or a folder that receives
+    ``maximus.safetensors``. Atomic: written under a temporary name and renamed into place.
+
+    Returns:
+        The file written.
+    """
+    from safetensors.torch import save_file
+    mods = _modules(model)
+    if not mods:
+        raise MaximusStateError("the model has no MaximusEmbedding; nothing to save")
+    path = Path(path)
+    if path.is_dir() or not path.suffix:
+        path.mkdir(parents=True, exist_ok=True)
+        path = path / STATE_FILE
+    tensors, meta = {}, {}
+    for mp, m in mods.items():
+        for k, v in m.state_tensors().items():
+            tensors[_key(mp, k)] = v.contiguous()
+        meta[mp] = {"policy": m.policy(),
+                    "frequency_source": frequency_source or getattr(m, "frequency_source", None)}
+    tmp = path.with_name(f".{path.name}.tmp-{uuid.uuid4().hex[:8]}")
+    try:
+        save_file(tensors, str(tmp), metadata={"format": STATE_FORMAT, "version": STATE_VERSION,
+                                               "modules": json.dumps(meta)})
+        os.replace(tmp, path)
+    finally:
+        if tmp.exists():
+            tmp.unlink()
+    return path
+
+
+def read_state_file(path) -> tuple:
+    """Read and check a state file's header: ``(tensors, metadata)``."""
+    from safetensors import SafetensorError, safe_open
+    path = Path(path)
+    if path.is_dir():
+        path = path / STATE_FILE
+    if not path.is_file():
+        raise MaximusStateError(f"{path}: no Maximus state file")
+    try:
+        with safe_open(str(path), framework="pt") as f:
+            meta = f.metadata() or {}
+            tensors = {k: f.get_tensor(k) for k in f.keys()}
+    except (SafetensorError, OSError, ValueError, RuntimeError) as e:
+        raise MaximusStateError(f"{path}: not a readable Maximus state file ({e})") from e
+    if meta.get("format") != STATE_FORMAT:
+        raise MaximusStateError(f"{path}: format {meta.get('format')!r}, expected {STATE_FORMAT!r}")
+    if meta.get("version") != STATE_VERSION:
+        raise MaximusStateError(f"{path}: state version {meta.get('version')!r}, this LCT reads "
+                                f"{STATE_VERSION!r}")
+    bad = [k for k in tensors if not k.startswith("maximus.") or ".weight." in k]
+    if bad:
+        raise MaximusStateError(f"{path}: tensor {bad[0]!r} is outside the maximus.* namespace")
+    try:
+        modules = json.loads(meta.get("modules", "{}"))
+    except ValueError as e:
+        raise MaximusStateError(f"{path}: metadata 'modules' is not JSON") from e
+    return tensors, modules, path
+
+
+def load_maximus_state(model, path) -> None:
+    """Restore the shard state saved by ``save_maximus_state`` into ``model`` (or one module).
+
+    Raises:
+        MaximusStateError: missing/corrupt file, or a state that does not fit the model
+            (vocabulary, shard count, permutation); nothing is changed in that case.
+    """
+    tensors, modules, path = read_state_file(path)
+    mods = _modules(model)
+    if set(mods) != set(modules):
+        raise MaximusStateError(f"{path}: state for modules {sorted(modules)}, the model has "
+                                f"MaximusEmbedding at {sorted(mods)}")
+    for mp, m in mods.items():
+        pol = modules[mp].get("policy", {})
+        for k in ("num_embeddings", "embedding_dim", "num_shards"):
+            if pol.get(k) != m.policy()[k]:
+                raise MaximusStateError(f"{path}: {mp or 'module'}: {k} is {pol.get(k)} in the "
+                                        f"state, {m.policy()[k]} in the model")
+        prefix = _key(mp, "maximus.")
+        own = {"maximus." + k[len(prefix):]: v for k, v in tensors.items() if k.startswith(prefix)}
+        try:
+            m.load_state_tensors(own, where=f"{path}: {mp or 'module'}")
+        except ValueError as e:
+            raise MaximusStateError(str(e)) from e
+        m.frequency_source = modules[mp].get("frequency_source")
