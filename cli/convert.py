@@ -39,10 +39,17 @@ def _parse_nf4(ctx, param, value: str) -> tuple:
 @click.option("--max-file-size", type=int, default=C.DEFAULT_MAX_FILE_SIZE, show_default=True,
               help="Start a new data file past this many bytes.")
 @click.option("--workers", type=int, default=None, help="Compression threads (default: all cores).")
+@click.option("--maximus-shards", type=click.IntRange(min=1), is_flag=False,
+              flag_value=C.DEFAULT_MAXIMUS_SHARDS, default=None,
+              help=f"Store the embedding (and an untied head) as N frequency-ordered shards with "
+                   f"Maximus shard state (bare flag: {C.DEFAULT_MAXIMUS_SHARDS}).")
+@click.option("--token-freq", type=click.Path(exists=True), default=None,
+              help="Token frequencies for --maximus-shards: a text file or folder (tokenized "
+                   "with the model's tokenizer), or counts (.json list/object, .npy array).")
 @click.option("--force", is_flag=True, help="Replace OUTPUT if it is an existing artifact.")
 @click.option("--quiet", is_flag=True, help="No progress bar.")
 def convert_cmd(source, output, revision, nf4, dtype, level, blocksize, codec, max_file_size,
-                workers, force, quiet):
+                workers, maximus_shards, token_freq, force, quiet):
     """Convert SOURCE (a local model folder with safetensors, or a Hub id such as
     google/gemma-2b) into an LCT artifact.
 
@@ -52,11 +59,15 @@ def convert_cmd(source, output, revision, nf4, dtype, level, blocksize, codec, m
     """
     from lct.converter import Policy, convert
 
-    policy = Policy(nf4=nf4, blocksize=blocksize, dtype=dtype, codec=codec, level=level)
+    if token_freq and not maximus_shards:
+        raise click.UsageError("--token-freq needs --maximus-shards")
+    policy = Policy(nf4=nf4, blocksize=blocksize, dtype=dtype, codec=codec, level=level,
+                    maximus_shards=maximus_shards)
     bar = GroupProgress("convert", enabled=not quiet)
     try:
         rep = convert(source, output, revision=revision, policy=policy,
-                      max_file_size=max_file_size, workers=workers, overwrite=force, progress=bar)
+                      max_file_size=max_file_size, workers=workers, overwrite=force, progress=bar,
+                      token_freq=token_freq)
     finally:
         bar.close()
     m = rep.manifest
@@ -65,6 +76,12 @@ def convert_cmd(source, output, revision, nf4, dtype, level, blocksize, codec, m
                f"{human(m.stored_bytes)} from {human(rep.source_bytes)} of tensors "
                f"({m.stored_bytes / max(rep.source_bytes, 1):.3f}x) in {rep.seconds:.1f} s "
                f"({rep.mb_per_s:.0f} MB/s)")
+    if m.maximus:
+        fs = m.maximus["frequency_source"]
+        click.echo(f"maximus: {m.maximus['num_shards']} shards of {', '.join(m.maximus['tensors'])}"
+                   + (f", ordered by {fs['tokens']:,} counted tokens ({fs['kind']})"
+                      if fs["kind"] != "none" else
+                      "; no --token-freq given, so the shards are in token-id order"))
     if m.ties:
         click.echo("tied: " + ", ".join(f"{k} -> {v}" for k, v in m.ties.items()))
     if rep.unmapped:

@@ -32,11 +32,14 @@ def _ids(ctx, param, value):
 @click.option("--layerwise", is_flag=True,
               help="Keep only embedding, head and the prefetch window of layers resident "
                    "(for models larger than memory); layers stream on every forward.")
+@click.option("--maximus", "maximus", type=int, is_flag=False, flag_value=-1, default=None,
+              help="Install a MaximusEmbedding from the artifact's shard state (optional value: "
+                   "the resident budget in shards).")
 @click.option("--prompt", default=None, help="Generate from this text (needs the artifact's tokenizer).")
 @click.option("--ids", default=None, callback=_ids, help="Generate from these token ids (1,5,9).")
 @click.option("--max-new-tokens", type=click.IntRange(1, 4096), default=16, show_default=True)
-def load_cmd(artifact, prefetch, device, dtype, nf4, workers, no_verify, layerwise, prompt, ids,
-             max_new_tokens):
+def load_cmd(artifact, prefetch, device, dtype, nf4, workers, no_verify, layerwise, maximus,
+             prompt, ids, max_new_tokens):
     """Load ARTIFACT into a transformers model with the prefetching streaming loader and print a
     breakdown: imports, manifest, read, decode, install, time to ready, time to first token (with
     --prompt or --ids), throughput and peak RSS."""
@@ -61,7 +64,8 @@ def load_cmd(artifact, prefetch, device, dtype, nf4, workers, no_verify, layerwi
                                       nf4=nf4, workers=workers, verify=not no_verify)
     else:
         model = loader.load(artifact, prefetch=prefetch, device=device, dtype=tdtype, nf4=nf4,
-                            workers=workers, verify=not no_verify, stats=stats)
+                            workers=workers, verify=not no_verify, stats=stats,
+                            maximus=False if maximus is None else (True if maximus < 0 else maximus))
     ready_s = time.perf_counter() - t1
     age_ready = process_age()
     rows = [("imports (torch, transformers)", f"{imports_s:.2f} s")]
@@ -92,6 +96,10 @@ def load_cmd(artifact, prefetch, device, dtype, nf4, workers, no_verify, layerwi
             click.echo(f"output: {res.text}")
         if layerwise:
             rows.append(("max resident layers", str(model.max_resident_layers)))
+        if maximus is not None and not layerwise:
+            emb = model.get_input_embeddings()
+            rows.append(("maximus", f"{len(emb.resident)}/{emb.num_shards} shards resident, "
+                                    f"hit rate {emb.stats.hit_rate:.1%}"))
     finally:
         if layerwise:
             model.close()

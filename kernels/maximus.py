@@ -26,9 +26,7 @@ from dataclasses import dataclass, fields
 import torch
 from torch import nn
 
-STATS_FIELDS = ("lookups", "hits", "misses", "shard_loads", "shard_evictions", "bytes_moved",
-                "steps", "pad_lookups")
-
+from lct.maximus import STATS_FIELDS, frequency_order, shard_offsets, validate_permutation
 
 @dataclass
 class MaximusStats:
@@ -50,21 +48,6 @@ class MaximusStats:
 
     def as_list(self) -> list:
         return [getattr(self, f.name) for f in fields(self)]
-
-
-def shard_offsets(num_embeddings: int, num_shards: int) -> torch.Tensor:
-    """Row boundaries of ``num_shards`` equal shards (the last may be shorter): int64 [N+1]."""
-    if not 1 <= num_shards <= num_embeddings:
-        raise ValueError(f"num_shards must be in 1..{num_embeddings}, got {num_shards}")
-    size = math.ceil(num_embeddings / num_shards)
-    bounds = [min(i * size, num_embeddings) for i in range(num_shards + 1)]
-    return torch.tensor(bounds, dtype=torch.int64)
-
-
-def frequency_order(counts: torch.Tensor) -> torch.Tensor:
-    """``row_to_id``: ids by descending count, ties by ascending id (a stable, reproducible order)."""
-    counts = torch.as_tensor(counts, dtype=torch.int64)
-    return torch.sort(-counts, stable=True).indices
 
 
 class _Lookup(torch.autograd.Function):
@@ -102,6 +85,7 @@ class MaximusEmbedding(nn.Module):
             (inference: gather-then-dequantize, bit-identical to dequantizing the table).
         row_to_id: an explicit frequency order (overrides the one derived from ``counts``).
         ordered: ``weight``/``nf4`` are already in row (frequency) order.
+        scale: optional output multiplier, like Gemma's scaled embedding.
     """
 
     def __init__(self, num_embeddings: int, embedding_dim: int, padding_idx: int | None = None,
@@ -109,7 +93,8 @@ class MaximusEmbedding(nn.Module):
                  budget_bytes: int | None = None, pad_ids=(), sparse: bool = True, device=None,
                  load_rate: float = 0.3, evict_rate: float = 0.05, decay: float = 0.9,
                  weight: torch.Tensor | None = None, counts=None, dtype=None, nf4=None,
-                 row_to_id: torch.Tensor | None = None, ordered: bool = False):
+                 row_to_id: torch.Tensor | None = None, ordered: bool = False,
+                 scale: torch.Tensor | None = None):
         super().__init__()
         if padding_idx is not None and padding_idx < 0:
             padding_idx += num_embeddings
@@ -184,6 +169,7 @@ class MaximusEmbedding(nn.Module):
         if budget_bytes is not None:
             budget_shards = min(budget_shards or self.num_shards, budget_bytes // shard_bytes)
         self.budget_shards = max(0, min(int(budget_shards), self.num_shards))
+        self.register_buffer("scale", scale, persistent=False)
         self.stats = MaximusStats()
         self.resident: dict = {}          # shard -> device copy of its rows
         self._dirty: set = set()          # shards whose host rows changed since their copy
@@ -296,6 +282,8 @@ class MaximusEmbedding(nn.Module):
         else:
             out = gathered.new_zeros(flat.numel(), self.embedding_dim)
             out = out.index_put((keep.nonzero().squeeze(1).to(out.device),), gathered)
+        if self.scale is not None:
+            out = out * self.scale.to(out.dtype)
         return out.view(*ids.shape, self.embedding_dim)
 
     def _observe(self, rows: torch.Tensor) -> None:
@@ -425,11 +413,8 @@ class MaximusEmbedding(nn.Module):
             if tuple(t[k].shape) != shape:
                 raise ValueError(f"{where}: {k} has shape {list(t[k].shape)}, this embedding "
                                  f"needs {list(shape)} (vocabulary {V}, {N} shards)")
+        validate_permutation(t, V, where)
         id_to_row, row_to_id = t["maximus.id_to_row"].long(), t["maximus.row_to_id"].long()
-        if not torch.equal(torch.sort(row_to_id).values, torch.arange(V)) or \
-                not torch.equal(row_to_id[id_to_row], torch.arange(V)):
-            raise ValueError(f"{where}: id_to_row/row_to_id are not inverse permutations of "
-                             f"0..{V - 1}; refusing to scramble the vocabulary")
         if not torch.equal(t["maximus.shard_offsets"].long(), self.shard_offsets):
             raise ValueError(f"{where}: shard_offsets {t['maximus.shard_offsets'].tolist()[:4]}... "
                              f"do not match this embedding's {self.shard_offsets.tolist()[:4]}...")
@@ -449,7 +434,13 @@ class MaximusEmbedding(nn.Module):
         self.stats = MaximusStats(*[int(x) for x in t["maximus.stats"]])
         self.stats.steps = steps
         self.resident.clear()
-        for s in t["maximus.resident"].nonzero().flatten().tolist()[: self.budget_shards]:
+        resident = t["maximus.resident"].nonzero().flatten().tolist()
+        if not resident and not self.stats.steps and int(self.token_counts.sum()):
+            # A fresh plan from real frequencies: start with the hottest shards resident, their
+            # rate at the load threshold, so that they stay until the stream shows otherwise.
+            resident = list(range(self.budget_shards))
+            self.shard_score[resident] = self.load_rate
+        for s in resident[: self.budget_shards]:
             self._load(s)
             self.stats.shard_loads -= 1
 

@@ -41,7 +41,10 @@ def verify(artifact, **kwargs):
 
 def load(path, prefetch: int = 2, device="cpu", dtype=None, nf4: str = "keep", workers=None,
          **kwargs):
-    """Load an artifact into a ready transformers model; see ``lct.loader.build.load``."""
+    """Load an artifact into a ready transformers model; see ``lct.loader.build.load``.
+
+    ``maximus=True`` (or a budget in shards) installs a ``MaximusEmbedding`` from the artifact's
+    shard state."""
     from .loader import load as _load
     return _load(path, prefetch=prefetch, device=device, dtype=dtype, nf4=nf4, workers=workers,
                  **kwargs)

@@ -72,6 +72,11 @@ NF4_CODE = (
 )
 NF4_ZERO_CODE = 7
 
+# Maximus: frequency-ordered vocabulary shards.
+ROW_ORDER_MAXIMUS = "maximus"
+MAXIMUS_FILE = "maximus.safetensors"
+DEFAULT_MAXIMUS_SHARDS = 32
+
 # Files copied from the source next to the weights.
 SIDECAR_FILES = (
     "config.json",

@@ -40,6 +40,7 @@ class Policy:
     codec: str = C.CODEC_PLANES
     level: int = C.DEFAULT_LEVEL
     frame_size: int = C.DEFAULT_FRAME_SIZE
+    maximus_shards: int | None = None
 
     def check(self) -> None:
         """Raise ``PolicyError`` for options that cannot work."""
@@ -54,13 +55,16 @@ class Policy:
             raise PolicyError(f"--level {self.level} must be in -7..22")
         if self.blocksize <= 0 or self.blocksize % 2:
             raise PolicyError(f"--blocksize {self.blocksize} must be a positive even number")
+        if self.maximus_shards is not None and self.maximus_shards < 1:
+            raise PolicyError(f"--maximus-shards {self.maximus_shards} must be >= 1")
         if not 4096 <= self.frame_size <= C.MAX_FRAME_SIZE or self.frame_size % 4096:
             raise PolicyError(f"frame size {self.frame_size} must be a multiple of 4096 "
                               f"up to {C.MAX_FRAME_SIZE}")
 
     def to_dict(self) -> dict:
         return {"nf4": list(self.nf4), "blocksize": self.blocksize, "dtype": self.dtype,
-                "codec": self.codec, "level": self.level, "frame_size": self.frame_size}
+                "codec": self.codec, "level": self.level, "frame_size": self.frame_size,
+                "maximus_shards": self.maximus_shards}
 
 
 @dataclass
@@ -142,9 +146,118 @@ def _sha_all(src: Source, out: dict) -> None:
         out[fname] = {"sha256": digest, "size": p.stat().st_size}
 
 
+def _write_plan(writer, plan, policy: Policy, src: Source, get) -> int:
+    """Fill one chunk from the source tensors (``get(spec) -> (tensor, path)``), encode, write.
+
+    Returns the number of source bytes consumed.
+    """
+    import torch
+    buf = plan.allocate()
+    done = 0
+    for s in plan.specs:
+        t, path = get(s)
+        off = plan.offsets[s.name]
+        if s.encoding == C.ENCODING_NF4:
+            from .nf4 import quantize
+            packed, absmax = quantize(t, s.blocksize, f"{path}: tensor {s.piece_of or s.name!r}")
+            buf[off: off + s.nbytes] = packed.numpy()
+            a = plan.absmax_offsets[s.name]
+            buf[a: a + s.absmax_nbytes] = absmax.view(torch.uint8).numpy()
+        else:
+            if s.stored_dtype != s.dtype:
+                t = _cast(t, s.stored_dtype, s.piece_of or s.name, path)
+            buf[off: off + s.nbytes] = _tensor_bytes(t)
+        done += t.numel() * C.DTYPE_SIZES[s.dtype]
+        del t
+    width = None if plan.width_class == "nf4" else plan.width_class
+    is_float = all(s.stored_dtype in C.FLOAT_DTYPES for s in plan.specs)
+    codec, params = choose_codec(width if is_float else None, policy.codec)
+    if codec != C.CODEC_RAW:
+        params.update(level=policy.level, frame_size=policy.frame_size)
+    writer.write_chunk(plan, buf, codec, params)
+    return done
+
+
+@dataclass
+class MaximusPlan:
+    """How the vocabulary tables are sharded: the state to store and the tensors to split."""
+
+    state: dict
+    meta: dict
+    module_path: str
+    pieced: dict        # group -> [TensorSpec] stored as frequency-ordered row pieces
+    names: list
+
+    def write(self, folder: Path) -> dict:
+        """Write the state file into ``folder``; return the manifest's ``maximus`` entry."""
+        from .maximus import write_state_file
+        path = write_state_file({self.module_path: (self.state, self.meta)},
+                                folder / C.MAXIMUS_FILE)
+        return {"file": C.MAXIMUS_FILE, "sha256": sha256_file(path),
+                "num_shards": int(self.state["maximus.shard_offsets"].numel() - 1),
+                "tensors": self.names, "prefix": f"maximus.{self.module_path}.",
+                "frequency_source": self.meta["frequency_source"]}
+
+
+def _maximus_plan(src: Source, specs: dict, policy: Policy, token_freq) -> MaximusPlan:
+    from .maximus import DEFAULT_POLICY, initial_state
+    embed = next((s for s in specs.get(C.GROUP_EMBED, []) if s.role == "embed"), None)
+    if embed is None or len(embed.shape) != 2:
+        raise PolicyError(f"{src.root}: --maximus-shards needs a 2-D token embedding; none found")
+    rows, dim = embed.shape
+    n = policy.maximus_shards
+    if not 1 <= n <= rows:
+        raise PolicyError(f"--maximus-shards {n} must be in 1..{rows} (the vocabulary size)")
+    if token_freq is not None:
+        from .freq import token_counts
+        counts, freq_source = token_counts(token_freq, rows, src.root)
+    else:
+        import torch
+        counts = torch.zeros(rows, dtype=torch.int64)
+        freq_source = {"kind": "none", "path": None, "tokens": 0,
+                       "note": "no frequency source given: shards are in token-id order"}
+    pad = src.config.get("pad_token_id")
+    pads = (pad,) if isinstance(pad, int) and 0 <= pad < rows else ()
+    state = initial_state(counts, n, pads)
+    pieced: dict = {}
+    names = []
+    for group in (C.GROUP_EMBED, C.GROUP_HEAD):
+        for spec in list(specs.get(group, [])):
+            if spec.role in ("embed", "head") and tuple(spec.shape) == (rows, dim):
+                specs[group].remove(spec)
+                pieced.setdefault(group, []).append(spec)
+                names.append(spec.name)
+    meta = {"policy": {"num_embeddings": rows, "embedding_dim": dim,
+                       "num_shards": int(state["maximus.shard_offsets"].numel() - 1),
+                       "budget_shards": max(1, n // 4), "padding_idx": pads[0] if pads else None,
+                       **DEFAULT_POLICY},
+            "frequency_source": freq_source}
+    return MaximusPlan(state, meta, embed.name.rpartition(".")[0], pieced, names)
+
+
+def _write_pieces(writer, spec, plan: MaximusPlan, policy: Policy, src: Source, st) -> int:
+    """Write a vocabulary table as one chunk per shard, rows in frequency order."""
+    from dataclasses import replace
+
+    from safetensors import safe_open
+    path = src.root / st.file
+    with safe_open(str(path), framework="pt") as f:
+        table = f.get_tensor(spec.name)[plan.state["maximus.row_to_id"]]
+    writer.add_pieced(spec, C.ROW_ORDER_MAXIMUS)
+    offsets = plan.state["maximus.shard_offsets"].tolist()
+    done = 0
+    for r0, r1 in zip(offsets, offsets[1:]):
+        piece = replace(spec, name=f"{spec.name}[{r0}:{r1}]", shape=(r1 - r0, spec.shape[1]),
+                        piece_of=spec.name, rows=(r0, r1))
+        done += _write_plan(writer, plan_group(spec.group, [piece])[0], policy, src,
+                            lambda s: (table[r0:r1], path))
+    return done
+
+
 def convert(source: str, out, *, revision: str | None = None, policy: Policy | None = None,
             max_file_size: int = C.DEFAULT_MAX_FILE_SIZE, workers: int | None = None,
-            overwrite: bool = False, progress: Progress | None = None) -> ConvertReport:
+            overwrite: bool = False, progress: Progress | None = None,
+            token_freq: str | None = None) -> ConvertReport:
     """Convert a Hugging Face checkpoint to an LCT artifact.
 
     Args:
@@ -157,6 +270,8 @@ def convert(source: str, out, *, revision: str | None = None, policy: Policy | N
         workers: compression threads (default: all cores).
         overwrite: replace an existing artifact at ``out``.
         progress: called as ``progress(group, bytes_done, bytes_total)`` after each group.
+        token_freq: with ``policy.maximus_shards``: a counts file (.json/.npy) or text
+            file/folder tokenized with the model's tokenizer (default: token-id order).
 
     Returns:
         A ``ConvertReport`` with the validated manifest.
@@ -217,6 +332,7 @@ def convert(source: str, out, *, revision: str | None = None, policy: Policy | N
     hasher = threading.Thread(target=_sha_all, args=(src, hashes), daemon=True)
     hasher.start()
 
+    plan_maximus = _maximus_plan(src, specs, policy, token_freq) if policy.maximus_shards else None
     done = 0
     nworkers = workers or os.cpu_count() or 1
     with ThreadPoolExecutor(nworkers, thread_name_prefix="lct-encode") as pool, \
@@ -224,39 +340,21 @@ def convert(source: str, out, *, revision: str | None = None, policy: Policy | N
                            map_fn=pool.map) as writer:
         for group in groups:
             for plan in plan_group(group, specs[group]):
-                buf = plan.allocate()
                 files = {tensors[s.name].file for s in plan.specs}
                 handles = {f: safe_open(str(src.root / f), framework="pt") for f in files}
                 try:
-                    for s in plan.specs:
-                        path = src.root / tensors[s.name].file
-                        t = handles[tensors[s.name].file].get_tensor(s.name)
-                        off = plan.offsets[s.name]
-                        if s.encoding == C.ENCODING_NF4:
-                            from .nf4 import quantize
-                            packed, absmax = quantize(t, s.blocksize, f"{path}: tensor {s.name!r}")
-                            buf[off: off + s.nbytes] = packed.numpy()
-                            a = plan.absmax_offsets[s.name]
-                            buf[a: a + s.absmax_nbytes] = absmax.view(torch.uint8).numpy()
-                        else:
-                            if s.stored_dtype != s.dtype:
-                                t = _cast(t, s.stored_dtype, s.name, path)
-                            buf[off: off + s.nbytes] = _tensor_bytes(t)
-                        done += t.numel() * C.DTYPE_SIZES[s.dtype]
-                        del t
+                    done += _write_plan(writer, plan, policy, src, lambda s: (
+                        handles[tensors[s.name].file].get_tensor(s.name),
+                        src.root / tensors[s.name].file))
                 finally:
                     handles.clear()
-                width = None if plan.width_class == "nf4" else plan.width_class
-                is_float = all(s.stored_dtype in C.FLOAT_DTYPES for s in plan.specs)
-                codec, params = choose_codec(width if is_float else None, policy.codec)
-                if codec != C.CODEC_RAW:
-                    params.update(level=policy.level, frame_size=policy.frame_size)
-                writer.write_chunk(plan, buf, codec, params)
-                del buf
+            for spec in (plan_maximus.pieced.get(group, []) if plan_maximus else []):
+                done += _write_pieces(writer, spec, plan_maximus, policy, src, tensors[spec.name])
             if progress:
                 progress(group, done, total)
         for p in src.sidecars():
             writer.copy_file(p)
+        maximus = plan_maximus.write(writer.staging) if plan_maximus else None
         hasher.join()
         manifest = writer.finish(
             groups=groups,
@@ -264,5 +362,5 @@ def convert(source: str, out, *, revision: str | None = None, policy: Policy | N
             architecture={"model_type": src.model_type, "tie_word_embeddings": tie_flag,
                           "mapping": table.name},
             policy=policy.to_dict(), ties=ties, unmapped=unmapped,
-            created_by=f"lct {__version__}")
+            created_by=f"lct {__version__}", maximus=maximus)
     return ConvertReport(manifest, Path(out), time.perf_counter() - t0, total, unmapped)

@@ -46,10 +46,17 @@ class TensorInfo:
     offset: int
     nbytes: int
     nf4: dict | None = None
+    pieces: tuple | None = None     # row-range pieces (TensorInfo each), for a sharded tensor
+    row_order: str | None = None    # "maximus": stored rows are in frequency order
+    rows: tuple | None = None       # (r0, r1) of a piece within its tensor
 
     @property
     def numel(self) -> int:
         return math.prod(self.shape)
+
+    def placements(self) -> tuple:
+        """Where the bytes are: the tensor itself, or its pieces in row order."""
+        return self.pieces if self.pieces else (self,)
 
 
 @dataclass
@@ -68,6 +75,7 @@ class Manifest:
     tensors: dict
     ties: dict = field(default_factory=dict)
     unmapped: list = field(default_factory=list)
+    maximus: dict | None = None
     extra: dict = field(default_factory=dict)
 
     def to_dict(self) -> dict:
@@ -86,6 +94,8 @@ class Manifest:
             "ties": self.ties,
             "unmapped": self.unmapped,
         }
+        if self.maximus is not None:
+            d["maximus"] = self.maximus
         d.update(self.extra)
         return d
 
@@ -131,10 +141,17 @@ class Manifest:
 
 
 def _tensor_dict(t: TensorInfo) -> dict:
-    d = asdict(t)
+    d = {k: v for k, v in asdict(t).items() if k not in ("pieces", "rows")}
     d["shape"] = list(t.shape)
-    if d["nf4"] is None:
-        del d["nf4"]
+    for key in ("nf4", "row_order"):
+        if d[key] is None:
+            del d[key]
+    if t.pieces:
+        for key in ("chunk", "offset", "nbytes", "nf4"):
+            d.pop(key, None)
+        d["pieces"] = [{"rows": list(p.rows), "chunk": p.chunk, "offset": p.offset,
+                        "nbytes": p.nbytes, **({"nf4": p.nf4} if p.nf4 else {})}
+                       for p in t.pieces]
     return d
 
 
@@ -214,10 +231,11 @@ def _parse(d, where: str) -> Manifest:
         if info.name in tensors:
             _fail(where, f"tensor name {info.name!r} appears twice")
         tensors[info.name] = info
-        spans.append((info.chunk, info.offset, info.offset + info.nbytes, info.name))
-        if info.nf4:
-            a = info.nf4["absmax_offset"]
-            spans.append((info.chunk, a, a + info.nf4["absmax_nbytes"], info.name + " absmax"))
+        for p in info.placements():
+            spans.append((p.chunk, p.offset, p.offset + p.nbytes, p.name))
+            if p.nf4:
+                a = p.nf4["absmax_offset"]
+                spans.append((p.chunk, a, a + p.nf4["absmax_nbytes"], p.name + " absmax"))
     _check_no_overlap(spans, where, "tensor byte ranges")
 
     ties = d.get("ties", {})
@@ -235,8 +253,12 @@ def _parse(d, where: str) -> Manifest:
     if not isinstance(unmapped, list):
         _fail(where, f"'unmapped' must be a list, got {type(unmapped).__name__}")
 
+    maximus = d.get("maximus")
+    if maximus is not None:
+        _check_maximus(maximus, tensors, where)
+
     known = {"format", "format_version", "created_by", "artifact_id", "source", "architecture",
-             "policy", "files", "groups", "chunks", "tensors", "ties", "unmapped"}
+             "policy", "files", "groups", "chunks", "tensors", "ties", "unmapped", "maximus"}
     return Manifest(
         format_version=tuple(ver),
         created_by=str(d.get("created_by", "")),
@@ -250,6 +272,7 @@ def _parse(d, where: str) -> Manifest:
         tensors=tensors,
         ties=ties,
         unmapped=[u for u in unmapped if isinstance(u, str)],
+        maximus=maximus,
         extra={k: v for k, v in d.items() if k not in known},
     )
 
@@ -307,6 +330,52 @@ def _tensor(t, i: int, chunks: list, where: str) -> TensorInfo:
     role = t.get("role")
     if role not in C.ROLES:
         _fail(where, f"{w}: role {role!r} is not one of {C.ROLES}")
+    if "pieces" in t:
+        return _pieced(t, name, tuple(shape), dtype, chunks, where)
+    return _placement(t, name, tuple(shape), dtype, chunks, where)
+
+
+def _pieced(t: dict, name: str, shape: tuple, dtype: str, chunks: list, where: str) -> TensorInfo:
+    """A tensor stored as row-range pieces, each placed in its own chunk (FORMAT.md 2.3)."""
+    w = f"tensor {name!r}"
+    pieces = t.get("pieces")
+    if not isinstance(pieces, list) or not pieces or len(shape) != 2:
+        _fail(where, f"{w}: 'pieces' must be a non-empty list, for a 2-D tensor")
+    if len(pieces) > C.MAX_CHUNKS:
+        _fail(where, f"{w}: {len(pieces)} pieces exceed the cap {C.MAX_CHUNKS}")
+    row_order = t.get("row_order")
+    if row_order not in (None, C.ROW_ORDER_MAXIMUS):
+        raise UnsupportedVersionError(f"{where}: {w}: unknown row_order {row_order!r}")
+    out, next_row = [], 0
+    for k, p in enumerate(pieces):
+        if not isinstance(p, dict):
+            _fail(where, f"{w}: pieces[{k}] must be an object")
+        rows = p.get("rows")
+        if not (isinstance(rows, list) and len(rows) == 2 and rows[0] == next_row
+                and isinstance(rows[1], int) and not isinstance(rows[1], bool)
+                and next_row < rows[1] <= shape[0]):
+            _fail(where, f"{w}: pieces[{k}].rows {rows!r} must continue at row {next_row} "
+                         f"and end by {shape[0]}")
+        sub = dict(t, **{key: p.get(key) for key in ("chunk", "offset", "nbytes", "nf4")})
+        sub["shape"] = [rows[1] - rows[0], shape[1]]
+        piece = _placement(sub, f"{name}[{rows[0]}:{rows[1]}]", (rows[1] - rows[0], shape[1]),
+                           dtype, chunks, where)
+        out.append(TensorInfo(**{**piece.__dict__, "rows": (rows[0], rows[1])}))
+        next_row = rows[1]
+    if next_row != shape[0]:
+        _fail(where, f"{w}: pieces cover rows 0..{next_row}, the tensor has {shape[0]}")
+    first = out[0]
+    return TensorInfo(name, shape, dtype, first.stored_dtype, first.encoding, first.role,
+                      first.group, first.chunk, first.offset,
+                      sum(p.nbytes for p in out), first.nf4 and {"blocksize": first.nf4["blocksize"]},
+                      tuple(out), row_order)
+
+
+def _placement(t: dict, name: str, shape: tuple, dtype: str, chunks: list,
+               where: str) -> TensorInfo:
+    """Validate where one tensor (or piece) lies in its chunk."""
+    w = f"tensor {name!r}"
+    encoding, stored_dtype, role = t.get("encoding"), t.get("stored_dtype"), t.get("role")
     cidx = _int(t.get("chunk"), where, f"{w} chunk", 0, max(len(chunks) - 1, 0))
     if not chunks:
         _fail(where, f"{w} refers to a chunk but 'chunks' is empty")
@@ -348,7 +417,25 @@ def _tensor(t, i: int, chunks: list, where: str) -> TensorInfo:
     else:
         raise UnsupportedVersionError(f"{where}: {w}: unknown encoding {encoding!r}")
     return TensorInfo(name, tuple(shape), dtype, stored_dtype, encoding, role, group, cidx,
-                      offset, nbytes, nf4)
+                      offset, nbytes, nf4, row_order=t.get("row_order"))
+
+
+def _check_maximus(m, tensors: dict, where: str) -> None:
+    if not isinstance(m, dict):
+        _fail(where, "'maximus' must be an object")
+    if m.get("file") != C.MAXIMUS_FILE:
+        _fail(where, f"maximus.file must be {C.MAXIMUS_FILE!r}, got {m.get('file')!r}")
+    if not isinstance(m.get("sha256"), str) or not re.fullmatch(r"[0-9a-f]{64}", m["sha256"]):
+        _fail(where, "maximus.sha256 must be 64 hex digits")
+    _int(m.get("num_shards"), where, "maximus.num_shards", 1, C.MAX_CHUNKS)
+    names = m.get("tensors")
+    if not isinstance(names, list) or not names:
+        _fail(where, "maximus.tensors must be a non-empty list")
+    for n in names:
+        info = tensors.get(n)
+        if info is None or info.row_order != C.ROW_ORDER_MAXIMUS or not info.pieces:
+            _fail(where, f"maximus.tensors names {n!r}, which is not a frequency-ordered "
+                         f"sharded tensor")
 
 
 def _span_in_chunk(offset: int, nbytes: int, chunk: ChunkInfo, where: str, w: str) -> None:

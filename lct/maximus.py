@@ -19,6 +19,69 @@ from .errors import LCTError
 STATE_FILE = "maximus.safetensors"
 STATE_FORMAT = "lct-maximus"
 STATE_VERSION = "1"
+STATS_FIELDS = ("lookups", "hits", "misses", "shard_loads", "shard_evictions", "bytes_moved",
+                "steps", "pad_lookups")
+DEFAULT_POLICY = {"load_rate": 0.3, "evict_rate": 0.05, "decay": 0.9, "bucket_size": 1,
+                  "sparse": True}
+
+
+def shard_offsets(num_rows: int, num_shards: int):
+    """Row boundaries of ``num_shards`` equal shards (the last may be shorter): int64 [N+1]."""
+    import torch
+    if not 1 <= num_shards <= num_rows:
+        raise ValueError(f"the number of shards must be in 1..{num_rows}, got {num_shards}")
+    size = -(-num_rows // num_shards)
+    return torch.tensor([min(i * size, num_rows) for i in range(num_shards + 1)],
+                        dtype=torch.int64)
+
+
+def frequency_order(counts):
+    """``row_to_id``: ids by descending count, ties by ascending id (stable, reproducible)."""
+    import torch
+    counts = torch.as_tensor(counts, dtype=torch.int64)
+    return torch.sort(-counts, stable=True).indices
+
+
+def initial_state(counts, num_shards: int, pad_ids=()) -> dict:
+    """The ``maximus.*`` tensors of a fresh shard plan: frequency order, offsets, zero scores."""
+    import torch
+    counts = torch.as_tensor(counts, dtype=torch.int64)
+    rows = counts.numel()
+    row_to_id = frequency_order(counts)
+    id_to_row = torch.empty_like(row_to_id)
+    id_to_row[row_to_id] = torch.arange(rows)
+    offsets = shard_offsets(rows, num_shards)
+    n = offsets.numel() - 1
+    return {
+        "maximus.id_to_row": id_to_row, "maximus.row_to_id": row_to_id,
+        "maximus.shard_offsets": offsets, "maximus.token_freq": counts.clone(),
+        "maximus.shard_score": torch.zeros(n, dtype=torch.float32),
+        "maximus.shard_last_access_step": torch.full((n,), -1, dtype=torch.int64),
+        "maximus.resident": torch.zeros(n, dtype=torch.uint8),
+        "maximus.pad_ids": torch.tensor(sorted(set(pad_ids)), dtype=torch.int64),
+        "maximus.step": torch.zeros(2, dtype=torch.int64),
+        "maximus.stats": torch.zeros(len(STATS_FIELDS), dtype=torch.int64),
+    }
+
+
+def write_state_file(per_module: dict, path) -> Path:
+    """Write ``{module_path: (tensors, meta)}`` as one state file, atomically."""
+    from safetensors.torch import save_file
+    tensors, meta = {}, {}
+    for mp, (t, m) in per_module.items():
+        for k, v in t.items():
+            tensors[_key(mp, k)] = v.contiguous()
+        meta[mp] = m
+    path = Path(path)
+    tmp = path.with_name(f".{path.name}.tmp-{uuid.uuid4().hex[:8]}")
+    try:
+        save_file(tensors, str(tmp), metadata={"format": STATE_FORMAT, "version": STATE_VERSION,
+                                               "modules": json.dumps(meta)})
+        os.replace(tmp, path)
+    finally:
+        if tmp.exists():
+            tmp.unlink()
+    return path
 
 
 class MaximusStateError(LCTError, ValueError):
@@ -46,7 +109,6 @@ def save_maximus_state(model, path, *, frequency_source: str | None = None) -> P
     Returns:
         The file written.
     """
-    from safetensors.torch import save_file
     mods = _modules(model)
     if not mods:
         raise MaximusStateError("the model has no MaximusEmbedding; nothing to save")
@@ -54,21 +116,10 @@ def save_maximus_state(model, path, *, frequency_source: str | None = None) -> P
     if path.is_dir() or not path.suffix:
         path.mkdir(parents=True, exist_ok=True)
         path = path / STATE_FILE
-    tensors, meta = {}, {}
-    for mp, m in mods.items():
-        for k, v in m.state_tensors().items():
-            tensors[_key(mp, k)] = v.contiguous()
-        meta[mp] = {"policy": m.policy(),
-                    "frequency_source": frequency_source or getattr(m, "frequency_source", None)}
-    tmp = path.with_name(f".{path.name}.tmp-{uuid.uuid4().hex[:8]}")
-    try:
-        save_file(tensors, str(tmp), metadata={"format": STATE_FORMAT, "version": STATE_VERSION,
-                                               "modules": json.dumps(meta)})
-        os.replace(tmp, path)
-    finally:
-        if tmp.exists():
-            tmp.unlink()
-    return path
+    return write_state_file(
+        {mp: (m.state_tensors(), {"policy": m.policy(), "frequency_source":
+                                  frequency_source or getattr(m, "frequency_source", None)})
+         for mp, m in mods.items()}, path)
 
 
 def read_state_file(path) -> tuple:
@@ -98,6 +149,23 @@ def read_state_file(path) -> tuple:
     except ValueError as e:
         raise MaximusStateError(f"{path}: metadata 'modules' is not JSON") from e
     return tensors, modules, path
+
+
+def validate_permutation(t: dict, rows: int, where: str) -> None:
+    """Raise ``MaximusStateError`` unless ``t`` holds inverse permutations of ``0..rows-1``."""
+    import torch
+    try:
+        id_to_row = t["maximus.id_to_row"].long()
+        row_to_id = t["maximus.row_to_id"].long()
+    except KeyError as e:
+        raise MaximusStateError(f"{where}: missing {e.args[0]}") from None
+    if id_to_row.shape != (rows,) or row_to_id.shape != (rows,):
+        raise MaximusStateError(f"{where}: permutation of length {id_to_row.numel()}, the "
+                                f"table has {rows} rows")
+    if not torch.equal(torch.sort(row_to_id).values, torch.arange(rows)) or \
+            not torch.equal(row_to_id[id_to_row], torch.arange(rows)):
+        raise MaximusStateError(f"{where}: id_to_row/row_to_id are not inverse permutations of "
+                                f"0..{rows - 1}; refusing to scramble the vocabulary")
 
 
 def load_maximus_state(model, path) -> None:

@@ -191,7 +191,7 @@ class Artifact:
 
     # Tensors ---------------------------------------------------------------------------------
     def tensor_from_buffer(self, info: TensorInfo, buf: np.ndarray, dequantize: bool = True):
-        """Build tensor ``info`` as a zero-copy view of its decoded chunk ``buf``."""
+        """Build tensor (or piece) ``info`` as a zero-copy view of its decoded chunk ``buf``."""
         import torch
         raw = torch.from_numpy(buf[info.offset: info.offset + info.nbytes])
         if info.encoding == C.ENCODING_NF4:
@@ -201,6 +201,67 @@ class Artifact:
             return w.dequantize() if dequantize else w
         return raw.view(torch_dtype(info.stored_dtype)).view(info.shape)
 
+    def assemble(self, info: TensorInfo, bufs: dict, dequantize: bool = True,
+                 id_order: bool = True):
+        """Tensor ``info`` from its decoded chunk buffers ``{chunk_id: buffer}``.
+
+        A single-chunk tensor is a zero-copy view. A sharded tensor is concatenated from its
+        pieces and, when stored in frequency order, put back in token-id order using the
+        artifact's Maximus permutation (unless ``id_order`` is False).
+        """
+        if not info.pieces:
+            return self.tensor_from_buffer(info, bufs[info.chunk], dequantize)
+        import torch
+        parts = [self.tensor_from_buffer(p, bufs[p.chunk], dequantize=False)
+                 for p in info.pieces]
+        perm = self.maximus_state()["maximus.id_to_row"] \
+            if id_order and info.row_order == C.ROW_ORDER_MAXIMUS else None
+        if info.encoding == C.ENCODING_NF4:
+            rows, cols = info.shape
+            bs = info.nf4["blocksize"]
+            packed = torch.cat([p.packed.view(-1, cols // 2) for p in parts])
+            absmax = torch.cat([p.absmax.view(-1, cols // bs) for p in parts])
+            if perm is not None:
+                packed, absmax = packed[perm], absmax[perm]
+            w = NF4Weight(info.name, packed.reshape(-1), absmax.reshape(-1), info.shape, bs,
+                          info.dtype)
+            return w.dequantize() if dequantize else w
+        table = torch.cat(parts)
+        return table[perm] if perm is not None else table
+
+    def maximus_state(self) -> dict:
+        """The artifact's Maximus state tensors (``maximus.*``), checksum-verified and validated.
+
+        Raises:
+            ManifestError: the artifact has no Maximus state, or the file is corrupt or invalid.
+        """
+        if getattr(self, "_maximus", None) is None:
+            m = self.manifest.maximus
+            if m is None:
+                raise ManifestError(f"{self.path}: the artifact has no Maximus shard state")
+            from .maximus import MaximusStateError, read_state_file, validate_permutation
+            from .source import sha256_file
+            path = self.path / m["file"]
+            if not path.is_file():
+                raise ArtifactNotFoundError(f"{path}: Maximus state file missing")
+            if self.verify and sha256_file(path) != m["sha256"]:
+                raise ChecksumError(f"{path}: sha256 does not match the manifest")
+            try:
+                tensors, _, _ = read_state_file(path)
+                prefix = m.get("prefix", "maximus.")
+                own = {"maximus." + k[len(prefix):]: v for k, v in tensors.items()
+                       if k.startswith(prefix)}
+                rows = self.manifest.tensors[m["tensors"][0]].shape[0]
+                validate_permutation(own, rows, str(path))
+            except MaximusStateError as e:
+                raise ManifestError(str(e)) from e
+            self._maximus = own
+        return self._maximus
+
+    def decode_group(self, group: str) -> dict:
+        """Read and decode every chunk of ``group``: ``{chunk_id: buffer}``."""
+        return {c.id: self.read_chunk(c.id) for c in self.manifest.group_chunks(group)}
+
     def read_group(self, group: str, dequantize: bool = True) -> dict:
         """All tensors of ``group`` as ``{name: tensor}`` (NF4 as ``NF4Weight`` unless dequantized).
 
@@ -208,12 +269,9 @@ class Artifact:
         """
         if group not in self.manifest.groups:
             raise KeyError(f"{self.path}: no group named {group!r}; groups: {self.groups}")
-        out = {}
-        for chunk in self.manifest.group_chunks(group):
-            buf = self.read_chunk(chunk.id)
-            for t in self.manifest.tensors.values():
-                if t.chunk == chunk.id:
-                    out[t.name] = self.tensor_from_buffer(t, buf, dequantize)
+        bufs = self.decode_group(group)
+        out = {t.name: self.assemble(t, bufs, dequantize)
+               for t in self.manifest.group_tensors(group)}
         for tied, real in self.manifest.ties.items():
             if real in out:
                 out[tied] = out[real]
@@ -231,9 +289,10 @@ class Artifact:
         return GroupStream(self, groups, prefetch=prefetch, dequantize=dequantize)
 
     def read_tensor(self, name: str, dequantize: bool = True):
-        """One tensor by name (decodes its whole chunk; use ``read_group`` for many)."""
+        """One tensor by name (decodes its chunk(s); use ``read_group`` for many)."""
         info = self.tensor_info(name)
-        return self.tensor_from_buffer(info, self.read_chunk(info.chunk), dequantize)
+        bufs = {p.chunk: self.read_chunk(p.chunk) for p in info.placements()}
+        return self.assemble(info, bufs, dequantize)
 
 
 def open_artifact(path, *, verify: bool = True, workers: int | None = None,

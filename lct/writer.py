@@ -44,6 +44,8 @@ class TensorSpec:
     role: str
     group: str
     blocksize: int | None = None
+    piece_of: str | None = None     # the sharded tensor this spec is a row-range piece of
+    rows: tuple | None = None       # (r0, r1) of that piece
 
     @property
     def numel(self) -> int:
@@ -131,6 +133,7 @@ class ArtifactWriter:
         self.files: list = []
         self.chunks: list = []
         self.tensors: list = []
+        self.pieced: dict = {}      # name -> (full TensorSpec, row_order, [piece TensorInfo])
         self._fh = None
         self._pos = 0
         self.state = "open"
@@ -206,10 +209,19 @@ class ArtifactWriter:
             if spec.encoding == C.ENCODING_NF4:
                 nf4 = {"blocksize": spec.blocksize, "absmax_offset": plan.absmax_offsets[spec.name],
                        "absmax_nbytes": spec.absmax_nbytes}
-            self.tensors.append(TensorInfo(spec.name, tuple(spec.shape), spec.dtype,
-                                           spec.stored_dtype, spec.encoding, spec.role, spec.group,
-                                           info.id, plan.offsets[spec.name], spec.nbytes, nf4))
+            entry = TensorInfo(spec.name, tuple(spec.shape), spec.dtype, spec.stored_dtype,
+                               spec.encoding, spec.role, spec.group, info.id,
+                               plan.offsets[spec.name], spec.nbytes, nf4, rows=spec.rows)
+            if spec.piece_of is not None:
+                self.pieced[spec.piece_of][2].append(entry)
+            else:
+                self.tensors.append(entry)
         return info
+
+    def add_pieced(self, spec: TensorSpec, row_order: str | None) -> None:
+        """Announce a tensor that will be written as row-range pieces (``piece_of`` specs)."""
+        self._require_open()
+        self.pieced[spec.name] = (spec, row_order, [])
 
     def copy_file(self, src, name: str | None = None) -> None:
         """Copy a side file (config, tokenizer) into the artifact."""
@@ -220,6 +232,11 @@ class ArtifactWriter:
             raise LCTError(f"refusing side file name {dest.name!r}")
         shutil.copyfile(src, dest)
 
+    @property
+    def staging(self) -> Path:
+        """The temporary directory being filled (side files may be written here)."""
+        return self.tmp
+
     def write_text(self, name: str, text: str) -> None:
         """Write a small text file into the artifact."""
         self._require_open()
@@ -227,15 +244,22 @@ class ArtifactWriter:
 
     # Finish -----------------------------------------------------------------------------------
     def finish(self, *, groups: list, source: dict, architecture: dict, policy: dict,
-               ties: dict, unmapped: list, created_by: str) -> Manifest:
+               ties: dict, unmapped: list, created_by: str, maximus: dict | None = None) -> Manifest:
         """Write the manifest, validate it, and move the artifact into place."""
         self._require_open()
         self._close_file()
+        for spec, row_order, pieces in self.pieced.values():
+            pieces.sort(key=lambda p: p.rows)
+            first = pieces[0]
+            self.tensors.append(TensorInfo(
+                spec.name, tuple(spec.shape), spec.dtype, spec.stored_dtype, spec.encoding,
+                spec.role, spec.group, first.chunk, first.offset, sum(p.nbytes for p in pieces),
+                first.nf4 and {"blocksize": spec.blocksize}, tuple(pieces), row_order))
         manifest = Manifest(
             format_version=C.FORMAT_VERSION, created_by=created_by, artifact_id=self.artifact_id,
             source=source, architecture=architecture, policy=policy, files=self.files,
             groups=groups, chunks=self.chunks, tensors={t.name: t for t in self.tensors},
-            ties=ties, unmapped=unmapped)
+            ties=ties, unmapped=unmapped, maximus=maximus)
         text = manifest.to_json()
         manifest = Manifest.from_json(text, str(self.target / C.MANIFEST_NAME))
         with open(self.tmp / C.MANIFEST_NAME, "w") as f:

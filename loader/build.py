@@ -214,8 +214,56 @@ def _pad_ids(model, pad_ids):
     return ()
 
 
+def install_maximus(model, art, budget=None, device="cpu"):
+    """Replace the input embedding with a ``MaximusEmbedding`` using the artifact's shard state.
+
+    The hottest shards (by the stored frequencies, or the saved residency) are made resident
+    first, up to ``budget`` shards (default: the stored policy's budget); the rest stay in host
+    memory. Returns the new module.
+    """
+    import torch
+
+    from lct.kernels import MaximusEmbedding, NF4Embedding
+    from lct.maximus import read_state_file
+    m = art.manifest.maximus
+    if m is None:
+        raise LCTError(f"{art.path}: no Maximus shard state; convert with --maximus-shards N")
+    state = art.maximus_state()
+    _, modules, _ = read_state_file(art.path / m["file"])
+    module_path = m["prefix"][len("maximus."):-1]
+    policy = dict(next(iter(modules.values()))["policy"]) if modules else {}
+    parent_path, _, leaf = module_path.rpartition(".")
+    parent = model.get_submodule(parent_path) if parent_path else model
+    old = getattr(parent, leaf)
+    kw = dict(max_shards=policy.get("num_shards", m["num_shards"]),
+              budget_shards=budget if isinstance(budget, int) and not isinstance(budget, bool)
+              else policy.get("budget_shards"),
+              load_rate=policy.get("load_rate", 0.3), evict_rate=policy.get("evict_rate", 0.05),
+              decay=policy.get("decay", 0.9), device=device,
+              row_to_id=state["maximus.row_to_id"], counts=state["maximus.token_freq"])
+    scale = getattr(old, "scale", None) if isinstance(old, NF4Embedding) else \
+        getattr(old, "embed_scale", None)
+    pads = state.get("maximus.pad_ids", torch.zeros(0, dtype=torch.int64)).tolist()
+    if isinstance(old, NF4Embedding):
+        new = MaximusEmbedding(old.num_embeddings, old.embedding_dim, pad_ids=pads,
+                               nf4=(old.packed, old.absmax, old.blocksize), dtype=old.dtype,
+                               scale=scale, **kw)
+    elif isinstance(old, torch.nn.Embedding):
+        new = MaximusEmbedding(old.num_embeddings, old.embedding_dim, pad_ids=pads,
+                               weight=old.weight.detach(), dtype=old.weight.dtype, scale=scale,
+                               **kw)
+        new.weight.requires_grad_(False)
+    else:
+        raise LCTError(f"{art.path}: {module_path} is a {type(old).__name__}, not an embedding")
+    new.load_state_tensors(state, where=str(art.path / m["file"]))
+    new.frequency_source = m.get("frequency_source")
+    setattr(parent, leaf, new)
+    return new
+
+
 def load(path, prefetch: int = 2, device="cpu", dtype=None, nf4: str = "keep",
-         workers: int | None = None, *, verify: bool = True, pad_ids=None, stats: LoadStats | None = None):
+         workers: int | None = None, *, verify: bool = True, pad_ids=None,
+         stats: LoadStats | None = None, maximus=False):
     """Load an LCT artifact into a transformers model ready for ``generate()``.
 
     Args:
@@ -229,6 +277,8 @@ def load(path, prefetch: int = 2, device="cpu", dtype=None, nf4: str = "keep",
         verify: check chunk checksums as they stream.
         pad_ids: ids the NF4 embedding never gathers (default: the config's pad_token_id).
         stats: a ``LoadStats`` to fill with the time breakdown.
+        maximus: ``True`` (or a budget in shards) installs a ``MaximusEmbedding`` from the
+            artifact's shard state, hottest shards resident first.
 
     Returns:
         A ``PreTrainedModel`` in eval mode.
@@ -264,6 +314,8 @@ def load(path, prefetch: int = 2, device="cpu", dtype=None, nf4: str = "keep",
         inst.finish()
         if device != "cpu":
             model.to(device)  # buffers (rotary tables) follow the weights
+        if maximus:
+            install_maximus(model, art, budget=maximus, device=device)
     finally:
         art.close()
     stats.read_s, stats.decode_s, stats.wait_s = s.read_s, s.decode_s, s.wait_s

@@ -112,9 +112,8 @@ class GroupStream:
             t2 = time.perf_counter()
             self.stats.add(t1 - t0, t2 - t1, chunk.stored_size, chunk.decoded_size)
             buffers[chunk.id] = buf
-            for t in art.manifest.group_tensors(name):
-                if t.chunk == chunk.id:
-                    tensors[t.name] = art.tensor_from_buffer(t, buf, self.dequantize)
+        for t in art.manifest.group_tensors(name):
+            tensors[t.name] = art.assemble(t, buffers, self.dequantize)
         for tied, real in art.manifest.ties.items():
             if real in tensors:
                 tensors[tied] = tensors[real]

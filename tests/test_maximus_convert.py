@@ -1,0 +1,187 @@
+"""Converting with Maximus shards: frequency order, one chunk per shard, state in the artifact,
+reading/exporting/loading back in token-id order, and bad frequency sources."""
+
+import json
+
+import numpy as np
+import pytest
+import torch
+from click.testing import CliRunner
+from safetensors.torch import load_file
+
+import lct
+from lct import nf4
+from lct.converter import Policy
+from lct.errors import ChecksumError, ManifestError, PolicyError, SourceError
+
+V = 384  # the tiny Llama's vocabulary
+
+
+@pytest.fixture(scope="module")
+def counts(tmp_path_factory):
+    rng = np.random.default_rng(0)
+    c = np.bincount(rng.zipf(1.2, 5000) % V, minlength=V)
+    path = tmp_path_factory.mktemp("freq") / "counts.npy"
+    np.save(path, c)
+    return c, path
+
+
+@pytest.fixture(scope="module")
+def mx_art(llama_src, counts, tmp_path_factory):
+    out = tmp_path_factory.mktemp("mx") / "llama-mx.lct"
+    lct.convert(str(llama_src), out, policy=Policy(maximus_shards=5), token_freq=str(counts[1]))
+    return out
+
+
+def test_shards_follow_counts_one_chunk_each(mx_art, counts):
+    with lct.open(mx_art) as art:
+        m = art.manifest
+        assert m.maximus["num_shards"] == 5
+        assert sorted(m.maximus["tensors"]) == ["lm_head.weight", "model.embed_tokens.weight"]
+        emb = m.tensors["model.embed_tokens.weight"]
+        assert emb.row_order == "maximus" and len(emb.pieces) == 5
+        assert len({p.chunk for p in emb.pieces}) == 5
+        assert [p.rows for p in emb.pieces] == [(0, 77), (77, 154), (154, 231), (231, 308),
+                                                (308, 384)]
+        state = art.maximus_state()
+        order = state["maximus.row_to_id"]
+        freq = torch.as_tensor(counts[0])[order]
+        assert bool((freq[:-1] >= freq[1:]).all())  # hottest first
+        assert torch.equal(state["maximus.token_freq"], torch.as_tensor(counts[0]))
+
+
+def test_pieces_decode_alone_and_read_back_in_id_order(mx_art, llama_src):
+    ref = load_file(llama_src / "model.safetensors")
+    with lct.open(mx_art) as art:
+        for name in ("model.embed_tokens.weight", "lm_head.weight"):
+            p, a = nf4.quantize(ref[name], 64)
+            expected = nf4.dequantize(p, a, ref[name].shape, 64, torch.bfloat16)
+            assert torch.equal(art.read_tensor(name), expected)
+            w = art.read_tensor(name, dequantize=False)
+            assert torch.equal(w.packed, p) and torch.equal(w.absmax, a)
+        info = art.manifest.tensors["model.embed_tokens.weight"]
+        piece = info.pieces[2]
+        hot = art.tensor_from_buffer(piece, art.read_chunk(piece.chunk), dequantize=True)
+        ids = art.maximus_state()["maximus.row_to_id"][154:231]
+        p, a = nf4.quantize(ref["model.embed_tokens.weight"][ids], 64)
+        assert torch.equal(hot, nf4.dequantize(p, a, (77, 128), 64, torch.bfloat16))
+    assert lct.verify(mx_art, against=str(llama_src)).ok
+
+
+def test_export_and_load_equal_unsharded(mx_art, llama_art, tmp_path):
+    lct.export(mx_art, tmp_path / "hf")
+    a = load_file(tmp_path / "hf" / "model.safetensors")
+    lct.export(llama_art, tmp_path / "hf2")
+    b = load_file(tmp_path / "hf2" / "model.safetensors")
+    assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+    ids = torch.randint(1, V, (2, 9), generator=torch.Generator().manual_seed(0))
+    plain = lct.load(llama_art)
+    for nf4_mode in ("keep", "dequantize"):
+        model = lct.load(mx_art, maximus=True, nf4=nf4_mode)
+        emb = model.get_input_embeddings()
+        assert type(emb).__name__ == "MaximusEmbedding"
+        assert sorted(emb.resident) == [0]  # budget 5 // 4 = 1: the hottest shard
+        with torch.no_grad():
+            assert torch.equal(model(ids).logits, plain(ids).logits)
+
+
+def test_plain_lossless_shards(llama_src, tmp_path, counts):
+    lct.convert(str(llama_src), tmp_path / "a.lct", policy=Policy(maximus_shards=3, nf4=()),
+                token_freq=str(counts[1]))
+    ref = load_file(llama_src / "model.safetensors")
+    with lct.open(tmp_path / "a.lct") as art:
+        for name in ("model.embed_tokens.weight", "lm_head.weight"):
+            assert torch.equal(art.read_tensor(name), ref[name])
+
+
+@pytest.mark.parametrize("content,fragment", [
+    (json.dumps([1] * (V + 1)), "385 counts"),
+    (json.dumps({"x": 1}), "not a token id"),
+    (json.dumps({"9999": 1}), "outside the vocabulary"),
+    (json.dumps([1, -2]), "expected an integer >= 0"),
+])
+def test_bad_counts_files(llama_src, tmp_path, content, fragment):
+    f = tmp_path / "c.json"
+    f.write_text(content)
+    with pytest.raises(SourceError, match=fragment):
+        lct.convert(str(llama_src), tmp_path / "a.lct", policy=Policy(maximus_shards=2),
+                    token_freq=str(f))
+    assert not (tmp_path / "a.lct").exists()
+
+
+def test_json_counts_and_npy_refuses_pickle(llama_src, tmp_path):
+    f = tmp_path / "c.json"
+    f.write_text(json.dumps({"7": 100, "3": 50}))
+    lct.convert(str(llama_src), tmp_path / "a.lct", policy=Policy(maximus_shards=2),
+                token_freq=str(f))
+    with lct.open(tmp_path / "a.lct") as art:
+        assert art.maximus_state()["maximus.row_to_id"][:2].tolist() == [7, 3]
+    np.save(tmp_path / "obj.npy", np.array([{"a": 1}], dtype=object), allow_pickle=True)
+    with pytest.raises(SourceError, match="obj.npy"):
+        lct.convert(str(llama_src), tmp_path / "b.lct", policy=Policy(maximus_shards=2),
+                    token_freq=str(tmp_path / "obj.npy"))
+
+
+def test_text_frequencies_need_a_tokenizer(llama_src, tmp_path):
+    (tmp_path / "corpus.txt").write_text("hello world " * 10)
+    with pytest.raises(SourceError, match="no tokenizer"):
+        lct.convert(str(llama_src), tmp_path / "a.lct", policy=Policy(maximus_shards=2),
+                    token_freq=str(tmp_path / "corpus.txt"))
+
+
+def test_text_frequencies_with_the_model_tokenizer(tmp_path):
+    from lct import tiny
+    src = tiny.save_tiny(tmp_path / "src", "llama", vocab_size=512)
+    tiny.save_tokenizer(src, vocab_size=512)
+    (tmp_path / "corpus.txt").write_text("the quick brown fox " * 50)
+    lct.convert(str(src), tmp_path / "a.lct", policy=Policy(maximus_shards=4),
+                token_freq=str(tmp_path / "corpus.txt"))
+    from transformers import AutoTokenizer
+    tok = AutoTokenizer.from_pretrained(src)
+    ids = tok((tmp_path / "corpus.txt").read_text(), add_special_tokens=False).input_ids
+    expected = torch.bincount(torch.tensor(ids), minlength=512)
+    with lct.open(tmp_path / "a.lct") as art:
+        state = art.maximus_state()
+        assert torch.equal(state["maximus.token_freq"], expected)
+        used = int((expected > 0).sum())
+        assert set(state["maximus.row_to_id"][:used].tolist()) == set(ids)
+        assert art.manifest.maximus["frequency_source"]["kind"] == "text"
+
+
+def test_no_frequency_source_orders_by_id(llama_src, tmp_path):
+    res = CliRunner().invoke(lct_cli(), ["convert", str(llama_src), "-o", str(tmp_path / "a.lct"),
+                                         "--maximus-shards", "--quiet"])
+    assert res.exit_code == 0, res.output
+    assert "token-id order" in res.output and "32 shards" in res.output
+    with lct.open(tmp_path / "a.lct") as art:
+        assert torch.equal(art.maximus_state()["maximus.row_to_id"], torch.arange(V))
+    res = CliRunner().invoke(lct_cli(), ["convert", str(llama_src), "-o", str(tmp_path / "b"),
+                                         "--token-freq", str(tmp_path / "a.lct" / "lct.json")])
+    assert res.exit_code != 0 and "--maximus-shards" in res.output
+
+
+def test_too_many_shards(llama_src, tmp_path):
+    with pytest.raises(PolicyError, match="maximus-shards 999"):
+        lct.convert(str(llama_src), tmp_path / "a.lct", policy=Policy(maximus_shards=999))
+
+
+def test_corrupt_or_mismatched_state_in_artifact(mx_art, tmp_path):
+    import shutil
+    bad = tmp_path / "bad.lct"
+    shutil.copytree(mx_art, bad)
+    state = bad / "maximus.safetensors"
+    data = bytearray(state.read_bytes())
+    data[-3] ^= 1
+    state.write_bytes(bytes(data))
+    with lct.open(bad) as art, pytest.raises(ChecksumError, match="maximus.safetensors"):
+        art.read_tensor("model.embed_tokens.weight")
+    manifest = json.loads((bad / "lct.json").read_text())
+    manifest["maximus"]["tensors"] = ["model.norm.weight"]
+    (bad / "lct.json").write_text(json.dumps(manifest))
+    with pytest.raises(ManifestError, match="not a frequency-ordered"):
+        lct.open(bad)
+
+
+def lct_cli():
+    from lct.cli.main import cli
+    return cli
