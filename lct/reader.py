@@ -7,8 +7,10 @@ buffer; tensors are zero-copy views of that buffer.
 
 from __future__ import annotations
 
+import mmap
 import os
 import struct
+import threading
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
@@ -82,6 +84,8 @@ class Artifact:
         self.verify = verify
         self.workers = workers or os.cpu_count() or 1
         self._pool = None
+        self._maps: dict = {}
+        self._lock = threading.Lock()
         self._check_files()
 
     # Lifecycle ---------------------------------------------------------------------------------
@@ -93,10 +97,17 @@ class Artifact:
         return False
 
     def close(self) -> None:
-        """Release the worker threads."""
+        """Release the worker threads and the mapped data files."""
         if self._pool is not None:
             self._pool.shutdown(wait=True, cancel_futures=True)
             self._pool = None
+        with self._lock:
+            for m in self._maps.values():
+                try:
+                    m.close()
+                except BufferError:  # a caller still holds a view; the GC unmaps it later
+                    pass
+            self._maps.clear()
 
     @property
     def pool(self) -> ThreadPoolExecutor:
@@ -143,19 +154,37 @@ class Artifact:
             raise KeyError(f"{self.path}: no tensor named {name!r}") from None
 
     # Chunks ----------------------------------------------------------------------------------
-    def read_stored(self, chunk: ChunkInfo) -> bytearray:
-        """The stored bytes of ``chunk``, checksum-verified unless verification is off."""
-        fname = self.path / self.manifest.files[chunk.file]["name"]
-        buf = bytearray(chunk.stored_size)
-        with open(fname, "rb") as fh:
-            fh.seek(chunk.offset)
-            got = fh.readinto(buf)
-        if got != chunk.stored_size:
-            raise CorruptChunkError(f"{fname}: chunk {chunk.id} ({chunk.group}) is truncated: "
-                                    f"read {got} of {chunk.stored_size} bytes")
+    def _map(self, index: int) -> mmap.mmap:
+        with self._lock:
+            m = self._maps.get(index)
+            if m is None:
+                fname = self.path / self.manifest.files[index]["name"]
+                with open(fname, "rb") as fh:
+                    size = os.fstat(fh.fileno()).st_size
+                    if size != self.manifest.files[index]["size"]:
+                        raise ManifestError(f"{fname}: file is {size} bytes, manifest says "
+                                            f"{self.manifest.files[index]['size']} (changed "
+                                            f"since the artifact was opened?)")
+                    m = mmap.mmap(fh.fileno(), 0, access=mmap.ACCESS_READ)
+                self._maps[index] = m
+            return m
+
+    def read_stored(self, chunk: ChunkInfo) -> memoryview:
+        """The stored bytes of ``chunk`` (a zero-copy view of the mapped data file),
+        checksum-verified unless verification is off. ``release`` them when decoded."""
+        view = memoryview(self._map(chunk.file))[chunk.offset: chunk.offset + chunk.stored_size]
+        if len(view) != chunk.stored_size:  # pragma: no cover - sizes are checked at open
+            raise CorruptChunkError(f"chunk {chunk.id} ({chunk.group}) is truncated")
         if self.verify:
-            self.check(chunk, buf)
-        return buf
+            self.check(chunk, view)
+        return view
+
+    def release(self, chunk: ChunkInfo) -> None:
+        """Drop the mapped pages of a decoded chunk from this process (the page cache keeps
+        them), so that resident memory holds decoded tensors, not compressed bytes too."""
+        m = self._maps.get(chunk.file)
+        if m is not None and hasattr(mmap, "MADV_DONTNEED"):
+            m.madvise(mmap.MADV_DONTNEED, chunk.offset, chunk.stored_size)
 
     def check(self, chunk: ChunkInfo, stored) -> None:
         """Raise ``ChecksumError`` unless ``stored`` matches the chunk's checksum."""
@@ -187,7 +216,12 @@ class Artifact:
     def read_chunk(self, chunk_id: int) -> np.ndarray:
         """Read, verify and decode chunk ``chunk_id``."""
         chunk = self.manifest.chunks[chunk_id]
-        return self.decode(chunk, self.read_stored(chunk))
+        stored = self.read_stored(chunk)
+        try:
+            return self.decode(chunk, stored)
+        finally:
+            stored.release()
+            self.release(chunk)
 
     # Tensors ---------------------------------------------------------------------------------
     def tensor_from_buffer(self, info: TensorInfo, buf: np.ndarray, dequantize: bool = True):

@@ -82,7 +82,7 @@ def verify(artifact, *, against: str | None = None, revision: str | None = None,
             for chunk in art.manifest.group_chunks(group):
                 report.chunks_checked += 1
                 try:
-                    bufs[chunk.id] = art.decode(chunk, art.read_stored(chunk))
+                    bufs[chunk.id] = art.read_chunk(chunk.id)
                 except LCTError as e:
                     report.failures.append(str(e))
             if src is not None:

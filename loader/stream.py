@@ -107,8 +107,11 @@ class GroupStream:
             t0 = time.perf_counter()
             stored = art.read_stored(chunk)
             t1 = time.perf_counter()
-            buf = art.decode(chunk, stored)
-            del stored
+            try:
+                buf = art.decode(chunk, stored)
+            finally:
+                stored.release()
+                art.release(chunk)
             t2 = time.perf_counter()
             self.stats.add(t1 - t0, t2 - t1, chunk.stored_size, chunk.decoded_size)
             buffers[chunk.id] = buf
