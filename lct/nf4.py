@@ -65,9 +65,15 @@ def _code_lut():
 
 def _codes(scaled):
     """NF4 codes of float32 ``scaled`` values (any shape), by the bucketize rule."""
+    torch = _torch()
     base, split = _code_lut()
-    idx = ((scaled.view(_torch().int32) >> 16) & 0xFFFF).long()
-    return base[idx] + (scaled > split[idx]).to(base.dtype)
+    flat = scaled.contiguous().view(-1)
+    # The top 16 bits of a little-endian float32 are its odd int16; a negative index wraps to
+    # the same table entry as the unsigned value would.
+    idx = flat.view(torch.int16).view(-1, 2)[:, 1].long()
+    codes = torch.take(base, idx)
+    codes += torch.take(split, idx) < flat
+    return codes.view(scaled.shape)
 
 
 def check_blocksize(shape, blocksize: int, name: str = "tensor") -> None:
