@@ -18,25 +18,24 @@ def process_age() -> float | None:
         return None
 
 
-def peak_rss() -> int:
-    """Peak resident set size of this process in bytes."""
+def _status_kb(field: str) -> int | None:
+    """A ``kB`` field of /proc/self/status in bytes, or None where it is unavailable."""
     try:
         with open("/proc/self/status") as f:
             for line in f:
-                if line.startswith("VmHWM:"):
+                if line.startswith(field + ":"):
                     return int(line.split()[1]) * 1024
     except OSError:
         pass
-    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+    return None
+
+
+def peak_rss() -> int:
+    """Peak resident set size of this process in bytes."""
+    peak = _status_kb("VmHWM")
+    return peak if peak is not None else resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
 
 
 def current_rss() -> int:
     """Current resident set size of this process in bytes (0 where unknown)."""
-    try:
-        with open("/proc/self/status") as f:
-            for line in f:
-                if line.startswith("VmRSS:"):
-                    return int(line.split()[1]) * 1024
-    except OSError:
-        pass
-    return 0
+    return _status_kb("VmRSS") or 0
