@@ -7,10 +7,8 @@ buffer; tensors are zero-copy views of that buffer.
 
 from __future__ import annotations
 
-import mmap
 import os
 import struct
-import threading
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
@@ -21,6 +19,7 @@ from . import codecs
 from . import constants as C
 from .errors import ArtifactNotFoundError, ChecksumError, CorruptChunkError, ManifestError
 from .manifest import ChunkInfo, Manifest, TensorInfo
+from .store import LocalStore
 from .writer import checksum
 
 _TORCH_DTYPES = {
@@ -69,7 +68,7 @@ class Artifact:
     """
 
     def __init__(self, path, *, verify: bool = True, workers: int | None = None,
-                 pin_memory: bool = False):
+                 pin_memory: bool = False, store=None):
         self.path = Path(path)
         self.pin_memory = pin_memory
         if not self.path.is_dir():
@@ -84,8 +83,7 @@ class Artifact:
         self.verify = verify
         self.workers = workers or os.cpu_count() or 1
         self._pool = None
-        self._maps: dict = {}
-        self._lock = threading.Lock()
+        self.store = store if store is not None else LocalStore(self.path)
         self._check_files()
 
     # Lifecycle ---------------------------------------------------------------------------------
@@ -101,13 +99,7 @@ class Artifact:
         if self._pool is not None:
             self._pool.shutdown(wait=True, cancel_futures=True)
             self._pool = None
-        with self._lock:
-            for m in self._maps.values():
-                try:
-                    m.close()
-                except BufferError:  # a caller still holds a view; the GC unmaps it later
-                    pass
-            self._maps.clear()
+        self.store.close()
 
     @property
     def pool(self) -> ThreadPoolExecutor:
@@ -117,16 +109,15 @@ class Artifact:
 
     def _check_files(self) -> None:
         for i, f in enumerate(self.manifest.files):
-            p = self.path / f["name"]
-            if not p.is_file():
-                raise ArtifactNotFoundError(f"{p}: data file missing")
-            actual = p.stat().st_size
+            p = self.store.describe(f["name"])
+            actual = self.store.size(f["name"])
             if actual != f["size"]:
                 raise ManifestError(f"{p}: file is {actual} bytes, manifest says {f['size']} "
                                     f"(truncated or replaced?)")
-            with open(p, "rb") as fh:
-                head = fh.read(C.DATA_HEADER_SIZE)
-            if len(head) < 24 or head[:8] != C.DATA_MAGIC:
+            view = self.store.read_range(f["name"], 0, min(C.DATA_HEADER_SIZE, actual), actual)
+            head = bytes(view[:32])
+            view.release()
+            if len(head) < 32 or head[:8] != C.DATA_MAGIC:
                 raise ManifestError(f"{p}: not an LCT data file (bad magic)")
             major, _minor, index = struct.unpack_from("<HHI", head, 8)
             if major != C.FORMAT_VERSION[0] or index != i or head[16:32].hex() != self.manifest.artifact_id:
@@ -154,44 +145,31 @@ class Artifact:
             raise KeyError(f"{self.path}: no tensor named {name!r}") from None
 
     # Chunks ----------------------------------------------------------------------------------
-    def _map(self, index: int) -> mmap.mmap:
-        with self._lock:
-            m = self._maps.get(index)
-            if m is None:
-                fname = self.path / self.manifest.files[index]["name"]
-                with open(fname, "rb") as fh:
-                    size = os.fstat(fh.fileno()).st_size
-                    if size != self.manifest.files[index]["size"]:
-                        raise ManifestError(f"{fname}: file is {size} bytes, manifest says "
-                                            f"{self.manifest.files[index]['size']} (changed "
-                                            f"since the artifact was opened?)")
-                    m = mmap.mmap(fh.fileno(), 0, access=mmap.ACCESS_READ)
-                self._maps[index] = m
-            return m
-
     def read_stored(self, chunk: ChunkInfo) -> memoryview:
-        """The stored bytes of ``chunk`` (a zero-copy view of the mapped data file),
-        checksum-verified unless verification is off. ``release`` them when decoded."""
-        view = memoryview(self._map(chunk.file))[chunk.offset: chunk.offset + chunk.stored_size]
-        if len(view) != chunk.stored_size:  # pragma: no cover - sizes are checked at open
-            raise CorruptChunkError(f"chunk {chunk.id} ({chunk.group}) is truncated")
+        """The stored bytes of ``chunk`` (zero-copy from a local file, or fetched by one range
+        request from a remote store), checksum-verified unless verification is off. Call
+        ``release`` once they are decoded."""
+        f = self.manifest.files[chunk.file]
+        view = self.store.read_range(f["name"], chunk.offset, chunk.stored_size, f["size"])
+        if len(view) != chunk.stored_size:
+            raise CorruptChunkError(f"{self.store.describe(f['name'])}: chunk {chunk.id} "
+                                    f"({chunk.group}) is truncated: got {len(view)} of "
+                                    f"{chunk.stored_size} bytes")
         if self.verify:
             self.check(chunk, view)
         return view
 
     def release(self, chunk: ChunkInfo) -> None:
-        """Drop the mapped pages of a decoded chunk from this process (the page cache keeps
-        them), so that resident memory holds decoded tensors, not compressed bytes too."""
-        m = self._maps.get(chunk.file)
-        if m is not None and hasattr(mmap, "MADV_DONTNEED"):
-            m.madvise(mmap.MADV_DONTNEED, chunk.offset, chunk.stored_size)
+        """Let go of a decoded chunk's stored bytes (drops mapped pages from this process)."""
+        self.store.release(self.manifest.files[chunk.file]["name"], chunk.offset,
+                           chunk.stored_size)
 
     def check(self, chunk: ChunkInfo, stored) -> None:
         """Raise ``ChecksumError`` unless ``stored`` matches the chunk's checksum."""
         found = checksum(stored)
         if found != chunk.checksum:
             fname = self.manifest.files[chunk.file]["name"]
-            raise ChecksumError(f"{self.path / fname}: chunk {chunk.id} (group {chunk.group!r}, "
+            raise ChecksumError(f"{self.store.describe(fname)}: chunk {chunk.id} (group {chunk.group!r}, "
                                 f"offset {chunk.offset}) checksum mismatch: expected "
                                 f"{chunk.checksum}, found {found}")
 
@@ -330,7 +308,7 @@ class Artifact:
 
 
 def open_artifact(path, *, verify: bool = True, workers: int | None = None,
-                  pin_memory: bool = False) -> Artifact:
+                  pin_memory: bool = False, store=None) -> Artifact:
     """Open the LCT artifact at ``path`` (a directory).
 
     Args:
@@ -338,6 +316,8 @@ def open_artifact(path, *, verify: bool = True, workers: int | None = None,
         verify: check every chunk's checksum as it is read.
         workers: decode threads (default: all cores).
         pin_memory: decode into page-locked host memory (for asynchronous copies to a GPU).
+        store: where the data files are read from (default: ``LocalStore(path)``; a remote
+            store streams them by HTTP range requests while ``path`` holds the small files).
 
     Returns:
         An ``Artifact``; close it (or use ``with``) to release its threads.
@@ -347,4 +327,4 @@ def open_artifact(path, *, verify: bool = True, workers: int | None = None,
         ManifestError: the manifest is invalid or disagrees with the data files.
         UnsupportedVersionError: a newer major version, or an unknown codec/dtype.
     """
-    return Artifact(path, verify=verify, workers=workers, pin_memory=pin_memory)
+    return Artifact(path, verify=verify, workers=workers, pin_memory=pin_memory, store=store)

@@ -1,0 +1,72 @@
+"""Where an artifact's data files are read from. ``LocalStore`` maps local files; a remote store
+(``lct.remote``) serves the same calls with HTTP range requests. The reader only ever asks for a
+file's size and for byte ranges, which is what lets a chunk stream from a URL.
+"""
+
+from __future__ import annotations
+
+import mmap
+import os
+import threading
+from pathlib import Path
+
+from .errors import ArtifactNotFoundError, ManifestError
+
+
+class LocalStore:
+    """Data files in a local directory, read through read-only memory maps (zero-copy)."""
+
+    def __init__(self, root):
+        self.root = Path(root)
+        self._maps: dict = {}
+        self._lock = threading.Lock()
+
+    def describe(self, name: str) -> str:
+        """How to name the file in messages."""
+        return str(self.root / name)
+
+    def size(self, name: str) -> int:
+        """The file's size in bytes.
+
+        Raises:
+            ArtifactNotFoundError: the file is missing.
+        """
+        p = self.root / name
+        if not p.is_file():
+            raise ArtifactNotFoundError(f"{p}: data file missing")
+        return p.stat().st_size
+
+    def _map(self, name: str, expected: int) -> mmap.mmap:
+        with self._lock:
+            m = self._maps.get(name)
+            if m is None:
+                path = self.root / name
+                with open(path, "rb") as fh:
+                    size = os.fstat(fh.fileno()).st_size
+                    if size != expected:
+                        raise ManifestError(f"{path}: file is {size} bytes, manifest says "
+                                            f"{expected} (changed since the artifact was opened?)")
+                    m = mmap.mmap(fh.fileno(), 0, access=mmap.ACCESS_READ) if size else b""
+                self._maps[name] = m
+            return m
+
+    def read_range(self, name: str, offset: int, size: int, file_size: int) -> memoryview:
+        """Bytes ``[offset, offset + size)`` of ``name`` as a zero-copy view."""
+        return memoryview(self._map(name, file_size))[offset: offset + size]
+
+    def release(self, name: str, offset: int, size: int) -> None:
+        """Drop the mapped pages of a range from this process (the page cache keeps them)."""
+        m = self._maps.get(name)
+        if isinstance(m, mmap.mmap) and hasattr(mmap, "MADV_DONTNEED") and size:
+            m.madvise(mmap.MADV_DONTNEED, offset, size)
+
+    def close(self) -> None:
+        """Unmap every file (a view still held by a caller is unmapped by the GC later)."""
+        with self._lock:
+            for m in self._maps.values():
+                try:
+                    if isinstance(m, mmap.mmap):
+                        m.close()
+                except BufferError:
+                    pass
+            self._maps.clear()
