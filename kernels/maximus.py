@@ -175,6 +175,8 @@ class MaximusEmbedding(nn.Module):
         self._dirty: set = set()          # shards whose host rows changed since their copy
         self._pending = None              # (rows, grads) accumulated within a bucket
         self._backwards = 0
+        self._side_stream = None
+        self._pin_host()
 
     # Geometry -------------------------------------------------------------------------------
     @property
@@ -207,8 +209,15 @@ class MaximusEmbedding(nn.Module):
         parts = (host,) if self.nf4 is None else host
         parts = tuple(p[lo:hi] for p in parts)
         if self.compute_device != parts[0].device:
-            parts = tuple((p.pin_memory() if self.compute_device.type == "cuda" else p)
-                          .to(self.compute_device, non_blocking=True) for p in parts)
+            if self.compute_device.type == "cuda":
+                # Host rows are pinned (see _pin_host); the copy goes on a side stream and the
+                # next lookup waits for it (_sync_side_stream), so loads overlap compute.
+                if self._side_stream is None:
+                    self._side_stream = torch.cuda.Stream(self.compute_device)
+                with torch.cuda.stream(self._side_stream):
+                    parts = tuple(p.to(self.compute_device, non_blocking=True) for p in parts)
+            else:
+                parts = tuple(p.to(self.compute_device) for p in parts)
             self.stats.bytes_moved += sum(p.numel() * p.element_size() for p in parts)
         # On the host device the copy is a view: nothing moves, nothing goes stale.
         self.resident[s] = parts[0] if self.nf4 is None else parts
@@ -245,7 +254,20 @@ class MaximusEmbedding(nn.Module):
         self._dirty.clear()
 
     # Lookup ---------------------------------------------------------------------------------
+    def _sync_side_stream(self) -> None:
+        if self._side_stream is not None:
+            torch.cuda.current_stream(self.compute_device).wait_stream(self._side_stream)
+
+    def _pin_host(self) -> None:
+        """Cold rows live in page-locked host memory when the compute device is a GPU."""
+        if self.compute_device.type == "cuda" and self.nf4 is None and not self.weight.is_pinned():
+            self.weight.data = self.weight.data.pin_memory()
+        elif self.compute_device.type == "cuda" and self.nf4 is not None:
+            self.nf4 = tuple(t.pin_memory() if torch.is_tensor(t) and not t.is_pinned() else t
+                             for t in self.nf4)
+
     def _gather(self, rows: torch.Tensor) -> torch.Tensor:
+        self._sync_side_stream()
         out = torch.empty(rows.numel(), self.embedding_dim, dtype=self.weight.dtype,
                           device=self.compute_device)
         shards = self.shard_of_rows(rows)

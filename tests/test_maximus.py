@@ -160,13 +160,16 @@ def _optimizers(model, kind):
 
 
 def _train(model, opts, batches):
+    losses = []
     for ids in batches:
         loss = model(input_ids=ids, labels=ids).loss
+        losses.append(loss.item())
         loss.backward()
         model.model.embed_tokens.flush_gradients()
         for o in opts:
             o.step()
             o.zero_grad(set_to_none=True)
+    return losses
 
 
 @pytest.mark.parametrize("kind", ["sgd", "sparseadam"])
@@ -175,11 +178,11 @@ def test_save_restore_continue_equals_uninterrupted(gen, tmp_path, kind):
     batches = [zipf_ids(32, gen).view(2, 16) for _ in range(8)]
     a = _install(_tiny_model(), counts)
     opts_a = _optimizers(a, kind)
-    _train(a, opts_a, batches)
+    losses_a = _train(a, opts_a, batches)
 
     b = _install(_tiny_model(), counts)
     opts_b = _optimizers(b, kind)
-    _train(b, opts_b, batches[:4])
+    assert _train(b, opts_b, batches[:4]) == losses_a[:4]
     b.save_pretrained(tmp_path / "ckpt")
     save_maximus_state(b, tmp_path / "ckpt")
     opt_states = [copy.deepcopy(o.state_dict()) for o in opts_b]
@@ -193,7 +196,7 @@ def test_save_restore_continue_equals_uninterrupted(gen, tmp_path, kind):
     opts_c = _optimizers(c, kind)
     for o, st in zip(opts_c, opt_states):
         o.load_state_dict(st)
-    _train(c.train(), opts_c, batches[4:])
+    assert _train(c.train(), opts_c, batches[4:]) == losses_a[4:]  # step for step
 
     for (na, pa), (nc, pc) in zip(a.named_parameters(), c.named_parameters()):
         assert na == nc and torch.equal(pa, pc), na
