@@ -35,15 +35,33 @@ def _ids(ctx, param, value):
 @click.option("--maximus", "maximus", type=int, is_flag=False, flag_value=-1, default=None,
               help="Install a MaximusEmbedding from the artifact's shard state (optional value: "
                    "the resident budget in shards).")
+@click.option("--stream", is_flag=True,
+              help="For an hf://org/name[@revision] ARTIFACT: fetch the chunks by HTTP range "
+                   "requests as they load instead of pulling the files first.")
 @click.option("--prompt", default=None, help="Generate from this text (needs the artifact's tokenizer).")
 @click.option("--ids", default=None, callback=_ids, help="Generate from these token ids (1,5,9).")
 @click.option("--max-new-tokens", type=click.IntRange(1, 4096), default=16, show_default=True)
 def load_cmd(artifact, prefetch, device, dtype, nf4, workers, no_verify, layerwise, maximus,
-             prompt, ids, max_new_tokens):
+             stream, prompt, ids, max_new_tokens):
     """Load ARTIFACT into a transformers model with the prefetching streaming loader and print a
     breakdown: imports, manifest, read, decode, install, time to ready, time to first token (with
-    --prompt or --ids), throughput and peak RSS."""
+    --prompt or --ids), throughput and peak RSS.
+
+    ARTIFACT is a folder or a Hub address hf://org/name[@revision] (pulled into the Hugging Face
+    cache and verified, or with --stream read chunk by chunk over HTTP)."""
     from lct.proc import peak_rss, process_age
+
+    source = artifact
+    if artifact.startswith("hf://"):
+        from lct import hub, remote
+        if stream and layerwise:
+            raise click.UsageError("--stream does not combine with --layerwise yet; drop "
+                                   "--stream to pull the artifact first")
+        # The local folder of the small files (config, tokenizer), or of the whole pull.
+        artifact = str(remote.fetch_small(artifact)[0] if stream
+                       else hub.pull(artifact, chunks=no_verify))
+    else:
+        stream = False
 
     t0 = time.perf_counter()
     import accelerate  # noqa: F401  (timed: the import cost is part of a cold start)
@@ -63,8 +81,9 @@ def load_cmd(artifact, prefetch, device, dtype, nf4, workers, no_verify, layerwi
         model = loader.LayerwiseModel(artifact, prefetch=prefetch, device=device, dtype=tdtype,
                                       nf4=nf4, workers=workers, verify=not no_verify)
     else:
-        model = loader.load(artifact, prefetch=prefetch, device=device, dtype=tdtype, nf4=nf4,
-                            workers=workers, verify=not no_verify, stats=stats,
+        model = loader.load(source if stream else artifact, prefetch=prefetch, device=device,
+                            dtype=tdtype, nf4=nf4, workers=workers, verify=not no_verify,
+                            stats=stats, stream=stream,
                             maximus=False if maximus is None else (True if maximus < 0 else maximus))
     ready_s = time.perf_counter() - t1
     age_ready = process_age()

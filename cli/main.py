@@ -12,6 +12,8 @@ from .demo import demo_cmd
 from .export import export_cmd
 from .info import info_cmd
 from .load import load_cmd
+from .pull import pull_cmd
+from .push import push_cmd
 from .verify import verify_cmd
 
 
@@ -27,7 +29,8 @@ def cli():
     """
 
 
-for command in (convert_cmd, info_cmd, verify_cmd, export_cmd, load_cmd, demo_cmd):
+for command in (convert_cmd, info_cmd, verify_cmd, export_cmd, load_cmd, push_cmd, pull_cmd,
+                demo_cmd):
     cli.add_command(command)
 
 

@@ -40,14 +40,16 @@ def verify(artifact, **kwargs):
 
 
 def load(path, prefetch: int = 2, device="cpu", dtype=None, nf4: str = "keep", workers=None,
-         **kwargs):
+         stream: bool = False, **kwargs):
     """Load an artifact into a ready transformers model; see ``lct.loader.build.load``.
 
+    ``path`` may be ``hf://org/name[@revision]``: pulled from the Hub and verified, or with
+    ``stream=True`` its chunks are fetched by HTTP range requests as they load.
     ``maximus=True`` (or a budget in shards) installs a ``MaximusEmbedding`` from the artifact's
     shard state."""
     from .loader import load as _load
     return _load(path, prefetch=prefetch, device=device, dtype=dtype, nf4=nf4, workers=workers,
-                 **kwargs)
+                 stream=stream, **kwargs)
 
 
 def __getattr__(name):

@@ -56,14 +56,26 @@ def sha256_file(path, block: int = 8 << 20) -> str:
 
 
 def resolve(source: str, revision: str | None = None) -> Source:
-    """Resolve ``source`` (local folder or Hub repo id) to its safetensors files.
+    """Resolve ``source`` (local folder, Hub repo id, or ``hf://org/name[@revision]``) to its
+    safetensors files.
 
     Raises:
         SourceNotFoundError: no such folder, and not a Hub id (or no such repo).
         SourceError: the folder holds no safetensors, only pickle checkpoints, or a broken index.
     """
+    hub_only = isinstance(source, str) and source.startswith("hf://")
+    if hub_only:
+        from .hub import HubURIError, parse_hf_uri
+        try:
+            source, rev = parse_hf_uri(source)
+        except HubURIError as e:
+            raise SourceNotFoundError(str(e)) from e
+        if rev and revision and rev != revision:
+            raise SourceError(f"hf://{source}: revision {rev!r} in the address and "
+                              f"{revision!r} given; pass one")
+        revision = revision or rev
     path = Path(source).expanduser()
-    if path.exists():
+    if not hub_only and path.exists():
         if not path.is_dir():
             raise SourceError(f"{path}: is a file; pass the model folder that contains it")
         return _local(path, str(path.absolute()), "local", revision)

@@ -263,11 +263,12 @@ def install_maximus(model, art, budget=None, device="cpu"):
 
 def load(path, prefetch: int = 2, device="cpu", dtype=None, nf4: str = "keep",
          workers: int | None = None, *, verify: bool = True, pad_ids=None,
-         stats: LoadStats | None = None, maximus=False):
+         stats: LoadStats | None = None, maximus=False, stream: bool = False):
     """Load an LCT artifact into a transformers model ready for ``generate()``.
 
     Args:
-        path: the artifact directory.
+        path: the artifact directory, or a Hub address ``hf://org/name[@revision]`` (pulled
+            into the Hugging Face cache and verified first, unless ``stream``).
         prefetch: groups decoded ahead of the one being installed (0: strictly sequential).
         device: ``"cpu"`` or a CUDA device (pinned host buffers, non-blocking copies).
         dtype: cast floating-point weights to this torch dtype (default: keep stored dtypes).
@@ -279,6 +280,8 @@ def load(path, prefetch: int = 2, device="cpu", dtype=None, nf4: str = "keep",
         stats: a ``LoadStats`` to fill with the time breakdown.
         maximus: ``True`` (or a budget in shards) installs a ``MaximusEmbedding`` from the
             artifact's shard state, hottest shards resident first.
+        stream: for an ``hf://`` address, fetch the chunks by HTTP range requests straight
+            from the Hub (same prefetch window and checksums) instead of downloading the files.
 
     Returns:
         A ``PreTrainedModel`` in eval mode.
@@ -296,8 +299,18 @@ def load(path, prefetch: int = 2, device="cpu", dtype=None, nf4: str = "keep",
     stats = stats if stats is not None else LoadStats()
     t0 = time.perf_counter()
     import torch
-    art = open_artifact(path, verify=verify, workers=workers,
-                        pin_memory=torch.device(device).type == "cuda")
+    pin = torch.device(device).type == "cuda"
+    if isinstance(path, str) and path.startswith("hf://"):
+        if stream:
+            from lct.remote import open_remote
+            art = open_remote(path, verify=verify, workers=workers, pin_memory=pin)
+        else:
+            from lct.hub import pull
+            # Files are checked against the Hub's hashes here; chunks as they stream below.
+            path = pull(path, chunks=not verify)
+            art = open_artifact(path, verify=verify, workers=workers, pin_memory=pin)
+    else:
+        art = open_artifact(path, verify=verify, workers=workers, pin_memory=pin)
     stats.manifest_s = time.perf_counter() - t0
     try:
         t1 = time.perf_counter()

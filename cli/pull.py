@@ -1,0 +1,38 @@
+"""`lct pull`: download an artifact from the Hub through the Hugging Face cache and verify it."""
+
+from __future__ import annotations
+
+import click
+
+from ._util import GroupProgress
+
+
+@click.command("pull")
+@click.argument("repo_id")
+@click.option("--revision", default=None, help="Branch, tag or commit (default: main).")
+@click.option("--local-dir", type=click.Path(file_okay=False), default=None,
+              help="Put the files in this folder instead of the Hugging Face cache.")
+@click.option("--quiet", is_flag=True, help="No progress bars.")
+def pull_cmd(repo_id, revision, local_dir, quiet):
+    """Download the LCT artifact REPO_ID (org/name or hf://org/name@revision) and verify every
+    checksum: each file against the Hub's hash, each chunk against its xxh3. Prints the local
+    path. A corrupt download is reported (exit 1) and removed from the cache, never used.
+
+    Downloads resume after an interruption; HF_HUB_OFFLINE=1 uses only the cache. Private repos
+    need `hf auth login` or HF_TOKEN.
+    """
+    from lct import hub
+    from lct.info import human
+
+    if quiet:
+        from huggingface_hub.utils import disable_progress_bars
+        disable_progress_bars()
+    bar = GroupProgress("verify", unit="group", enabled=not quiet)
+    try:
+        res = hub.pull_detailed(repo_id, revision=revision, local_dir=local_dir, progress=bar)
+    finally:
+        bar.close()
+    click.echo(f"pulled {res.repo_id}" + (f"@{res.revision}" if res.revision else "") +
+               f": {len(res.files)} files, {human(res.bytes)}; {res.files_checked} file hashes and "
+               f"{res.chunks_checked} chunk checksums OK")
+    click.echo(str(res.path))

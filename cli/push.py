@@ -1,0 +1,77 @@
+"""`lct push`: publish a verified artifact to the Hugging Face Hub in one commit."""
+
+from __future__ import annotations
+
+import click
+
+from ._util import GroupProgress
+
+
+class _FileProgress:
+    """A byte progress bar fed by ``push``'s ``progress(file, done, total)`` callback."""
+
+    def __init__(self, enabled: bool):
+        self.enabled, self.bar = enabled, None
+
+    def __call__(self, name: str, done: int, total: int) -> None:
+        if not self.enabled:
+            return
+        if self.bar is None:
+            import sys
+
+            from tqdm import tqdm
+            self.bar = tqdm(total=total, desc="upload", unit="B", unit_scale=True,
+                            unit_divisor=1000, file=sys.stderr, dynamic_ncols=True)
+        self.bar.set_postfix_str(name, refresh=False)
+        self.bar.update(done - self.bar.n)
+
+    def close(self) -> None:
+        if self.bar is not None:
+            self.bar.close()
+
+
+@click.command("push")
+@click.argument("artifact", type=click.Path())
+@click.argument("repo_id")
+@click.option("--revision", default=None,
+              help="Branch to commit to (created if missing); with --create-pr, the branch the "
+                   "pull request targets.")
+@click.option("--private", is_flag=True, help="Create the repo as private (a new repo only).")
+@click.option("--commit-message", default=None, help="Commit title (default: what was uploaded).")
+@click.option("--create-pr", is_flag=True, help="Open a pull request instead of committing.")
+@click.option("--license", "license_", default=None,
+              help="License for the model card (default: the source's, when known).")
+@click.option("--quiet", is_flag=True, help="No progress bars.")
+def push_cmd(artifact, repo_id, revision, private, commit_message, create_pr, license_, quiet):
+    """Verify ARTIFACT and publish it to the Hub model repo REPO_ID (org/name) in one commit.
+
+    The repo is created if needed. The upload is the manifest, the data files (through LFS),
+    the Maximus state, the config/tokenizer files and a generated model card (README.md) that
+    says how it was converted and how to load it. An artifact that fails verification is
+    refused. Log in with `hf auth login` or set HF_TOKEN (a write token).
+    """
+    from lct import hub
+    from lct.info import human
+
+    if quiet:
+        from huggingface_hub.utils import disable_progress_bars
+        disable_progress_bars()
+    check = GroupProgress("verify", unit="group", enabled=not quiet)
+    upload = _FileProgress(enabled=not quiet)
+    try:
+        res = hub.push(artifact, repo_id, revision=revision, private=private,
+                       commit_message=commit_message, create_pr=create_pr, license=license_,
+                       progress=upload, verify_progress=check)
+    finally:
+        check.close()
+        upload.close()
+    click.echo(f"pushed {artifact} to {res.repo_id}@{res.revision}: {len(res.files)} files, "
+               f"{human(res.bytes)}, {res.chunks_checked} chunks verified before upload")
+    click.echo(f"commit {res.commit_oid}: {res.commit_url}")
+    if res.pr_url:
+        click.echo(f"pull request: {res.pr_url}")
+    at = f"@{res.revision}" if res.revision != "main" else ""
+    if res.pr_url:
+        num = res.pr_url.rstrip("/").rsplit("/", 1)[-1]
+        at = f"@refs/pr/{num}" if num.isdigit() else ""
+    click.echo(f'load it with: lct.load("hf://{res.repo_id}{at}")')

@@ -1,0 +1,682 @@
+"""Publishing and fetching LCT artifacts on the Hugging Face Hub.
+
+``push`` verifies an artifact, writes a model card and uploads everything in one commit (large
+files through LFS or Xet, as the Hub chooses); ``pull`` downloads a snapshot through the Hugging
+Face cache (resumable, ``HF_HUB_OFFLINE`` respected) and verifies every checksum before handing
+out its path; ``parse_hf_uri`` reads ``hf://org/name@revision``. Streaming chunks straight from
+the Hub, without downloading whole files, is ``lct.remote.open_remote``.
+
+Authentication is ``HF_TOKEN`` or the stored login (``hf auth login``), or an explicit
+``token=``. Hub failures become one-line ``HubError`` subclasses that say what to do.
+
+Example:
+    >>> lct.hub.push("gemma-2b.lct", "me/gemma-2b-lct")
+    >>> path = lct.hub.pull("me/gemma-2b-lct")
+    >>> model = lct.load("hf://me/gemma-2b-lct@main", prefetch=2)
+"""
+
+from __future__ import annotations
+
+import hashlib
+import re
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from . import constants as C
+from .errors import ChecksumError, CorruptChunkError, LCTError, MissingDependencyError
+
+HF_SCHEME = "hf://"
+_REPO_ID = re.compile(r"[A-Za-z0-9][\w.\-]*(/[A-Za-z0-9][\w.\-]*)?")
+# Other files worth publishing with an artifact when they are in its folder.
+EXTRA_FILES = ("LICENSE", "LICENSE.txt", "LICENSE.md", "NOTICE", "USE_POLICY.md")
+CARD_NAME = "README.md"
+
+
+# Errors -------------------------------------------------------------------------------------
+class HubError(LCTError, OSError):
+    """A Hub request failed (server error, incomplete download, refused upload)."""
+
+
+class HubAuthError(HubError, PermissionError):
+    """Not logged in, a rejected token, or no access to the repository (401/403, gated)."""
+
+
+class HubNotFoundError(HubError, FileNotFoundError):
+    """No such repository, revision or file on the Hub (or a private one you cannot see)."""
+
+
+class HubOfflineError(HubError, ConnectionError):
+    """The Hub cannot be reached (offline mode, network down) and the cache does not help."""
+
+
+class HubURIError(LCTError, ValueError):
+    """Not a valid ``hf://org/name[@revision]`` address or Hub repo id."""
+
+
+def _hub():
+    try:
+        import huggingface_hub
+        import huggingface_hub.constants  # noqa: F401  (a submodule: not an attribute until imported)
+    except ImportError as e:  # pragma: no cover - a declared dependency
+        raise MissingDependencyError("huggingface_hub is required for the Hub: "
+                                     "pip install huggingface_hub") from e
+    return huggingface_hub
+
+
+# Addresses ----------------------------------------------------------------------------------
+def parse_hf_uri(uri: str) -> tuple:
+    """Split ``hf://org/name@revision`` (or ``org/name@revision``) into ``(repo_id, revision)``.
+
+    The revision is optional (``None``: the default branch) and may contain slashes
+    (``hf://org/name@refs/pr/1``); a URL-encoded one (``refs%2Fpr%2F1``) is decoded.
+
+    Raises:
+        HubURIError: not a model repo address.
+    """
+    from urllib.parse import unquote
+    if not isinstance(uri, str):
+        raise HubURIError(f"{uri!r}: expected a string like hf://org/name@revision")
+    rest = uri[len(HF_SCHEME):] if uri.startswith(HF_SCHEME) else uri
+    repo_id, sep, revision = rest.partition("@")
+    repo_id = repo_id.strip("/")
+    if repo_id.startswith(("datasets/", "spaces/")):
+        raise HubURIError(f"{uri}: LCT artifacts live in model repos, not {repo_id.split('/')[0]}")
+    if repo_id.startswith("models/") and repo_id.count("/") == 2:
+        repo_id = repo_id[len("models/"):]
+    if not _REPO_ID.fullmatch(repo_id) or ".." in repo_id or len(repo_id) > 96:
+        raise HubURIError(f"{uri}: not a Hub model address; expected hf://org/name[@revision]")
+    revision = unquote(revision) if sep else None
+    if sep and not revision:
+        raise HubURIError(f"{uri}: empty revision after '@'")
+    return repo_id, revision
+
+
+def is_hf_uri(path) -> bool:
+    """Whether ``path`` is an ``hf://`` address (a string starting with ``hf://``)."""
+    return isinstance(path, str) and path.startswith(HF_SCHEME)
+
+
+def _where(repo_id: str, revision: str | None) -> str:
+    return f"{repo_id}@{revision}" if revision else repo_id
+
+
+# Error mapping ------------------------------------------------------------------------------
+def _chain(e: BaseException):
+    seen = set()
+    while e is not None and id(e) not in seen:
+        seen.add(id(e))
+        yield e
+        e = e.__cause__ or e.__context__
+
+
+def _endpoint() -> str:
+    try:
+        return _hub().constants.ENDPOINT
+    except Exception:  # noqa: BLE001
+        return "the Hub"
+
+
+def hub_error(e: BaseException, repo_id: str, revision: str | None = None,
+              action: str = "download") -> LCTError:
+    """The ``LCTError`` (with a one-line hint) for an exception raised by ``huggingface_hub``.
+
+    ``action`` (``"download"`` or ``"push"``) picks the hint. An ``LCTError`` is returned as is;
+    anything unknown becomes a ``HubError`` carrying the original message's first line.
+    """
+    if isinstance(e, LCTError):
+        return e
+    hh = _hub()
+    from huggingface_hub import errors as herr
+    import httpx2
+    where = _where(repo_id, revision)
+    login = "log in with `hf auth login` or set HF_TOKEN"
+    chain = list(_chain(e))
+
+    def find(*types):
+        return next((x for x in chain if isinstance(x, types)), None)
+
+    if find(herr.OfflineModeIsEnabled) is not None:
+        return HubOfflineError(f"{where}: offline (HF_HUB_OFFLINE is set) and not in the local "
+                               f"Hugging Face cache; unset HF_HUB_OFFLINE, or pull it once while "
+                               f"online")
+    if isinstance(e, herr.LocalTokenNotFoundError):
+        return HubAuthError(f"{where}: not logged in; {login}")
+    http = find(herr.HfHubHTTPError)
+    if isinstance(http, herr.RevisionNotFoundError):
+        return HubNotFoundError(f"{repo_id}: no revision {revision!r} in this repo "
+                                f"(a branch, tag or commit)")
+    if isinstance(http, herr.GatedRepoError):
+        return HubAuthError(f"{where}: gated repo; accept its conditions on the Hub, then {login}")
+    if isinstance(http, herr.RemoteEntryNotFoundError):
+        return HubNotFoundError(f"{where}: a file is missing from the repo ({_first_line(http)})")
+    status = getattr(getattr(http, "response", None), "status_code", None)
+    if http is not None and status == 401 and not isinstance(http, herr.RepositoryNotFoundError):
+        return HubAuthError(f"{where}: the Hub rejected the token (401): HF_TOKEN or the stored "
+                            f"login is invalid or expired; {login}")
+    if isinstance(http, herr.RepositoryNotFoundError):
+        if action == "push":
+            return HubAuthError(f"{where}: cannot write to this repo: it does not exist and could "
+                                f"not be created, or you have no access; {login} with a "
+                                f"write token")
+        return HubNotFoundError(f"{where}: no such repo on {_endpoint()}, or it is private and "
+                                f"you are not logged in ({login})")
+    if http is not None and status == 403:
+        what = "write access to this repo or namespace" if action == "push" else "access"
+        return HubAuthError(f"{where}: no access (403): your token does not grant {what}; "
+                            f"check its permissions or {login}")
+    if http is not None and status == 404:
+        return HubNotFoundError(f"{where}: not found on {_endpoint()} ({_first_line(http)})")
+    if http is not None:
+        return HubError(f"{where}: the Hub answered {status}: {_first_line(http)}")
+    net = find(httpx2.ConnectError, httpx2.TimeoutException, httpx2.NetworkError,
+               ConnectionError)
+    if net is not None:
+        cached = " and it is not in the local cache" if action == "download" else ""
+        return HubOfflineError(f"{where}: cannot reach {_endpoint()} ({type(net).__name__}: "
+                               f"{_first_line(net)}){cached}; check the network, or set "
+                               f"HF_HUB_OFFLINE=1 to use only the cache")
+    if isinstance(e, herr.LocalEntryNotFoundError):
+        return HubOfflineError(f"{where}: not in the local Hugging Face cache and the Hub could "
+                               f"not be reached")
+    if isinstance(e, (herr.HFValidationError, ValueError)) and "repo" in str(e).lower() \
+            and "id" in str(e).lower():
+        return HubURIError(f"{repo_id}: not a valid Hub repo id ({_first_line(e)})")
+    return HubError(f"{where}: {action} failed: {type(e).__name__}: {_first_line(e)}")
+
+
+def _first_line(e: BaseException) -> str:
+    text = str(e).strip()
+    lines = [ln.strip() for ln in text.splitlines() if ln.strip()]
+    return lines[0] if lines else type(e).__name__
+
+
+# Model card ---------------------------------------------------------------------------------
+def _human(n: float) -> str:
+    from .info import human
+    return human(n)
+
+
+def _source_license(manifest, token=None, endpoint=None) -> str | None:
+    """The license of the artifact's source, from its model card, when it can be found cheaply:
+    the local source folder, the local Hugging Face cache, or (online) the source repo's info."""
+    src = manifest.source or {}
+    sid, kind, rev = src.get("id"), src.get("kind"), src.get("revision")
+    if not isinstance(sid, str):
+        return None
+    try:
+        from huggingface_hub.repocard import metadata_load
+        if kind == "local":
+            card = Path(sid) / CARD_NAME
+            meta = metadata_load(card) if card.is_file() else None
+            return _license_of(meta)
+        if kind != "hub":
+            return None
+        hh = _hub()
+        cached = hh.try_to_load_from_cache(sid, CARD_NAME, revision=rev)
+        if isinstance(cached, str):
+            lic = _license_of(metadata_load(cached))
+            if lic:
+                return lic
+        if hh.constants.is_offline_mode():
+            return None
+        info = hh.HfApi(token=token, endpoint=endpoint).model_info(
+            sid, revision=rev, expand=["cardData"], timeout=10)
+        data = info.card_data.to_dict() if info.card_data is not None else {}
+        return _license_of(data)
+    except Exception:  # noqa: BLE001 - the license is a courtesy; never fail a push over it
+        return None
+
+
+def _license_of(meta) -> str | None:
+    lic = (meta or {}).get("license")
+    return lic if isinstance(lic, str) and lic.strip() else None
+
+
+def model_card(manifest, repo_id: str, *, license: str | None = None,  # noqa: A002
+               data_bytes: int | None = None) -> str:
+    """The ``README.md`` published with an artifact: front matter (``library_name: lct``,
+    ``base_model``, tags, license) and a body saying how it was converted, its sizes, and how
+    to load it."""
+    import yaml
+    src = manifest.source or {}
+    pol = manifest.policy or {}
+    arch = manifest.architecture or {}
+    meta: dict = {"library_name": "lct"}
+    if src.get("kind") == "hub" and isinstance(src.get("id"), str):
+        meta["base_model"] = src["id"]
+    tags = ["lct", "compressed"]
+    if arch.get("model_type"):
+        tags.append(str(arch["model_type"]))
+    if pol.get("nf4"):
+        tags.append("nf4")
+    if manifest.maximus:
+        tags.append("maximus")
+    meta["tags"] = tags
+    if license:
+        meta["license"] = license
+    front = yaml.safe_dump(meta, sort_keys=False, allow_unicode=True).strip()
+
+    name = repo_id.split("/")[-1]
+    if src.get("kind") == "hub":
+        origin = f"[`{src['id']}`](https://huggingface.co/{src['id']})"
+        if src.get("revision"):
+            origin += f" (revision `{src['revision']}`)"
+    else:
+        origin = "a local checkpoint" + (f" (`{Path(str(src.get('id'))).name}`)"
+                                         if src.get("id") else "")
+    nf4 = pol.get("nf4") or []
+    nf4_line = (f"{', '.join(nf4)} (blocksize {pol.get('blocksize')}, bitsandbytes layout)"
+                if nf4 else "none (every tensor lossless)")
+    codec = pol.get("codec", "?")
+    codec_line = f"`{codec}`"
+    if codec != C.CODEC_RAW:
+        codec_line += f", zstd level {pol.get('level')}, frame {_human(pol.get('frame_size') or 0)}"
+    if manifest.maximus:
+        mx = manifest.maximus
+        fs = mx.get("frequency_source") or {}
+        order = (f"ordered by {fs.get('tokens', 0):,} counted tokens ({fs.get('kind')})"
+                 if fs.get("kind") not in (None, "none") else "in token-id order")
+        maximus_line = (f"{mx.get('num_shards')} shards of {', '.join(mx.get('tensors', []))}, "
+                        f"{order}")
+    else:
+        maximus_line = "none"
+    source_bytes = manifest.source_bytes
+    stored = manifest.stored_bytes
+    data_bytes = data_bytes if data_bytes is not None else sum(f["size"] for f in manifest.files)
+    ratio = f"{stored / source_bytes:.3f}x of the source" if source_bytes else "n/a"
+    rows = [
+        ("source", origin),
+        ("architecture", f"{arch.get('model_type') or 'unknown'} "
+                         f"(group table `{arch.get('mapping')}`)"),
+        ("lossless codec", codec_line),
+        ("cast", f"`{pol['dtype']}`" if pol.get("dtype") else "none (source dtypes kept)"),
+        ("NF4 parts", nf4_line),
+        ("Maximus shards", maximus_line),
+        ("groups / tensors / chunks",
+         f"{len(manifest.groups)} / {len(manifest.tensors)} / {len(manifest.chunks)}"),
+        ("source tensors", _human(source_bytes) if source_bytes else "unknown"),
+        ("stored chunks", f"{_human(stored)} ({ratio})"),
+        ("decoded size", _human(manifest.decoded_bytes)),
+        ("data files", f"{len(manifest.files)} file(s), {_human(data_bytes)}"),
+        ("written by", f"`{manifest.created_by}`, format "
+                       f"{'.'.join(map(str, manifest.format_version))}"),
+    ]
+    table = "\n".join(["| | |", "|---|---|"] + [f"| {k} | {v} |" for k, v in rows])
+    return f"""---
+{front}
+---
+
+# {name} (LCT)
+
+This repository holds {origin} converted to **LCT** (Layer-wise Compressed Tensor format): every
+transformer layer is an independent compressed chunk with its own checksum, so a loader streams
+the model group by group (and can fetch each chunk with one HTTP range request).
+
+## Load it
+
+```python
+import lct
+model = lct.load("hf://{repo_id}", prefetch=2)
+```
+
+`lct.load(..., stream=True)` (or `lct load hf://{repo_id} --stream`) fetches only the chunks by
+HTTP range requests instead of downloading the files first; `lct pull {repo_id}` downloads the
+artifact into the Hugging Face cache and verifies every checksum. `lct export` turns it back into
+safetensors for `from_pretrained`.
+
+## How it was converted
+
+{table}
+
+The manifest `lct.json` records the sha256 of every source file and the xxh3 checksum of every
+chunk; `lct verify` checks them.
+"""
+
+
+# Push ---------------------------------------------------------------------------------------
+@dataclass
+class PushResult:
+    """What ``push`` published."""
+
+    repo_id: str
+    revision: str
+    commit_oid: str
+    commit_url: str
+    pr_url: str | None
+    files: list = field(default_factory=list)
+    bytes: int = 0
+    chunks_checked: int = 0
+
+
+def _artifact_files(root: Path, manifest) -> list:
+    names = [C.MANIFEST_NAME] + [f["name"] for f in manifest.files]
+    if manifest.maximus:
+        names.append(manifest.maximus["file"])
+    names += [n for n in C.SIDECAR_FILES if (root / n).is_file()]
+    names += [n for n in EXTRA_FILES if (root / n).is_file()]
+    for n in names:
+        if not (root / n).is_file():
+            raise LCTError(f"{root / n}: missing; refusing to push an incomplete artifact")
+    return names
+
+
+def push(artifact, repo_id: str, revision: str | None = None, private: bool = False,
+         commit_message: str | None = None, create_pr: bool = False, token=None,
+         progress=None, *, verify_progress=None, license: str | None = None,  # noqa: A002
+         endpoint: str | None = None) -> PushResult:
+    """Verify ``artifact`` and publish it to the Hub model repo ``repo_id`` in one commit.
+
+    The repo is created if needed (``private`` applies to a new repo only). The upload holds the
+    manifest, the data files, the Maximus state, the source's config/tokenizer files, and a
+    generated model card ``README.md`` (the artifact folder itself is not modified).
+
+    Args:
+        artifact: the artifact directory.
+        repo_id: ``org/name`` (``hf://org/name`` is accepted too).
+        revision: the branch to commit to (created from the default branch if missing); with
+            ``create_pr``, the branch the pull request targets.
+        private: create a new repo as private.
+        commit_message: the commit title (default: says what was uploaded).
+        create_pr: open a pull request instead of committing to the branch.
+        token: a Hub token (default: ``HF_TOKEN`` or the stored login).
+        progress: called as ``progress(file, bytes_done, bytes_total)`` as files are uploaded.
+        verify_progress: called as ``progress(group, done, total)`` while verifying.
+        license: the card's license (default: the source's, when it can be found).
+        endpoint: the Hub URL (default: ``HF_ENDPOINT`` or huggingface.co).
+
+    Returns:
+        A ``PushResult`` with the commit oid and URL (and the pull request URL).
+
+    Raises:
+        ChecksumError / ManifestError / ArtifactNotFoundError: the artifact is not valid and
+            verified; nothing is uploaded.
+        HubAuthError, HubNotFoundError, HubOfflineError, HubError: the Hub refused or failed.
+    """
+    from .reader import open_artifact
+    from .verifier import verify
+
+    if is_hf_uri(repo_id) or "@" in repo_id:
+        repo_id, rev = parse_hf_uri(repo_id)
+        revision = revision or rev
+    else:
+        repo_id, _ = parse_hf_uri(repo_id)
+    root = Path(artifact)
+    try:
+        with open_artifact(root) as art:
+            report = verify(art, progress=verify_progress)
+            if art.manifest.maximus and not report.failures:
+                art.maximus_state()  # sha256 and permutation checks
+            manifest = art.manifest
+    except LCTError as e:
+        raise type(e)(f"refusing to push: {e}") from e
+    if not report.ok:
+        raise ChecksumError(f"{root}: refusing to push an artifact that fails verification "
+                            f"({len(report.failures)} problem(s)); first: {report.failures[0]}")
+    names = _artifact_files(root, manifest)
+    card = model_card(manifest, repo_id,
+                      license=license or _source_license(manifest, token, endpoint),
+                      data_bytes=sum((root / f["name"]).stat().st_size for f in manifest.files))
+    hh = _hub()
+    api = hh.HfApi(token=token, endpoint=endpoint)
+    big = {f["name"] for f in manifest.files}
+    if manifest.maximus:
+        big.add(manifest.maximus["file"])
+    src = manifest.source or {}
+    message = commit_message or (f"Upload LCT artifact of {src['id']}" if src.get("kind") == "hub"
+                                 else "Upload LCT artifact")
+    description = (f"{len(manifest.groups)} groups, {len(manifest.chunks)} chunks, "
+                   f"{_human(manifest.stored_bytes)} stored; verified before upload "
+                   f"({report.chunks_checked} chunk checksums).")
+    try:
+        api.create_repo(repo_id, private=True if private else None, exist_ok=True)
+        if revision and not create_pr and not revision.startswith("refs/pr/"):
+            api.create_branch(repo_id, branch=revision, exist_ok=True)
+        ops = [hh.CommitOperationAdd(path_in_repo=n, path_or_fileobj=str(root / n)) for n in names]
+        ops.append(hh.CommitOperationAdd(path_in_repo=CARD_NAME, path_or_fileobj=card.encode()))
+        total = sum(op.upload_info.size for op in ops)
+        done = 0
+        # Large files one by one (so that progress is per file), the rest with the commit.
+        for op in sorted((op for op in ops if op.path_in_repo in big),
+                         key=lambda o: o.path_in_repo):
+            api.preupload_lfs_files(repo_id, additions=[op], revision=revision,
+                                    create_pr=create_pr)
+            done += op.upload_info.size
+            if progress:
+                progress(op.path_in_repo, done, total)
+        info = api.create_commit(repo_id, ops, commit_message=message,
+                                 commit_description=description, revision=revision,
+                                 create_pr=create_pr)
+        if progress:
+            progress(CARD_NAME, total, total)
+    except Exception as e:  # noqa: BLE001 - every Hub failure becomes one clear line
+        raise hub_error(e, repo_id, revision, action="push") from e
+    return PushResult(repo_id=repo_id, revision=revision or "main", commit_oid=info.oid,
+                      commit_url=info.commit_url, pr_url=info.pr_url,
+                      files=names + [CARD_NAME], bytes=total,
+                      chunks_checked=report.chunks_checked)
+
+
+# Pull ---------------------------------------------------------------------------------------
+@dataclass
+class PullResult:
+    """What ``pull_detailed`` fetched and checked."""
+
+    path: Path
+    repo_id: str
+    revision: str | None
+    files: list = field(default_factory=list)
+    bytes: int = 0
+    files_checked: int = 0
+    chunks_checked: int = 0
+
+
+def git_blob_oid(path: Path) -> str:
+    """The git blob sha1 of a file (the Hub's oid of a regular file)."""
+    size = path.stat().st_size
+    h = hashlib.sha1(b"blob %d\0" % size)
+    with open(path, "rb") as f:
+        while block := f.read(8 << 20):
+            h.update(block)
+    return h.hexdigest()
+
+
+def _lfs_pointer_oid(sha256: str, size: int) -> str:
+    ptr = (f"version https://git-lfs.github.com/spec/v1\noid sha256:{sha256}\n"
+           f"size {size}\n").encode()
+    return hashlib.sha1(b"blob %d\0" % len(ptr) + ptr).hexdigest()
+
+
+def _tree(repo_id: str, revision: str | None, local_dir) -> dict | None:
+    """``{path: (size, git oid)}`` from the tree listing ``snapshot_download`` cached (no
+    network); None when none is cached."""
+    hh = _hub()
+    try:
+        entries = hh.get_cached_repo_tree(repo_id, revision=revision, local_dir=local_dir)
+    except Exception:  # noqa: BLE001 - no cached listing (old cache, offline): skip this layer
+        return None
+    return {e.path: (e.size, e.blob_id) for e in entries}
+
+
+def check_files(root: Path, repo_id: str, revision: str | None, local_dir=None,
+                skip=()) -> tuple:
+    """Compare the files of a downloaded snapshot with the Hub's hashes (git oid of regular
+    files, sha256 behind the LFS pointer of large ones). Returns ``(checked, problems)`` with
+    problems as ``[(path, message)]``. Files in ``skip`` (data files, whose chunks are checked
+    by their own checksums) are only checked for size."""
+    from .source import sha256_file
+    tree = _tree(repo_id, revision, local_dir)
+    if tree is None:
+        return 0, []
+    checked, problems = 0, []
+    for name, (size, oid) in sorted(tree.items()):
+        p = root / name
+        if not p.is_file():
+            continue  # filtered out of this download
+        actual = p.stat().st_size
+        checked += 1
+        if size is not None and actual != size:
+            problems.append((name, f"{p}: {actual} bytes, the Hub says {size}"))
+            continue
+        if name in skip or not oid:
+            continue
+        if git_blob_oid(p) == oid or _lfs_pointer_oid(sha256_file(p), actual) == oid:
+            continue
+        problems.append((name, f"{p}: content does not match the Hub's hash {oid[:12]}"))
+    return checked, problems
+
+
+def _discard(root: Path, names) -> list:
+    """Remove corrupt downloaded files (and their cache blobs) so a new pull fetches them again."""
+    removed = []
+    for n in names:
+        p = root / n
+        try:
+            if p.is_symlink():
+                target = p.resolve()
+                p.unlink()
+                if target.is_file():
+                    target.unlink()
+            elif p.exists():
+                p.unlink()
+            removed.append(n)
+        except OSError:
+            pass
+    return removed
+
+
+def verify_download(root: Path, repo_id: str, revision: str | None = None, local_dir=None,
+                    chunks: bool = True, progress=None) -> tuple:
+    """Verify a downloaded artifact snapshot: the Hub hashes of every file, the data file
+    headers and sizes, every chunk's xxh3 checksum (``chunks=True``) and the Maximus state's
+    sha256. Corrupt files are removed from the cache.
+
+    Returns:
+        ``(files_checked, chunks_checked)``.
+
+    Raises:
+        ChecksumError: a file or chunk does not match (naming it); the files were discarded.
+        ManifestError / ArtifactNotFoundError: the repo does not hold a valid LCT artifact.
+    """
+    from .reader import open_artifact
+    where = _where(repo_id, revision)
+    if not (root / C.MANIFEST_NAME).is_file():
+        from .errors import ArtifactNotFoundError
+        raise ArtifactNotFoundError(f"{where}: not an LCT artifact (no {C.MANIFEST_NAME} in the "
+                                    f"repo)")
+    data_names = {n.name for n in root.glob("model-*.lct")}
+    files_checked, problems = check_files(root, repo_id, revision, local_dir, skip=data_names)
+    chunks_checked = 0
+    if not problems:
+        try:
+            art = open_artifact(root)
+        except LCTError as e:
+            raise type(e)(f"{where}: the repo does not hold a valid LCT artifact: {e}") from e
+        try:
+            groups = art.groups
+            if chunks:
+                for i, g in enumerate(groups):
+                    for chunk in art.manifest.group_chunks(g):
+                        chunks_checked += 1
+                        name = art.manifest.files[chunk.file]["name"]
+                        try:
+                            view = art.read_stored(chunk)
+                            view.release()
+                            art.release(chunk)
+                        except (ChecksumError, CorruptChunkError) as e:
+                            if not any(n == name for n, _ in problems):
+                                problems.append((name, str(e)))
+                    if progress:
+                        progress(g, i + 1, len(groups))
+            if art.manifest.maximus:
+                try:
+                    art.maximus_state()
+                except LCTError as e:
+                    problems.append((art.manifest.maximus["file"], str(e)))
+        finally:
+            art.close()
+    if problems:
+        removed = _discard(root, [n for n, _ in problems])
+        hint = (f"; removed {', '.join(removed)} from the cache: pull again, and if it fails "
+                f"again the file is corrupt on the Hub") if removed else ""
+        raise ChecksumError(f"{where}: download is corrupt, {len(problems)} problem(s): "
+                            f"{problems[0][1]}{hint}")
+    return files_checked, chunks_checked
+
+
+def pull_detailed(repo_id: str, revision: str | None = None, local_dir=None, token=None, *,
+                  chunks: bool = True, progress=None, endpoint: str | None = None) -> PullResult:
+    """``pull``, returning a ``PullResult`` (path, files, bytes and what was checked)."""
+    if is_hf_uri(repo_id) or "@" in repo_id:
+        repo_id, rev = parse_hf_uri(repo_id)
+        revision = revision or rev
+    else:
+        repo_id, _ = parse_hf_uri(repo_id)
+    hh = _hub()
+    if not hh.constants.is_offline_mode():
+        _check_is_artifact(hh, repo_id, revision, token, endpoint)
+    try:
+        path = Path(hh.snapshot_download(repo_id, revision=revision, local_dir=local_dir,
+                                         token=token, endpoint=endpoint))
+    except Exception as e:  # noqa: BLE001
+        raise hub_error(e, repo_id, revision) from e
+    files_checked, chunks_checked = verify_download(path, repo_id, revision, local_dir,
+                                                    chunks=chunks, progress=progress)
+    files = sorted(p.name for p in path.iterdir() if p.is_file() and not p.name.startswith("."))
+    size = sum((path / f).stat().st_size for f in files)
+    return PullResult(path, repo_id, revision, files, size, files_checked, chunks_checked)
+
+
+def _check_is_artifact(hh, repo_id: str, revision, token, endpoint) -> None:
+    """Ask the Hub first: a repo that holds no ``lct.json`` is refused before anything is
+    downloaded (a plain checkpoint would otherwise be downloaded whole), and a rejected token,
+    no access or a missing repo/revision is reported even when an older copy is cached. Other
+    failures (network, server errors) are left to ``snapshot_download``, which falls back to the
+    cache."""
+    from huggingface_hub import errors as herr
+    try:
+        info = hh.HfApi(token=token, endpoint=endpoint).model_info(repo_id, revision=revision)
+    except herr.HfHubHTTPError as e:
+        status = getattr(getattr(e, "response", None), "status_code", None)
+        if status in (401, 403, 404) or isinstance(e, (herr.RepositoryNotFoundError,
+                                                       herr.RevisionNotFoundError)):
+            raise hub_error(e, repo_id, revision) from e
+        return
+    except Exception:  # noqa: BLE001
+        return
+    names = {s.rfilename for s in (info.siblings or [])}
+    if info.siblings is not None and C.MANIFEST_NAME not in names:
+        from .errors import ArtifactNotFoundError
+        raise ArtifactNotFoundError(f"{_where(repo_id, revision)}: not an LCT artifact (no "
+                                    f"{C.MANIFEST_NAME} in the repo); to convert a checkpoint, "
+                                    f"run lct convert {repo_id} -o OUT")
+
+
+def pull(repo_id: str, revision: str | None = None, local_dir=None, token=None, *,
+         chunks: bool = True, progress=None, endpoint: str | None = None) -> Path:
+    """Download an LCT artifact from the Hub and verify every checksum before returning it.
+
+    Files go through the Hugging Face cache (or into ``local_dir``): an interrupted download
+    resumes, and with ``HF_HUB_OFFLINE=1`` only the cache is used. Every file is checked against
+    the Hub's hashes, and every chunk against its xxh3 checksum; a corrupt file is removed from
+    the cache and reported, and its path is not returned.
+
+    Args:
+        repo_id: ``org/name`` or ``hf://org/name@revision``.
+        revision: branch, tag or commit (default: the default branch).
+        local_dir: put the files in this folder instead of the cache.
+        token: a Hub token (default: ``HF_TOKEN`` or the stored login).
+        chunks: verify every chunk checksum (False: only the files' hashes and sizes; the
+            loader verifies chunks as it streams them anyway).
+        progress: called as ``progress(group, done, total)`` while chunks are verified.
+        endpoint: the Hub URL (default: ``HF_ENDPOINT``).
+
+    Returns:
+        The local artifact directory.
+
+    Raises:
+        ChecksumError: the download is corrupt (the bad files were removed from the cache).
+        HubAuthError, HubNotFoundError, HubOfflineError, HubError: with a one-line hint.
+    """
+    return pull_detailed(repo_id, revision, local_dir, token, chunks=chunks, progress=progress,
+                         endpoint=endpoint).path
+

@@ -1,0 +1,274 @@
+"""Streaming an artifact's chunks straight from the Hub by HTTP range requests.
+
+``open_remote("org/name", "main")`` downloads only the small files (manifest, config, tokenizer,
+Maximus state) through the Hugging Face cache, pins the revision to its commit so that every
+request reads one immutable snapshot, and returns an ``Artifact`` whose data files are read by
+``HttpRangeStore``: each chunk is one ``Range`` request on the file's resolve URL, verified
+against its checksum like a local read, with the loader's prefetch window deciding how many are
+in flight. No data file is downloaded whole.
+
+Example:
+    >>> with lct.remote.open_remote("me/gemma-2b-lct") as art:
+    ...     layer0 = art.read_group("layers.0")      # fetches only that group's chunks
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+
+from . import constants as C
+from .errors import ArtifactNotFoundError, LCTError
+from .hub import HubError, HubOfflineError, _hub, _where, check_files, hub_error
+
+# Statuses worth retrying (the request may succeed a moment later).
+RETRY_STATUS = (408, 429, 500, 502, 503, 504)
+
+
+class _Transient(Exception):
+    pass
+
+
+class HttpRangeStore:
+    """Data files of a Hub repo at one commit, read by HTTP range requests.
+
+    The same interface as ``lct.store.LocalStore`` (``describe``, ``size``, ``read_range``,
+    ``release``, ``close``); thread-safe. Requests go through ``huggingface_hub``'s HTTP session
+    (its proxy settings and ``HF_HUB_OFFLINE`` apply) with the caller's token; redirects to the
+    storage host are followed (the token is not sent off the Hub). Transient failures (connection
+    errors, timeouts, 429/5xx, a connection dropped mid-body) are retried with backoff, resuming
+    from the bytes already received. Every answer must be ``206 Partial Content`` with exactly
+    the requested range: a server that ignores ``Range`` is refused rather than letting it send
+    a whole file.
+
+    Args:
+        repo_id: ``org/name``.
+        revision: the commit sha (a branch works, but may move between requests).
+        token: a Hub token (default: ``HF_TOKEN`` or the stored login).
+        endpoint: the Hub URL (default: ``HF_ENDPOINT``).
+        sizes: known file sizes ``{name: bytes}`` (others are asked with a HEAD request).
+        timeout: seconds to wait for the server on each request.
+        retries: attempts after a transient failure that made no progress.
+        backoff: first retry delay in seconds (doubles each time).
+    """
+
+    def __init__(self, repo_id: str, revision: str, token=None, *, endpoint: str | None = None,
+                 sizes: dict | None = None, timeout: float = 60.0, retries: int = 5,
+                 backoff: float = 0.5):
+        hh = _hub()
+        from huggingface_hub.utils import build_hf_headers, get_session
+        self.repo_id, self.revision, self.token, self.endpoint = repo_id, revision, token, endpoint
+        self.timeout, self.retries, self.backoff = timeout, retries, backoff
+        self._hh = hh
+        self._session = get_session()
+        self._headers = build_hf_headers(token=token)
+        self._headers["Accept-Encoding"] = "identity"   # byte ranges of the stored bytes
+        self._sizes = dict(sizes or {})
+        self._lock = threading.Lock()
+        self.requests = 0
+        self.bytes_fetched = 0
+        self.ranges: list = []      # (name, offset, size) of every range read, in order
+
+    def url(self, name: str) -> str:
+        """The resolve URL of file ``name`` at this store's revision."""
+        return self._hh.hf_hub_url(self.repo_id, name, revision=self.revision,
+                                   endpoint=self.endpoint)
+
+    def describe(self, name: str) -> str:
+        """How to name the file in messages: ``hf://org/name@rev/file``."""
+        return f"hf://{self.repo_id}@{self.revision[:12]}/{name}"
+
+    def size(self, name: str) -> int:
+        """The file's size in bytes (from the repo listing, or a HEAD request).
+
+        Raises:
+            ArtifactNotFoundError: the file is not in the repo at this revision.
+        """
+        with self._lock:
+            if name in self._sizes:
+                return self._sizes[name]
+        from huggingface_hub import errors as herr
+        try:
+            meta = self._hh.get_hf_file_metadata(self.url(name), token=self.token,
+                                                 endpoint=self.endpoint, retry_on_errors=True)
+        except herr.RemoteEntryNotFoundError as e:
+            raise ArtifactNotFoundError(f"{self.describe(name)}: data file missing from the "
+                                        f"repo") from e
+        except Exception as e:  # noqa: BLE001
+            raise hub_error(e, self.repo_id, self.revision) from e
+        if meta.size is None:
+            raise HubError(f"{self.describe(name)}: the Hub did not say the file's size")
+        with self._lock:
+            self._sizes[name] = meta.size
+        return meta.size
+
+    def read_range(self, name: str, offset: int, size: int, file_size: int) -> memoryview:
+        """Bytes ``[offset, offset + size)`` of ``name`` (clipped to ``file_size``), fetched
+        with one range request (more only when a transfer breaks and is resumed)."""
+        end = min(offset + size, file_size)
+        n = end - offset
+        if n <= 0 or offset < 0:
+            return memoryview(b"")
+        buf = bytearray(n)
+        got = [0]                   # bytes of buf filled so far (updated while receiving)
+        failures = 0
+        url = self.url(name)
+        while got[0] < n:
+            start = offset + got[0]
+            before = got[0]
+            try:
+                self._fetch(url, name, start, end, buf, got)
+            except _Transient as e:
+                if got[0] > before:
+                    failures = 0    # progress was made: a fresh set of retries
+                failures += 1
+                if failures > self.retries:
+                    raise HubOfflineError(f"{self.describe(name)}: bytes {start}-{end - 1}: "
+                                          f"giving up after {self.retries} retries ({e})") from e
+                time.sleep(self.backoff * 2 ** (failures - 1))
+        with self._lock:
+            self.ranges.append((name, offset, n))
+        return memoryview(buf)
+
+    def _fetch(self, url: str, name: str, start: int, end: int, buf: bytearray,
+               got: list) -> None:
+        import httpx2
+        from huggingface_hub import errors as herr
+        from huggingface_hub.utils import hf_raise_for_status
+        want = end - start
+        headers = dict(self._headers, Range=f"bytes={start}-{end - 1}")
+        try:
+            with self._session.stream("GET", url, headers=headers, timeout=self.timeout) as r:
+                with self._lock:
+                    self.requests += 1
+                if r.status_code in RETRY_STATUS:
+                    raise _Transient(f"HTTP {r.status_code}")
+                if r.status_code != 206:
+                    if r.status_code >= 400:
+                        r.read()
+                        hf_raise_for_status(r)
+                    raise HubError(f"{self.describe(name)}: asked for bytes {start}-{end - 1}, "
+                                   f"got HTTP {r.status_code} instead of 206 Partial Content "
+                                   f"(the server does not serve byte ranges; use lct pull)")
+                length = r.headers.get("Content-Length")
+                if length is not None and int(length) != want:
+                    raise HubError(f"{self.describe(name)}: asked for {want} bytes at {start}, "
+                                   f"the server announces {length}")
+                crange = r.headers.get("Content-Range", "")
+                if crange and not crange.startswith(f"bytes {start}-{end - 1}/"):
+                    raise HubError(f"{self.describe(name)}: asked for bytes {start}-{end - 1}, "
+                                   f"got {crange}")
+                for block in r.iter_bytes():
+                    k, at = len(block), got[0]
+                    if at + k > len(buf):
+                        raise HubError(f"{self.describe(name)}: the server sent more than the "
+                                       f"{want} bytes asked for at {start}")
+                    buf[at:at + k] = block
+                    got[0] = at + k
+                    with self._lock:
+                        self.bytes_fetched += k
+        except (httpx2.TransportError, httpx2.StreamError) as e:
+            if isinstance(e, httpx2.ProxyError):
+                raise hub_error(e, self.repo_id, self.revision) from e
+            raise _Transient(f"{type(e).__name__}: {e}") from e
+        except herr.OfflineModeIsEnabled as e:
+            raise HubOfflineError(f"{self.describe(name)}: HF_HUB_OFFLINE is set; streaming "
+                                  f"needs the Hub (use lct pull while online)") from e
+        except herr.HfHubHTTPError as e:
+            raise hub_error(e, self.repo_id, self.revision) from e
+        if got[0] < len(buf):
+            raise _Transient(f"connection closed after {got[0] - (len(buf) - want)} of {want} "
+                             f"bytes")
+
+    def release(self, name: str, offset: int, size: int) -> None:
+        """Nothing to drop: fetched bytes are owned by the caller's buffer."""
+
+    def close(self) -> None:
+        """Nothing to close (the HTTP session is ``huggingface_hub``'s shared one)."""
+
+
+def fetch_small(repo_id: str, revision: str | None = None, token=None, *,
+                endpoint: str | None = None) -> tuple:
+    """Download every file of the repo except the data files (``*.lct``) into the Hugging Face
+    cache, at the commit ``revision`` resolves to, and check them against the Hub's hashes.
+
+    Returns:
+        ``(local_dir, commit_sha, {data file name: size})``.
+
+    Raises:
+        HubOfflineError: offline mode (streaming needs the Hub).
+        ArtifactNotFoundError: the repo holds no ``lct.json``.
+        ChecksumError: a downloaded file does not match its hash (it was discarded).
+    """
+    from pathlib import Path
+
+    from .hub import is_hf_uri, parse_hf_uri
+    if is_hf_uri(repo_id) or "@" in repo_id:
+        repo_id, rev = parse_hf_uri(repo_id)
+        revision = revision or rev
+    else:
+        repo_id, _ = parse_hf_uri(repo_id)
+    hh = _hub()
+    where = _where(repo_id, revision)
+    if hh.constants.is_offline_mode():
+        raise HubOfflineError(f"{where}: HF_HUB_OFFLINE is set, and streaming reads the chunks "
+                              f"from the Hub; load it without stream=True (from the cache), or "
+                              f"unset HF_HUB_OFFLINE")
+    api = hh.HfApi(token=token, endpoint=endpoint)
+    try:
+        info = api.model_info(repo_id, revision=revision, files_metadata=True)
+    except Exception as e:  # noqa: BLE001
+        raise hub_error(e, repo_id, revision) from e
+    sha = info.sha
+    siblings = {s.rfilename: s for s in (info.siblings or [])}
+    if C.MANIFEST_NAME not in siblings:
+        raise ArtifactNotFoundError(f"{where}: not an LCT artifact (no {C.MANIFEST_NAME} in the "
+                                    f"repo)")
+    sizes = {n: s.size for n, s in siblings.items() if n.endswith(".lct") and s.size is not None}
+    try:
+        local = Path(hh.snapshot_download(repo_id, revision=sha, token=token, endpoint=endpoint,
+                                          ignore_patterns=["*.lct"]))
+    except Exception as e:  # noqa: BLE001
+        raise hub_error(e, repo_id, revision) from e
+    _, problems = check_files(local, repo_id, sha)
+    if problems:
+        from .errors import ChecksumError
+        from .hub import _discard
+        removed = _discard(local, [n for n, _ in problems])
+        raise ChecksumError(f"{where}: download is corrupt, {len(problems)} problem(s): "
+                            f"{problems[0][1]}" + (f"; removed {', '.join(removed)} from the "
+                                                   f"cache" if removed else ""))
+    return local, sha, sizes
+
+
+def open_remote(repo_id: str, revision: str | None = None, token=None, *, verify: bool = True,
+                workers: int | None = None, pin_memory: bool = False,
+                endpoint: str | None = None):
+    """Open the LCT artifact in Hub repo ``repo_id`` for streaming: small files from the cache,
+    chunks by HTTP range requests (see the module docstring).
+
+    Args:
+        repo_id: ``org/name`` or ``hf://org/name@revision``.
+        revision: branch, tag or commit; resolved once to a commit sha.
+        token: a Hub token (default: ``HF_TOKEN`` or the stored login).
+        verify, workers, pin_memory: as for ``lct.reader.open_artifact``.
+        endpoint: the Hub URL (default: ``HF_ENDPOINT``).
+
+    Returns:
+        An ``Artifact`` (``art.store`` is the ``HttpRangeStore``); close it when done.
+
+    Raises:
+        HubAuthError, HubNotFoundError, HubOfflineError, HubError: with a one-line hint.
+        ManifestError: the manifest disagrees with the data files on the Hub.
+    """
+    from .hub import parse_hf_uri
+    from .reader import open_artifact
+    local, sha, sizes = fetch_small(repo_id, revision, token, endpoint=endpoint)
+    repo_id = parse_hf_uri(repo_id)[0]
+    store = HttpRangeStore(repo_id, sha, token, endpoint=endpoint, sizes=sizes)
+    try:
+        return open_artifact(local, verify=verify, workers=workers, pin_memory=pin_memory,
+                             store=store)
+    except LCTError:
+        store.close()
+        raise

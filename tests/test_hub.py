@@ -1,0 +1,455 @@
+"""Hub push, pull and streaming against a Hub-compatible server on 127.0.0.1 (tests/hub_server.py),
+talked to by the real huggingface_hub client. Nothing leaves the machine."""
+
+import json
+import shutil
+from pathlib import Path
+
+import pytest
+import torch
+from click.testing import CliRunner
+
+import lct
+from lct import constants as C
+from lct import hub as lhub
+from lct.cli.main import cli
+from lct.errors import ArtifactNotFoundError, ChecksumError
+from lct.hub import HubAuthError, HubError, HubNotFoundError, HubOfflineError, HubURIError
+
+from hub_server import HubServer  # noqa: E402  (tests/ is on sys.path under pytest)
+
+pytestmark = pytest.mark.filterwarnings(  # huggingface_hub's own LFS PUT, not ours
+    "ignore:Use 'content=<...>' to upload raw bytes:DeprecationWarning")
+
+IDS = torch.tensor([[1, 5, 9, 200, 17, 3, 44, 100]])
+ALICE, BOB = "tok-alice", "tok-bob"
+
+
+@pytest.fixture
+def hub(tmp_path, monkeypatch):
+    """A fresh Hub server, with huggingface_hub pointed at it, online, Xet off (LFS path), an
+    empty cache of its own and HF_TOKEN set to alice's token."""
+    import huggingface_hub.constants as hc
+    server = HubServer(tokens={ALICE: "alice", BOB: "bob"}).start()
+    monkeypatch.setattr(hc, "ENDPOINT", server.url)
+    monkeypatch.setattr(hc, "HUGGINGFACE_CO_URL_TEMPLATE",
+                        server.url + "/{repo_id}/resolve/{revision}/{filename}")
+    monkeypatch.setattr(hc, "HF_HUB_OFFLINE", False)
+    monkeypatch.setattr(hc, "HF_HUB_DISABLE_XET", True)
+    monkeypatch.setattr(hc, "HF_HUB_CACHE", str(tmp_path / "hf-cache"))
+    monkeypatch.setattr(hc, "HF_TOKEN_PATH", str(tmp_path / "hf-home" / "token"))
+    if hasattr(hc, "AGENT_HARNESSES_PATH"):
+        monkeypatch.setattr(hc, "AGENT_HARNESSES_PATH", str(tmp_path / "hf-home" / "agents.json"))
+    monkeypatch.setenv("HF_TOKEN", ALICE)
+    monkeypatch.delenv("HF_HUB_OFFLINE", raising=False)
+    try:
+        yield server
+    finally:
+        server.stop()
+
+
+@pytest.fixture
+def run():
+    runner = CliRunner()
+
+    def invoke(*args):
+        return runner.invoke(cli, [str(a) for a in args], catch_exceptions=False)
+    return invoke
+
+
+def _files(d: Path) -> dict:
+    return {p.name: p.read_bytes() for p in Path(d).iterdir()
+            if p.is_file() and not p.name.startswith(".")}
+
+
+def _logits(model):
+    with torch.no_grad():
+        return model(IDS).logits
+
+
+def _front_matter(text: str) -> dict:
+    import yaml
+    assert text.startswith("---\n")
+    return yaml.safe_load(text.split("---\n")[1])
+
+
+# Addresses -------------------------------------------------------------------------------------
+def test_parse_hf_uri():
+    assert lhub.parse_hf_uri("hf://org/name") == ("org/name", None)
+    assert lhub.parse_hf_uri("hf://org/name@main") == ("org/name", "main")
+    assert lhub.parse_hf_uri("hf://org/name@refs/pr/1") == ("org/name", "refs/pr/1")
+    assert lhub.parse_hf_uri("hf://org/name@refs%2Fpr%2F1") == ("org/name", "refs/pr/1")
+    assert lhub.parse_hf_uri("hf://models/org/name") == ("org/name", None)
+    assert lhub.parse_hf_uri("org/name@abc") == ("org/name", "abc")
+    for bad in ("hf://", "hf://a/b/c", "hf://org/na me", "hf://org/name@", "hf://../x",
+                "hf://datasets/org/name"):
+        with pytest.raises(HubURIError):
+            lhub.parse_hf_uri(bad)
+
+
+# Push and pull ---------------------------------------------------------------------------------
+def test_push_pull_byte_identical(gemma_art, hub, tmp_path):
+    before = sorted(p.name for p in gemma_art.iterdir())
+    seen = []
+    res = lhub.push(gemma_art, "alice/gemma-lct", progress=lambda f, d, t: seen.append((f, d, t)))
+    assert sorted(p.name for p in gemma_art.iterdir()) == before  # the artifact is untouched
+    assert res.pr_url is None and res.commit_oid == hub.head("alice/gemma-lct").oid
+    assert seen and seen[-1][1] == seen[-1][2] == res.bytes
+    # One commit on top of the repo's initial one, with every file of the artifact.
+    head = hub.head("alice/gemma-lct")
+    assert hub.repos["alice/gemma-lct"].commits[head.parent].parent is None
+    assert set(head.tree) >= set(before) | {"README.md"}
+    assert all(head.tree[n].lfs_sha256 for n in before if n.endswith(".lct"))  # through LFS
+    card = hub.blob("alice/gemma-lct", "README.md").decode()
+    meta = _front_matter(card)
+    assert meta["library_name"] == "lct" and "lct" in meta["tags"] and "gemma" in meta["tags"]
+    assert 'lct.load("hf://alice/gemma-lct", prefetch=2)' in card
+    assert "NF4 parts" in card and "embed" in card and "Maximus shards" in card
+
+    path = lhub.pull("alice/gemma-lct")
+    got, want = _files(path), _files(gemma_art)
+    assert set(got) == set(want) | {"README.md"}
+    assert all(got[n] == want[n] for n in want)
+    # A local folder works too, and hf:// addresses with a revision.
+    local = lhub.pull("hf://alice/gemma-lct@main", local_dir=tmp_path / "copy")
+    assert local == (tmp_path / "copy").resolve()
+    assert all(_files(local)[n] == want[n] for n in want)
+
+
+def test_push_refuses_invalid_artifacts(gemma_art, hub, tmp_path):
+    bad = tmp_path / "bad.lct"
+    shutil.copytree(gemma_art, bad)
+    m = json.loads((bad / C.MANIFEST_NAME).read_text())
+    c = m["chunks"][1]
+    data = bad / m["files"][c["file"]]["name"]
+    raw = bytearray(data.read_bytes())
+    raw[c["offset"] + 7] ^= 0xFF
+    data.write_bytes(bytes(raw))
+    with pytest.raises(ChecksumError, match="refusing to push"):
+        lhub.push(bad, "alice/bad")
+    with pytest.raises(ArtifactNotFoundError, match="refusing to push"):
+        lhub.push(tmp_path, "alice/bad")
+    assert not hub.repos and not [r for r in hub.log if r["method"] != "GET"]
+
+
+def test_cli_push_branch_and_pr_then_pull(llama_art, hub, run, tmp_path):
+    res = run("push", llama_art, "alice/llama-lct", "--revision", "dev", "--quiet",
+              "--commit-message", "first upload", "--license", "apache-2.0")
+    assert res.exit_code == 0, res.output
+    assert "pushed" in res.output and "hf://alice/llama-lct" in res.output
+    repo = hub.repos["alice/llama-lct"]
+    assert set(repo.branches) == {"main", "dev"}
+    dev = hub.head("alice/llama-lct", "dev")
+    assert dev.title == "first upload" and "lct.json" not in hub.head("alice/llama-lct").tree
+    assert _front_matter(hub.blob("alice/llama-lct", "README.md", "dev").decode())["license"] \
+        == "apache-2.0"
+    res = run("push", llama_art, "alice/llama-lct", "--create-pr", "--quiet")
+    assert res.exit_code == 0, res.output
+    assert "pull request: " in res.output and len(repo.prs) == 1
+    assert "lct.json" not in hub.head("alice/llama-lct").tree   # main unchanged by a PR
+
+    res = run("pull", "alice/llama-lct", "--revision", "dev", "--local-dir", tmp_path / "d",
+              "--quiet")
+    assert res.exit_code == 0, res.output
+    assert "chunk checksums OK" in res.output
+    assert res.output.strip().splitlines()[-1] == str((tmp_path / "d").resolve())
+    want = _files(llama_art)
+    got = _files(tmp_path / "d")
+    assert all(got[n] == want[n] for n in want)
+    res = run("pull", "hf://alice/llama-lct@refs/pr/1", "--quiet")
+    assert res.exit_code == 0, res.output
+
+
+def test_pull_refuses_a_repo_without_manifest(gemma_src, hub):
+    import huggingface_hub as hh
+    hh.HfApi().create_repo("alice/plain")
+    hh.HfApi().upload_folder(repo_id="alice/plain", folder_path=gemma_src)
+    hub.clear_log()
+    with pytest.raises(ArtifactNotFoundError, match="not an LCT artifact.*lct convert"):
+        lhub.pull("alice/plain")
+    assert not [r for r in hub.log if r["file"]]    # nothing was downloaded
+
+
+def test_maximus_artifact_round_trip(llama_src, hub, tmp_path):
+    from lct.converter import Policy
+    from lct.remote import open_remote
+    art = tmp_path / "mx.lct"
+    lct.convert(str(llama_src), art, policy=Policy(maximus_shards=3))
+    lhub.push(art, "alice/mx")
+    card = hub.blob("alice/mx", "README.md").decode()
+    assert "maximus" in _front_matter(card)["tags"] and "3 shards of" in card
+    path = lhub.pull("alice/mx")
+    assert (path / C.MAXIMUS_FILE).read_bytes() == (art / C.MAXIMUS_FILE).read_bytes()
+    name = "model.embed_tokens.weight"
+    with open_remote("alice/mx") as remote, lct.open(art) as ref:
+        assert torch.equal(remote.read_tensor(name), ref.read_tensor(name))
+        assert torch.equal(remote.maximus_state()["maximus.row_to_id"],
+                           ref.maximus_state()["maximus.row_to_id"])
+
+
+def test_cli_pull_in_a_fresh_process_with_hf_endpoint(gemma_art, hub, tmp_path):
+    """The plain user setup: HF_ENDPOINT and HF_TOKEN in the environment of a new process."""
+    import os
+    import subprocess
+    import sys
+    lhub.push(gemma_art, "alice/g")
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("HF_", "HUGGING"))}
+    env.update(HF_ENDPOINT=hub.url, HF_TOKEN=ALICE, HF_HOME=str(tmp_path / "home"),
+               HF_HUB_DISABLE_XET="1", HF_HUB_DISABLE_PROGRESS_BARS="1")
+    out = subprocess.run([sys.executable, "-m", "lct.cli.main", "pull", "alice/g"], env=env,
+                         capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr
+    path = Path(out.stdout.strip().splitlines()[-1])
+    assert path.is_relative_to(tmp_path / "home")
+    assert all(_files(path)[n] == b for n, b in _files(gemma_art).items())
+    env["HF_TOKEN"] = "nope"
+    out = subprocess.run([sys.executable, "-m", "lct.cli.main", "pull", "alice/g"], env=env,
+                         capture_output=True, text=True, timeout=120)
+    assert out.returncode == 1 and out.stderr.startswith("error: alice/g: the Hub rejected")
+
+
+def test_pull_offline_uses_cache(gemma_art, hub, monkeypatch):
+    import huggingface_hub.constants as hc
+    lhub.push(gemma_art, "alice/g")
+    online = lhub.pull("alice/g")
+    hub.clear_log()
+    monkeypatch.setattr(hc, "HF_HUB_OFFLINE", True)
+    assert lhub.pull("alice/g") == online
+    assert not hub.log
+
+
+# Streaming -------------------------------------------------------------------------------------
+def _allowed_spans(manifest, groups=None):
+    """{file: [(start, end)]}: the data file headers and the chunks of ``groups``."""
+    spans = {f["name"]: [(0, C.DATA_HEADER_SIZE)] for f in manifest.files}
+    for c in manifest.chunks:
+        if groups is None or c.group in groups:
+            spans[manifest.files[c.file]["name"]].append((c.offset, c.offset + c.stored_size))
+    return spans
+
+
+def _ranges(log_entries):
+    out = []
+    for r in log_entries:
+        assert r["range"] and r["range"].startswith("bytes="), r   # never a whole file
+        a, b = r["range"][len("bytes="):].split("-")
+        out.append((int(a), int(b) + 1, r))
+    return out
+
+
+def _assert_only_spans(hub, manifest, groups=None):
+    spans = _allowed_spans(manifest, groups)
+    fetched = {}
+    for name in spans:
+        entries = [r for r in hub.requests_for(name) if r["method"] == "GET"]
+        for a, b, r in _ranges(entries):
+            assert (a, b) in spans[name], f"{name}: range {a}-{b} is not a chunk or header"
+            if r["status"] == 206:
+                assert r["sent"] == b - a
+                fetched.setdefault(name, []).append((a, b))
+            else:
+                assert r["status"] == 302 and r["sent"] == 0   # the redirect to storage
+    return fetched
+
+
+def test_streamed_load_equals_local_and_fetches_only_chunks(gemma_art, hub):
+    lhub.push(gemma_art, "alice/gemma-lct")
+    hub.clear_log()
+    streamed = lct.load("hf://alice/gemma-lct@main", prefetch=2, stream=True)
+    local = lct.load(gemma_art, prefetch=2)
+    assert torch.equal(_logits(streamed), _logits(local))
+    manifest = lct.open(gemma_art).manifest
+    fetched = _assert_only_spans(hub, manifest)
+    # Each chunk and each header exactly once: no data file was downloaded whole.
+    for name, spans in _allowed_spans(manifest).items():
+        assert sorted(fetched[name]) == sorted(spans)
+        size = next(f["size"] for f in manifest.files if f["name"] == name)
+        assert sum(b - a for a, b in fetched[name]) < size
+    cache = Path(lhub._hub().constants.HF_HUB_CACHE) / "models--alice--gemma-lct"
+    assert not list(cache.rglob("*.lct"))          # only the small files were downloaded
+
+
+def test_stream_one_group_fetches_only_its_chunks(llama_art, hub):
+    from lct.remote import HttpRangeStore, open_remote
+    lhub.push(llama_art, "alice/llama-lct")
+    hub.clear_log()
+    with open_remote("alice/llama-lct") as art:
+        assert isinstance(art.store, HttpRangeStore)
+        assert art.store.revision == hub.head("alice/llama-lct").oid   # pinned to the commit
+        got = art.read_group("layers.1")
+    with lct.open(llama_art) as ref:
+        want = ref.read_group("layers.1")
+        manifest = ref.manifest
+    assert set(got) == set(want) and all(torch.equal(got[k], want[k]) for k in want)
+    fetched = _assert_only_spans(hub, manifest, groups={"layers.1"})
+    chunks = {(c.offset, c.offset + c.stored_size) for c in manifest.group_chunks("layers.1")}
+    assert set().union(*map(set, fetched.values())) == chunks | {(0, C.DATA_HEADER_SIZE)}
+
+
+def test_cli_load_stream(gemma_art, hub, run):
+    lhub.push(gemma_art, "alice/gemma-lct")
+    res = run("load", "hf://alice/gemma-lct", "--stream", "--ids", "1,5,9", "--max-new-tokens", 2)
+    assert res.exit_code == 0, res.output
+    assert "load to ready" in res.output and "output:" in res.output
+    assert all(r["range"] for r in hub.log if (r["file"] or "").endswith(".lct")
+               and r["method"] == "GET")
+    res = run("load", "hf://alice/gemma-lct", "--ids", "1,5,9", "--max-new-tokens", 2)
+    assert res.exit_code == 0, res.output
+
+
+def test_range_store_resumes_and_refuses_whole_files(gemma_art, hub):
+    from lct.remote import HttpRangeStore
+    lhub.push(gemma_art, "alice/g")
+    sha = hub.head("alice/g").oid
+    store = HttpRangeStore("alice/g", sha, backoff=0.01)
+    name = "model-00000.lct"
+    size = store.size(name)
+    want = hub.blob("alice/g", name)[4096:4096 + 20000]
+    hub.clear_log()
+    hub.drop_once(name, after=5000)
+    assert bytes(store.read_range(name, 4096, 20000, size)) == want
+    ranges = [r["range"] for r in hub.requests_for(name, "GET") if r["status"] == 206]
+    assert ranges == [f"bytes=4096-{4096 + 20000 - 1}", f"bytes={4096 + 5000}-{4096 + 20000 - 1}"]
+    hub.ignore_ranges = True
+    with pytest.raises(HubError, match="206"):
+        store.read_range(name, 4096, 100, size)
+
+
+# Failures --------------------------------------------------------------------------------------
+def test_interrupted_download_resumes(gemma_art, hub, monkeypatch):
+    import huggingface_hub.constants as hc
+    # huggingface_hub keeps what it received in blocks of DOWNLOAD_CHUNK_SIZE (10 MiB); the tiny
+    # test files need small blocks for a resume to have something to resume from.
+    monkeypatch.setattr(hc, "DOWNLOAD_CHUNK_SIZE", 4096)
+    lhub.push(gemma_art, "alice/g")
+    name = "model-00000.lct"
+    size = (gemma_art / name).stat().st_size
+    hub.drop_once(name, after=size // 3)
+    path = lhub.pull("alice/g")
+    assert (path / name).read_bytes() == (gemma_art / name).read_bytes()
+    gets = [r for r in hub.requests_for(name, "GET") if r["status"] in (200, 206)]
+    assert len(gets) == 2
+    assert gets[0]["range"] is None and gets[0]["sent"] == size // 3      # dropped here
+    kept = size // 3 // 4096 * 4096
+    assert gets[1]["range"] == f"bytes={kept}-" and gets[1]["status"] == 206
+    assert gets[1]["sent"] == size - kept                                   # only the rest
+
+
+def test_corrupted_blob_is_detected_and_not_used(gemma_art, hub):
+    lhub.push(gemma_art, "alice/g")
+    m = lct.open(gemma_art).manifest
+    c = m.chunks[2]
+    name = m.files[c.file]["name"]
+    hub.corrupt("alice/g", name, offset=c.offset + 11)
+    with pytest.raises(ChecksumError, match=f"chunk {c.id}") as ei:
+        lhub.pull("alice/g")
+    assert "removed" in str(ei.value) and name in str(ei.value)
+    cache = Path(lhub._hub().constants.HF_HUB_CACHE) / "models--alice--g"
+    assert not list(cache.glob(f"snapshots/*/{name}"))        # the corrupt file is gone
+    # Streaming reads the same corrupt chunk and refuses it, naming the Hub file.
+    with pytest.raises(ChecksumError, match=f"hf://alice/g@.*{name}: chunk {c.id}"):
+        lct.load("hf://alice/g", stream=True)
+    hub.corrupt("alice/g", name, offset=c.offset + 11)        # flip back: the Hub is repaired
+    path = lhub.pull("alice/g")
+    assert (path / name).read_bytes() == (gemma_art / name).read_bytes()
+
+
+def test_corrupted_small_file_is_detected(gemma_art, hub, run):
+    lhub.push(gemma_art, "alice/g")
+    hub.corrupt("alice/g", "config.json", offset=3, nbytes=1)
+    res = run("pull", "alice/g", "--quiet")
+    assert res.exit_code == 1
+    assert res.output.startswith("error: alice/g: download is corrupt")
+    assert "config.json" in res.output and len(res.output.strip().splitlines()) == 1
+
+
+def test_auth_hints(gemma_art, hub, monkeypatch, run):
+    monkeypatch.setenv("HF_TOKEN", "wrong-token")
+    with pytest.raises(HubAuthError, match="rejected the token"):
+        lhub.push(gemma_art, "alice/g")
+    res = run("pull", "alice/g", "--quiet")
+    assert res.exit_code == 1 and "rejected the token" in res.output
+    assert len(res.output.strip().splitlines()) == 1
+    with pytest.raises(HubAuthError, match="rejected the token"):
+        lct.load("hf://alice/g", stream=True)
+    # A private repo: invisible without a token, and to another user.
+    monkeypatch.setenv("HF_TOKEN", ALICE)
+    lhub.push(gemma_art, "alice/private", private=True)
+    monkeypatch.delenv("HF_TOKEN")
+    with pytest.raises(HubNotFoundError, match="private and you are not logged in"):
+        lhub.pull("alice/private")
+    monkeypatch.setenv("HF_TOKEN", BOB)
+    with pytest.raises(HubNotFoundError, match="no such repo"):
+        lhub.pull("alice/private")
+    with pytest.raises(HubAuthError, match="no access"):
+        lhub.push(gemma_art, "alice/private")
+    assert lhub.pull("alice/private", token=ALICE).is_dir()
+
+
+def test_not_found_hints(gemma_art, hub):
+    with pytest.raises(HubNotFoundError, match="no such repo"):
+        lhub.pull("alice/nothing")
+    lhub.push(gemma_art, "alice/g")
+    with pytest.raises(HubNotFoundError, match="no revision 'nope'"):
+        lhub.pull("alice/g", revision="nope")
+    with pytest.raises(HubNotFoundError, match="no revision 'nope'"):
+        lct.load("hf://alice/g@nope", stream=True)
+
+
+def test_offline_without_cache(hub, monkeypatch, run):
+    import huggingface_hub.constants as hc
+    monkeypatch.setattr(hc, "HF_HUB_OFFLINE", True)
+    with pytest.raises(HubOfflineError, match="HF_HUB_OFFLINE"):
+        lhub.pull("alice/g")
+    with pytest.raises(HubOfflineError, match="HF_HUB_OFFLINE"):
+        lct.load("hf://alice/g", stream=True)
+    res = run("pull", "alice/g", "--quiet")
+    assert res.exit_code == 1 and "offline" in res.output
+    assert len(res.output.strip().splitlines()) == 1
+    assert not hub.log
+
+
+def test_unreachable_hub_hint(hub, monkeypatch):
+    import huggingface_hub.constants as hc
+    url = hub.url
+    hub.stop()
+    monkeypatch.setattr(hc, "ENDPOINT", url)
+    with pytest.raises(HubOfflineError, match="cannot reach|could not be reached"):
+        lhub.pull("alice/g")
+
+
+# Conversion from the Hub and the model card ----------------------------------------------------
+def test_convert_from_hf_uri_and_card_license(gemma_src, gemma_art, hub, tmp_path):
+    import huggingface_hub as hh
+    api = hh.HfApi()
+    api.create_repo("alice/gemma-src")
+    (tmp_path / "card").mkdir()
+    (tmp_path / "card" / "README.md").write_text("---\nlicense: gemma\n---\n# tiny gemma\n")
+    api.upload_folder(repo_id="alice/gemma-src", folder_path=gemma_src, commit_message="src")
+    api.upload_file(repo_id="alice/gemma-src", path_or_fileobj=tmp_path / "card" / "README.md",
+                    path_in_repo="README.md")
+    out = tmp_path / "from-hub.lct"
+    res = CliRunner().invoke(cli, ["convert", "hf://alice/gemma-src@main", "-o", str(out),
+                                   "--quiet"], catch_exceptions=False)
+    assert res.exit_code == 0, res.output
+    art = lct.open(out)
+    assert art.manifest.source["id"] == "alice/gemma-src"
+    assert art.manifest.source["kind"] == "hub" and art.manifest.source["revision"] == "main"
+    assert lct.verify(out, against=str(gemma_src)).ok
+    want = lct.open(gemma_art)
+    assert [c.checksum for c in art.manifest.chunks] == [c.checksum for c in want.manifest.chunks]
+    lhub.push(out, "alice/gemma-lct")
+    meta = _front_matter(hub.blob("alice/gemma-lct", "README.md").decode())
+    assert meta["base_model"] == "alice/gemma-src" and meta["license"] == "gemma"
+
+
+def test_model_card_mentions_policy_and_sizes(gemma_art):
+    m = lct.open(gemma_art).manifest
+    card = lhub.model_card(m, "org/name", license="mit")
+    meta = _front_matter(card)
+    assert meta == {"library_name": "lct", "tags": meta["tags"], "license": "mit"}
+    assert "base_model" not in meta   # a local source has no Hub id to point at
+    for needle in ("lossless codec", "`planes`", "zstd level", "NF4 parts", "blocksize",
+                   "Maximus shards", "source tensors", "stored chunks", "x of the source",
+                   "import lct", 'lct.load("hf://org/name", prefetch=2)'):
+        assert needle in card, needle
