@@ -51,7 +51,7 @@ def _parse_nf4(ctx, param, value: str) -> tuple:
 def convert_cmd(source, output, revision, nf4, dtype, level, blocksize, codec, max_file_size,
                 workers, maximus_shards, token_freq, force, quiet):
     """Convert SOURCE (a local model folder with safetensors, or a Hub id such as
-    google/gemma-2b) into an LCT artifact.
+    google/gemma-2b or hf://google/gemma-2b@main) into an LCT artifact.
 
     Each transformer layer becomes an independent compressed chunk; the embedding and LM head are
     stored in NF4; everything else is kept losslessly in its dtype. Pickle checkpoints (.bin) are

@@ -54,9 +54,6 @@ def load_cmd(artifact, prefetch, device, dtype, nf4, workers, no_verify, layerwi
     source = artifact
     if artifact.startswith("hf://"):
         from lct import hub, remote
-        if stream and layerwise:
-            raise click.UsageError("--stream does not combine with --layerwise yet; drop "
-                                   "--stream to pull the artifact first")
         # The local folder of the small files (config, tokenizer), or of the whole pull.
         artifact = str(remote.fetch_small(artifact)[0] if stream
                        else hub.pull(artifact, chunks=no_verify))
@@ -78,8 +75,9 @@ def load_cmd(artifact, prefetch, device, dtype, nf4, workers, no_verify, layerwi
     stats = loader.LoadStats()
     t1 = time.perf_counter()
     if layerwise:
-        model = loader.LayerwiseModel(artifact, prefetch=prefetch, device=device, dtype=tdtype,
-                                      nf4=nf4, workers=workers, verify=not no_verify)
+        model = loader.LayerwiseModel(source if stream else artifact, prefetch=prefetch,
+                                      device=device, dtype=tdtype, nf4=nf4, workers=workers,
+                                      verify=not no_verify, stream=stream)
     else:
         model = loader.load(source if stream else artifact, prefetch=prefetch, device=device,
                             dtype=tdtype, nf4=nf4, workers=workers, verify=not no_verify,

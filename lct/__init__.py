@@ -15,10 +15,11 @@ __version__ = "0.1.0"
 __all__ = ["__version__", "open", "convert", "export", "verify", "load", "Policy"]
 
 
-def open(path, *, verify: bool = True, workers=None):  # noqa: A001 - mirrors builtins.open
-    """Open an LCT artifact; see ``lct.reader.open_artifact``."""
-    from .reader import open_artifact
-    return open_artifact(path, verify=verify, workers=workers)
+def open(path, *, verify: bool = True, workers=None, stream: bool = False):  # noqa: A001
+    """Open an LCT artifact (a folder, or ``hf://org/name[@revision]``, pulled and verified or
+    with ``stream=True`` read by HTTP range requests); see ``lct.reader.open_artifact``."""
+    from .loader.build import open_source
+    return open_source(path, verify=verify, workers=workers, stream=stream)
 
 
 def convert(source, out, **kwargs):

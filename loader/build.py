@@ -214,6 +214,24 @@ def _pad_ids(model, pad_ids):
     return ()
 
 
+def open_source(path, *, verify: bool = True, workers: int | None = None, stream: bool = False,
+                pin_memory: bool = False):
+    """Open a local artifact or a Hub address ``hf://org/name[@revision]``.
+
+    A Hub address is pulled into the Hugging Face cache and its files checked against the Hub's
+    hashes (chunk checksums are then verified as they are read), or with ``stream`` its chunks
+    are fetched by HTTP range requests from one pinned commit.
+    """
+    from lct.reader import open_artifact
+    if isinstance(path, str) and path.startswith("hf://"):
+        if stream:
+            from lct.remote import open_remote
+            return open_remote(path, verify=verify, workers=workers, pin_memory=pin_memory)
+        from lct.hub import pull
+        path = pull(path, chunks=not verify)
+    return open_artifact(path, verify=verify, workers=workers, pin_memory=pin_memory)
+
+
 def install_maximus(model, art, budget=None, device="cpu"):
     """Replace the input embedding with a ``MaximusEmbedding`` using the artifact's shard state.
 
@@ -299,18 +317,8 @@ def load(path, prefetch: int = 2, device="cpu", dtype=None, nf4: str = "keep",
     stats = stats if stats is not None else LoadStats()
     t0 = time.perf_counter()
     import torch
-    pin = torch.device(device).type == "cuda"
-    if isinstance(path, str) and path.startswith("hf://"):
-        if stream:
-            from lct.remote import open_remote
-            art = open_remote(path, verify=verify, workers=workers, pin_memory=pin)
-        else:
-            from lct.hub import pull
-            # Files are checked against the Hub's hashes here; chunks as they stream below.
-            path = pull(path, chunks=not verify)
-            art = open_artifact(path, verify=verify, workers=workers, pin_memory=pin)
-    else:
-        art = open_artifact(path, verify=verify, workers=workers, pin_memory=pin)
+    art = open_source(path, verify=verify, workers=workers, stream=stream,
+                      pin_memory=torch.device(device).type == "cuda")
     stats.manifest_s = time.perf_counter() - t0
     try:
         t1 = time.perf_counter()

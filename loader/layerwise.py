@@ -13,7 +13,7 @@ from __future__ import annotations
 from lct import constants as C
 from lct.errors import LCTError
 
-from .build import Installer, _pad_ids, _param_name, build_skeleton
+from .build import Installer, _pad_ids, _param_name, build_skeleton, open_source
 from .stream import GroupStream
 
 
@@ -39,12 +39,12 @@ class LayerwiseModel:
     """
 
     def __init__(self, path, prefetch: int = 2, device="cpu", dtype=None, nf4: str = "keep",
-                 workers: int | None = None, *, verify: bool = True, pad_ids=None):
+                 workers: int | None = None, *, verify: bool = True, pad_ids=None,
+                 stream: bool = False):
         import torch
 
-        from lct.reader import open_artifact
-        self.art = open_artifact(path, verify=verify, workers=workers,
-                                 pin_memory=torch.device(device).type == "cuda")
+        self.art = open_source(path, verify=verify, workers=workers, stream=stream,
+                               pin_memory=torch.device(device).type == "cuda")
         self.prefetch = prefetch
         try:
             self.model = build_skeleton(self.art, dtype)

@@ -297,6 +297,27 @@ def test_cli_load_stream(gemma_art, hub, run):
     assert res.exit_code == 0, res.output
 
 
+def test_layerwise_streams_from_the_hub(gemma_art, hub, run):
+    from lct.loader import LayerwiseModel
+    lhub.push(gemma_art, "alice/gemma-lct")
+    hub.clear_log()
+    local = lct.load(gemma_art)
+    with LayerwiseModel("hf://alice/gemma-lct", prefetch=1, stream=True) as lw:
+        assert torch.equal(_logits(lw), _logits(local))
+    _assert_only_spans(hub, lct.open(gemma_art).manifest)
+    res = run("load", "hf://alice/gemma-lct", "--stream", "--layerwise", "--ids", "1,5")
+    assert res.exit_code == 0, res.output
+    assert "max resident layers" in res.output
+
+
+def test_open_hf_address(llama_art, hub):
+    lhub.push(llama_art, "alice/llama-lct")
+    with lct.open("hf://alice/llama-lct", stream=True) as art, lct.open(llama_art) as ref:
+        assert torch.equal(art.read_tensor("model.norm.weight"), ref.read_tensor("model.norm.weight"))
+    with lct.open("hf://alice/llama-lct@main") as art:
+        assert art.groups == lct.open(llama_art).groups
+
+
 def test_range_store_resumes_and_refuses_whole_files(gemma_art, hub):
     from lct.remote import HttpRangeStore
     lhub.push(gemma_art, "alice/g")
