@@ -20,7 +20,6 @@ summed over the same steps. Pad ids are never gathered, yield zeros and get zero
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass, fields
 
 import torch

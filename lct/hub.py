@@ -91,6 +91,13 @@ def parse_hf_uri(uri: str) -> tuple:
     return repo_id, revision
 
 
+def split_address(address: str, revision: str | None = None) -> tuple:
+    """``(repo_id, revision)`` from ``hf://org/name@rev`` or ``org/name``; an explicit
+    ``revision`` wins over one in the address."""
+    repo_id, rev = parse_hf_uri(address)
+    return repo_id, revision or rev
+
+
 def is_hf_uri(path) -> bool:
     """Whether ``path`` is an ``hf://`` address (a string starting with ``hf://``)."""
     return isinstance(path, str) and path.startswith(HF_SCHEME)
@@ -125,7 +132,6 @@ def hub_error(e: BaseException, repo_id: str, revision: str | None = None,
     """
     if isinstance(e, LCTError):
         return e
-    hh = _hub()
     from huggingface_hub import errors as herr
     import httpx2
     where = _where(repo_id, revision)
@@ -395,11 +401,7 @@ def push(artifact, repo_id: str, revision: str | None = None, private: bool = Fa
     from .reader import open_artifact
     from .verifier import verify
 
-    if is_hf_uri(repo_id) or "@" in repo_id:
-        repo_id, rev = parse_hf_uri(repo_id)
-        revision = revision or rev
-    else:
-        repo_id, _ = parse_hf_uri(repo_id)
+    repo_id, revision = split_address(repo_id, revision)
     root = Path(artifact)
     try:
         with open_artifact(root) as art:
@@ -606,11 +608,7 @@ def verify_download(root: Path, repo_id: str, revision: str | None = None, local
 def pull_detailed(repo_id: str, revision: str | None = None, local_dir=None, token=None, *,
                   chunks: bool = True, progress=None, endpoint: str | None = None) -> PullResult:
     """``pull``, returning a ``PullResult`` (path, files, bytes and what was checked)."""
-    if is_hf_uri(repo_id) or "@" in repo_id:
-        repo_id, rev = parse_hf_uri(repo_id)
-        revision = revision or rev
-    else:
-        repo_id, _ = parse_hf_uri(repo_id)
+    repo_id, revision = split_address(repo_id, revision)
     hh = _hub()
     if not hh.constants.is_offline_mode():
         _check_is_artifact(hh, repo_id, revision, token, endpoint)

@@ -325,8 +325,6 @@ def _tensor(t, i: int, chunks: list, where: str) -> TensorInfo:
     dtype = t.get("dtype")
     if not isinstance(dtype, str) or dtype not in C.DTYPE_SIZES:
         raise UnsupportedVersionError(f"{where}: {w}: unknown dtype {dtype!r}")
-    encoding = t.get("encoding")
-    stored_dtype = t.get("stored_dtype")
     role = t.get("role")
     if role not in C.ROLES:
         _fail(where, f"{w}: role {role!r} is not one of {C.ROLES}")

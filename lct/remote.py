@@ -202,12 +202,8 @@ def fetch_small(repo_id: str, revision: str | None = None, token=None, *,
     """
     from pathlib import Path
 
-    from .hub import is_hf_uri, parse_hf_uri
-    if is_hf_uri(repo_id) or "@" in repo_id:
-        repo_id, rev = parse_hf_uri(repo_id)
-        revision = revision or rev
-    else:
-        repo_id, _ = parse_hf_uri(repo_id)
+    from .hub import split_address
+    repo_id, revision = split_address(repo_id, revision)
     hh = _hub()
     where = _where(repo_id, revision)
     if hh.constants.is_offline_mode():

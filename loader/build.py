@@ -11,7 +11,6 @@ from __future__ import annotations
 import time
 from dataclasses import dataclass, field
 
-from lct import constants as C
 from lct.errors import LCTError
 
 NF4_MODES = ("keep", "dequantize")
@@ -311,8 +310,6 @@ def load(path, prefetch: int = 2, device="cpu", dtype=None, nf4: str = "keep",
         >>> model = lct.load("gemma-2b.lct", prefetch=2)
         >>> model.generate(ids, max_new_tokens=20)
     """
-    from lct.reader import open_artifact
-
     from .stream import GroupStream
     stats = stats if stats is not None else LoadStats()
     t0 = time.perf_counter()

@@ -2,7 +2,6 @@
 reproducible decisions, NF4 shards, and save -> restore -> continue training."""
 
 import copy
-import shutil
 
 import pytest
 import torch

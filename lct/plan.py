@@ -1,0 +1,962 @@
+"""The memory planner: what a model needs in memory for inference or a training step, read from its
+``config.json`` alone (no weights are downloaded or read).
+
+Exact figures (tested against the real thing): parameter counts (``sum(p.numel())`` of the
+transformers model built from the same config), weight bytes in every precision, LCT's decoded
+bytes (NF4 codes + absmax + 64-byte alignment, laid out by the writer's own ``plan_group``), optimizer
+states of torch AdamW / SGD, transformers' Adafactor and bitsandbytes' AdamW8bit, gradients, master
+weights, and the KV cache that transformers' ``DynamicCache`` holds after a forward of S tokens.
+
+Estimates (documented in docs/PLAN.md, measured by benchmarks/bench_plan.py): activations saved
+for backward (counted op by op for the transformers implementations, with SDPA attention), the
+logits and loss buffers, and the peak of a training step, which is the largest of five moments
+(end of forward, start of backward, LM-head backward, end of backward, optimizer step) rather
+than a sum of everything: gradients and activations do not peak together.
+
+Example:
+    >>> from lct.plan import plan
+    >>> p = plan("google/gemma-2b", mode="train", batch=4, seq=2048, precision="mixed")
+    >>> p.params, p.total, p.fits
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import re
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+from . import constants as C
+from .errors import LCTError, MissingDependencyError
+
+MODES = ("infer", "train")
+PRECISIONS = ("bf16", "fp16", "fp32", "mixed")
+OPTIMIZERS = ("adamw", "sgd", "adafactor", "adamw-8bit")
+FORMATS = ("hf", "lct")
+DEVICES = ("cuda", "cpu")
+KV_DTYPES = {"bf16": 2, "fp16": 2, "fp32": 4, "fp8": 1}
+PRECISION_DTYPE = {"bf16": "bfloat16", "fp16": "float16", "fp32": "float32", "mixed": "bfloat16"}
+DTYPE_PRECISION = {"bfloat16": "bf16", "float16": "fp16", "float32": "fp32"}
+PARTS = ("embedding", "pos_embedding", "layers", "norm", "head")
+ROLE_PART = {"embed": "embedding", "pos_embed": "pos_embedding", "layer": "layers", "norm": "norm",
+             "head": "head"}
+DEFAULT_SEQ = 2048
+DEFAULT_LOSS_CHUNK = 1024          # tokens per chunk in the chunked-loss figure
+DEFAULT_MAXIMUS = (8, 32)          # MaximusEmbedding's default budget: a quarter of 32 shards
+# bitsandbytes 8-bit optimizers: tensors under 4096 elements keep fp32 states; blockwise absmax
+# per 256 elements; two 256-entry float32 quantization maps shared by all tensors.
+BNB_MIN_8BIT_SIZE = 4096
+BNB_BLOCKSIZE = 256
+BNB_QMAP_BYTES = 2 * 256 * 4
+# Model families whose parameters (and activations) the planner knows, by config model_type.
+FAMILIES = ("llama", "mistral", "qwen2", "qwen3", "gemma", "gemma2", "gemma3_text", "phi3", "gpt2")
+_REPO_ID = re.compile(r"[A-Za-z0-9][\w.\-]*(/[\w.\-]+)?")
+
+
+class PlanError(LCTError, ValueError):
+    """The planner cannot plan this model or these options (unknown family, bad option)."""
+
+
+class ConfigNotFoundError(PlanError, FileNotFoundError):
+    """No ``config.json`` where MODEL points (folder, artifact, file or Hub repo)."""
+
+
+# --------------------------------------------------------------------------------------------
+# Reading the config
+
+
+def read_config(model, revision: str | None = None) -> tuple:
+    """``(config dict, where, artifact folder or None)`` for MODEL.
+
+    MODEL is a dict, a transformers config, a ``config.json`` path, a model folder, an LCT
+    artifact folder or a Hub repo id (only ``config.json`` is fetched; ``HF_HUB_OFFLINE=1`` uses
+    the local cache only).
+
+    Raises:
+        ConfigNotFoundError: nothing at MODEL, or no config.json there.
+        PlanError: the file is not a JSON object, or the download failed.
+    """
+    if isinstance(model, dict):
+        return dict(model), "config", None
+    if hasattr(model, "to_dict") and hasattr(model, "model_type"):
+        return model.to_dict(), type(model).__name__, None
+    text = str(model)
+    path = Path(text).expanduser()
+    artifact = None
+    if path.is_dir():
+        artifact = path if (path / C.MANIFEST_NAME).is_file() else None
+        path = path / "config.json"
+        if not path.is_file():
+            raise ConfigNotFoundError(f"{path.parent}: no config.json (the planner reads only "
+                                      f"config.json; an LCT artifact copies it from its source)")
+    elif not path.is_file():
+        if text.startswith(("/", ".", "~")) or not _REPO_ID.fullmatch(text):
+            raise ConfigNotFoundError(f"{text}: no such folder or file (and not a Hub repo id "
+                                      f"like org/name)")
+        path = _download_config(text, revision)
+    try:
+        d = json.loads(path.read_text())
+    except (OSError, ValueError) as e:
+        raise PlanError(f"{path}: not a readable JSON file ({e})") from e
+    if not isinstance(d, dict):
+        raise PlanError(f"{path}: must hold a JSON object")
+    return d, str(path), artifact
+
+
+def _download_config(repo_id: str, revision: str | None) -> Path:
+    try:
+        from huggingface_hub import errors as herr
+        from huggingface_hub import hf_hub_download
+    except ImportError as e:  # pragma: no cover
+        raise MissingDependencyError("huggingface_hub is needed for Hub ids: "
+                                     "pip install huggingface_hub") from e
+    try:
+        return Path(hf_hub_download(repo_id, "config.json", revision=revision))
+    except herr.RevisionNotFoundError as e:
+        raise ConfigNotFoundError(f"{repo_id}: no revision {revision!r} on the Hub") from e
+    except herr.GatedRepoError as e:
+        raise PlanError(f"{repo_id}: gated repo; accept its license on the Hub and log in "
+                        f"(hf auth login or HF_TOKEN)") from e
+    except herr.RepositoryNotFoundError as e:
+        raise ConfigNotFoundError(f"{repo_id}: no such folder, and no such Hub repo (or it is "
+                                  f"private: log in or set HF_TOKEN)") from e
+    except herr.EntryNotFoundError as e:
+        raise ConfigNotFoundError(f"{repo_id}: the Hub repo has no config.json") from e
+    except herr.LocalEntryNotFoundError as e:
+        raise ConfigNotFoundError(f"{repo_id}: config.json is not in the local Hugging Face cache "
+                                  f"and the Hub is not reachable (HF_HUB_OFFLINE is set or no "
+                                  f"network)") from e
+    except (herr.HfHubHTTPError, OSError, ValueError) as e:
+        raise PlanError(f"{repo_id}: downloading config.json failed: {e}") from e
+
+
+@dataclass(frozen=True)
+class Dims:
+    """The shape of a model as the planner needs it, taken from a transformers config."""
+
+    family: str
+    vocab: int
+    hidden: int
+    layers: int
+    heads: int
+    kv_heads: int
+    head_dim: int
+    inter: int
+    tied: bool
+    positions: int = 0                 # learned position embeddings (GPT-2)
+    layer_types: tuple = ()            # "full_attention" / "sliding_attention" per layer
+    sliding_window: int | None = None
+    attn: str = "sdpa"                 # attention implementation transformers picks by default
+    dtype: str | None = None           # the checkpoint dtype in config.json
+    qkv_bias: bool = False
+    o_bias: bool = False
+    mlp_bias: bool = False
+    softcap: float | None = None       # final logit soft-capping (Gemma-2)
+    attn_softcap: float | None = None  # attention score soft-capping (Gemma-2, eager)
+    dropout: float = 0.0               # GPT-2's dropout (saves masks in training)
+
+
+def model_dims(d: dict, where: str = "config.json", vocab_size: int | None = None) -> Dims:
+    """Build the transformers config of ``d`` (defaults filled exactly as the model would) and
+    take the dimensions from it; ``vocab_size`` overrides the vocabulary."""
+    mt = d.get("model_type")
+    if mt not in FAMILIES:
+        raise PlanError(f"{where}: model_type {mt!r} is not one the planner knows; known: "
+                        f"{', '.join(FAMILIES)}")
+    try:
+        from transformers import AutoConfig
+    except ImportError as e:  # pragma: no cover
+        raise MissingDependencyError("transformers is needed to read configs: "
+                                     "pip install transformers") from e
+    kw = {k: v for k, v in d.items() if k != "model_type"}
+    if vocab_size is not None:
+        kw["vocab_size"] = vocab_size
+    try:
+        cfg = AutoConfig.for_model(mt, **kw)
+    except (TypeError, ValueError, KeyError) as e:
+        raise PlanError(f"{where}: not a valid {mt} config ({e})") from e
+    get = lambda k, default=None: getattr(cfg, k, default)  # noqa: E731
+    dtype = d.get("dtype") or d.get("torch_dtype")
+    dtype = dtype if isinstance(dtype, str) else None
+    if mt == "gpt2":
+        h, heads = cfg.n_embd, cfg.n_head
+        return Dims("gpt2", cfg.vocab_size, h, cfg.n_layer, heads, heads, h // heads,
+                    cfg.n_inner or 4 * h, bool(cfg.tie_word_embeddings), positions=cfg.n_positions,
+                    layer_types=("full_attention",) * cfg.n_layer, dtype=dtype,
+                    qkv_bias=True, o_bias=True, mlp_bias=True,
+                    dropout=max(cfg.attn_pdrop, cfg.resid_pdrop, cfg.embd_pdrop))
+    heads = cfg.num_attention_heads
+    kv = get("num_key_value_heads") or heads
+    head_dim = get("head_dim") or cfg.hidden_size // heads
+    if mt == "phi3":
+        head_dim = cfg.hidden_size // heads
+    window = get("sliding_window")
+    types = get("layer_types")
+    if not types:
+        types = ["sliding_attention" if window is not None else "full_attention"] * \
+            cfg.num_hidden_layers
+    bias = bool(get("attention_bias", False))
+    return Dims(
+        mt, cfg.vocab_size, cfg.hidden_size, cfg.num_hidden_layers, heads, kv, head_dim,
+        cfg.intermediate_size, bool(cfg.tie_word_embeddings), layer_types=tuple(types),
+        sliding_window=window, attn="eager" if mt == "gemma2" else "sdpa", dtype=dtype,
+        qkv_bias=True if mt == "qwen2" else bias, o_bias=False if mt == "qwen2" else bias,
+        mlp_bias=bool(get("mlp_bias", False)),
+        softcap=get("final_logit_softcapping") if mt in ("gemma2", "gemma3_text") else None,
+        attn_softcap=get("attn_logit_softcapping") if mt == "gemma2" else None)
+
+
+# --------------------------------------------------------------------------------------------
+# Parameters
+
+
+@dataclass(frozen=True)
+class ParamSpec:
+    """One parameter tensor as the checkpoint holds it."""
+
+    name: str
+    shape: tuple
+    role: str          # embed, pos_embed, layer, norm, head (as lct.mapping classifies it)
+    group: str         # the LCT group
+
+    @property
+    def numel(self) -> int:
+        return math.prod(self.shape)
+
+
+def parameter_specs(dims: Dims) -> list:
+    """Every parameter of the model, named as in its checkpoint (a tied head is absent)."""
+    d = dims
+    if d.family == "gpt2":
+        return _gpt2_specs(d)
+    h, hd, out = d.hidden, d.head_dim, []
+    out.append(ParamSpec("model.embed_tokens.weight", (d.vocab, h), "embed", C.GROUP_EMBED))
+    for i in range(d.layers):
+        g, p = f"{C.GROUP_LAYER_PREFIX}{i}", f"model.layers.{i}."
+        shapes = []
+        if d.family == "phi3":
+            shapes += [("self_attn.qkv_proj.weight", ((d.heads + 2 * d.kv_heads) * hd, h)),
+                       ("mlp.gate_up_proj.weight", (2 * d.inter, h))]
+        else:
+            for name, rows in (("q", d.heads * hd), ("k", d.kv_heads * hd), ("v", d.kv_heads * hd)):
+                shapes.append((f"self_attn.{name}_proj.weight", (rows, h)))
+                if d.qkv_bias:
+                    shapes.append((f"self_attn.{name}_proj.bias", (rows,)))
+            for name in ("gate", "up"):
+                shapes.append((f"mlp.{name}_proj.weight", (d.inter, h)))
+                if d.mlp_bias:
+                    shapes.append((f"mlp.{name}_proj.bias", (d.inter,)))
+        shapes.append(("self_attn.o_proj.weight", (h, d.heads * hd)))
+        if d.o_bias:
+            shapes.append(("self_attn.o_proj.bias", (h,)))
+        shapes.append(("mlp.down_proj.weight", (h, d.inter)))
+        if d.mlp_bias:
+            shapes.append(("mlp.down_proj.bias", (h,)))
+        norms = ["input_layernorm", "post_attention_layernorm"]
+        if d.family in ("gemma2", "gemma3_text"):
+            norms += ["pre_feedforward_layernorm", "post_feedforward_layernorm"]
+        shapes += [(f"{n}.weight", (h,)) for n in norms]
+        if d.family in ("qwen3", "gemma3_text"):
+            shapes += [("self_attn.q_norm.weight", (hd,)), ("self_attn.k_norm.weight", (hd,))]
+        out += [ParamSpec(p + n, s, "layer", g) for n, s in shapes]
+    out.append(ParamSpec("model.norm.weight", (h,), "norm", C.GROUP_NORM))
+    if not d.tied:
+        out.append(ParamSpec("lm_head.weight", (d.vocab, h), "head", C.GROUP_HEAD))
+    return out
+
+
+def _gpt2_specs(d: Dims) -> list:
+    h, out = d.hidden, []
+    out.append(ParamSpec("transformer.wte.weight", (d.vocab, h), "embed", C.GROUP_EMBED))
+    out.append(ParamSpec("transformer.wpe.weight", (d.positions, h), "pos_embed", C.GROUP_EMBED))
+    for i in range(d.layers):
+        g, p = f"{C.GROUP_LAYER_PREFIX}{i}", f"transformer.h.{i}."
+        shapes = [("ln_1.weight", (h,)), ("ln_1.bias", (h,)),
+                  ("attn.c_attn.weight", (h, 3 * h)), ("attn.c_attn.bias", (3 * h,)),
+                  ("attn.c_proj.weight", (h, h)), ("attn.c_proj.bias", (h,)),
+                  ("ln_2.weight", (h,)), ("ln_2.bias", (h,)),
+                  ("mlp.c_fc.weight", (h, d.inter)), ("mlp.c_fc.bias", (d.inter,)),
+                  ("mlp.c_proj.weight", (d.inter, h)), ("mlp.c_proj.bias", (h,))]
+        out += [ParamSpec(p + n, s, "layer", g) for n, s in shapes]
+    out += [ParamSpec("transformer.ln_f.weight", (h,), "norm", C.GROUP_NORM),
+            ParamSpec("transformer.ln_f.bias", (h,), "norm", C.GROUP_NORM)]
+    if not d.tied:
+        out.append(ParamSpec("lm_head.weight", (d.vocab, h), "head", C.GROUP_HEAD))
+    return out
+
+
+def nf4_bytes(numel: int, blocksize: int = C.DEFAULT_BLOCKSIZE) -> int:
+    """Bytes of an NF4 tensor: ceil(n/2) packed codes + 4 x ceil(n/blocksize) float32 absmax."""
+    return (numel + 1) // 2 + 4 * (-(-numel // blocksize))
+
+
+def lct_layout(specs: list, dtype: str, nf4_roles=C.NF4_ROLES, blocksize: int = C.DEFAULT_BLOCKSIZE,
+               maximus_shards: int | None = None) -> dict:
+    """How LCT's converter lays ``specs`` out: ``{name: (tensor_bytes, decoded_bytes)}``.
+
+    ``decoded_bytes`` is the tensor's span in its decoded chunk (codes, absmax and the 64-byte
+    alignment gaps up to the next tensor), so the spans of a group add up to its chunks'
+    ``decoded_size`` exactly; it comes from the writer's own ``plan_group`` over the tensors in the
+    order the converter meets them (safetensors keys are sorted). Plain tensors are in ``dtype``.
+
+    Raises:
+        PlanError: the NF4 block size does not divide a row (the converter would refuse it).
+    """
+    from .writer import TensorSpec, plan_group
+
+    by_group: dict = {}
+    pieced = []
+    table_shape = next((s.shape for s in specs if s.role == "embed"), None)
+    for s in sorted(specs, key=lambda s: s.name):
+        nf4 = s.role in nf4_roles and len(s.shape) == 2
+        if nf4 and s.shape[-1] % blocksize:
+            raise PlanError(f"NF4 blocksize {blocksize} does not divide the row length "
+                            f"{s.shape[-1]} of {s.name}; lct convert would refuse it "
+                            f"(pass another blocksize, or nf4=())")
+        spec = TensorSpec(s.name, s.shape, dtype, "nf4" if nf4 else dtype,
+                          C.ENCODING_NF4 if nf4 else C.ENCODING_PLAIN, s.role, s.group,
+                          blocksize if nf4 else None)
+        if maximus_shards and s.role in ("embed", "head") and s.shape == table_shape:
+            pieced.append(spec)
+        else:
+            by_group.setdefault(s.group, []).append(spec)
+    plans = [p for g, group_specs in by_group.items() for p in plan_group(g, group_specs)]
+    for spec in pieced:
+        rows = spec.shape[0]
+        n = min(maximus_shards, rows)
+        size = -(-rows // n)
+        for r0 in range(0, rows, size):
+            r1 = min(rows, r0 + size)
+            piece = TensorSpec(spec.name, (r1 - r0, spec.shape[1]), spec.dtype, spec.stored_dtype,
+                               spec.encoding, spec.role, spec.group, spec.blocksize)
+            plans += plan_group(spec.group, [piece])
+    out: dict = {}
+    for plan in plans:
+        starts = sorted((off, s) for s, off in ((s, plan.offsets[s.name]) for s in plan.specs))
+        for k, (off, s) in enumerate(starts):
+            end = starts[k + 1][0] if k + 1 < len(starts) else plan.decoded_size
+            t, dec = out.get(s.name, (0, 0))
+            out[s.name] = (t + s.nbytes + s.absmax_nbytes, dec + end - off)
+    return out
+
+
+def optimizer_state_bytes(shape: tuple, optimizer: str, state_bytes: int) -> int:
+    """Bytes of one tensor's optimizer state, as the implementation allocates it.
+
+    adamw (torch.optim.AdamW): two moments in the dtype of the parameters it updates
+    (``state_bytes``) and a float32 ``step``. sgd (torch.optim.SGD, momentum 0): nothing.
+    adafactor (transformers' Adafactor, beta1 None): float32 row and column second moments for a
+    tensor of 2 or more dimensions, a full float32 second moment for a vector, and a float32 RMS.
+    adamw-8bit (bitsandbytes AdamW8bit): two uint8 states and float32 absmax per 256 elements;
+    fp32 states for tensors under 4096 elements (the shared quantization maps are counted once,
+    by the caller).
+    """
+    n = math.prod(shape)
+    if optimizer == "adamw":
+        return 2 * n * state_bytes + 4
+    if optimizer == "sgd":
+        return 0
+    if optimizer == "adafactor":
+        if len(shape) >= 2:
+            return 4 * (math.prod(shape[:-1]) + math.prod(shape[:-2]) * shape[-1]) + 4
+        return 4 * n + 4
+    if optimizer == "adamw-8bit":
+        if n < BNB_MIN_8BIT_SIZE:
+            return 8 * n
+        return 2 * n + 2 * 4 * (-(-n // BNB_BLOCKSIZE))
+    raise PlanError(f"optimizer {optimizer!r} is not one of {', '.join(OPTIMIZERS)}")
+
+
+# --------------------------------------------------------------------------------------------
+# KV cache and activations
+
+
+def kv_cache_bytes(dims: Dims, batch: int, seq: int, item: int) -> tuple:
+    """``(held, window)``: KV-cache bytes after a forward of ``seq`` tokens.
+
+    ``held`` is 2 x layers x batch x seq x kv_heads x head_dim x bytes: what transformers'
+    DynamicCache keeps allocated (a sliding-window layer keeps a view of its last window - 1
+    tokens into the full tensor of the step). ``window`` counts sliding layers at
+    min(seq, window - 1) tokens: what they hold from the next decoding step on.
+    """
+    per_token = 2 * batch * dims.kv_heads * dims.head_dim * item
+    held = per_token * seq * dims.layers
+    window = 0
+    for t in dims.layer_types:
+        keep = seq
+        if t in ("sliding_attention", "chunked_attention") and dims.sliding_window:
+            keep = min(seq, dims.sliding_window - 1)
+        window += per_token * keep
+    return held, window
+
+
+def _norm_saved(dims: Dims, a: int, width: int, linear_after: bool) -> int:
+    """Bytes per token one norm saves for backward, plus the input of the linear that follows
+    it, as transformers implements them."""
+    if dims.family == "gpt2":                    # native layer_norm: input, mean and rstd
+        return a * width + 2 * a + (a * width if linear_after else 0)
+    if dims.family.startswith("gemma"):          # float32 input, rsqrt, normed times (1 + w)
+        return 8 * width + 4 + (a * width if linear_after else 0)
+    return 4 * width + 4 + a * width + (a * width if linear_after else 0)   # Llama RMSNorm
+
+
+def train_activations(dims: Dims, batch: int, seq: int, a: int, device: str = "cuda") -> dict:
+    """Bytes saved for backward by a training forward with labels (use_cache=False), by term.
+
+    Counted tensor by tensor for the transformers implementations (tests compare the count with
+    ``torch.autograd.graph.saved_tensors_hooks`` on real models). ``layers``: every transformer
+    layer: its norms, the attention (SDPA keeps q, k, v, its output and a float32 log-sum-exp,
+    no seq x seq scores; eager attention keeps the float32 softmax and the scores) and the MLP;
+    ``other``: token ids, rotary tables, the final norm, soft-capped logits, the shifted labels;
+    ``logprobs``: the float32 log-softmax of the loss (4 x batch x seq x vocab).
+    """
+    d, t = dims, batch * seq
+    h, hd, nh, kv, i = d.hidden, d.head_dim, d.heads, d.kv_heads, d.inter
+    labels = 8 + 4 / t                                # shifted labels; the loss's total weight
+    if d.family == "gpt2":
+        mask = (a if device == "cpu" else 1) if d.dropout > 0 else 0
+        if d.dropout > 0 and device == "cpu":
+            # CPU SDPA has no dropout kernel: the math path keeps float32 q, k, v, softmax, mask
+            # and dropped-out weights, and a copy of the output for c_proj.
+            attn = 12 * h + 3 * 4 * nh * seq + a * h
+        else:
+            attn = 3 * a * h + 4 * nh + a * h         # q, k, v are views of c_attn's output
+        layer = 2 * _norm_saved(d, a, h, True) + attn + 5 * a * i + 2 * mask * h
+        per_token = d.layers * layer + mask * h + _norm_saved(d, a, h, True) + 8 + labels
+        return {"layers": t * d.layers * layer,
+                "other": round(t * (per_token - d.layers * layer)) + 8 * seq,
+                "logprobs": 4 * t * d.vocab}
+    if d.attn == "eager":
+        # repeated k and v, q, the output copy, and per score: float32 softmax, its cast and
+        # the soft-capped scores (attn_logit_softcapping)
+        cast = a if a != 4 else 0                # softmax(dtype=float32).to(dtype): no copy in fp32
+        attn = 4 * a * nh * hd + nh * seq * (4 + cast + (a if d.attn_softcap else 0))
+    else:
+        attn = a * (2 * nh * hd + 2 * kv * hd) + 4 * nh
+        if d.family == "phi3":    # v keeps the fused qkv output alive; o_proj gets a copy
+            attn += a * (nh + 2 * kv) * hd - a * kv * hd + a * nh * hd
+    if d.family == "qwen3":                      # q/k RMSNorms over head_dim
+        attn += nh * (4 * hd + a * hd + 4) + kv * (4 * hd + a * hd + 4)
+    if d.family == "gemma3_text":
+        attn += nh * (8 * hd + 4) + kv * (8 * hd + 4)
+    layer = 2 * _norm_saved(d, a, h, True) + attn + 4 * a * i
+    norm_consts = 0
+    if d.family.startswith("gemma"):             # (1 + w) in float32, once per norm
+        norms = 2
+        if d.family in ("gemma2", "gemma3_text"):
+            layer += 2 * _norm_saved(d, a, h, False)
+            norms = 4
+        norm_consts = d.layers * norms * 4 * h + 4 * h + a
+        if d.family == "gemma3_text":
+            norm_consts += d.layers * 2 * 4 * hd
+    softcap = a * d.vocab if d.softcap else 0    # tanh of the soft-capped logits
+    other = t * (8 + _norm_saved(d, a, h, True) + softcap + labels)
+    rotary = 2 * seq * hd * a                    # cos and sin, shared by every layer
+    return {"layers": t * d.layers * layer, "other": round(other) + rotary + norm_consts,
+            "logprobs": 4 * t * d.vocab}
+
+
+def infer_transient(dims: Dims, batch: int, seq: int, a: int) -> int:
+    """Peak bytes of the temporaries of one layer in a no-grad forward (an estimate: the MLP's
+    three intermediates or the attention's projections, plus the hidden states around them)."""
+    d, t = dims, batch * seq
+    h, hd = d.hidden, d.head_dim
+    norm = 8 * h + 2 * a * h                       # float32 upcast and square, input, output
+    attn = a * (2 * h + (2 * d.heads + 3 * d.kv_heads) * hd)
+    if d.attn == "eager":
+        attn += d.heads * seq * (4 + 2 * a)
+    mlp = a * (2 * h + 3 * d.inter)
+    return t * max(norm, attn, mlp)
+
+
+# --------------------------------------------------------------------------------------------
+# The plan
+
+
+@dataclass
+class Part:
+    """One part of the model and its bytes in a plan.
+
+    ``weights``/``grads``/``optimizer``/``master`` are on the accelerator; ``host`` is what a
+    Maximus embedding keeps in host memory instead. ``dense`` is the part's weights at the plan's
+    precision (no NF4, no Maximus); ``padding`` is LCT's alignment padding, included in
+    ``weights``; ``stored``/``decoded`` come from an artifact's manifest when one was given.
+    """
+
+    name: str
+    params: int = 0
+    tensors: int = 0
+    weights: int = 0
+    grads: int = 0
+    optimizer: int = 0
+    master: int = 0
+    host: int = 0
+    dense: int = 0
+    padding: int = 0
+    stored: int | None = None
+    decoded: int | None = None
+    note: str = ""
+
+    @property
+    def device(self) -> int:
+        return self.weights + self.grads + self.optimizer + self.master
+
+
+@dataclass
+class Plan:
+    """Every figure of a plan: integer counts of parameters or bytes.
+
+    ``total`` is the estimated peak on the accelerator: the largest of ``phases`` (training:
+    end of forward, loss backward, LM-head backward, end of backward, optimizer step;
+    inference: the layers with the KV cache, then the logits).
+    """
+
+    model: str
+    model_type: str
+    mode: str
+    device: str
+    batch: int
+    seq: int
+    vocab_size: int
+    base_vocab_size: int
+    precision: str
+    optimizer: str | None
+    kv_dtype: str
+    format: str
+    maximus: tuple | None
+    memory: int | None
+    parts: list
+    params: int
+    trainable_params: int
+    weights: int
+    grads: int
+    optimizer_states: int
+    master: int
+    activations: int      # train: saved for backward (without the loss's); infer: layer temporaries
+    logits: int           # batch x seq x vocab in the activation dtype
+    loss: int             # train: float32 log-probs, their gradient and the logits' gradient
+    loss_chunked: int     # the same when the loss is computed loss_chunk tokens at a time
+    loss_chunk: int
+    logits_saving: int    # train: what a chunked loss takes off the peak; infer: what
+    #                       logits_to_keep=1 (generate) saves
+    kv_cache: int
+    kv_cache_window: int
+    step_temp: int
+    nf4_saving: int
+    maximus_saving: int
+    host: int
+    phases: dict
+    total: int
+    fits: bool | None
+    stored: int | None = None
+    decoded: int | None = None
+    vocab_delta: dict | None = None
+    notes: list = field(default_factory=list)
+
+    @property
+    def peak_phase(self) -> str:
+        """The phase at which the accelerator holds the most."""
+        return max(self.phases, key=self.phases.get)
+
+    def to_dict(self) -> dict:
+        d = asdict(self)
+        d["maximus"] = list(self.maximus) if self.maximus else None
+        d["peak_phase"] = self.peak_phase
+        return d
+
+    def to_json(self) -> str:
+        return json.dumps(self.to_dict(), indent=1) + "\n"
+
+    def to_rows(self) -> list:
+        """``(part, params, weights, grads, optimizer, master, host)`` per part, then the total."""
+        rows = [(p.name, p.params, p.weights, p.grads, p.optimizer, p.master, p.host)
+                for p in self.parts]
+        rows.append(("total", self.params, self.weights, self.grads, self.optimizer_states,
+                     self.master, self.host))
+        return rows
+
+    def items(self) -> dict:
+        """What the accelerator holds, by item, largest first (``{name: bytes}``)."""
+        items = {"weights": self.weights, "gradients": self.grads,
+                 "optimizer states": self.optimizer_states, "master weights": self.master,
+                 "activations": self.activations, "logits": self.logits, "loss buffers": self.loss,
+                 "KV cache": self.kv_cache, "optimizer-step temporaries": self.step_temp}
+        return dict(sorted(((k, v) for k, v in items.items() if v), key=lambda kv: -kv[1]))
+
+    def cuts(self) -> list:
+        """``(remedy, bytes it takes off the peak)``, largest first: each remedy is planned
+        again with everything else unchanged."""
+        return list(self._cuts)
+
+    _cuts: list = field(default_factory=list, repr=False)
+
+
+def parse_resident(text) -> tuple:
+    """``"K/N"`` (or ``(K, N)``) -> ``(K, N)``: K of N Maximus shards resident."""
+    if isinstance(text, (tuple, list)) and len(text) == 2:
+        k, n = text
+    else:
+        m = re.fullmatch(r"\s*(\d+)\s*/\s*(\d+)\s*", str(text))
+        if not m:
+            raise PlanError(f"maximus resident fraction {text!r} must be K/N, like 8/32")
+        k, n = int(m.group(1)), int(m.group(2))
+    if not (isinstance(k, int) and isinstance(n, int) and n >= 1 and 0 <= k <= n):
+        raise PlanError(f"maximus resident fraction {k}/{n}: need 0 <= K <= N and N >= 1")
+    return k, n
+
+
+_UNITS = {"": 1, "b": 1, "k": 1000, "kb": 1000, "m": 1000**2, "mb": 1000**2, "g": 1000**3,
+          "gb": 1000**3, "t": 1000**4, "tb": 1000**4, "ki": 1024, "kib": 1024, "mi": 1024**2,
+          "mib": 1024**2, "gi": 1024**3, "gib": 1024**3, "ti": 1024**4, "tib": 1024**4}
+
+
+def parse_bytes(text) -> int:
+    """``"16GiB"``, ``"24GB"``, ``"512MiB"``, ``"1.5TiB"`` or an integer -> bytes."""
+    if isinstance(text, int) and not isinstance(text, bool):
+        return text
+    m = re.fullmatch(r"\s*([0-9]+(?:\.[0-9]+)?)\s*([A-Za-z]*)\s*", str(text))
+    unit = m.group(2).lower() if m else None
+    if not m or unit not in _UNITS:
+        raise PlanError(f"memory {text!r} must be a number with a unit, like 16GiB, 24GB or "
+                        f"512MiB")
+    return int(float(m.group(1)) * _UNITS[unit])
+
+
+def human_bytes(n: int) -> str:
+    """Bytes in binary units: ``1.50 GiB``."""
+    sign, x = ("-" if n < 0 else ""), float(abs(n))
+    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
+        if x < 1024 or unit == "TiB":
+            return f"{sign}{int(x)} B" if unit == "B" else f"{sign}{x:.2f} {unit}"
+        x /= 1024
+    return str(n)  # pragma: no cover
+
+
+def plan(model, *, mode: str = "infer", batch: int = 1, seq: int = DEFAULT_SEQ,
+         vocab_size: int | None = None, add_tokens: int | None = None,
+         precision: str | None = None, optimizer: str = "adamw", kv_dtype: str | None = None,
+         format: str = "hf", maximus_resident=None, memory=None,  # noqa: A002
+         device: str = "cuda", loss_chunk: int = DEFAULT_LOSS_CHUNK,
+         revision: str | None = None) -> Plan:
+    """Plan the memory of MODEL for inference or a training step.
+
+    Args:
+        model: a model folder, an LCT artifact, a config.json path, a Hub id, a config dict or a
+            transformers config (only config.json is read).
+        mode: "infer" (a no-grad forward over batch x seq tokens that fills a KV cache) or
+            "train" (forward with labels and use_cache=False, backward, optimizer step).
+        batch, seq: batch size and sequence length.
+        vocab_size / add_tokens: plan for a resized vocabulary; ``vocab_delta`` then holds what
+            the change adds to the peak in each mode.
+        precision: bf16, fp16, fp32, or mixed (bf16 weights and gradients, fp32 master weights
+            and optimizer states); default: the config's dtype (bf16 if it names none).
+        optimizer: adamw, sgd, adafactor or adamw-8bit (train mode).
+        kv_dtype: bf16, fp16, fp32 or fp8 (default: the activation dtype).
+        format: "hf" (dense weights) or "lct" (LCT's NF4 embedding/head, frozen in training).
+            With an LCT artifact as MODEL its policy (NF4 parts, blocksize, Maximus shards) is
+            used and its stored sizes are reported.
+        maximus_resident: "K/N" or (K, N): the input embedding as a MaximusEmbedding with K of
+            N shards on the accelerator and the whole table in host memory.
+        memory: the accelerator's memory ("16GiB", "24GB", "512MiB" or bytes) for ``fits``.
+        device: "cuda" (foreach optimizers, bitsandbytes' NF4 matmul) or "cpu" (single-tensor
+            optimizers, LCT's chunked NF4 head, CPU attention kernels): whose temporaries.
+        loss_chunk: tokens per chunk for the chunked-loss figure.
+        revision: Hub revision for a Hub id.
+
+    Returns:
+        A ``Plan``; ``total`` is the estimated peak on the accelerator.
+
+    Raises:
+        ConfigNotFoundError, PlanError: no config, an unknown family, or a bad option.
+
+    Example:
+        >>> p = plan("google/gemma-2b", mode="train", precision="mixed", memory="80GiB")
+        >>> p.params, p.fits
+        (2506172416, True)
+    """
+    for value, allowed, what in ((mode, MODES, "mode"), (format, FORMATS, "format"),
+                                 (device, DEVICES, "device"), (optimizer, OPTIMIZERS, "optimizer")):
+        if value not in allowed:
+            raise PlanError(f"{what} {value!r} is not one of {', '.join(allowed)}")
+    if precision is not None and precision not in PRECISIONS:
+        raise PlanError(f"precision {precision!r} is not one of {', '.join(PRECISIONS)}")
+    if kv_dtype is not None and kv_dtype not in KV_DTYPES:
+        raise PlanError(f"KV dtype {kv_dtype!r} is not one of {', '.join(KV_DTYPES)}")
+    for value, what in ((batch, "batch"), (seq, "seq"), (loss_chunk, "loss chunk")):
+        if not isinstance(value, int) or value < 1:
+            raise PlanError(f"{what} must be a positive integer, got {value!r}")
+    if vocab_size is not None and add_tokens is not None:
+        raise PlanError("give a new vocabulary size or a number of tokens to add, not both")
+    mx = parse_resident(maximus_resident) if maximus_resident is not None else None
+    budget = parse_bytes(memory) if memory is not None else None
+
+    cfg, where, artifact = read_config(model, revision)
+    base = model_dims(cfg, where)
+    new_vocab = vocab_size if vocab_size is not None else \
+        base.vocab + add_tokens if add_tokens is not None else None
+    if new_vocab is not None and new_vocab < 1:
+        raise PlanError(f"the vocabulary size must be >= 1, got {new_vocab}")
+    manifest = _manifest(artifact) if artifact is not None else None
+    if precision is None:
+        stored = (manifest.policy.get("dtype") if manifest else None) or base.dtype
+        precision = DTYPE_PRECISION.get(stored or "", "bf16")
+    kv_dtype = kv_dtype or {"fp32": "fp32", "fp16": "fp16"}.get(precision, "bf16")
+    options = dict(mode=mode, batch=batch, seq=seq, precision=precision, optimizer=optimizer,
+                   kv_dtype=kv_dtype, format=format, mx=mx, device=device, loss_chunk=loss_chunk)
+    result = _plan(cfg, where, model_dims(cfg, where, new_vocab) if new_vocab else base, base,
+                   manifest, budget, **options)
+    result.model = where if isinstance(model, dict) else str(model)
+    if new_vocab is not None and new_vocab != base.vocab:
+        result.vocab_delta = {}
+        for m in MODES:
+            opts = dict(options, mode=m)
+            old = _plan(cfg, where, base, base, manifest, None, **opts).total
+            new = result.total if m == mode else _plan(
+                cfg, where, result_dims(result, cfg, where), base, manifest, None, **opts).total
+            result.vocab_delta[m] = new - old
+    return result
+
+
+def result_dims(result: Plan, cfg: dict, where: str) -> Dims:
+    return model_dims(cfg, where, result.vocab_size)
+
+
+def _plan(cfg: dict, where: str, dims: Dims, base: Dims, manifest, budget, *, mode, batch, seq,
+          precision, optimizer, kv_dtype, format, mx, device, loss_chunk,  # noqa: A002
+          cuts: bool = True) -> Plan:
+    train = mode == "train"
+    a = 4 if precision == "fp32" else 2                  # weight, gradient and activation bytes
+    state_bytes = 4 if precision in ("fp32", "mixed") else 2
+    policy = manifest.policy if manifest else {}
+    nf4_roles = tuple(policy.get("nf4", C.NF4_ROLES))
+    blocksize = int(policy.get("blocksize", C.DEFAULT_BLOCKSIZE))
+    shards = (manifest.maximus or {}).get("num_shards") if manifest else None
+    if mx is not None:
+        if mx[1] > dims.vocab:
+            raise PlanError(f"maximus resident {mx[0]}/{mx[1]}: more shards than the "
+                            f"{dims.vocab} rows of the vocabulary")
+        shards = shards or mx[1]
+
+    specs = parameter_specs(dims)
+    layout = lct_layout(specs, PRECISION_DTYPE[precision], nf4_roles, blocksize, shards) \
+        if format == "lct" else None
+    nf4_specs = {s.name for s in specs if layout is not None and s.role in nf4_roles
+                 and len(s.shape) == 2}
+    parts = {name: Part(name) for name in PARTS}
+    notes: list = []
+    trainable = largest = 0
+    any_8bit = False
+    for s in specs:
+        p = parts[ROLE_PART[s.role]]
+        p.params += s.numel
+        p.tensors += 1
+        p.dense += s.numel * a
+        if layout is not None:
+            tensor_bytes, span = layout[s.name]
+            p.weights += span
+            p.padding += span - tensor_bytes
+        else:
+            p.weights += s.numel * a
+        if train and s.name not in nf4_specs:
+            p.grads += s.numel * a
+            p.optimizer += optimizer_state_bytes(s.shape, optimizer, state_bytes)
+            p.master += 4 * s.numel if precision == "mixed" else 0
+            any_8bit |= optimizer == "adamw-8bit" and s.numel >= BNB_MIN_8BIT_SIZE
+            trainable += s.numel
+            largest = max(largest, s.numel)
+    if any_8bit:
+        parts["layers"].optimizer += BNB_QMAP_BYTES
+    if dims.tied:
+        parts["head"].note = "tied to the embedding"
+    if train and nf4_specs:
+        notes.append("--format lct: the NF4 embedding/head are frozen in training (no gradients "
+                     "or optimizer states)")
+
+    # What the NF4 tables save against dense ones, in this mode (frozen when training).
+    nf4_saving = 0
+    for s in specs:
+        if s.role in ("embed", "head") and len(s.shape) == 2 and s.shape[-1] % blocksize == 0:
+            dense = s.numel * a
+            if train:
+                dense += s.numel * a + optimizer_state_bytes(s.shape, optimizer, state_bytes) + \
+                    (4 * s.numel if precision == "mixed" else 0)
+            nf4_saving += dense - (layout[s.name][1] if layout is not None and
+                                   s.name in nf4_specs else nf4_bytes(s.numel, blocksize))
+
+    # Maximus: the input embedding's table in host memory, K of N shards on the accelerator.
+    emb = next(s for s in specs if s.role == "embed")
+    rows, width = emb.shape
+    k, n = mx if mx is not None else (DEFAULT_MAXIMUS[0], min(DEFAULT_MAXIMUS[1], rows))
+    resident_rows = min(k * -(-rows // n), rows)
+    row_bytes = width // 2 + 4 * (width // blocksize) if emb.name in nf4_specs else width * a
+    e, h = parts["embedding"], parts["head"]
+    resident = resident_rows * row_bytes
+    maximus_saving = (0 if dims.tied else e.device) - resident
+    if mx is not None:
+        host = e.weights + e.optimizer + e.master
+        if e.grads:     # sparse gradient: values and int64 indices of the rows a batch touches
+            host += min(rows, batch * seq) * (width * a + 8)
+        if dims.tied:
+            h.weights, h.grads, h.optimizer, h.master = e.weights, e.grads, e.optimizer, e.master
+            h.note = "tied: the head keeps the whole table on the accelerator"
+            notes.append("Maximus on a tied model: the LM head still multiplies by the whole "
+                         "table, so the resident shards are an extra copy on the accelerator")
+        e.weights, e.grads, e.optimizer, e.master, e.host = resident, 0, 0, 0, host
+        e.note = f"Maximus {k}/{n}: {resident_rows} of {rows} rows resident"
+
+    if manifest is not None:
+        _manifest_sizes(manifest, parts)
+        if dims.vocab != base.vocab:
+            notes.append("the artifact's stored and decoded sizes are for its own vocabulary")
+
+    plist = [p for p in parts.values()
+             if p.params or p.name in ("embedding", "layers", "norm", "head")]
+    total_of = lambda attr: sum(getattr(p, attr) for p in plist)  # noqa: E731
+    weights, grads, opt, master = (total_of(x) for x in ("weights", "grads", "optimizer",
+                                                         "master"))
+    t, V, H = batch * seq, dims.vocab, dims.hidden
+    logits = a * t * V
+    kv_held, kv_window = kv_cache_bytes(dims, batch, seq, KV_DTYPES[kv_dtype])
+    chunk = min(loss_chunk, t)
+    phases: dict = {}
+    if train:
+        acts = train_activations(dims, batch, seq, a, device)
+        saved = acts["layers"] + acts["other"]
+        fixed = weights + master + opt
+        head_grad = h.grads or (e.grads if dims.tied else 0)
+        tie_tmp = e.grads if dims.tied else 0     # the embedding's dense gradient, before adding
+        step = _step_temp(optimizer, device, precision, trainable, largest, state_bytes)
+
+        def train_phases(tokens_v: int) -> dict:
+            # tokens_v: how many positions' logits exist at once (all, or one loss chunk)
+            lt = tokens_v * V
+            return {
+                # logits, their float32 upcast (the loss's), the saved float32 log-probs
+                "forward": fixed + saved + a * lt + (4 * lt if a != 4 else 0) + 4 * lt,
+                # log-probs, their gradient and the logits' float32 gradient
+                "loss backward": fixed + saved + 12 * lt,
+                # the logits' gradient, the head's weight gradient, the hidden states' gradient
+                "head backward": fixed + saved + a * lt + head_grad + a * t * H,
+                "end of backward": fixed + grads + tie_tmp,
+                "optimizer step": fixed + (0 if precision == "mixed" else grads) + step,
+            }
+        phases = train_phases(t)
+        chunked_total = max(train_phases(chunk).values())
+        loss, loss_chunked = 12 * t * V, 12 * chunk * V
+        activations, kv, kv_window = saved, 0, 0
+        logits_saving = max(phases.values()) - chunked_total
+        notes.append(f"training forwards should pass use_cache=False; otherwise they also build "
+                     f"a KV cache of {human_bytes(kv_held)}")
+    else:
+        activations = infer_transient(dims, batch, seq, a)
+        head_nf4 = bool(nf4_specs & {"lm_head.weight"}) or (dims.tied and emb.name in nf4_specs)
+        final = logits + a * t * H
+        if head_nf4:   # bitsandbytes dequantizes the whole head; LCT's CPU kernel 8192 rows
+            final += V * H * a if device == "cuda" else min(V, 8192) * (H + t) * a
+        phases["layers"] = weights + kv_held + activations
+        phases["logits"] = weights + kv_held + final
+        loss = loss_chunked = step = 0
+        kv, logits_saving = kv_held, logits - a * batch * V
+    if dims.attn == "eager":
+        notes.append(f"{dims.family} runs eager attention in transformers by default: its "
+                     f"seq x seq scores are planned")
+    total = max(phases.values())
+    result = Plan(
+        model=where, model_type=dims.family, mode=mode, device=device, batch=batch, seq=seq,
+        vocab_size=dims.vocab, base_vocab_size=base.vocab, precision=precision,
+        optimizer=optimizer if train else None, kv_dtype=kv_dtype, format=format, maximus=mx,
+        memory=budget, parts=plist, params=total_of("params"), trainable_params=trainable,
+        weights=weights, grads=grads, optimizer_states=opt, master=master,
+        activations=activations, logits=logits, loss=loss, loss_chunked=loss_chunked,
+        loss_chunk=chunk, logits_saving=logits_saving, kv_cache=kv, kv_cache_window=kv_window,
+        step_temp=step, nf4_saving=nf4_saving, maximus_saving=maximus_saving,
+        host=total_of("host"), phases=phases, total=total,
+        fits=None if budget is None else total <= budget,
+        stored=manifest.stored_bytes if manifest else None,
+        decoded=manifest.decoded_bytes if manifest else None, notes=notes)
+    if cuts:
+        result._cuts = _remedies(result, cfg, where, dims, base, manifest, mode=mode,
+                                 batch=batch, seq=seq, precision=precision, optimizer=optimizer,
+                                 kv_dtype=kv_dtype, format=format, mx=mx, device=device,
+                                 loss_chunk=loss_chunk)
+    return result
+
+
+def _remedies(p: Plan, cfg, where, dims, base, manifest, **opts) -> list:
+    """Plan each remedy again and keep those that lower the peak."""
+    tries = []
+    if opts["format"] == "hf":
+        tries.append(("--format lct (NF4 embedding/head)", dict(format="lct")))
+    if opts["mx"] is None and not dims.tied:
+        tries.append((f"--maximus-resident {DEFAULT_MAXIMUS[0]}/{DEFAULT_MAXIMUS[1]}",
+                      dict(mx=(DEFAULT_MAXIMUS[0], min(DEFAULT_MAXIMUS[1], dims.vocab)))))
+    if opts["mode"] == "train":
+        if opts["optimizer"] != "adamw-8bit":
+            tries.append(("--optimizer adamw-8bit", dict(optimizer="adamw-8bit")))
+        if opts["precision"] in ("fp32", "mixed"):
+            tries.append(("--precision bf16", dict(precision="bf16")))
+    elif opts["kv_dtype"] != "fp8":
+        tries.append(("--kv-dtype fp8", dict(kv_dtype="fp8")))
+    if opts["batch"] > 1:
+        tries.append((f"--batch {opts['batch'] // 2}", dict(batch=opts["batch"] // 2)))
+    if opts["seq"] > 1:
+        tries.append((f"--seq {opts['seq'] // 2}", dict(seq=opts["seq"] // 2)))
+    out = []
+    for label, change in tries:
+        try:
+            other = _plan(cfg, where, dims, base, manifest, None, cuts=False,
+                          **dict(opts, **change))
+        except PlanError:
+            continue
+        if other.total < p.total:
+            out.append((label, p.total - other.total))
+    if opts["mode"] == "train" and p.logits_saving > 0:
+        out.append((f"chunked loss ({p.loss_chunk} tokens a chunk)", p.logits_saving))
+    return sorted((c for c in out if c[1] > 0), key=lambda c: -c[1])
+
+
+def _step_temp(optimizer: str, device: str, precision: str, trainable: int, largest: int,
+               state_bytes: int) -> int:
+    """Temporaries of the optimizer step.
+
+    torch AdamW on CUDA (foreach) takes the square root of every second moment at once (one
+    state-sized buffer); on CPU (single-tensor) the root and its scaled copy of the largest
+    tensor. transformers' Adafactor works tensor by tensor in float32 (about three float32 copies
+    of the largest tensor). SGD and bitsandbytes' fused kernels work in place. Mixed precision
+    adds the float32 gradients of the master weights (the half gradients are freed as they are
+    converted).
+    """
+    temp = 0
+    if optimizer == "adamw":
+        temp = trainable * state_bytes if device == "cuda" else 2 * largest * state_bytes
+    elif optimizer == "adafactor":
+        temp = 3 * 4 * largest
+    if precision == "mixed":
+        temp += 4 * trainable
+    return temp
+
+
+def _manifest(artifact: Path):
+    from .manifest import Manifest
+    path = artifact / C.MANIFEST_NAME
+    return Manifest.from_json(path.read_bytes(), str(path))
+
+
+def _manifest_sizes(manifest, parts: dict) -> None:
+    """Stored and decoded bytes of an artifact per part: each tensor's span in its decoded chunk
+    (to the next tensor) and, for stored bytes, each chunk under the part of its first tensor."""
+    for p in parts.values():
+        p.stored, p.decoded = 0, 0
+    by_chunk: dict = {}
+    for t in manifest.tensors.values():
+        for pl in t.placements():
+            by_chunk.setdefault(pl.chunk, []).append((pl.offset, ROLE_PART.get(t.role)))
+    for c in manifest.chunks:
+        starts = sorted(by_chunk.get(c.id, []))
+        for k, (off, part) in enumerate(starts):
+            end = starts[k + 1][0] if k + 1 < len(starts) else c.decoded_size
+            if part in parts:
+                parts[part].decoded += end - off
+        if starts and starts[0][1] in parts:
+            parts[starts[0][1]].stored += c.stored_size
