@@ -139,8 +139,8 @@ def prepare(out: Path) -> tuple:
     src = out / "gemma-2b-random"
     if not (src / "model.safetensors").exists():
         print("generating the Gemma-2B-shaped checkpoint (benchmarks/bench_format.py) ...")
-        subprocess.run([PY, str(Path(__file__).parent / "bench_format.py"), "--out", str(out),
-                        "--only-checkpoint"], check=True)
+        subprocess.run([PY, str(Path(__file__).parent / "bench_format.py"), "--_build", str(src)],
+                       check=True)
     art = out / "gemma-2b-random.lct"
     if not (art / "lct.json").exists():
         print("converting to LCT ...")
