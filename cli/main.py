@@ -12,6 +12,7 @@ from .demo import demo_cmd
 from .export import export_cmd
 from .info import info_cmd
 from .load import load_cmd
+from .plan import plan_cmd
 from .pull import pull_cmd
 from .push import push_cmd
 from .verify import verify_cmd
@@ -30,7 +31,7 @@ def cli():
 
 
 for command in (convert_cmd, info_cmd, verify_cmd, export_cmd, load_cmd, push_cmd, pull_cmd,
-                demo_cmd):
+                plan_cmd, demo_cmd):
     cli.add_command(command)
 
 

@@ -119,14 +119,14 @@ def quantize(tensor, blocksize: int = C.DEFAULT_BLOCKSIZE, name: str = "tensor")
         b1 = min(nblocks, b0 + per_piece)
         e0, e1 = b0 * blocksize, min(n, b1 * blocksize)
         x = flat[e0:e1].to(torch.float32)
-        if not torch.isfinite(x).all():
-            raise PolicyError(f"{name}: NF4 cannot encode NaN or Inf values "
-                              f"(found one in elements {e0}..{e1})")
         pad = (b1 - b0) * blocksize - (e1 - e0)
         if pad:
             x = torch.cat([x, x.new_zeros(pad)])
         blocks = x.view(-1, blocksize)
         am = blocks.abs().amax(dim=1)
+        if not torch.isfinite(am).all():  # amax propagates NaN and Inf: one check per block
+            raise PolicyError(f"{name}: NF4 cannot encode NaN or Inf values "
+                              f"(found one in elements {e0}..{e1})")
         absmax[b0:b1] = am
         scaled = blocks * (1.0 / am).unsqueeze(1)
         codes = _codes(scaled)

@@ -3,13 +3,14 @@
 
 Exact figures (tested against the real thing): parameter counts (``sum(p.numel())`` of the
 transformers model built from the same config), weight bytes in every precision, LCT's decoded
-bytes (NF4 codes + absmax + 64-byte alignment, laid out by the writer's own ``plan_group``), optimizer
-states of torch AdamW / SGD, transformers' Adafactor and bitsandbytes' AdamW8bit, gradients, master
-weights, and the KV cache that transformers' ``DynamicCache`` holds after a forward of S tokens.
+bytes (NF4 codes + absmax + 64-byte alignment, laid out by the writer's own ``plan_group``),
+optimizer states of torch AdamW / SGD, transformers' Adafactor and bitsandbytes' AdamW8bit,
+gradients, master weights, the KV cache that transformers' ``DynamicCache`` holds after a forward
+of S tokens, and the activations a training forward saves for backward (on CPU kernels).
 
-Estimates (documented in docs/PLAN.md, measured by benchmarks/bench_plan.py): activations saved
-for backward (counted op by op for the transformers implementations, with SDPA attention), the
-logits and loss buffers, and the peak of a training step, which is the largest of five moments
+Estimates (documented in docs/PLAN.md, measured by benchmarks/bench_plan.py): the temporaries of
+an inference forward, the logits and loss buffers, optimizer-step temporaries, and the peak of a
+training step, which is the largest of five moments
 (end of forward, start of backward, LM-head backward, end of backward, optimizer step) rather
 than a sum of everything: gradients and activations do not peak together.
 
@@ -44,6 +45,7 @@ ROLE_PART = {"embed": "embedding", "pos_embed": "pos_embedding", "layer": "layer
 DEFAULT_SEQ = 2048
 DEFAULT_LOSS_CHUNK = 1024          # tokens per chunk in the chunked-loss figure
 DEFAULT_MAXIMUS = (8, 32)          # MaximusEmbedding's default budget: a quarter of 32 shards
+NF4_HEAD_CHUNK_ROWS = 8192         # rows NF4Linear dequantizes at a time on CPU (kernels/linear.py)
 # bitsandbytes 8-bit optimizers: tensors under 4096 elements keep fp32 states; blockwise absmax
 # per 256 elements; two 256-entry float32 quantization maps shared by all tensors.
 BNB_MIN_8BIT_SIZE = 4096
@@ -121,12 +123,12 @@ def _download_config(repo_id: str, revision: str | None) -> Path:
     except herr.RepositoryNotFoundError as e:
         raise ConfigNotFoundError(f"{repo_id}: no such folder, and no such Hub repo (or it is "
                                   f"private: log in or set HF_TOKEN)") from e
-    except herr.EntryNotFoundError as e:
-        raise ConfigNotFoundError(f"{repo_id}: the Hub repo has no config.json") from e
     except herr.LocalEntryNotFoundError as e:
         raise ConfigNotFoundError(f"{repo_id}: config.json is not in the local Hugging Face cache "
                                   f"and the Hub is not reachable (HF_HUB_OFFLINE is set or no "
                                   f"network)") from e
+    except herr.EntryNotFoundError as e:
+        raise ConfigNotFoundError(f"{repo_id}: the Hub repo has no config.json") from e
     except (herr.HfHubHTTPError, OSError, ValueError) as e:
         raise PlanError(f"{repo_id}: downloading config.json failed: {e}") from e
 
@@ -470,6 +472,24 @@ def infer_transient(dims: Dims, batch: int, seq: int, a: int) -> int:
     return t * max(norm, attn, mlp)
 
 
+def nf4_head_transient(vocab: int, hidden: int, tokens: int, a: int, blocksize: int,
+                       device: str) -> int:
+    """Temporaries of an NF4 LM head over ``tokens`` positions (besides its output).
+
+    CUDA: bitsandbytes' ``matmul_4bit`` dequantizes the whole weight for a multi-token input.
+    CPU: LCT's ``NF4Linear`` dequantizes 8192 rows at a time, each in pieces of
+    ``lct.nf4.PIECE_ELEMENTS``: per element of a piece the int64 code, the float32 scale, the
+    table lookup and the product (20 bytes), besides the rows' dequantized weight and their
+    slice of the output.
+    """
+    if device == "cuda":
+        return vocab * hidden * a
+    from .nf4 import PIECE_ELEMENTS
+    rows = min(vocab, NF4_HEAD_CHUNK_ROWS)
+    piece = min(rows * hidden, max(1, PIECE_ELEMENTS // blocksize) * blocksize)
+    return rows * hidden * a + max(20 * piece, tokens * rows * a)
+
+
 # --------------------------------------------------------------------------------------------
 # The plan
 
@@ -499,7 +519,8 @@ class Part:
     note: str = ""
 
     @property
-    def device(self) -> int:
+    def on_device(self) -> int:
+        """Bytes this part keeps on the accelerator."""
         return self.weights + self.grads + self.optimizer + self.master
 
 
@@ -551,7 +572,8 @@ class Plan:
     fits: bool | None
     stored: int | None = None
     decoded: int | None = None
-    vocab_delta: dict | None = None
+    vocab_delta: dict | None = None       # {mode: peak with the new vocabulary - peak with the old}
+    remedies: list = field(default_factory=list)   # [(remedy, bytes it takes off the peak)]
     notes: list = field(default_factory=list)
 
     @property
@@ -562,6 +584,7 @@ class Plan:
     def to_dict(self) -> dict:
         d = asdict(self)
         d["maximus"] = list(self.maximus) if self.maximus else None
+        d["remedies"] = [list(r) for r in self.remedies]
         d["peak_phase"] = self.peak_phase
         return d
 
@@ -584,12 +607,6 @@ class Plan:
                  "KV cache": self.kv_cache, "optimizer-step temporaries": self.step_temp}
         return dict(sorted(((k, v) for k, v in items.items() if v), key=lambda kv: -kv[1]))
 
-    def cuts(self) -> list:
-        """``(remedy, bytes it takes off the peak)``, largest first: each remedy is planned
-        again with everything else unchanged."""
-        return list(self._cuts)
-
-    _cuts: list = field(default_factory=list, repr=False)
 
 
 def parse_resident(text) -> tuple:
@@ -636,8 +653,9 @@ def human_bytes(n: int) -> str:
 def plan(model, *, mode: str = "infer", batch: int = 1, seq: int = DEFAULT_SEQ,
          vocab_size: int | None = None, add_tokens: int | None = None,
          precision: str | None = None, optimizer: str = "adamw", kv_dtype: str | None = None,
-         format: str = "hf", maximus_resident=None, memory=None,  # noqa: A002
+         format: str | None = None, maximus_resident=None, memory=None,  # noqa: A002
          device: str = "cuda", loss_chunk: int = DEFAULT_LOSS_CHUNK,
+         nf4: tuple | None = None, blocksize: int | None = None,
          revision: str | None = None) -> Plan:
     """Plan the memory of MODEL for inference or a training step.
 
@@ -653,15 +671,18 @@ def plan(model, *, mode: str = "infer", batch: int = 1, seq: int = DEFAULT_SEQ,
             and optimizer states); default: the config's dtype (bf16 if it names none).
         optimizer: adamw, sgd, adafactor or adamw-8bit (train mode).
         kv_dtype: bf16, fp16, fp32 or fp8 (default: the activation dtype).
-        format: "hf" (dense weights) or "lct" (LCT's NF4 embedding/head, frozen in training).
-            With an LCT artifact as MODEL its policy (NF4 parts, blocksize, Maximus shards) is
-            used and its stored sizes are reported.
+        format: "hf" (dense weights) or "lct" (LCT's NF4 embedding/head, frozen in training);
+            default: "lct" for an LCT artifact, whose policy (NF4 parts, blocksize, Maximus
+            shards) is then used and whose stored sizes are reported, else "hf".
         maximus_resident: "K/N" or (K, N): the input embedding as a MaximusEmbedding with K of
             N shards on the accelerator and the whole table in host memory.
         memory: the accelerator's memory ("16GiB", "24GB", "512MiB" or bytes) for ``fits``.
         device: "cuda" (foreach optimizers, bitsandbytes' NF4 matmul) or "cpu" (single-tensor
             optimizers, LCT's chunked NF4 head, CPU attention kernels): whose temporaries.
         loss_chunk: tokens per chunk for the chunked-loss figure.
+        nf4, blocksize: the NF4 parts ("embed", "head") and block size of ``format="lct"``, as
+            ``lct convert --nf4/--blocksize`` (default: an artifact's policy, else both parts
+            and 64).
         revision: Hub revision for a Hub id.
 
     Returns:
@@ -675,7 +696,7 @@ def plan(model, *, mode: str = "infer", batch: int = 1, seq: int = DEFAULT_SEQ,
         >>> p.params, p.fits
         (2506172416, True)
     """
-    for value, allowed, what in ((mode, MODES, "mode"), (format, FORMATS, "format"),
+    for value, allowed, what in ((mode, MODES, "mode"), (format or "hf", FORMATS, "format"),
                                  (device, DEVICES, "device"), (optimizer, OPTIMIZERS, "optimizer")):
         if value not in allowed:
             raise PlanError(f"{what} {value!r} is not one of {', '.join(allowed)}")
@@ -690,6 +711,10 @@ def plan(model, *, mode: str = "infer", batch: int = 1, seq: int = DEFAULT_SEQ,
         raise PlanError("give a new vocabulary size or a number of tokens to add, not both")
     mx = parse_resident(maximus_resident) if maximus_resident is not None else None
     budget = parse_bytes(memory) if memory is not None else None
+    if nf4 is not None and any(r not in C.NF4_ROLES for r in nf4):
+        raise PlanError(f"nf4 parts {tuple(nf4)!r} must be among {C.NF4_ROLES}")
+    if blocksize is not None and (not isinstance(blocksize, int) or blocksize < 2 or blocksize % 2):
+        raise PlanError(f"NF4 blocksize {blocksize!r} must be a positive even integer")
 
     cfg, where, artifact = read_config(model, revision)
     base = model_dims(cfg, where)
@@ -698,12 +723,14 @@ def plan(model, *, mode: str = "infer", batch: int = 1, seq: int = DEFAULT_SEQ,
     if new_vocab is not None and new_vocab < 1:
         raise PlanError(f"the vocabulary size must be >= 1, got {new_vocab}")
     manifest = _manifest(artifact) if artifact is not None else None
+    format = format or ("lct" if manifest is not None else "hf")  # noqa: A001
     if precision is None:
         stored = (manifest.policy.get("dtype") if manifest else None) or base.dtype
         precision = DTYPE_PRECISION.get(stored or "", "bf16")
     kv_dtype = kv_dtype or {"fp32": "fp32", "fp16": "fp16"}.get(precision, "bf16")
     options = dict(mode=mode, batch=batch, seq=seq, precision=precision, optimizer=optimizer,
-                   kv_dtype=kv_dtype, format=format, mx=mx, device=device, loss_chunk=loss_chunk)
+                   kv_dtype=kv_dtype, format=format, mx=mx, device=device, loss_chunk=loss_chunk,
+                   nf4=None if nf4 is None else tuple(nf4), blocksize=blocksize)
     result = _plan(cfg, where, model_dims(cfg, where, new_vocab) if new_vocab else base, base,
                    manifest, budget, **options)
     result.model = where if isinstance(model, dict) else str(model)
@@ -711,26 +738,23 @@ def plan(model, *, mode: str = "infer", batch: int = 1, seq: int = DEFAULT_SEQ,
         result.vocab_delta = {}
         for m in MODES:
             opts = dict(options, mode=m)
-            old = _plan(cfg, where, base, base, manifest, None, **opts).total
+            old = _plan(cfg, where, base, base, manifest, None, remedies=False, **opts).total
             new = result.total if m == mode else _plan(
-                cfg, where, result_dims(result, cfg, where), base, manifest, None, **opts).total
+                cfg, where, model_dims(cfg, where, new_vocab), base, manifest, None,
+                remedies=False, **opts).total
             result.vocab_delta[m] = new - old
     return result
 
 
-def result_dims(result: Plan, cfg: dict, where: str) -> Dims:
-    return model_dims(cfg, where, result.vocab_size)
-
-
 def _plan(cfg: dict, where: str, dims: Dims, base: Dims, manifest, budget, *, mode, batch, seq,
-          precision, optimizer, kv_dtype, format, mx, device, loss_chunk,  # noqa: A002
-          cuts: bool = True) -> Plan:
+          precision, optimizer, kv_dtype, format, mx, device, loss_chunk, nf4,  # noqa: A002
+          blocksize, remedies: bool = True) -> Plan:
     train = mode == "train"
     a = 4 if precision == "fp32" else 2                  # weight, gradient and activation bytes
     state_bytes = 4 if precision in ("fp32", "mixed") else 2
     policy = manifest.policy if manifest else {}
-    nf4_roles = tuple(policy.get("nf4", C.NF4_ROLES))
-    blocksize = int(policy.get("blocksize", C.DEFAULT_BLOCKSIZE))
+    nf4_roles = nf4 if nf4 is not None else tuple(policy.get("nf4", C.NF4_ROLES))
+    blocksize = blocksize or int(policy.get("blocksize", C.DEFAULT_BLOCKSIZE))
     shards = (manifest.maximus or {}).get("num_shards") if manifest else None
     if mx is not None:
         if mx[1] > dims.vocab:
@@ -776,7 +800,7 @@ def _plan(cfg: dict, where: str, dims: Dims, base: Dims, manifest, budget, *, mo
     # What the NF4 tables save against dense ones, in this mode (frozen when training).
     nf4_saving = 0
     for s in specs:
-        if s.role in ("embed", "head") and len(s.shape) == 2 and s.shape[-1] % blocksize == 0:
+        if s.role in nf4_roles and len(s.shape) == 2 and s.shape[-1] % blocksize == 0:
             dense = s.numel * a
             if train:
                 dense += s.numel * a + optimizer_state_bytes(s.shape, optimizer, state_bytes) + \
@@ -792,7 +816,7 @@ def _plan(cfg: dict, where: str, dims: Dims, base: Dims, manifest, budget, *, mo
     row_bytes = width // 2 + 4 * (width // blocksize) if emb.name in nf4_specs else width * a
     e, h = parts["embedding"], parts["head"]
     resident = resident_rows * row_bytes
-    maximus_saving = (0 if dims.tied else e.device) - resident
+    maximus_saving = (0 if dims.tied else e.on_device) - resident
     if mx is not None:
         host = e.weights + e.optimizer + e.master
         if e.grads:     # sparse gradient: values and int64 indices of the rows a batch touches
@@ -852,8 +876,8 @@ def _plan(cfg: dict, where: str, dims: Dims, base: Dims, manifest, budget, *, mo
         activations = infer_transient(dims, batch, seq, a)
         head_nf4 = bool(nf4_specs & {"lm_head.weight"}) or (dims.tied and emb.name in nf4_specs)
         final = logits + a * t * H
-        if head_nf4:   # bitsandbytes dequantizes the whole head; LCT's CPU kernel 8192 rows
-            final += V * H * a if device == "cuda" else min(V, 8192) * (H + t) * a
+        if head_nf4:
+            final += nf4_head_transient(V, H, t, a, blocksize, device)
         phases["layers"] = weights + kv_held + activations
         phases["logits"] = weights + kv_held + final
         loss = loss_chunked = step = 0
@@ -875,11 +899,11 @@ def _plan(cfg: dict, where: str, dims: Dims, base: Dims, manifest, budget, *, mo
         fits=None if budget is None else total <= budget,
         stored=manifest.stored_bytes if manifest else None,
         decoded=manifest.decoded_bytes if manifest else None, notes=notes)
-    if cuts:
-        result._cuts = _remedies(result, cfg, where, dims, base, manifest, mode=mode,
+    if remedies:
+        result.remedies = _remedies(result, cfg, where, dims, base, manifest, mode=mode,
                                  batch=batch, seq=seq, precision=precision, optimizer=optimizer,
                                  kv_dtype=kv_dtype, format=format, mx=mx, device=device,
-                                 loss_chunk=loss_chunk)
+                                 loss_chunk=loss_chunk, nf4=nf4, blocksize=blocksize)
     return result
 
 
@@ -905,7 +929,7 @@ def _remedies(p: Plan, cfg, where, dims, base, manifest, **opts) -> list:
     out = []
     for label, change in tries:
         try:
-            other = _plan(cfg, where, dims, base, manifest, None, cuts=False,
+            other = _plan(cfg, where, dims, base, manifest, None, remedies=False,
                           **dict(opts, **change))
         except PlanError:
             continue
@@ -923,7 +947,8 @@ def _step_temp(optimizer: str, device: str, precision: str, trainable: int, larg
     torch AdamW on CUDA (foreach) takes the square root of every second moment at once (one
     state-sized buffer); on CPU (single-tensor) the root and its scaled copy of the largest
     tensor. transformers' Adafactor works tensor by tensor in float32 (about three float32 copies
-    of the largest tensor). SGD and bitsandbytes' fused kernels work in place. Mixed precision
+    of the largest tensor). SGD and bitsandbytes' fused CUDA kernels work in place; its CPU path
+    dequantizes the states of one tensor at a time. Mixed precision
     adds the float32 gradients of the master weights (the half gradients are freed as they are
     converted).
     """
@@ -932,6 +957,11 @@ def _step_temp(optimizer: str, device: str, precision: str, trainable: int, larg
         temp = trainable * state_bytes if device == "cuda" else 2 * largest * state_bytes
     elif optimizer == "adafactor":
         temp = 3 * 4 * largest
+    elif optimizer == "adamw-8bit" and device == "cpu" and largest >= BNB_MIN_8BIT_SIZE:
+        # bitsandbytes' CPU path, tensor by tensor: both states dequantized to float32, the
+        # scaled float32 gradient, the root of the second moment and its scaled copy (and a
+        # float32 copy of a half-precision parameter)
+        temp = (5 + (1 if state_bytes == 2 and precision != "mixed" else 0)) * 4 * largest
     if precision == "mixed":
         temp += 4 * trainable
     return temp

@@ -1,0 +1,180 @@
+"""`lct plan`: how much memory a model needs for inference or training, from its config.json."""
+
+from __future__ import annotations
+
+import click
+
+from lct.plan import DEVICES, FORMATS, KV_DTYPES, MODES, OPTIMIZERS, PRECISIONS
+
+from ._util import table
+
+
+def _bytes(ctx, param, value):
+    if value is None:
+        return None
+    from lct.plan import PlanError, parse_bytes
+    try:
+        return parse_bytes(value)
+    except PlanError as e:
+        raise click.BadParameter(str(e)) from None
+
+
+def _resident(ctx, param, value):
+    if value is None:
+        return None
+    from lct.plan import PlanError, parse_resident
+    try:
+        return parse_resident(value)
+    except PlanError as e:
+        raise click.BadParameter(str(e)) from None
+
+
+@click.command("plan")
+@click.argument("model")
+@click.option("--mode", type=click.Choice(MODES), default="infer", show_default=True,
+              help="infer: a no-grad forward that fills a KV cache; train: forward with labels, "
+                   "backward and optimizer step.")
+@click.option("--batch", type=click.IntRange(min=1), default=1, show_default=True)
+@click.option("--seq", type=click.IntRange(min=1), default=2048, show_default=True,
+              help="Sequence length in tokens.")
+@click.option("--vocab-size", type=click.IntRange(min=1), default=None,
+              help="Plan for this vocabulary size instead of the config's.")
+@click.option("--add-tokens", type=click.IntRange(min=1), default=None,
+              help="Plan for the vocabulary grown by N tokens and show what it costs per mode.")
+@click.option("--precision", type=click.Choice(PRECISIONS), default=None,
+              help="Weights/activations dtype; mixed = bf16 weights and gradients with fp32 "
+                   "master weights and optimizer states. Default: the config's dtype.")
+@click.option("--optimizer", type=click.Choice(OPTIMIZERS), default="adamw", show_default=True,
+              help="Training optimizer (torch AdamW, SGD, transformers Adafactor, "
+                   "bitsandbytes AdamW8bit).")
+@click.option("--kv-dtype", type=click.Choice(list(KV_DTYPES)), default=None,
+              help="KV-cache dtype (default: the activation dtype).")
+@click.option("--format", "fmt", type=click.Choice(FORMATS), default=None,
+              help="hf: dense weights; lct: LCT's NF4 embedding and head (frozen in training). "
+                   "Default: lct for an LCT artifact, else hf.")
+@click.option("--nf4", "nf4", default=None, metavar="PARTS",
+              help="With --format lct and no artifact: the NF4 parts, as lct convert --nf4 "
+                   "(none, embed, head or embed,head; default embed,head).")
+@click.option("--blocksize", type=click.IntRange(min=2), default=None,
+              help="With --format lct and no artifact: the NF4 block size (default 64).")
+@click.option("--maximus-resident", callback=_resident, metavar="K/N", default=None,
+              help="The embedding as Maximus shards, K of N resident on the accelerator, the "
+                   "whole table in host memory.")
+@click.option("--memory", callback=_bytes, metavar="SIZE", default=None,
+              help="Accelerator memory to plan against: 16GiB, 24GB, 512MiB...")
+@click.option("--device", type=click.Choice(DEVICES), default="cuda", show_default=True,
+              help="Whose temporaries to plan: CUDA kernels or the CPU paths.")
+@click.option("--loss-chunk", type=click.IntRange(min=1), default=1024, show_default=True,
+              help="Tokens per chunk for the chunked-loss figure.")
+@click.option("--revision", default=None, help="Hub revision when MODEL is a Hub id.")
+@click.option("--json", "as_json", is_flag=True,
+              help="Print every figure as JSON (integer parameters and bytes).")
+def plan_cmd(model, mode, batch, seq, vocab_size, add_tokens, precision, optimizer, kv_dtype,
+             fmt, nf4, blocksize, maximus_resident, memory, device, loss_chunk, revision,
+             as_json):
+    """Plan the memory MODEL needs for inference or a training step.
+
+    MODEL is a model folder, an LCT artifact or a Hub id (such as google/gemma-2b); only its
+    config.json is read, no weights. The table shows parameters and the bytes of weights,
+    gradients, optimizer states and master weights per part; then activations, the logits
+    (batch x seq x vocab) and what a chunked loss saves, the KV cache, what LCT's NF4
+    embedding/head and Maximus shards save, and the peak against --memory. Parameter counts,
+    weight, optimizer and KV-cache bytes are exact; activations and the peak are estimates
+    (docs/PLAN.md; benchmarks/bench_plan.py measures them).
+    """
+    from lct.plan import plan
+    if vocab_size is not None and add_tokens is not None:
+        raise click.UsageError("give --vocab-size or --add-tokens, not both")
+    if nf4 is not None:
+        from .convert import _parse_nf4
+        nf4 = _parse_nf4(None, None, nf4)
+    p = plan(model, mode=mode, batch=batch, seq=seq, vocab_size=vocab_size,
+             add_tokens=add_tokens, precision=precision, optimizer=optimizer, kv_dtype=kv_dtype,
+             format=fmt, maximus_resident=maximus_resident, memory=memory, device=device,
+             loss_chunk=loss_chunk, nf4=nf4, blocksize=blocksize, revision=revision)
+    if as_json:
+        click.echo(p.to_json(), nl=False)
+        return
+    click.echo("\n".join(render(p)))
+
+
+def render(p) -> list:
+    """The human report of a ``Plan``, as lines."""
+    from lct.plan import KV_DTYPES, human_bytes as hb
+    train = p.mode == "train"
+    what = f"{p.mode}, batch {p.batch} x seq {p.seq}, {p.precision}"
+    what += f", {p.optimizer}" if train else f", KV {p.kv_dtype}"
+    what += f", format {p.format}, {p.device}"
+    if p.maximus:
+        what += f", Maximus {p.maximus[0]}/{p.maximus[1]}"
+    lines = [f"{p.model} ({p.model_type}): {p.params:,} parameters, vocabulary {p.vocab_size:,}"
+             + (f" (was {p.base_vocab_size:,})" if p.vocab_size != p.base_vocab_size else ""),
+             what, ""]
+    rows = []
+    for part in p.parts:
+        rows.append([part.name, f"{part.params:,}" if part.params else "-",
+                     hb(part.weights) if part.weights or part.params else part.note or "-"]
+                    + ([hb(part.grads), hb(part.optimizer), hb(part.master)] if train else [])
+                    + ([hb(part.host)] if p.maximus else [])
+                    + ([hb(part.stored or 0), hb(part.decoded or 0)] if p.stored is not None
+                       else []))
+    rows.append(["total", f"{p.params:,}", hb(p.weights)]
+                + ([hb(p.grads), hb(p.optimizer_states), hb(p.master)] if train else [])
+                + ([hb(p.host)] if p.maximus else [])
+                + ([hb(p.stored), hb(p.decoded)] if p.stored is not None else []))
+    headers = (["part", "params", "weights"] + (["gradients", "optimizer", "master"] if train
+                                                 else [])
+               + (["host (Maximus)"] if p.maximus else [])
+               + (["stored", "decoded"] if p.stored is not None else []))
+    lines.append(table(rows, headers))
+    lines.append("")
+    dt = "fp32" if p.precision == "fp32" else "bf16/fp16"
+    act = [("activations saved for backward" if train else "activations (one layer's "
+            "temporaries)", hb(p.activations)),
+           (f"logits ({p.batch} x {p.seq} x {p.vocab_size:,}, {dt})", hb(p.logits))]
+    if train:
+        act.append(("loss buffers (fp32 log-probs, their gradient, the logits' gradient)",
+                    hb(p.loss)))
+        act.append((f"  chunked loss ({p.loss_chunk} tokens a chunk): buffers "
+                    f"{hb(p.loss_chunked)}, peak lower by", hb(p.logits_saving)))
+        act.append(("optimizer-step temporaries", hb(p.step_temp)))
+    else:
+        act.append(("  logits of the last position only (generate) would save",
+                    hb(p.logits_saving)))
+        act.append((f"KV cache ({p.kv_dtype}, {KV_DTYPES[p.kv_dtype]} B an element)",
+                    hb(p.kv_cache)))
+        if p.kv_cache_window != p.kv_cache:
+            act.append(("  with sliding windows, from the next decoding step",
+                        hb(p.kv_cache_window)))
+    width = max(len(a) for a, _ in act)
+    lines += [f"{a.ljust(width)}  {b:>11s}" for a, b in act]
+    lines.append("")
+    nf4 = f"NF4 embedding/head (LCT) {'save' if p.format == 'lct' else 'would save'} " \
+        f"{hb(p.nf4_saving)}"
+    k, n = p.maximus or (8, 32)
+    verb = ("saves" if p.maximus else "would save") if p.maximus_saving >= 0 else \
+        ("costs" if p.maximus else "would cost")
+    mx = f"Maximus {k}/{n} {verb} {hb(abs(p.maximus_saving))} on the accelerator"
+    if p.maximus:
+        mx += f" ({hb(p.host)} in host memory)"
+    lines.append(f"{nf4}; {mx}")
+    phases = ", ".join(f"{k} {hb(v)}" for k, v in p.phases.items())
+    lines.append(f"peak: {hb(p.total)} at the {p.peak_phase} ({phases})")
+    if p.memory is not None:
+        if p.fits:
+            lines.append(f"fits in {hb(p.memory)}: {hb(p.memory - p.total)} to spare")
+        else:
+            lines.append(f"does not fit in {hb(p.memory)}: {hb(p.total - p.memory)} short")
+    items = list(p.items().items())[:3]
+    lines.append("largest items: " + ", ".join(f"{k} {hb(v)}" for k, v in items))
+    if p.remedies and (p.memory is None or not p.fits):
+        lines.append("to cut: " + "; ".join(f"{k} (-{hb(v)})" for k, v in p.remedies[:4]))
+    if p.vocab_delta:
+        dv = p.vocab_size - p.base_vocab_size
+        lines.append(f"vocabulary {dv:+,} tokens: "
+                     + ", ".join(f"{m} {'+' if v >= 0 else ''}{hb(v)}"
+                                 for m, v in p.vocab_delta.items()))
+    if p.stored is not None:
+        lines.append(f"artifact: {hb(p.stored)} stored, {hb(p.decoded)} decoded")
+    lines += [f"note: {n}" for n in p.notes]
+    return lines
