@@ -11,6 +11,7 @@ import os
 import shutil
 import struct
 import uuid
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -136,6 +137,8 @@ class ArtifactWriter:
         self.pieced: dict = {}      # name -> (full TensorSpec, row_order, [piece TensorInfo])
         self._fh = None
         self._pos = 0
+        self._io = ThreadPoolExecutor(1, thread_name_prefix="lct-write")
+        self._pending = None
         self.state = "open"
 
     # State machine ----------------------------------------------------------------------------
@@ -181,10 +184,12 @@ class ArtifactWriter:
         return len(self.files) - 1, start
 
     # Chunks -----------------------------------------------------------------------------------
-    def write_chunk(self, plan: ChunkPlan, buffer: np.ndarray, codec: str, params: dict) -> ChunkInfo:
+    def write_chunk(self, plan: ChunkPlan, buffer: np.ndarray, codec: str, params: dict) -> None:
         """Encode ``buffer`` (the decoded bytes laid out as ``plan`` says) and append it.
 
-        Returns the chunk's manifest entry; the plan's tensors are recorded with it.
+        The encoded bytes are written (and checksummed) by a background thread while the caller
+        prepares the next chunk; at most one write is pending, and its error surfaces on the
+        next call or in ``finish``.
         """
         self._require_open()
         if buffer.nbytes != plan.decoded_size:
@@ -192,7 +197,14 @@ class ArtifactWriter:
         stored = codecs.get_codec(codec).encode(buffer, params, self.map_fn)
         if codec != C.CODEC_RAW and len(stored) >= buffer.nbytes:
             codec, params, stored = C.CODEC_RAW, {}, buffer.tobytes()
-        return self.write_stored(plan, stored, codec, params)
+        self._drain()
+        self._pending = self._io.submit(self.write_stored, plan, stored, codec, params)
+
+    def _drain(self) -> None:
+        """Wait for the pending background write (re-raising its error)."""
+        if self._pending is not None:
+            pending, self._pending = self._pending, None
+            pending.result()
 
     def write_stored(self, plan: ChunkPlan, stored: bytes, codec: str, params: dict) -> ChunkInfo:
         """Append already-encoded chunk bytes for ``plan``."""
@@ -247,6 +259,8 @@ class ArtifactWriter:
                ties: dict, unmapped: list, created_by: str, maximus: dict | None = None) -> Manifest:
         """Write the manifest, validate it, and move the artifact into place."""
         self._require_open()
+        self._drain()
+        self._io.shutdown(wait=True)
         self._close_file()
         for spec, row_order, pieces in self.pieced.values():
             pieces.sort(key=lambda p: p.rows)
@@ -281,6 +295,7 @@ class ArtifactWriter:
         if self.state != "open":
             return
         try:
+            self._io.shutdown(wait=True, cancel_futures=True)
             if self._fh is not None:
                 self._fh.close()
                 self._fh = None
