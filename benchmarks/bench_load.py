@@ -38,14 +38,18 @@ def _kb(field):
         for line in f:
             if line.startswith(field + ":"):
                 return int(line.split()[1]) * 1024
-import torch, transformers
-from transformers import AutoModelForCausalLM, AutoConfig
-torch.manual_seed(0)
-IDS = torch.tensor([[2, 65, 107, 57, 100, 17]])
 extra = {}
+IDS_LIST = [[2, 65, 107, 57, 100, 17]]
+# Each contender imports what its users would import, so that import time counts as it would.
+'''
+
+HF_IMPORTS = r'''
+import torch
+from transformers import AutoModelForCausalLM, AutoConfig
 '''
 
 EPILOGUE = r'''
+IDS = torch.tensor(IDS_LIST)
 ready = _age()
 rss_ready = _kb("VmRSS")
 with torch.no_grad():
@@ -57,10 +61,10 @@ print("RESULT " + json.dumps({"ready_s": ready, "ttft_s": first, "rss_ready": rs
 '''
 
 CONTENDERS = {
-    "from_pretrained": r'''
+    "from_pretrained": HF_IMPORTS + r'''
 model = AutoModelForCausalLM.from_pretrained(SRC, dtype=torch.bfloat16).eval()
 ''',
-    "tensorizer": r'''
+    "tensorizer": HF_IMPORTS + r'''
 from tensorizer import TensorDeserializer
 from tensorizer.utils import no_init_or_tensor
 config = AutoConfig.from_pretrained(SRC)
@@ -71,7 +75,7 @@ d.close()
 model.tie_weights()
 model.eval()
 ''',
-    "runai_streamer": r'''
+    "runai_streamer": HF_IMPORTS + r'''
 from accelerate import init_empty_weights
 from runai_model_streamer import SafetensorsStreamer
 config = AutoConfig.from_pretrained(SRC)
@@ -91,7 +95,7 @@ model.eval()
 
 def lct_code(prefetch: int, nf4: str) -> str:
     return rf'''
-import lct, lct.loader
+import torch, lct, lct.loader
 st = lct.loader.LoadStats()
 model = lct.load(ART, prefetch={prefetch}, nf4="{nf4}", stats=st)
 extra = {{k: getattr(st, k) for k in ("manifest_s", "skeleton_s", "read_s", "decode_s", "wait_s",
@@ -101,8 +105,9 @@ extra = {{k: getattr(st, k) for k in ("manifest_s", "skeleton_s", "read_s", "dec
 
 
 LAYERWISE = r'''
-import lct
+import torch, lct
 from lct.loader import LayerwiseModel
+IDS = torch.tensor(IDS_LIST)
 lm = LayerwiseModel(ART, prefetch=2)
 ready = _age()
 rss_ready = _kb("VmRSS")
@@ -149,7 +154,7 @@ def prepare(out: Path) -> tuple:
     tensors = out / "gemma-2b-random.tensors"
     if not tensors.exists():
         print("serializing for tensorizer ...")
-        code = PRELUDE + rf'''
+        code = PRELUDE + HF_IMPORTS + rf'''
 from tensorizer import TensorSerializer
 model = AutoModelForCausalLM.from_pretrained({str(src)!r}, dtype=torch.bfloat16)
 s = TensorSerializer({str(tensors) + ".tmp"!r})

@@ -128,6 +128,13 @@ class GroupStream:
             self._next += 1
         self.stats.max_in_flight = max(self.stats.max_in_flight, len(self._pending))
 
+    def start(self) -> "GroupStream":
+        """Submit the first ``prefetch`` groups now (before the first ``next``), so that they
+        decode while the caller does other work. Nothing changes for ``prefetch=0``."""
+        if self._pool is not None and not self._closed:
+            self._fill()
+        return self
+
     def __iter__(self):
         return self
 
