@@ -23,6 +23,9 @@ from .errors import LCTError
 from .manifest import ChunkInfo, Manifest, TensorInfo
 
 
+SYNC_EVERY = 256 * 1024 * 1024
+
+
 def checksum(data) -> str:
     """The manifest checksum string of ``data`` (xxh3_64 of its bytes)."""
     import xxhash
@@ -138,6 +141,7 @@ class ArtifactWriter:
         self._fh = None
         self._pos = 0
         self._io = ThreadPoolExecutor(1, thread_name_prefix="lct-write")
+        self._unsynced = 0
         self._pending = None
         self.state = "open"
 
@@ -213,6 +217,13 @@ class ArtifactWriter:
         self._fh.write(stored)
         self._pos = offset + len(stored)
         self.files[fidx]["size"] = self._pos
+        self._unsynced += len(stored)
+        if self._unsynced >= SYNC_EVERY:
+            # Flush as we go (on the writer thread, overlapping the next chunk's encoding), so
+            # that the final fsync in finish() has little left to wait for.
+            self._fh.flush()
+            os.fdatasync(self._fh.fileno())
+            self._unsynced = 0
         info = ChunkInfo(len(self.chunks), plan.group, fidx, offset, len(stored),
                          plan.decoded_size, codec, dict(params), checksum(stored))
         self.chunks.append(info)
