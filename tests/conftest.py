@@ -43,3 +43,16 @@ def llama_art(llama_src, tmp_path_factory):
     out = tmp_path_factory.mktemp("art") / "llama.lct"
     lct.convert(str(llama_src), out)
     return out
+
+
+@pytest.fixture
+def run():
+    """Invoke the ``lct`` CLI in-process: ``run("info", path)`` -> click Result."""
+    from click.testing import CliRunner
+
+    from lct.cli.main import cli
+    runner = CliRunner()
+
+    def invoke(*args):
+        return runner.invoke(cli, [str(a) for a in args], catch_exceptions=False)
+    return invoke

@@ -11,15 +11,6 @@ from safetensors.torch import load_file
 from lct.cli.main import cli
 
 
-@pytest.fixture
-def run():
-    runner = CliRunner()
-
-    def invoke(*args):
-        return runner.invoke(cli, [str(a) for a in args], catch_exceptions=False)
-    return invoke
-
-
 def test_help_on_every_command(run):
     top = run("--help")
     assert top.exit_code == 0

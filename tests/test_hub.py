@@ -48,15 +48,6 @@ def hub(tmp_path, monkeypatch):
         server.stop()
 
 
-@pytest.fixture
-def run():
-    runner = CliRunner()
-
-    def invoke(*args):
-        return runner.invoke(cli, [str(a) for a in args], catch_exceptions=False)
-    return invoke
-
-
 def _files(d: Path) -> dict:
     return {p.name: p.read_bytes() for p in Path(d).iterdir()
             if p.is_file() and not p.name.startswith(".")}

@@ -7,12 +7,10 @@ import math
 
 import pytest
 import torch
-from click.testing import CliRunner
 from transformers import AutoConfig, AutoModelForCausalLM
 
 import lct
 from lct import tiny
-from lct.cli.main import cli
 from lct.converter import Policy
 from lct.manifest import Manifest
 from lct.plan import (ConfigNotFoundError, PlanError, kv_cache_bytes, model_dims, nf4_bytes,
@@ -401,15 +399,6 @@ def test_config_sources_and_errors(tmp_path, llama_src, monkeypatch):
     (repo / "snapshots" / sha / "config.json").write_text((llama_src / "config.json").read_text())
     monkeypatch.setattr(hc, "HF_HUB_CACHE", str(tmp_path / "hub"))
     assert plan("org/tiny").params == plan(llama_src).params
-
-
-@pytest.fixture
-def run():
-    runner = CliRunner()
-
-    def invoke(*args):
-        return runner.invoke(cli, [str(a) for a in args], catch_exceptions=False)
-    return invoke
 
 
 def test_cli_table_and_verdict(run, llama_src, llama_art):
