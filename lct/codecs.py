@@ -9,6 +9,7 @@ them over threads; zstandard and numpy release the GIL.
 
 from __future__ import annotations
 
+import abc
 import struct
 import threading
 from typing import Callable, Iterable
@@ -142,7 +143,7 @@ def _check_level(params: dict) -> int:
     return level
 
 
-class Codec:
+class Codec(abc.ABC):
     """Base class: one codec, identified by ``name`` in the manifest."""
 
     name = ""
@@ -150,18 +151,18 @@ class Codec:
     def check_params(self, params: dict, decoded_size: int, stored_size: int) -> None:
         """Raise ``ManifestError`` if ``params`` or the sizes are impossible for this codec."""
 
+    @abc.abstractmethod
     def encode(self, data: np.ndarray, params: dict, map_fn: MapFn = map) -> bytes:
         """Encode the decoded bytes ``data`` (1-D uint8) to stored bytes."""
-        raise NotImplementedError
 
     def check_stored(self, stored, decoded_size: int, params: dict, what: str = "chunk") -> None:
         """Raise ``CorruptChunkError`` unless the framing of ``stored`` (frame table, zstd frame
         headers) matches ``decoded_size``; cheap, and run before the output is allocated."""
 
+    @abc.abstractmethod
     def decode(self, stored, out: np.ndarray, params: dict, map_fn: MapFn = map,
                what: str = "chunk") -> None:
         """Decode ``stored`` into ``out`` (1-D uint8 of exactly the decoded size)."""
-        raise NotImplementedError
 
 
 @register
