@@ -253,6 +253,20 @@ class ZstdCodec(Codec):
 
 
 _UINT = {2: np.uint16, 4: np.uint32}
+
+
+def _join16(hi: np.ndarray, lo: np.ndarray, out: np.ndarray) -> None:
+    """``out = rotate_right(hi << 8 | lo, 1)`` for 16-bit elements, in five contiguous passes
+    (no strided byte scatter): ``(hi << 7) | (lo >> 1) | (lo << 15)``."""
+    tmp = getattr(_local, "tmp16", None)
+    if tmp is None or tmp.size < out.size:
+        tmp = _local.tmp16 = np.empty(out.size, np.uint16)
+    t = tmp[: out.size]
+    np.left_shift(hi, 7, out=out, dtype=np.uint16)
+    np.right_shift(lo, 1, out=t, dtype=np.uint16)
+    np.bitwise_or(out, t, out=out)
+    np.left_shift(lo, 15, out=t, dtype=np.uint16)
+    np.bitwise_or(out, t, out=out)
 LO_SAMPLE = 64 * 1024
 LO_SAMPLE_GAIN = 0.97
 
@@ -337,6 +351,10 @@ class PlanesCodec(Codec):
             if mode == 1:
                 lo = _zstd_decompress(lo, n * (width - 1), where)
             frame = out[start:start + n * width]
+            if width == 2:
+                _join16(np.frombuffer(hi, np.uint8), np.frombuffer(lo, np.uint8),
+                        frame.view(np.uint16))
+                return
             grid = frame.reshape(n, width)
             grid[:, width - 1] = np.frombuffer(hi, np.uint8)
             grid[:, :width - 1] = np.frombuffer(lo, np.uint8).reshape(n, width - 1)
