@@ -24,6 +24,7 @@ from pathlib import Path
 
 from . import constants as C
 from .errors import ChecksumError, CorruptChunkError, LCTError, MissingDependencyError
+from .info import human
 
 HF_SCHEME = "hf://"
 _REPO_ID = re.compile(r"[A-Za-z0-9][\w.\-]*(/[A-Za-z0-9][\w.\-]*)?")
@@ -197,11 +198,6 @@ def _first_line(e: BaseException) -> str:
 
 
 # Model card ---------------------------------------------------------------------------------
-def _human(n: float) -> str:
-    from .info import human
-    return human(n)
-
-
 def _source_license(manifest, token=None, endpoint=None) -> str | None:
     """The license of the artifact's source, from its model card, when it can be found cheaply:
     the local source folder, the local Hugging Face cache, or (online) the source repo's info."""
@@ -276,7 +272,7 @@ def model_card(manifest, repo_id: str, *, license: str | None = None,  # noqa: A
     codec = pol.get("codec", "?")
     codec_line = f"`{codec}`"
     if codec != C.CODEC_RAW:
-        codec_line += f", zstd level {pol.get('level')}, frame {_human(pol.get('frame_size') or 0)}"
+        codec_line += f", zstd level {pol.get('level')}, frame {human(pol.get('frame_size') or 0)}"
     if manifest.maximus:
         mx = manifest.maximus
         fs = mx.get("frequency_source") or {}
@@ -300,10 +296,10 @@ def model_card(manifest, repo_id: str, *, license: str | None = None,  # noqa: A
         ("Maximus shards", maximus_line),
         ("groups / tensors / chunks",
          f"{len(manifest.groups)} / {len(manifest.tensors)} / {len(manifest.chunks)}"),
-        ("source tensors", _human(source_bytes) if source_bytes else "unknown"),
-        ("stored chunks", f"{_human(stored)} ({ratio})"),
-        ("decoded size", _human(manifest.decoded_bytes)),
-        ("data files", f"{len(manifest.files)} file(s), {_human(data_bytes)}"),
+        ("source tensors", human(source_bytes) if source_bytes else "unknown"),
+        ("stored chunks", f"{human(stored)} ({ratio})"),
+        ("decoded size", human(manifest.decoded_bytes)),
+        ("data files", f"{len(manifest.files)} file(s), {human(data_bytes)}"),
         ("written by", f"`{manifest.created_by}`, format "
                        f"{'.'.join(map(str, manifest.format_version))}"),
     ]
@@ -427,7 +423,7 @@ def push(artifact, repo_id: str, revision: str | None = None, private: bool = Fa
     message = commit_message or (f"Upload LCT artifact of {src['id']}" if src.get("kind") == "hub"
                                  else "Upload LCT artifact")
     description = (f"{len(manifest.groups)} groups, {len(manifest.chunks)} chunks, "
-                   f"{_human(manifest.stored_bytes)} stored; verified before upload "
+                   f"{human(manifest.stored_bytes)} stored; verified before upload "
                    f"({report.chunks_checked} chunk checksums).")
     try:
         api.create_repo(repo_id, private=True if private else None, exist_ok=True)

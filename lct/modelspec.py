@@ -69,30 +69,13 @@ def read_config(model, revision: str | None = None) -> tuple:
 
 
 def _download_config(repo_id: str, revision: str | None) -> Path:
-    try:
-        from huggingface_hub import errors as herr
+    from .source import hub_fetch
+
+    def fetch():
         from huggingface_hub import hf_hub_download
-    except ImportError as e:  # pragma: no cover
-        raise MissingDependencyError("huggingface_hub is needed for Hub ids: "
-                                     "pip install huggingface_hub") from e
-    try:
         return Path(hf_hub_download(repo_id, "config.json", revision=revision))
-    except herr.RevisionNotFoundError as e:
-        raise ConfigNotFoundError(f"{repo_id}: no revision {revision!r} on the Hub") from e
-    except herr.GatedRepoError as e:
-        raise PlanError(f"{repo_id}: gated repo; accept its license on the Hub and log in "
-                        f"(hf auth login or HF_TOKEN)") from e
-    except herr.RepositoryNotFoundError as e:
-        raise ConfigNotFoundError(f"{repo_id}: no such folder, and no such Hub repo (or it is "
-                                  f"private: log in or set HF_TOKEN)") from e
-    except herr.LocalEntryNotFoundError as e:
-        raise ConfigNotFoundError(f"{repo_id}: config.json is not in the local Hugging Face cache "
-                                  f"and the Hub is not reachable (HF_HUB_OFFLINE is set or no "
-                                  f"network)") from e
-    except herr.EntryNotFoundError as e:
-        raise ConfigNotFoundError(f"{repo_id}: the Hub repo has no config.json") from e
-    except (herr.HfHubHTTPError, OSError, ValueError) as e:
-        raise PlanError(f"{repo_id}: downloading config.json failed: {e}") from e
+    return hub_fetch(fetch, repo_id, revision, "config.json", not_found=ConfigNotFoundError,
+                     error=PlanError, offline=ConfigNotFoundError)
 
 
 @dataclass(frozen=True)

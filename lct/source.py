@@ -83,30 +83,45 @@ def resolve(source: str, revision: str | None = None) -> Source:
     return _local(_download(source, revision), source, "hub", revision)
 
 
-def _download(repo_id: str, revision: str | None) -> Path:
+def hub_fetch(fetch, repo_id: str, revision: str | None, what: str, *,
+              not_found=SourceNotFoundError, error=SourceError, offline=SourceError):
+    """Run ``fetch()`` (a huggingface_hub download) and turn its errors into one-line LCT errors.
+
+    ``what`` names what was being fetched; ``not_found``, ``error`` and ``offline`` are the
+    ``LCTError`` classes the caller raises for a missing repo/revision/file, any other failure,
+    and a cache miss while offline.
+    """
     try:
-        import huggingface_hub as hub
         from huggingface_hub import errors as herr
     except ImportError as e:  # pragma: no cover
-        raise MissingDependencyError("huggingface_hub is required for Hub sources: "
+        raise MissingDependencyError("huggingface_hub is required for Hub ids: "
                                      "pip install huggingface_hub") from e
     try:
+        return fetch()
+    except herr.RevisionNotFoundError as e:
+        raise not_found(f"{repo_id}: no revision {revision!r} on the Hub") from e
+    except herr.GatedRepoError as e:
+        raise error(f"{repo_id}: gated repo; accept its license on the Hub and log in "
+                    f"(hf auth login or HF_TOKEN)") from e
+    except herr.RepositoryNotFoundError as e:
+        raise not_found(f"{repo_id}: no such folder, and no such Hub repo "
+                        f"(or it is private: log in or set HF_TOKEN)") from e
+    except herr.LocalEntryNotFoundError as e:
+        raise offline(f"{repo_id}: {what} is not in the local Hugging Face cache and the Hub is "
+                      f"out of reach (offline: HF_HUB_OFFLINE is set, or no network)") from e
+    except herr.EntryNotFoundError as e:
+        raise not_found(f"{repo_id}: the Hub repo has no {what}") from e
+    except (herr.HfHubHTTPError, OSError, ValueError) as e:
+        raise error(f"{repo_id}: downloading {what} failed: {e}") from e
+
+
+def _download(repo_id: str, revision: str | None) -> Path:
+    def fetch():
+        import huggingface_hub as hub
         return Path(hub.snapshot_download(
             repo_id, revision=revision,
             allow_patterns=["*.safetensors", INDEX_NAME, *C.SIDECAR_FILES]))
-    except herr.RevisionNotFoundError as e:
-        raise SourceNotFoundError(f"{repo_id}: no revision {revision!r} on the Hub") from e
-    except herr.GatedRepoError as e:
-        raise SourceError(f"{repo_id}: gated repo; accept its license on the Hub and log in "
-                          f"(hf auth login or HF_TOKEN)") from e
-    except herr.RepositoryNotFoundError as e:
-        raise SourceNotFoundError(f"{repo_id}: no such folder, and no such Hub repo "
-                                  f"(or it is private: log in or set HF_TOKEN)") from e
-    except herr.LocalEntryNotFoundError as e:
-        raise SourceError(f"{repo_id}: not in the local Hugging Face cache and offline "
-                          f"(HF_HUB_OFFLINE is set or the Hub is unreachable)") from e
-    except (herr.HfHubHTTPError, OSError) as e:
-        raise SourceError(f"{repo_id}: download failed: {e}") from e
+    return hub_fetch(fetch, repo_id, revision, "the model files")
 
 
 def _local(root: Path, sid: str, kind: str, revision: str | None) -> Source:

@@ -97,6 +97,7 @@ def verify(artifact, *, against: str | None = None, revision: str | None = None,
 
 def _check_group(art, group, bufs, src, src_tensors, report) -> None:
     from safetensors import safe_open
+    handles: dict = {}  # each source file opened once per group, not once per tensor
     for info in art.manifest.group_tensors(group):
         if any(p.chunk not in bufs for p in info.placements()):
             continue  # a chunk of it failed its checksum: already reported
@@ -108,8 +109,9 @@ def _check_group(art, group, bufs, src, src_tensors, report) -> None:
                 if name == info.name:
                     report.failures.append(f"{name}: in the artifact but not in the source")
                 continue
-            with safe_open(str(src.root / st.file), framework="pt") as f:
-                ref = f.get_tensor(name)
+            if st.file not in handles:
+                handles[st.file] = safe_open(str(src.root / st.file), framework="pt")
+            ref = handles[st.file].get_tensor(name)
             check = _compare(name, info, got, ref)
             report.tensors.append(check)
             if not check.ok:
