@@ -140,6 +140,17 @@ class Installer:
         self._done.add(full)
 
     def _install_nf4(self, full: str, w) -> None:
+        dtype = self.dtype or _dtype(w.dtype)
+        packed, absmax = self._to_device(w.packed), self._to_device(w.absmax)
+        self._swap(full, w, packed, absmax, dtype)
+        # A tied head shares the embedding's NF4 storage.
+        for tied, real in self.art.manifest.ties.items():
+            tfull = _param_name(self.model, tied, self.names) if real == w.name else None
+            if tfull and tfull.rpartition(".")[0] != full.rpartition(".")[0]:
+                self._swap(tfull, w, packed, absmax, dtype)
+
+    def _swap(self, full: str, w, packed, absmax, dtype) -> None:
+        """Replace the module owning parameter ``full`` by its NF4 counterpart."""
         import torch
 
         from lct.kernels import NF4Embedding, NF4Linear
@@ -147,8 +158,6 @@ class Installer:
         parent_path, _, leaf = mod_path.rpartition(".")
         parent = self.model.get_submodule(parent_path) if parent_path else self.model
         old = getattr(parent, leaf)
-        dtype = self.dtype or _dtype(w.dtype)
-        packed, absmax = self._to_device(w.packed), self._to_device(w.absmax)
         if isinstance(old, torch.nn.Embedding):
             scale = getattr(old, "embed_scale", None)
             pad = self.pad_ids if self.pad_ids is not None else ()
@@ -163,21 +172,6 @@ class Installer:
         setattr(parent, leaf, new)
         self.nf4_modules.append(mod_path)
         self._mark(full)
-        # A tied head shares the embedding's NF4 storage.
-        for tied, real in self.art.manifest.ties.items():
-            if real == w.name:
-                tfull = _param_name(self.model, tied, self.names)
-                if tfull:
-                    tparent_path, _, tleaf_w = tfull.rpartition(".")
-                    tmod = self.model.get_submodule(tparent_path)
-                    if isinstance(tmod, torch.nn.Linear) and tmod is not new:
-                        pp, _, pl = tparent_path.rpartition(".")
-                        bias = tmod.bias if tmod.bias is not None and not tmod.bias.is_meta else None
-                        setattr(self.model.get_submodule(pp) if pp else self.model, pl,
-                                NF4Linear(packed, absmax, w.shape[0], w.shape[1], w.blocksize,
-                                          dtype, bias=bias))
-                        self.nf4_modules.append(tparent_path)
-                        self._mark(tfull)
 
     def finish(self, streamed=()) -> None:
         """Tie what is tied, and fail if any parameter is still on the meta device (except the
