@@ -46,9 +46,13 @@ class NF4Linear(nn.Module):
                                    quant_state=state, bias=self.bias)
         out = x.new_empty(*x.shape[:-1], self.out_features, dtype=torch.result_type(
             x, torch.empty(0, dtype=self.dtype)))
+        # One scratch buffer for every chunk: fresh pages cost more than the dequantize.
+        scratch = torch.empty(min(self.chunk_rows, self.out_features) * self.in_features,
+                              dtype=self.dtype)
         for r0 in range(0, self.out_features, self.chunk_rows):
             r1 = min(self.out_features, r0 + self.chunk_rows)
-            w = dequantize_rows(self.packed[r0:r1], self.absmax[r0:r1], self.blocksize, self.dtype)
+            w = dequantize_rows(self.packed[r0:r1], self.absmax[r0:r1], self.blocksize, self.dtype,
+                                out=scratch[: (r1 - r0) * self.in_features])
             out[..., r0:r1] = F.linear(x, w, None if self.bias is None else self.bias[r0:r1])
         return out
 

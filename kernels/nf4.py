@@ -15,7 +15,8 @@ def quant_state(absmax, shape, blocksize: int, dtype: torch.dtype):
                       blocksize=blocksize, quant_type="nf4", dtype=dtype)
 
 
-def dequantize(packed, absmax, shape, blocksize: int, dtype: torch.dtype) -> torch.Tensor:
+def dequantize(packed, absmax, shape, blocksize: int, dtype: torch.dtype,
+               out: torch.Tensor | None = None) -> torch.Tensor:
     """Dequantize NF4 ``packed``/``absmax`` to ``shape`` in ``dtype``.
 
     On CUDA this calls ``bitsandbytes.functional.dequantize_4bit``; on CPU the torch reference,
@@ -26,17 +27,18 @@ def dequantize(packed, absmax, shape, blocksize: int, dtype: torch.dtype) -> tor
         n = packed.numel() * 2
         flat = F.dequantize_4bit(packed.reshape(-1, 1), quant_state(absmax, (n,), blocksize, dtype))
         return flat[: torch.Size(shape).numel()].view(shape)
-    return ref.dequantize(packed, absmax, tuple(shape), blocksize, dtype)
+    return ref.dequantize(packed, absmax, tuple(shape), blocksize, dtype, out=out)
 
 
-def dequantize_rows(packed_rows, absmax_rows, blocksize: int, dtype: torch.dtype) -> torch.Tensor:
+def dequantize_rows(packed_rows, absmax_rows, blocksize: int, dtype: torch.dtype,
+                    out: torch.Tensor | None = None) -> torch.Tensor:
     """Dequantize whole rows: ``packed_rows`` [k, H/2] and ``absmax_rows`` [k, H/blocksize] -> [k, H].
 
     Because the blocksize divides H, this is bit-identical to dequantizing the whole table and
-    indexing those rows.
+    indexing those rows. On CPU, ``out`` (k*H elements of ``dtype``) is written into if given.
     """
     k, half = packed_rows.shape
     if k == 0:
         return torch.empty(0, half * 2, dtype=dtype, device=packed_rows.device)
     return dequantize(packed_rows.reshape(-1), absmax_rows.reshape(-1), (k, half * 2), blocksize,
-                      dtype)
+                      dtype, out=None if packed_rows.is_cuda else out)

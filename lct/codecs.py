@@ -17,6 +17,7 @@ from typing import Callable, Iterable
 import numpy as np
 
 from . import constants as C
+from . import native
 from .errors import CorruptChunkError, ManifestError, UnsupportedVersionError
 
 MapFn = Callable[..., Iterable]
@@ -256,17 +257,17 @@ _UINT = {2: np.uint16, 4: np.uint32}
 
 
 def _join16(hi: np.ndarray, lo: np.ndarray, out: np.ndarray) -> None:
-    """``out = rotate_right(hi << 8 | lo, 1)`` for 16-bit elements, in five contiguous passes
-    (no strided byte scatter): ``(hi << 7) | (lo >> 1) | (lo << 15)``."""
-    tmp = getattr(_local, "tmp16", None)
-    if tmp is None or tmp.size < out.size:
-        tmp = _local.tmp16 = np.empty(out.size, np.uint16)
-    t = tmp[: out.size]
-    np.left_shift(hi, 7, out=out, dtype=np.uint16)
-    np.right_shift(lo, 1, out=t, dtype=np.uint16)
-    np.bitwise_or(out, t, out=out)
-    np.left_shift(lo, 15, out=t, dtype=np.uint16)
-    np.bitwise_or(out, t, out=out)
+    """``out = rotate_right(hi << 8 | lo, 1)`` for 16-bit elements (lct.native: one compiled
+    pass, or five contiguous numpy passes)."""
+    tmp = None
+    if not native.available():
+        tmp = getattr(_local, "tmp16", None)
+        if tmp is None or tmp.size < out.size:
+            tmp = _local.tmp16 = np.empty(out.size, np.uint16)
+        tmp = tmp[: out.size]
+    native.join_planes16(hi, lo, out, tmp)
+
+
 LO_SAMPLE = 64 * 1024
 LO_SAMPLE_GAIN = 0.97
 
@@ -341,7 +342,6 @@ class PlanesCodec(Codec):
         width = params["width"]
         spans = self._spans(stored, out.nbytes, params, what)
         mv = memoryview(stored)
-        bits = 8 * width
 
         def one(span):
             start, n, at, hi_len, lo_len, mode = span
@@ -355,13 +355,8 @@ class PlanesCodec(Codec):
                 _join16(np.frombuffer(hi, np.uint8), np.frombuffer(lo, np.uint8),
                         frame.view(np.uint16))
                 return
-            grid = frame.reshape(n, width)
-            grid[:, width - 1] = np.frombuffer(hi, np.uint8)
-            grid[:, :width - 1] = np.frombuffer(lo, np.uint8).reshape(n, width - 1)
-            y = frame.view(_UINT[width])
-            low = y >> 1
-            np.left_shift(y, bits - 1, out=y)
-            np.bitwise_or(y, low, out=y)
+            native.join_planes32(np.frombuffer(hi, np.uint8), np.frombuffer(lo, np.uint8),
+                                 frame.view(np.uint32))
 
         for _ in map_fn(one, spans):
             pass

@@ -139,15 +139,24 @@ def quantize(tensor, blocksize: int = C.DEFAULT_BLOCKSIZE, name: str = "tensor")
     return packed, absmax
 
 
-def dequantize(packed, absmax, shape, blocksize: int, dtype=None):
+def dequantize(packed, absmax, shape, blocksize: int, dtype=None, out=None):
     """Dequantize NF4 ``packed``/``absmax`` to a tensor of ``shape`` (float32, then cast to ``dtype``).
 
     Bit-identical to bitsandbytes' ``dequantize_4bit``: ``code_table[nibble] * absmax[block]``
-    in float32. Works in pieces so the float32 intermediate never exceeds one piece.
+    in float32. Works in pieces so the float32 intermediate never exceeds one piece (one
+    compiled pass, lct.native, for float32 and bfloat16 output on the CPU). ``out``, if given,
+    is a contiguous tensor of ``shape``'s size and ``dtype`` to write into.
     """
     torch = _torch()
     n = math.prod(shape)
-    out = torch.empty(n, dtype=dtype or torch.float32)
+    if out is None:
+        out = torch.empty(n, dtype=dtype or torch.float32)
+    elif out.numel() != n or out.dtype != (dtype or torch.float32) or not out.is_contiguous():
+        raise ValueError(f"out must be a contiguous {dtype or torch.float32} tensor of {n} "
+                         f"elements, got {out.dtype} {tuple(out.shape)}")
+    out = out.view(-1)
+    if _dequantize_native(packed, absmax, out, blocksize):
+        return out.view(*shape)
     pairs = _pair_table()
     flat = packed.reshape(-1)
     per_piece = max(1, PIECE_ELEMENTS // blocksize) * blocksize
@@ -162,6 +171,31 @@ def dequantize(packed, absmax, shape, blocksize: int, dtype=None):
             vals = vals * scale.repeat_interleave(blocksize)[: e1 - e0]
         out[e0:e1] = vals
     return out.view(*shape)
+
+
+def _dequantize_native(packed, absmax, out, blocksize: int) -> bool:
+    """The compiled loop (lct.native) for float32/bfloat16 CPU output; False if it does not apply."""
+    torch = _torch()
+    from . import native
+    if not native.available() or out.dtype not in (torch.float32, torch.bfloat16) \
+            or packed.device.type != "cpu" or absmax.dtype != torch.float32:
+        return False
+    n = out.numel()
+    flat = packed.reshape(-1)[: (n + 1) // 2].contiguous()
+    am = absmax.reshape(-1)[: -(-n // blocksize)].contiguous()
+    if flat.numel() != (n + 1) // 2 or am.numel() != -(-n // blocksize):
+        raise ValueError(f"NF4 data too short for {n} elements: {flat.numel()} packed bytes, "
+                         f"{am.numel()} absmax values (blocksize {blocksize})")
+    bf16 = out.dtype == torch.bfloat16
+    native.nf4_dequant_into(flat.numpy(), am.numpy(), _code_np(),
+                            out.view(torch.int16).numpy() if bf16 else out.numpy(), blocksize, bf16)
+    return True
+
+
+@functools.lru_cache(maxsize=1)
+def _code_np():
+    import numpy as np
+    return np.asarray(C.NF4_CODE, dtype=np.float32)
 
 
 @functools.lru_cache(maxsize=1)

@@ -56,3 +56,14 @@ def run():
     def invoke(*args):
         return runner.invoke(cli, [str(a) for a in args], catch_exceptions=False)
     return invoke
+
+
+@pytest.fixture(params=["native", "numpy"])
+def native_mode(request, monkeypatch):
+    """Run a test once with the compiled loops (lct.native) and once with the numpy fallback."""
+    from lct import native
+    if request.param == "native" and native._native is None:
+        pytest.fail("lct._native was not built (pip install needs a C compiler); "
+                    "the numpy fallback is still tested")
+    monkeypatch.setattr(native, "_ENABLED", request.param == "native")
+    return request.param

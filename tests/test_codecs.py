@@ -29,7 +29,7 @@ CASES = [
 @pytest.mark.parametrize("name,width,dtype", CASES)
 @pytest.mark.parametrize("n", [0, 1, 7, 4096, 100_003])
 @pytest.mark.parametrize("frame_size", [4096, 1 << 20])
-def test_round_trip_bit_exact(name, width, dtype, n, frame_size):
+def test_round_trip_bit_exact(name, width, dtype, n, frame_size, native_mode):
     gen = torch.Generator().manual_seed(n)
     if dtype.is_floating_point:
         t = torch.cat([_specials(dtype), (torch.randn(n, generator=gen) * 0.02).to(dtype)])
@@ -47,13 +47,61 @@ def test_round_trip_bit_exact(name, width, dtype, n, frame_size):
     assert np.array_equal(out, data)
 
 
-def test_nan_payloads_survive_planes():
+def test_nan_payloads_survive_planes(native_mode):
     raw = np.array([0x7FC1, 0xFFFF, 0x7F81, 0x0001, 0x8000], dtype=np.uint16).view(np.uint8)
     params = {"width": 2, "level": 1, "frame_size": 4096}
     c = codecs.get_codec("planes")
     out = np.empty_like(raw)
     c.decode(c.encode(raw, params), out, params)
     assert np.array_equal(out, raw)
+
+
+@pytest.mark.parametrize("width", [2, 4])
+def test_native_join_equals_numpy_on_every_byte_pattern(width):
+    """The compiled planes join and the numpy passes agree on all 2**16 hi/lo byte pairs (and
+    random 32-bit patterns), so the two decoders can never disagree on an artifact."""
+    from lct import native
+    if not native.available():
+        pytest.fail("lct._native was not built")
+    rng = np.random.default_rng(width)
+    if width == 2:
+        hi = np.repeat(np.arange(256, dtype=np.uint8), 256)
+        lo = np.tile(np.arange(256, dtype=np.uint8), 256)
+    else:
+        hi = rng.integers(0, 256, 100_003, dtype=np.uint8)
+        lo = rng.integers(0, 256, 3 * 100_003, dtype=np.uint8)
+    n = hi.size
+    fast = np.empty(n, np.uint16 if width == 2 else np.uint32)
+    slow = np.empty_like(fast)
+    if width == 2:
+        native.join_planes16(hi, lo, fast, None)
+        native._ENABLED = False
+        try:
+            native.join_planes16(hi, lo, slow, np.empty(n, np.uint16))
+        finally:
+            native._ENABLED = True
+        assert np.unique(fast).size == 65536  # a bijection
+    else:
+        native.join_planes32(hi, lo, fast)
+        native._ENABLED = False
+        try:
+            native.join_planes32(hi, lo, slow)
+        finally:
+            native._ENABLED = True
+    assert np.array_equal(fast, slow)
+
+
+def test_native_join_checks_lengths():
+    from lct import native
+    if native._native is None:
+        pytest.fail("lct._native was not built")
+    hi = np.zeros(8, np.uint8)
+    with pytest.raises(ValueError, match="mantissa bytes"):
+        native._native.join_planes(hi, np.zeros(7, np.uint8), np.zeros(8, np.uint16), 2)
+    with pytest.raises(ValueError, match="width"):
+        native._native.join_planes(hi, np.zeros(8, np.uint8), np.zeros(8, np.uint16), 3)
+    with pytest.raises(ValueError, match="mantissa bytes"):
+        native._native.join_planes(hi, np.zeros(24, np.uint8), np.zeros(4, np.uint32), 4)
 
 
 def test_planes_compresses_bf16_weights():

@@ -15,7 +15,7 @@ DTYPES = [torch.bfloat16, torch.float16, torch.float32]
 
 @pytest.mark.parametrize("shape,bs", SHAPES)
 @pytest.mark.parametrize("dtype", DTYPES)
-def test_quantize_matches_bitsandbytes(shape, bs, dtype):
+def test_quantize_matches_bitsandbytes(shape, bs, dtype, native_mode):
     gen = torch.Generator().manual_seed(hash((shape, bs)) % 1000)
     x = (torch.randn(shape, generator=gen) * 0.05).to(dtype)
     x[0, : bs] = 0  # an all-zero block
@@ -27,6 +27,38 @@ def test_quantize_matches_bitsandbytes(shape, bs, dtype):
     got = nf4.dequantize(packed, absmax, shape, bs, dtype)
     assert got.dtype == dtype
     assert torch.equal(ref.view(-1), got.view(-1))
+
+
+def test_dequantize_odd_length_and_out_buffer(native_mode):
+    x = torch.randn(3 * 64 + 5) * 0.1              # odd element count, a partial last block
+    q, state = F.quantize_4bit(x, quant_type="nf4", blocksize=64, compress_statistics=False)
+    packed, absmax = q.view(-1), state.absmax
+    for dtype in (torch.float32, torch.bfloat16):
+        ref = F.dequantize_4bit(q, state).to(dtype) if dtype == torch.float32 else \
+            F.dequantize_4bit(q, F.QuantState(absmax=state.absmax, shape=state.shape,
+                                              code=state.code, blocksize=64, quant_type="nf4",
+                                              dtype=dtype))
+        out = torch.full((x.numel(),), 7.0, dtype=dtype)
+        got = nf4.dequantize(packed, absmax, (x.numel(),), 64, dtype, out=out)
+        assert got.data_ptr() == out.data_ptr()
+        assert torch.equal(got, ref.view(-1))
+    with pytest.raises(ValueError, match="contiguous"):
+        nf4.dequantize(packed, absmax, (x.numel(),), 64, torch.bfloat16,
+                       out=torch.empty(x.numel(), dtype=torch.float32))
+
+
+def test_native_dequant_refuses_short_buffers():
+    from lct import native
+    if native._native is None:
+        pytest.fail("lct._native was not built")
+    import numpy as np
+    code = np.asarray(nf4.code_table().numpy(), np.float32)
+    with pytest.raises(ValueError, match="packed bytes"):
+        native._native.nf4_dequant(np.zeros(31, np.uint8), np.ones(1, np.float32), code,
+                                   np.zeros(64, np.float32), 64, 0)
+    with pytest.raises(ValueError, match="even"):
+        native._native.nf4_dequant(np.zeros(32, np.uint8), np.ones(1, np.float32), code,
+                                   np.zeros(64, np.float32), 63, 0)
 
 
 def test_quantize_in_pieces_equals_whole(monkeypatch):

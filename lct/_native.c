@@ -1,0 +1,179 @@
+/* lct._native: the two inner loops that numpy can only do in several passes.
+ *
+ *   join_planes(hi, lo, out, width)   planes codec decode (FORMAT.md 5): one pass from the
+ *                                     exponent plane and the sign/mantissa plane to the elements.
+ *   nf4_dequant(packed, absmax, code, out, blocksize, kind)
+ *                                     NF4 to float32 (kind 0) or bfloat16 (kind 1), bit-identical
+ *                                     to bitsandbytes' dequantize_4bit and torch's float->bf16 cast.
+ *
+ * Both take buffer-protocol objects, check every length before touching memory, and release the
+ * GIL while they run, so that decode threads work in parallel. lct/native.py wraps them and falls
+ * back to numpy/torch when this module was not built.
+ */
+#define PY_SSIZE_T_CLEAN
+#include <Python.h>
+#include <stdint.h>
+#include <string.h>
+
+static void join16(const uint8_t *hi, const uint8_t *lo, uint16_t *out, Py_ssize_t n)
+{
+    /* y = hi << 8 | lo is rotl(x, 1); x = rotr(y, 1). */
+    for (Py_ssize_t i = 0; i < n; i++) {
+        uint16_t l = lo[i];
+        out[i] = (uint16_t)(((uint16_t)hi[i] << 7) | (l >> 1) | (uint16_t)(l << 15));
+    }
+}
+
+static void join32(const uint8_t *hi, const uint8_t *lo, uint32_t *out, Py_ssize_t n)
+{
+    /* lo holds the three low bytes of y (little-endian order), hi its top byte. */
+    for (Py_ssize_t i = 0; i < n; i++) {
+        const uint8_t *l = lo + 3 * i;
+        uint32_t y = (uint32_t)l[0] | ((uint32_t)l[1] << 8) | ((uint32_t)l[2] << 16)
+                     | ((uint32_t)hi[i] << 24);
+        out[i] = (y >> 1) | (y << 31);
+    }
+}
+
+static PyObject *join_planes(PyObject *self, PyObject *args)
+{
+    Py_buffer hi, lo, out;
+    int width;
+    if (!PyArg_ParseTuple(args, "y*y*w*i", &hi, &lo, &out, &width))
+        return NULL;
+    PyObject *ret = NULL;
+    Py_ssize_t n = hi.len;
+    if (width != 2 && width != 4) {
+        PyErr_Format(PyExc_ValueError, "join_planes: width must be 2 or 4, got %d", width);
+    } else if (lo.len != n * (width - 1) || out.len != n * width) {
+        PyErr_Format(PyExc_ValueError,
+                     "join_planes: %zd exponent bytes need %zd mantissa bytes and a %zd-byte "
+                     "output, got %zd and %zd", n, n * (width - 1), n * width, lo.len, out.len);
+    } else if (((uintptr_t)out.buf) % width) {
+        PyErr_SetString(PyExc_ValueError, "join_planes: output buffer is not aligned");
+    } else {
+        Py_BEGIN_ALLOW_THREADS
+        if (width == 2)
+            join16(hi.buf, lo.buf, out.buf, n);
+        else
+            join32(hi.buf, lo.buf, out.buf, n);
+        Py_END_ALLOW_THREADS
+        ret = Py_NewRef(Py_None);
+    }
+    PyBuffer_Release(&hi);
+    PyBuffer_Release(&lo);
+    PyBuffer_Release(&out);
+    return ret;
+}
+
+static inline uint16_t to_bf16(float f)
+{
+    /* torch's c10::BFloat16 rounding: nearest-even, NaN to the canonical quiet NaN. */
+    uint32_t u;
+    memcpy(&u, &f, 4);
+    if (f != f)
+        return 0x7FC0;
+    u += 0x7FFFu + ((u >> 16) & 1u);
+    return (uint16_t)(u >> 16);
+}
+
+static void dequant(const uint8_t *restrict packed, const float *restrict absmax,
+                    const float *restrict code, void *restrict out, Py_ssize_t n,
+                    Py_ssize_t blocksize, int kind)
+{
+    float vals[16];
+    uint16_t b16[16];
+    for (Py_ssize_t e0 = 0, b = 0; e0 < n; e0 += blocksize, b++) {
+        Py_ssize_t e1 = e0 + blocksize < n ? e0 + blocksize : n;
+        float a = absmax[b];
+        for (int k = 0; k < 16; k++) {
+            vals[k] = code[k] * a;
+            b16[k] = to_bf16(vals[k]);
+        }
+        const uint8_t *restrict p = packed + e0 / 2;  /* blocksize is even: no byte spans blocks */
+        Py_ssize_t pairs = (e1 - e0) / 2;
+        if (kind == 0) {
+            float *restrict o = (float *)out + e0;
+            for (Py_ssize_t j = 0; j < pairs; j++) {
+                uint8_t v = p[j];
+                o[2 * j] = vals[v >> 4];
+                o[2 * j + 1] = vals[v & 15];
+            }
+            if ((e1 - e0) & 1)
+                o[2 * pairs] = vals[p[pairs] >> 4];
+        } else {
+            uint16_t *o = (uint16_t *)out + e0;
+            /* Both elements of a byte in one 32-bit store (little-endian: first element low). */
+            uint32_t *restrict o32 = (uint32_t *)o;
+            if (((uintptr_t)o) % 4 == 0) {
+                for (Py_ssize_t j = 0; j < pairs; j++) {
+                    uint8_t v = p[j];
+                    o32[j] = (uint32_t)b16[v >> 4] | ((uint32_t)b16[v & 15] << 16);
+                }
+            } else {
+                for (Py_ssize_t j = 0; j < pairs; j++) {
+                    uint8_t v = p[j];
+                    o[2 * j] = b16[v >> 4];
+                    o[2 * j + 1] = b16[v & 15];
+                }
+            }
+            if ((e1 - e0) & 1)
+                o[2 * pairs] = b16[p[pairs] >> 4];
+        }
+    }
+}
+
+static PyObject *nf4_dequant(PyObject *self, PyObject *args)
+{
+    Py_buffer packed, absmax, code, out;
+    Py_ssize_t blocksize;
+    int kind;
+    if (!PyArg_ParseTuple(args, "y*y*y*w*ni", &packed, &absmax, &code, &out, &blocksize, &kind))
+        return NULL;
+    PyObject *ret = NULL;
+    Py_ssize_t size = kind == 0 ? 4 : 2;
+    Py_ssize_t n = out.len / size;
+    if (kind != 0 && kind != 1) {
+        PyErr_Format(PyExc_ValueError, "nf4_dequant: kind must be 0 (float32) or 1 (bfloat16)");
+    } else if (blocksize <= 0 || blocksize % 2) {
+        PyErr_Format(PyExc_ValueError, "nf4_dequant: blocksize %zd must be positive and even",
+                     blocksize);
+    } else if (out.len % size || packed.len != (n + 1) / 2
+               || absmax.len != ((n + blocksize - 1) / blocksize) * 4 || code.len != 16 * 4) {
+        PyErr_Format(PyExc_ValueError,
+                     "nf4_dequant: %zd output elements need %zd packed bytes, %zd absmax bytes "
+                     "and a 64-byte code table, got %zd, %zd and %zd", n, (n + 1) / 2,
+                     ((n + blocksize - 1) / blocksize) * 4, packed.len, absmax.len, code.len);
+    } else if (((uintptr_t)out.buf) % size || ((uintptr_t)absmax.buf) % 4
+               || ((uintptr_t)code.buf) % 4) {
+        PyErr_SetString(PyExc_ValueError, "nf4_dequant: a buffer is not aligned");
+    } else {
+        Py_BEGIN_ALLOW_THREADS
+        dequant(packed.buf, absmax.buf, code.buf, out.buf, n, blocksize, kind);
+        Py_END_ALLOW_THREADS
+        ret = Py_NewRef(Py_None);
+    }
+    PyBuffer_Release(&packed);
+    PyBuffer_Release(&absmax);
+    PyBuffer_Release(&code);
+    PyBuffer_Release(&out);
+    return ret;
+}
+
+static PyMethodDef methods[] = {
+    {"join_planes", join_planes, METH_VARARGS,
+     "join_planes(hi, lo, out, width): planes decode of n elements of 2 or 4 bytes."},
+    {"nf4_dequant", nf4_dequant, METH_VARARGS,
+     "nf4_dequant(packed, absmax, code, out, blocksize, kind): NF4 to float32 (0) or bf16 (1)."},
+    {NULL, NULL, 0, NULL},
+};
+
+static struct PyModuleDef module = {
+    PyModuleDef_HEAD_INIT, "lct._native", "LCT's native inner loops (see lct/native.py).", -1,
+    methods,
+};
+
+PyMODINIT_FUNC PyInit__native(void)
+{
+    return PyModule_Create(&module);
+}

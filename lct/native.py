@@ -1,0 +1,67 @@
+"""The optional compiled inner loops (``lct/_native.c``), with a pure numpy fallback.
+
+The extension is built by ``pip install`` where a C compiler is present; without one the package
+still installs and every function here gives the same bytes through numpy, only slower. Set
+``LCT_NATIVE=0`` to force the fallback (benchmarks use it for A/B runs).
+"""
+
+from __future__ import annotations
+
+import os
+
+import numpy as np
+
+try:
+    from . import _native
+except ImportError:  # pragma: no cover - exercised where no compiler was available at install
+    _native = None
+
+_ENABLED = _native is not None and os.environ.get("LCT_NATIVE", "1") != "0"
+
+
+def available() -> bool:
+    """Whether the compiled loops are in use."""
+    return _ENABLED
+
+
+def join_planes16(hi: np.ndarray, lo: np.ndarray, out: np.ndarray, tmp: np.ndarray) -> None:
+    """``out = rotate_right(hi << 8 | lo, 1)`` for 16-bit elements (the planes decode).
+
+    ``tmp`` is a uint16 scratch array of ``out``'s size, used only by the numpy fallback.
+    """
+    if _ENABLED:
+        _native.join_planes(hi, lo, out, 2)
+        return
+    # Five contiguous passes (no strided byte scatter): (hi << 7) | (lo >> 1) | (lo << 15).
+    np.left_shift(hi, 7, out=out, dtype=np.uint16)
+    np.right_shift(lo, 1, out=tmp, dtype=np.uint16)
+    np.bitwise_or(out, tmp, out=out)
+    np.left_shift(lo, 15, out=tmp, dtype=np.uint16)
+    np.bitwise_or(out, tmp, out=out)
+
+
+def join_planes32(hi: np.ndarray, lo: np.ndarray, out: np.ndarray) -> None:
+    """``out = rotate_right(hi << 24 | lo, 1)`` for 32-bit elements; ``lo`` holds 3 bytes each."""
+    if _ENABLED:
+        _native.join_planes(hi, lo, out, 4)
+        return
+    n = out.size
+    grid = out.view(np.uint8).reshape(n, 4)
+    grid[:, 3] = hi
+    grid[:, :3] = lo.reshape(n, 3)
+    low = out >> 1
+    np.left_shift(out, 31, out=out)
+    np.bitwise_or(out, low, out=out)
+
+
+def nf4_dequant_into(packed: np.ndarray, absmax: np.ndarray, code: np.ndarray, out: np.ndarray,
+                     blocksize: int, bf16: bool) -> bool:
+    """Dequantize NF4 into ``out`` (float32, or bfloat16 bits as uint16 when ``bf16``).
+
+    Returns False, writing nothing, when the extension is not in use: the caller then takes
+    its torch path.
+    """
+    if not _ENABLED:
+        return False
+    _native.nf4_dequant(packed, absmax, code, out, blocksize, 1 if bf16 else 0)
+    return True
