@@ -1,7 +1,13 @@
-/* lct._native: the two inner loops that numpy can only do in several passes.
+/* lct._native: the inner loops that Python can only do in several passes, or only while
+ * holding the GIL between every frame.
  *
  *   join_planes(hi, lo, out, width)   planes codec decode (FORMAT.md 5): one pass from the
  *                                     exponent plane and the sign/mantissa plane to the elements.
+ *   decode_frames(stored, out, table, width)
+ *                                     a run of a chunk's frames (zstd, or planes when width is
+ *                                     2 or 4) decoded with the GIL released for the whole run,
+ *                                     through the system's libzstd (loaded with dlopen; absent
+ *                                     library: zstd_available() is False and Python decodes).
  *   nf4_dequant(packed, absmax, code, out, blocksize, kind)
  *                                     NF4 to float32 (kind 0) or bfloat16 (kind 1), bit-identical
  *                                     to bitsandbytes' dequantize_4bit and torch's float->bf16 cast.
@@ -12,7 +18,9 @@
  */
 #define PY_SSIZE_T_CLEAN
 #include <Python.h>
+#include <dlfcn.h>
 #include <stdint.h>
+#include <stdlib.h>
 #include <string.h>
 
 static void join16(const uint8_t *hi, const uint8_t *lo, uint16_t *out, Py_ssize_t n)
@@ -63,6 +71,160 @@ static PyObject *join_planes(PyObject *self, PyObject *args)
     PyBuffer_Release(&hi);
     PyBuffer_Release(&lo);
     PyBuffer_Release(&out);
+    return ret;
+}
+
+/* libzstd's stable API, declared here and resolved at run time (no header needed to build). */
+typedef struct ZSTD_DCtx_s ZSTD_DCtx;
+static ZSTD_DCtx *(*zstd_create)(void);
+static size_t (*zstd_free)(ZSTD_DCtx *);
+static size_t (*zstd_decompress)(ZSTD_DCtx *, void *, size_t, const void *, size_t);
+static unsigned (*zstd_is_error)(size_t);
+static const char *(*zstd_error_name)(size_t);
+static unsigned long long (*zstd_content_size)(const void *, size_t);
+static int zstd_state = -1;  /* -1 not tried, 0 absent, 1 loaded */
+
+static int load_zstd(void)
+{
+    if (zstd_state >= 0)
+        return zstd_state;
+    const char *names[] = {"libzstd.so.1", "libzstd.so", NULL};
+    void *h = NULL;
+    for (int i = 0; names[i] && !h; i++)
+        h = dlopen(names[i], RTLD_NOW | RTLD_LOCAL);
+    zstd_state = 0;
+    if (!h)
+        return 0;
+    *(void **)&zstd_create = dlsym(h, "ZSTD_createDCtx");
+    *(void **)&zstd_free = dlsym(h, "ZSTD_freeDCtx");
+    *(void **)&zstd_decompress = dlsym(h, "ZSTD_decompressDCtx");
+    *(void **)&zstd_is_error = dlsym(h, "ZSTD_isError");
+    *(void **)&zstd_error_name = dlsym(h, "ZSTD_getErrorName");
+    *(void **)&zstd_content_size = dlsym(h, "ZSTD_getFrameContentSize");
+    if (zstd_create && zstd_free && zstd_decompress && zstd_is_error && zstd_error_name
+        && zstd_content_size)
+        zstd_state = 1;
+    return zstd_state;
+}
+
+static PyObject *zstd_available(PyObject *self, PyObject *args)
+{
+    return PyBool_FromLong(load_zstd());
+}
+
+/* Decompress exactly `n` bytes into dst; 0 on success, else an error message in err. */
+static int unzstd(ZSTD_DCtx *d, uint8_t *dst, size_t n, const uint8_t *src, size_t len,
+                  char *err, size_t errlen)
+{
+    unsigned long long declared = zstd_content_size(src, len);
+    if (declared != (unsigned long long)n) {
+        snprintf(err, errlen, "zstd frame declares %lld bytes, expected %zu",
+                 (long long)declared, n);
+        return -1;
+    }
+    size_t got = zstd_decompress(d, dst, n, src, len);
+    if (zstd_is_error(got)) {
+        snprintf(err, errlen, "zstd error: %s", zstd_error_name(got));
+        return -1;
+    }
+    if (got != n) {
+        snprintf(err, errlen, "decoded %zu bytes, expected %zu", got, n);
+        return -1;
+    }
+    return 0;
+}
+
+/* One table row per frame: start (output byte), n (elements; bytes when width is 0), at
+ * (stored offset), hi_len, lo_len, mode (planes: 1 if the lo plane is zstd). */
+static PyObject *decode_frames(PyObject *self, PyObject *args)
+{
+    Py_buffer stored, out, table;
+    int width;
+    if (!PyArg_ParseTuple(args, "y*w*y*i", &stored, &out, &table, &width))
+        return NULL;
+    PyObject *ret = NULL;
+    char err[200] = "";
+    Py_ssize_t bad = -1;
+    Py_ssize_t rows = table.len / (6 * 8);
+    const int64_t *t = table.buf;
+    if (!load_zstd()) {
+        PyErr_SetString(PyExc_RuntimeError, "decode_frames: libzstd is not available");
+    } else if (width != 0 && width != 2 && width != 4) {
+        PyErr_Format(PyExc_ValueError, "decode_frames: width must be 0, 2 or 4, got %d", width);
+    } else if (table.len % (6 * 8) || ((uintptr_t)table.buf) % 8 || ((uintptr_t)out.buf) % 4) {
+        PyErr_SetString(PyExc_ValueError, "decode_frames: bad table or unaligned output");
+    } else {
+        /* Check every row against the buffers before any decoding. */
+        size_t scratch = 0;
+        Py_ssize_t w = width ? width : 1;
+        for (Py_ssize_t i = 0; i < rows && bad < 0; i++) {
+            const int64_t *r = t + 6 * i;
+            int64_t start = r[0], n = r[1], at = r[2], hl = r[3], ll = r[4], mode = r[5];
+            if (start < 0 || n < 0 || at < 0 || hl < 0 || ll < 0 || (mode != 0 && mode != 1)
+                || n > out.len / w || start > out.len - n * w
+                || hl > stored.len || at > stored.len - hl || ll > stored.len - hl - at
+                || (width && mode == 0 && ll != n * (width - 1)) || (!width && (ll || mode))
+                || (start % w)) {
+                bad = i;
+                snprintf(err, sizeof err, "frame table row does not fit the chunk");
+            }
+            if (width && (size_t)(n * width) > scratch)
+                scratch = (size_t)(n * width);
+        }
+        if (bad < 0) {
+            uint8_t *buf = scratch ? malloc(scratch) : NULL;
+            ZSTD_DCtx *d = zstd_create();
+            if ((scratch && !buf) || !d) {
+                free(buf);
+                if (d)
+                    zstd_free(d);
+                PyErr_NoMemory();
+                goto done;
+            }
+            Py_BEGIN_ALLOW_THREADS
+            const uint8_t *src = stored.buf;
+            uint8_t *dst = out.buf;
+            for (Py_ssize_t i = 0; i < rows; i++) {
+                const int64_t *r = t + 6 * i;
+                size_t start = r[0], n = r[1], at = r[2], hl = r[3], ll = r[4];
+                int mode = (int)r[5];
+                if (!width) {
+                    if (unzstd(d, dst + start, n, src + at, hl, err, sizeof err)) {
+                        bad = i;
+                        break;
+                    }
+                    continue;
+                }
+                uint8_t *hi = buf, *lo = (uint8_t *)src + at + hl;
+                if (unzstd(d, hi, n, src + at, hl, err, sizeof err)) {
+                    bad = i;
+                    break;
+                }
+                if (mode == 1) {
+                    lo = buf + n;
+                    if (unzstd(d, lo, n * (width - 1), src + at + hl, ll, err, sizeof err)) {
+                        bad = i;
+                        break;
+                    }
+                }
+                if (width == 2)
+                    join16(hi, lo, (uint16_t *)(dst + start), n);
+                else
+                    join32(hi, lo, (uint32_t *)(dst + start), n);
+            }
+            Py_END_ALLOW_THREADS
+            free(buf);
+            zstd_free(d);
+        }
+        if (bad >= 0)
+            ret = Py_BuildValue("(ns)", bad, err);
+        else
+            ret = Py_NewRef(Py_None);
+    }
+done:
+    PyBuffer_Release(&stored);
+    PyBuffer_Release(&out);
+    PyBuffer_Release(&table);
     return ret;
 }
 
@@ -161,6 +323,9 @@ static PyObject *nf4_dequant(PyObject *self, PyObject *args)
 }
 
 static PyMethodDef methods[] = {
+    {"decode_frames", decode_frames, METH_VARARGS,
+     "decode_frames(stored, out, table, width) -> None, or (row, message) for a bad frame."},
+    {"zstd_available", zstd_available, METH_NOARGS, "Whether libzstd could be loaded."},
     {"join_planes", join_planes, METH_VARARGS,
      "join_planes(hi, lo, out, width): planes decode of n elements of 2 or 4 bytes."},
     {"nf4_dequant", nf4_dequant, METH_VARARGS,

@@ -242,6 +242,10 @@ class ZstdCodec(Codec):
 
     def decode(self, stored, out, params, map_fn=map, what="chunk"):
         spans = self._spans(stored, out.nbytes, params, what)
+        if native.frames_available():
+            _decode_native(stored, out, [(s, n, at, ln, 0, 0) for s, n, at, ln in spans], 0,
+                           map_fn, what)
+            return
         mv = memoryview(stored)
 
         def one(span):
@@ -254,6 +258,25 @@ class ZstdCodec(Codec):
 
 
 _UINT = {2: np.uint16, 4: np.uint32}
+
+# Frames per native call: few enough GIL round trips that a busy Python thread (an import
+# running beside the loader) cannot starve the decoders, enough calls to spread a chunk over
+# the worker pool.
+NATIVE_BATCH = 16
+
+
+def _decode_native(stored, out, spans, width: int, map_fn, what: str) -> None:
+    """Decode ``spans`` (rows of start, n, at, hi_len, lo_len, mode) in C, in batches."""
+    rows = np.asarray(spans, dtype=np.int64).reshape(-1, 6)
+
+    def one(b0):
+        bad = native.decode_frames(stored, out, rows[b0:b0 + NATIVE_BATCH], width)
+        if bad is not None:
+            row, message = bad
+            raise CorruptChunkError(f"{what} frame at {rows[b0 + row, 0]}: {message}")
+
+    for _ in map_fn(one, range(0, len(rows), NATIVE_BATCH)):
+        pass
 
 
 def _join16(hi: np.ndarray, lo: np.ndarray, out: np.ndarray) -> None:
@@ -341,6 +364,9 @@ class PlanesCodec(Codec):
     def decode(self, stored, out, params, map_fn=map, what="chunk"):
         width = params["width"]
         spans = self._spans(stored, out.nbytes, params, what)
+        if native.frames_available():
+            _decode_native(stored, out, spans, width, map_fn, what)
+            return
         mv = memoryview(stored)
 
         def one(span):

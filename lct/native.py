@@ -24,6 +24,21 @@ def available() -> bool:
     return _ENABLED
 
 
+def frames_available() -> bool:
+    """Whether whole runs of frames can be decoded in C (the extension and libzstd loaded)."""
+    return _ENABLED and _native.zstd_available()
+
+
+def decode_frames(stored, out: np.ndarray, rows: np.ndarray, width: int):
+    """Decode a run of frames with the GIL released throughout (see ``lct/_native.c``).
+
+    ``rows`` is an int64 array [k, 6] of (start, n, at, hi_len, lo_len, mode); ``width`` is 0
+    for plain zstd frames, 2 or 4 for planes. Returns None, or ``(row, message)`` for the
+    first frame that failed (every row is bounds-checked before anything is decoded).
+    """
+    return _native.decode_frames(stored, out, rows, width)
+
+
 def join_planes16(hi: np.ndarray, lo: np.ndarray, out: np.ndarray, tmp: np.ndarray) -> None:
     """``out = rotate_right(hi << 8 | lo, 1)`` for 16-bit elements (the planes decode).
 

@@ -27,6 +27,9 @@ from lct.errors import (ArtifactNotFoundError, ChecksumError, CorruptChunkError,
                         ManifestError, UnsupportedVersionError)
 from lct.manifest import Manifest
 
+# Every attack is made on both decoders: the compiled one (lct.native) and the numpy one.
+pytestmark = pytest.mark.usefixtures("native_mode")
+
 DATA = "model-00000.lct"
 EMBED = "model.embed_tokens.weight"
 

@@ -104,6 +104,34 @@ def test_native_join_checks_lengths():
         native._native.join_planes(hi, np.zeros(24, np.uint8), np.zeros(4, np.uint32), 4)
 
 
+@pytest.mark.parametrize("width", [0, 2])
+def test_native_decode_frames_checks_every_row_before_decoding(width):
+    from lct import native
+    if not native.frames_available():
+        pytest.fail("lct._native was not built or libzstd was not found")
+    data = (torch.randn(8192) * 0.02).to(torch.bfloat16).view(torch.uint8).numpy().copy()
+    name = "planes" if width else "zstd"
+    params = {"level": 1, "frame_size": 4096, **({"width": 2} if width else {})}
+    codec = codecs.get_codec(name)
+    stored = codec.encode(data, params)
+    spans = codec._spans(stored, data.nbytes, params, "x")
+    rows = np.array([s if width else (*s, 0, 0) for s in spans], dtype=np.int64)
+    out = np.zeros_like(data)
+    assert native.decode_frames(stored, out, rows, width) is None
+    assert np.array_equal(out, data)
+    for col, value in [(0, data.nbytes), (2, len(stored)), (3, 1 << 40), (0, -2), (5, 7)]:
+        bad = rows.copy()
+        bad[-1, col] = value
+        out[:] = 0
+        assert native.decode_frames(stored, out, bad, width) == (len(rows) - 1, "frame table "
+                                                                 "row does not fit the chunk")
+        assert not out.any()                       # refused before anything was decoded
+    broken = bytearray(stored)
+    broken[rows[1, 2] + 20] ^= 0xFF                # inside the second frame's zstd data
+    got = native.decode_frames(bytes(broken), out, rows, width)
+    assert got is None or got[0] == 1              # a flip may still decode (checksums catch it)
+
+
 def test_planes_compresses_bf16_weights():
     t = (torch.randn(1 << 20) * 0.02).to(torch.bfloat16)
     data = _bytes(t)
