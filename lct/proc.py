@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import os
 import resource
+import threading
 
 
 def process_age() -> float | None:
@@ -39,3 +40,15 @@ def peak_rss() -> int:
 def current_rss() -> int:
     """Current resident set size of this process in bytes (0 where unknown)."""
     return _status_kb("VmRSS") or 0
+
+
+def lower_thread_priority(increment: int) -> None:
+    """Raise the calling thread's nice value by ``increment`` (Linux: per thread), so that it
+    runs on what the other threads of the machine leave; silently nothing where unsupported."""
+    if increment <= 0:
+        return
+    try:
+        tid = threading.get_native_id()
+        os.setpriority(os.PRIO_PROCESS, tid, os.getpriority(os.PRIO_PROCESS, tid) + increment)
+    except (AttributeError, OSError):
+        pass

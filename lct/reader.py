@@ -82,6 +82,9 @@ class Artifact:
         self.manifest = Manifest.from_json(mpath.read_bytes(), str(mpath))
         self.verify = verify
         self.workers = workers or os.cpu_count() or 1
+        # Nice increment of the decode threads (lct.load raises it so that decoding runs on
+        # what the transformers import beside it leaves). Set before the first decode.
+        self.thread_nice = 0
         self._pool = None
         self.store = store if store is not None else LocalStore(self.path)
         self._check_files()
@@ -104,7 +107,10 @@ class Artifact:
     @property
     def pool(self) -> ThreadPoolExecutor:
         if self._pool is None:
-            self._pool = ThreadPoolExecutor(self.workers, thread_name_prefix="lct-decode")
+            from .proc import lower_thread_priority
+            self._pool = ThreadPoolExecutor(self.workers, thread_name_prefix="lct-decode",
+                                            initializer=lower_thread_priority,
+                                            initargs=(self.thread_nice,))
         return self._pool
 
     def _check_files(self) -> None:

@@ -15,6 +15,11 @@ from lct.errors import LCTError
 
 NF4_MODES = ("keep", "dequantize")
 
+# While the skeleton is built (the transformers import: one core of pure Python for seconds),
+# decode threads run at this nice increment, so that the import, which is the critical path,
+# is not slowed by them; they still get every cycle it leaves (docs/BENCHMARKS.md, section 9).
+DECODE_NICE = 10
+
 
 @dataclass
 class LoadStats:
@@ -22,7 +27,7 @@ class LoadStats:
 
     imports_s: float = 0.0
     manifest_s: float = 0.0
-    skeleton_s: float = 0.0         # includes importing transformers (overlapped with decode)
+    skeleton_s: float = 0.0         # importing transformers + meta model, in a thread beside decode
     read_s: float = 0.0
     decode_s: float = 0.0
     wait_s: float = 0.0
@@ -304,6 +309,8 @@ def load(path, prefetch: int = 2, device="cpu", dtype=None, nf4: str = "keep",
         >>> model = lct.load("gemma-2b.lct", prefetch=2)
         >>> model.generate(ids, max_new_tokens=20)
     """
+    from concurrent.futures import ThreadPoolExecutor
+
     from .stream import GroupStream
     stats = stats if stats is not None else LoadStats()
     t0 = time.perf_counter()
@@ -311,27 +318,41 @@ def load(path, prefetch: int = 2, device="cpu", dtype=None, nf4: str = "keep",
     art = open_source(path, verify=verify, workers=workers, stream=stream,
                       pin_memory=torch.device(device).type == "cuda")
     stats.manifest_s = time.perf_counter() - t0
+    art.thread_nice = DECODE_NICE
+
+    def skeleton():
+        t1 = time.perf_counter()
+        model = build_skeleton(art, dtype)
+        stats.skeleton_s = time.perf_counter() - t1
+        return model
+
+    # The skeleton (importing transformers' modeling code, seconds of pure Python) is built in
+    # a thread while this one takes the decoded groups off the stream: they are the model's
+    # final weights, so holding them until the skeleton exists costs no memory beyond the
+    # window, and the stream never runs more than `prefetch` groups ahead of this consumer.
+    builder = ThreadPoolExecutor(1, thread_name_prefix="lct-skeleton")
     try:
         with GroupStream(art, prefetch=prefetch, dequantize=False) as stream:
-            # The first `prefetch` groups start decoding now, while transformers is imported
-            # and the skeleton built: the cold-start import time overlaps with the data.
-            stream.start()
-            t1 = time.perf_counter()
-            model = build_skeleton(art, dtype)
-            stats.skeleton_s = time.perf_counter() - t1
-            inst = Installer(model, art, device=device, dtype=dtype, nf4=nf4,
-                             pad_ids=_pad_ids(model, pad_ids))
+            future = builder.submit(skeleton)
+            inst, held = None, []
             for group in stream:
-                t2 = time.perf_counter()
-                inst.install(group)
-                stats.install_s += time.perf_counter() - t2
+                held.append(group)
+                if inst is None and future.done():
+                    inst = _installer(future.result(), art, device, dtype, nf4, pad_ids)
+                if inst is not None:
+                    _install_all(inst, held, stats)
+            if inst is None:
+                inst = _installer(future.result(), art, device, dtype, nf4, pad_ids)
+                _install_all(inst, held, stats)
             s = stream.stats
+        model = inst.model
         inst.finish()
         if device != "cpu":
             model.to(device)  # buffers (rotary tables) follow the weights
         if maximus:
             install_maximus(model, art, budget=maximus, device=device)
     finally:
+        builder.shutdown(wait=True)  # an import cannot be interrupted: let it end, no thread left
         art.close()
     stats.read_s, stats.decode_s, stats.wait_s = s.read_s, s.decode_s, s.wait_s
     stats.bytes_read, stats.bytes_decoded = s.bytes_read, s.bytes_decoded
@@ -340,6 +361,19 @@ def load(path, prefetch: int = 2, device="cpu", dtype=None, nf4: str = "keep",
     stats.total_s = time.perf_counter() - t0
     _generation_config(model, art.path)
     return model.eval()
+
+
+def _installer(model, art, device, dtype, nf4, pad_ids) -> Installer:
+    return Installer(model, art, device=device, dtype=dtype, nf4=nf4,
+                     pad_ids=_pad_ids(model, pad_ids))
+
+
+def _install_all(inst: Installer, held: list, stats: LoadStats) -> None:
+    """Install and let go of the held groups, oldest first."""
+    t = time.perf_counter()
+    while held:
+        inst.install(held.pop(0))
+    stats.install_s += time.perf_counter() - t
 
 
 def _generation_config(model, path) -> None:

@@ -72,7 +72,10 @@ class GroupStream:
         self._next = 0               # next group index to submit
         self._given = 0              # groups handed to the consumer
         self._pending: deque = deque()
-        self._pool = ThreadPoolExecutor(prefetch, thread_name_prefix="lct-prefetch") \
+        from lct.proc import lower_thread_priority
+        self._pool = ThreadPoolExecutor(prefetch, thread_name_prefix="lct-prefetch",
+                                        initializer=lower_thread_priority,
+                                        initargs=(getattr(artifact, "thread_nice", 0),)) \
             if prefetch else None
         self._closed = False
 
@@ -127,13 +130,6 @@ class GroupStream:
             self._pending.append(self._pool.submit(self._load, self.names[self._next]))
             self._next += 1
         self.stats.max_in_flight = max(self.stats.max_in_flight, len(self._pending))
-
-    def start(self) -> "GroupStream":
-        """Submit the first ``prefetch`` groups now (before the first ``next``), so that they
-        decode while the caller does other work. Nothing changes for ``prefetch=0``."""
-        if self._pool is not None and not self._closed:
-            self._fill()
-        return self
 
     def __iter__(self):
         return self

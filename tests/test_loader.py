@@ -10,7 +10,7 @@ from click.testing import CliRunner
 
 import lct
 from lct.converter import Policy
-from lct.errors import ChecksumError
+from lct.errors import ChecksumError, LCTError
 from lct.loader import GroupStream, LayerwiseModel, LoadStats
 from lct.loader import stream as lstream
 
@@ -18,7 +18,8 @@ IDS = torch.tensor([[1, 5, 9, 200, 17, 3, 44, 100]])
 
 
 def _threads():
-    return [t for t in threading.enumerate() if t.name.startswith(("lct-prefetch", "lct-decode"))]
+    return [t for t in threading.enumerate()
+            if t.name.startswith(("lct-prefetch", "lct-decode", "lct-skeleton"))]
 
 
 def _logits(model, ids=IDS):
@@ -134,6 +135,67 @@ def test_corrupt_chunk_mid_stream_raises_and_leaves_no_thread(llama_art, tmp_pat
     assert not _threads()
     model = lct.load(bad, verify=False, nf4="dequantize")  # checksums off: loads, caller's choice
     assert model is not None
+
+
+def test_load_takes_every_group_while_the_skeleton_is_built(llama_art, monkeypatch):
+    """The skeleton (the transformers import) is built beside the stream: every group is
+    decoded and taken off the stream before it exists, and the window still holds."""
+    from lct.loader import build
+    real = build.build_skeleton
+    all_taken = threading.Event()
+    seen = {}
+
+    def slow_skeleton(art, dtype=None):
+        seen["thread"] = threading.current_thread().name
+        seen["waited"] = all_taken.wait(timeout=30)  # a loader that waits for us would hang here
+        return real(art, dtype)
+
+    real_next = lstream.GroupStream.__next__
+
+    def counting_next(self):
+        try:
+            return real_next(self)
+        except StopIteration:
+            all_taken.set()
+            raise
+
+    monkeypatch.setattr(build, "build_skeleton", slow_skeleton)
+    monkeypatch.setattr(lstream.GroupStream, "__next__", counting_next)
+    stats = LoadStats()
+    model = lct.load(llama_art, prefetch=1, stats=stats)
+    assert seen == {"thread": seen["thread"], "waited": True}
+    assert seen["thread"].startswith("lct-skeleton")
+    assert stats.max_in_flight == 1 and stats.groups == len(lct.open(llama_art).groups)
+    assert not _threads()
+    assert _logits(model).shape[-1] == model.config.vocab_size
+
+
+def test_skeleton_error_reaches_the_caller_and_leaves_no_thread(llama_art, tmp_path):
+    bad = tmp_path / "noconfig.lct"
+    shutil.copytree(llama_art, bad)
+    (bad / "config.json").unlink()
+    with pytest.raises(LCTError, match="no config.json"):
+        lct.load(bad, prefetch=2)
+    assert not _threads()
+
+
+def test_decode_threads_of_load_run_at_lower_priority(llama_art, monkeypatch):
+    import os
+
+    from lct.loader import build
+    nice = {}
+    real = lstream.GroupStream._load
+
+    def load(self, name):
+        tid = threading.get_native_id()
+        nice[threading.current_thread().name] = os.getpriority(os.PRIO_PROCESS, tid)
+        return real(self, name)
+
+    monkeypatch.setattr(lstream.GroupStream, "_load", load)
+    base = os.getpriority(os.PRIO_PROCESS, threading.get_native_id())
+    lct.load(llama_art, prefetch=2)
+    assert nice and all(v == min(19, base + build.DECODE_NICE) for v in nice.values())
+    assert os.getpriority(os.PRIO_PROCESS, threading.get_native_id()) == base  # caller untouched
 
 
 def test_breaking_out_releases_threads(llama_art):
