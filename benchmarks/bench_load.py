@@ -9,7 +9,8 @@ dropped, needs root) and warm, interleaved, several times; medians are reported 
 
 Contenders: transformers ``from_pretrained`` on the safetensors source, tensorizer, the Run:ai
 model streamer (both on the same weights), LCT with prefetch 0/1/2/4 and ``nf4="keep"`` vs
-``"dequantize"``, and LCT's layer-wise executor (peak RSS and tokens/s).
+``"dequantize"``, and LCT's layer-wise executor (peak RSS and tokens/s). A "floor" row is a
+process that only imports torch and the model class: what every contender pays before any weight.
 """
 
 from __future__ import annotations
@@ -91,6 +92,16 @@ model.tie_weights()
 model.eval()
 ''',
 }
+
+
+# The floor every contender shares: a process that imports torch and the model's transformers
+# class, then stops. No loader that returns a transformers model can be ready sooner.
+FLOOR = r'''
+import torch
+from transformers import GemmaForCausalLM
+print("RESULT " + json.dumps({"ready_s": _age(), "ttft_s": _age(), "rss_ready": _kb("VmRSS"),
+                               "peak_rss": _kb("VmHWM")}))
+'''
 
 
 def lct_code(prefetch: int, nf4: str) -> str:
@@ -183,7 +194,8 @@ def main() -> None:
     env = dict(os.environ, TRANSFORMERS_VERBOSITY="error", HF_HUB_OFFLINE="1",
                TOKENIZERS_PARALLELISM="false")
     header = f"SRC = {str(src)!r}\nART = {str(art)!r}\nTENSORS = {str(tensors)!r}\n"
-    codes = {name: header + PRELUDE + body + EPILOGUE for name, body in CONTENDERS.items()}
+    codes = {"floor: import torch + model class": header + PRELUDE + FLOOR}
+    codes.update({name: header + PRELUDE + body + EPILOGUE for name, body in CONTENDERS.items()})
     for p in (0, 1, 2, 4):
         codes[f"lct prefetch={p}"] = header + PRELUDE + lct_code(p, "keep") + EPILOGUE
     codes["lct prefetch=2 nf4=dequantize"] = header + PRELUDE + lct_code(2, "dequantize") + EPILOGUE

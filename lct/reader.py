@@ -165,6 +165,15 @@ class Artifact:
             self.check(chunk, view)
         return view
 
+    def will_need(self, chunks) -> None:
+        """Hint that ``chunks`` will be read soon: a local store starts reading them into the
+        page cache in the background; other stores ignore the hint."""
+        hint = getattr(self.store, "will_need", None)
+        if hint is None:
+            return
+        for chunk in chunks:
+            hint(self.manifest.files[chunk.file]["name"], chunk.offset, chunk.stored_size)
+
     def release(self, chunk: ChunkInfo) -> None:
         """Let go of a decoded chunk's stored bytes (drops mapped pages from this process)."""
         self.store.release(self.manifest.files[chunk.file]["name"], chunk.offset,

@@ -72,6 +72,7 @@ class GroupStream:
         self._next = 0               # next group index to submit
         self._given = 0              # groups handed to the consumer
         self._pending: deque = deque()
+        self._advised = -1           # last group index whose chunks the store was told about
         from lct.proc import lower_thread_priority
         self._pool = ThreadPoolExecutor(prefetch, thread_name_prefix="lct-prefetch",
                                         initializer=lower_thread_priority,
@@ -125,8 +126,17 @@ class GroupStream:
                 tensors[tied] = tensors[real]
         return Group(name, tensors, buffers)
 
+    def _advise(self, upto: int) -> None:
+        """Ask the store to read groups up to index ``upto`` into the page cache (once each):
+        the disk then works one group ahead of the decoders (page cache, not process memory)."""
+        upto = min(upto, len(self.names) - 1)
+        while self._advised < upto:
+            self._advised += 1
+            self.art.will_need(self.art.manifest.group_chunks(self.names[self._advised]))
+
     def _fill(self) -> None:
         while self._next < len(self.names) and len(self._pending) < self.prefetch:
+            self._advise(self._next + 1)
             self._pending.append(self._pool.submit(self._load, self.names[self._next]))
             self._next += 1
         self.stats.max_in_flight = max(self.stats.max_in_flight, len(self._pending))
@@ -141,6 +151,7 @@ class GroupStream:
             raise StopIteration
         try:
             if self._pool is None:
+                self._advise(self._given)
                 group = self._load(self.names[self._given])
             else:
                 self._fill()
