@@ -105,10 +105,12 @@ print("RESULT " + json.dumps({"ready_s": _age(), "ttft_s": _age(), "rss_ready": 
 
 
 def lct_code(prefetch: int, nf4: str) -> str:
+    # An LCT user needs no torch import before lct.load (it imports torch beside the decode).
     return rf'''
-import torch, lct, lct.loader
+import lct, lct.loader
 st = lct.loader.LoadStats()
 model = lct.load(ART, prefetch={prefetch}, nf4="{nf4}", stats=st)
+import torch
 extra = {{k: getattr(st, k) for k in ("manifest_s", "skeleton_s", "read_s", "decode_s", "wait_s",
                                       "install_s", "total_s", "bytes_read", "bytes_decoded",
                                       "max_in_flight")}}

@@ -61,16 +61,18 @@ def load_cmd(artifact, prefetch, device, dtype, nf4, workers, no_verify, layerwi
         stream = False
 
     t0 = time.perf_counter()
-    import torch  # timed: the import cost is part of a cold start
-
     import lct.loader as loader
     from lct.info import human
+    tdtype = None
+    if layerwise or dtype:
+        import torch  # timed: the import cost is part of a cold start
+        tdtype = getattr(torch, dtype) if dtype else None
     if layerwise:
         from lct.loader.build import import_model_class
         import_model_class(artifact)
-    # Otherwise lct.load imports transformers in a thread beside the decode (the skeleton row).
+    # Otherwise lct.load imports torch and transformers in a thread beside the decode (the
+    # skeleton row).
     imports_s = time.perf_counter() - t0
-    tdtype = getattr(torch, dtype) if dtype else None
     stats = loader.LoadStats()
     t1 = time.perf_counter()
     if layerwise:
@@ -84,10 +86,10 @@ def load_cmd(artifact, prefetch, device, dtype, nf4, workers, no_verify, layerwi
                             maximus=False if maximus is None else (True if maximus < 0 else maximus))
     ready_s = time.perf_counter() - t1
     age_ready = process_age()
-    rows = [("imports (torch" + (", transformers)" if layerwise else ")"), f"{imports_s:.2f} s")]
+    rows = [("imports" + (" (torch, transformers)" if layerwise else ""), f"{imports_s:.2f} s")]
     if not layerwise:
         rows += [("manifest", f"{stats.manifest_s:.3f} s"),
-                 ("skeleton (import transformers, meta model; beside decode)",
+                 ("skeleton (import torch+transformers, meta model; beside decode)",
                   f"{stats.skeleton_s:.2f} s"),
                  ("read (worker time)", f"{stats.read_s:.2f} s"),
                  ("decode (worker time)", f"{stats.decode_s:.2f} s"),

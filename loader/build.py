@@ -330,9 +330,10 @@ def _load(path, prefetch, device, dtype, nf4, workers, verify, pad_ids, stats, m
     from .stream import GroupStream
     stats = stats if stats is not None else LoadStats()
     t0 = time.perf_counter()
-    import torch
+    # torch is not imported here: the skeleton thread imports it (with transformers) while
+    # the stream already reads and decodes, which needs only numpy and zstd.
     art = open_source(path, verify=verify, workers=workers, stream=stream,
-                      pin_memory=torch.device(device).type == "cuda")
+                      pin_memory=_is_cuda(device))
     stats.manifest_s = time.perf_counter() - t0
     art.thread_nice = DECODE_NICE
 
@@ -377,6 +378,11 @@ def _load(path, prefetch, device, dtype, nf4, workers, verify, pad_ids, stats, m
     stats.total_s = time.perf_counter() - t0
     _generation_config(model, art.path)
     return model.eval()
+
+
+def _is_cuda(device) -> bool:
+    """Whether ``device`` (a string, or a torch.device when torch is already imported) is CUDA."""
+    return (device if isinstance(device, str) else device.type).split(":")[0] == "cuda"
 
 
 def _installer(model, art, device, dtype, nf4, pad_ids) -> Installer:

@@ -40,13 +40,35 @@ class StreamStats:
             self.bytes_decoded += decoded
 
 
-@dataclass
 class Group:
-    """One decoded group: its name, tensors (zero-copy views of ``buffers``) and the buffers."""
+    """One decoded group: its name, its decoded chunk ``buffers`` and its ``tensors``.
 
-    name: str
-    tensors: dict
-    buffers: dict
+    The tensors (zero-copy torch views of the buffers) are built on first access, by the
+    consumer: workers only read and decode, so a stream flows before torch is even imported
+    (``lct.load`` imports it beside the decode).
+    """
+
+    __slots__ = ("name", "buffers", "_art", "_dequantize", "_tensors")
+
+    def __init__(self, name: str, buffers: dict, art, dequantize: bool = False):
+        self.name, self.buffers = name, buffers
+        self._art, self._dequantize, self._tensors = art, dequantize, None
+
+    @property
+    def tensors(self) -> dict:
+        """``{name: tensor}`` for every tensor of the group (tied names included)."""
+        if self._tensors is None:
+            art, tensors = self._art, {}
+            for t in art.manifest.group_tensors(self.name):
+                tensors[t.name] = art.assemble(t, self.buffers, self._dequantize)
+            for tied, real in art.manifest.ties.items():
+                if real in tensors:
+                    tensors[tied] = tensors[real]
+            self._tensors = tensors
+        return self._tensors
+
+    def __repr__(self) -> str:
+        return f"Group({self.name!r}, {len(self.buffers)} chunk(s))"
 
 
 class GroupStream:
@@ -106,7 +128,7 @@ class GroupStream:
     def _load(self, name: str) -> Group:
         import time
         art = self.art
-        tensors, buffers = {}, {}
+        buffers = {}
         for chunk in art.manifest.group_chunks(name):
             t0 = time.perf_counter()
             stored = art.read_stored(chunk)
@@ -119,12 +141,7 @@ class GroupStream:
             t2 = time.perf_counter()
             self.stats.add(t1 - t0, t2 - t1, chunk.stored_size, chunk.decoded_size)
             buffers[chunk.id] = buf
-        for t in art.manifest.group_tensors(name):
-            tensors[t.name] = art.assemble(t, buffers, self.dequantize)
-        for tied, real in art.manifest.ties.items():
-            if real in tensors:
-                tensors[tied] = tensors[real]
-        return Group(name, tensors, buffers)
+        return Group(name, buffers, art, self.dequantize)
 
     def _advise(self, upto: int) -> None:
         """Ask the store to read groups up to index ``upto`` into the page cache (once each):

@@ -198,6 +198,87 @@ def test_decode_threads_of_load_run_at_lower_priority(llama_art, monkeypatch):
     assert os.getpriority(os.PRIO_PROCESS, threading.get_native_id()) == base  # caller untouched
 
 
+@pytest.mark.parametrize("enabled", [True, False])
+def test_load_pauses_the_cyclic_gc_and_restores_it(llama_art, monkeypatch, enabled, tmp_path):
+    import gc
+
+    from lct.loader import build
+    real = build.build_skeleton
+    during = []
+    monkeypatch.setattr(build, "build_skeleton",
+                        lambda art, dtype=None: during.append(gc.isenabled()) or real(art, dtype))
+    was = gc.isenabled()
+    try:
+        gc.enable() if enabled else gc.disable()
+        lct.load(llama_art, prefetch=2)
+        assert gc.isenabled() is enabled
+        assert during == [False]
+        bad = tmp_path / "noconfig.lct"
+        shutil.copytree(llama_art, bad)
+        (bad / "config.json").unlink()
+        with pytest.raises(LCTError):
+            lct.load(bad)
+        assert gc.isenabled() is enabled              # restored on errors too
+    finally:
+        gc.enable() if was else gc.disable()
+
+
+@pytest.mark.parametrize("prefetch", [0, 2])
+def test_stream_asks_for_each_group_once_one_ahead(llama_art, monkeypatch, prefetch):
+    from lct.reader import Artifact
+    advised, taken = [], []
+    real = Artifact.will_need
+
+    def will_need(self, chunks):
+        chunks = list(chunks)
+        advised.append(chunks[0].group)
+        # Never more than one group beyond the decode window of the consumer's position.
+        assert len(advised) <= len(taken) + prefetch + (2 if prefetch else 1)
+        return real(self, chunks)
+
+    monkeypatch.setattr(Artifact, "will_need", will_need)
+    with lct.open(llama_art) as art, art.stream(prefetch=prefetch) as stream:
+        for group in stream:
+            taken.append(group.name)
+        assert advised == art.groups == taken
+
+
+def test_local_store_will_need_reads_ahead_without_errors(llama_art, tmp_path):
+    from lct.store import LocalStore
+    with lct.open(llama_art) as art:
+        name = art.manifest.files[0]["name"]
+        art.store.will_need(name, 0, art.manifest.files[0]["size"])  # whole file, 2 MiB steps
+        assert art.read_group(art.groups[0])
+    LocalStore(tmp_path).will_need("missing.lct", 0, 4096)  # the read reports it, not the hint
+
+
+def test_stream_decodes_without_torch(llama_art):
+    """Workers only read and decode (numpy, zstd): a stream flows in a process where torch
+    cannot even be imported, so lct.load can import torch beside it. Tensors are built on
+    first access, by the consumer."""
+    import subprocess
+    import sys
+    code = f"""
+import sys
+sys.modules["torch"] = None          # any 'import torch' now raises ImportError
+import lct
+with lct.open({str(llama_art)!r}) as art, art.stream(prefetch=2) as stream:
+    groups = list(stream)
+print(len(groups), sum(b.nbytes for g in groups for b in g.buffers.values()))
+try:
+    groups[0].tensors
+except ImportError:
+    print("tensors need torch")
+"""
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr
+    n, nbytes, last = out.stdout.split("\n")[0].split() + [out.stdout.split("\n")[1]]
+    with lct.open(llama_art) as art:
+        assert int(n) == len(art.groups)
+        assert int(nbytes) == sum(c.decoded_size for c in art.manifest.chunks)
+    assert last == "tensors need torch"
+
+
 def test_breaking_out_releases_threads(llama_art):
     with lct.open(llama_art) as art:
         stream = art.stream(prefetch=3)
