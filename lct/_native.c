@@ -8,6 +8,9 @@
  *                                     2 or 4) decoded with the GIL released for the whole run,
  *                                     through the system's libzstd (loaded with dlopen; absent
  *                                     library: zstd_available() is False and Python decodes).
+ *   nf4_quantize(x, kind, mids, packed, absmax, blocksize)
+ *                                     NF4 from float32 (kind 0) or bfloat16 (kind 1), byte-
+ *                                     identical to bitsandbytes' CPU quantize_4bit (lct/nf4.py).
  *   nf4_dequant(packed, absmax, code, out, blocksize, kind)
  *                                     NF4 to float32 (kind 0) or bfloat16 (kind 1), bit-identical
  *                                     to bitsandbytes' dequantize_4bit and torch's float->bf16 cast.
@@ -19,6 +22,8 @@
 #define PY_SSIZE_T_CLEAN
 #include <Python.h>
 #include <dlfcn.h>
+#include <float.h>
+#include <math.h>
 #include <stdint.h>
 #include <stdlib.h>
 #include <string.h>
@@ -322,7 +327,107 @@ static PyObject *nf4_dequant(PyObject *self, PyObject *args)
     return ret;
 }
 
+/* The rule of lct/nf4.py: absmax per block in float32, scale by the float32 reciprocal, code =
+ * number of the 15 float32 midpoints strictly below the scaled value, all-zero block -> code 7,
+ * first element of a pair in the high nibble, an odd tail padded with code 7. Each pass is a
+ * plain loop over one block so that the compiler vectorises it. `v` and `c` hold blocksize + 1
+ * elements. Returns the first block holding a NaN or an Inf, or -1. */
+static Py_ssize_t quantize(const void *x, int kind, const float *mids, uint8_t *packed,
+                           float *absmax, Py_ssize_t n, Py_ssize_t blocksize, float *v,
+                           int32_t *c)
+{
+    for (Py_ssize_t e0 = 0, b = 0; e0 < n; e0 += blocksize, b++) {
+        Py_ssize_t len = e0 + blocksize < n ? blocksize : n - e0;
+        if (kind == 0) {
+            memcpy(v, (const float *)x + e0, (size_t)len * 4);
+        } else {
+            const uint16_t *h = (const uint16_t *)x + e0;
+            uint32_t *u = (uint32_t *)v;
+            for (Py_ssize_t i = 0; i < len; i++)
+                u[i] = (uint32_t)h[i] << 16;
+        }
+        float am = 0.0f;
+        int bad = 0;
+        for (Py_ssize_t i = 0; i < len; i++) {
+            float a = fabsf(v[i]);
+            bad |= !(a <= FLT_MAX);
+            am = a > am ? a : am;
+        }
+        if (bad)
+            return b;
+        absmax[b] = am;
+        float inv = 1.0f / am;
+        for (Py_ssize_t i = 0; i < len; i++) {
+            v[i] = v[i] * inv;
+            c[i] = 0;
+        }
+        for (int m = 0; m < 15; m++) {
+            float mid = mids[m];
+            for (Py_ssize_t i = 0; i < len; i++)
+                c[i] += mid < v[i];
+        }
+        if (am == 0.0f)
+            for (Py_ssize_t i = 0; i < len; i++)
+                c[i] = 7;
+        c[len] = 7;  /* the pad of an odd tail */
+        uint8_t *p = packed + e0 / 2;
+        for (Py_ssize_t i = 0; 2 * i < len; i++)
+            p[i] = (uint8_t)((c[2 * i] << 4) | c[2 * i + 1]);
+    }
+    return -1;
+}
+
+static PyObject *nf4_quantize(PyObject *self, PyObject *args)
+{
+    Py_buffer x, mids, packed, absmax;
+    int kind;
+    Py_ssize_t blocksize;
+    if (!PyArg_ParseTuple(args, "y*iy*w*w*n", &x, &kind, &mids, &packed, &absmax, &blocksize))
+        return NULL;
+    PyObject *ret = NULL;
+    Py_ssize_t size = kind == 0 ? 4 : 2;
+    Py_ssize_t n = x.len / size;
+    if (kind != 0 && kind != 1) {
+        PyErr_SetString(PyExc_ValueError, "nf4_quantize: kind must be 0 (float32) or 1 (bfloat16)");
+    } else if (blocksize <= 0 || blocksize % 2) {
+        PyErr_Format(PyExc_ValueError, "nf4_quantize: blocksize %zd must be positive and even",
+                     blocksize);
+    } else if (x.len % size || mids.len != 15 * 4 || packed.len != (n + 1) / 2
+               || absmax.len != ((n + blocksize - 1) / blocksize) * 4) {
+        PyErr_Format(PyExc_ValueError,
+                     "nf4_quantize: %zd elements need %zd packed bytes and %zd absmax bytes, got "
+                     "%zd and %zd (and 60 midpoint bytes, got %zd)", n, (n + 1) / 2,
+                     ((n + blocksize - 1) / blocksize) * 4, packed.len, absmax.len, mids.len);
+    } else if (((uintptr_t)x.buf) % size || ((uintptr_t)absmax.buf) % 4
+               || ((uintptr_t)mids.buf) % 4) {
+        PyErr_SetString(PyExc_ValueError, "nf4_quantize: a buffer is not aligned");
+    } else {
+        float *v = malloc(((size_t)blocksize + 1) * sizeof(float));
+        int32_t *c = malloc(((size_t)blocksize + 1) * sizeof(int32_t));
+        if (!v || !c) {
+            free(v);
+            free(c);
+            PyErr_NoMemory();
+        } else {
+            Py_ssize_t bad;
+            Py_BEGIN_ALLOW_THREADS
+            bad = quantize(x.buf, kind, mids.buf, packed.buf, absmax.buf, n, blocksize, v, c);
+            Py_END_ALLOW_THREADS
+            free(v);
+            free(c);
+            ret = PyLong_FromSsize_t(bad);
+        }
+    }
+    PyBuffer_Release(&x);
+    PyBuffer_Release(&mids);
+    PyBuffer_Release(&packed);
+    PyBuffer_Release(&absmax);
+    return ret;
+}
+
 static PyMethodDef methods[] = {
+    {"nf4_quantize", nf4_quantize, METH_VARARGS,
+     "nf4_quantize(x, kind, mids, packed, absmax, blocksize) -> first bad block or -1."},
     {"decode_frames", decode_frames, METH_VARARGS,
      "decode_frames(stored, out, table, width) -> None, or (row, message) for a bad frame."},
     {"zstd_available", zstd_available, METH_NOARGS, "Whether libzstd could be loaded."},

@@ -69,6 +69,14 @@ def join_planes32(hi: np.ndarray, lo: np.ndarray, out: np.ndarray) -> None:
     np.bitwise_or(out, low, out=out)
 
 
+def nf4_quantize(x: np.ndarray, bf16: bool, mids: np.ndarray, packed: np.ndarray,
+                 absmax: np.ndarray, blocksize: int) -> int:
+    """NF4-quantize ``x`` (float32, or bfloat16 bits as int16 when ``bf16``) into ``packed`` and
+    ``absmax`` (lct/nf4.py's rule). Returns the first block holding a NaN/Inf, or -1. Only call
+    when ``available()``."""
+    return _native.nf4_quantize(x, 1 if bf16 else 0, mids, packed, absmax, blocksize)
+
+
 def nf4_dequant_into(packed: np.ndarray, absmax: np.ndarray, code: np.ndarray, out: np.ndarray,
                      blocksize: int, bf16: bool) -> bool:
     """Dequantize NF4 into ``out`` (float32, or bfloat16 bits as uint16 when ``bf16``).

@@ -114,6 +114,8 @@ def quantize(tensor, blocksize: int = C.DEFAULT_BLOCKSIZE, name: str = "tensor")
     nblocks = -(-n // blocksize)
     packed = torch.empty((n + 1) // 2, dtype=torch.uint8)
     absmax = torch.empty(nblocks, dtype=torch.float32)
+    if _quantize_native(flat, packed, absmax, blocksize, name):
+        return packed, absmax
     per_piece = max(1, PIECE_ELEMENTS // blocksize)
     for b0 in range(0, nblocks, per_piece):
         b1 = min(nblocks, b0 + per_piece)
@@ -171,6 +173,36 @@ def dequantize(packed, absmax, shape, blocksize: int, dtype=None, out=None):
             vals = vals * scale.repeat_interleave(blocksize)[: e1 - e0]
         out[e0:e1] = vals
     return out.view(*shape)
+
+
+def _quantize_native(flat, packed, absmax, blocksize: int, name: str) -> bool:
+    """The compiled quantizer (lct.native) on the CPU; False if it does not apply. Same rule and
+    bytes as the torch code below (tests/test_nf4.py checks both against bitsandbytes)."""
+    torch = _torch()
+    from . import native
+    if not native.available() or flat.device.type != "cpu":
+        return False
+    n = flat.numel()
+    per_piece = max(1, PIECE_ELEMENTS // blocksize) * blocksize
+    mids = _midpoints().numpy()
+    # bf16 and float32 are read in place; other float types a piece at a time as float32.
+    pieces = [(0, n)] if flat.dtype in (torch.bfloat16, torch.float32) else \
+        [(e0, min(n, e0 + per_piece)) for e0 in range(0, n, per_piece)]
+    for e0, e1 in pieces:
+        x = flat[e0:e1]
+        if x.dtype not in (torch.bfloat16, torch.float32):
+            x = x.to(torch.float32)
+        x = x.contiguous()
+        bf16 = x.dtype == torch.bfloat16
+        b0, b1 = e0 // blocksize, -(-e1 // blocksize)
+        bad = native.nf4_quantize(x.view(torch.int16).numpy() if bf16 else x.numpy(), bf16,
+                                  mids, packed[e0 // 2: (e1 + 1) // 2].numpy(),
+                                  absmax[b0:b1].numpy(), blocksize)
+        if bad >= 0:
+            s0 = e0 + bad * blocksize
+            raise PolicyError(f"{name}: NF4 cannot encode NaN or Inf values "
+                              f"(found one in elements {s0}..{min(e1, s0 + blocksize)})")
+    return True
 
 
 def _empty(n: int, dtype):
