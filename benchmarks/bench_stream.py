@@ -24,6 +24,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+from bench_load import drop_caches  # same folder: the script's directory is on sys.path
+
 PY = sys.executable
 
 READ = r'''
@@ -75,16 +77,6 @@ dt = time.perf_counter() - t0
 print("RESULT " + json.dumps({"decoded_per_s": st.bytes_decoded / dt,
                               "stored_per_s": st.bytes_read / dt}))
 '''
-
-
-def drop_caches() -> bool:
-    try:
-        subprocess.run(["sync"], check=True)
-        with open("/proc/sys/vm/drop_caches", "w") as f:
-            f.write("3\n")
-        return True
-    except OSError:
-        return False
 
 
 def run(code: str, *args: str) -> dict:
