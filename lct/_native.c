@@ -87,6 +87,7 @@ static size_t (*zstd_decompress)(ZSTD_DCtx *, void *, size_t, const void *, size
 static unsigned (*zstd_is_error)(size_t);
 static const char *(*zstd_error_name)(size_t);
 static unsigned long long (*zstd_content_size)(const void *, size_t);
+static size_t (*zstd_frame_size)(const void *, size_t);
 static int zstd_state = -1;  /* -1 not tried, 0 absent, 1 loaded */
 
 static int load_zstd(void)
@@ -106,8 +107,9 @@ static int load_zstd(void)
     *(void **)&zstd_is_error = dlsym(h, "ZSTD_isError");
     *(void **)&zstd_error_name = dlsym(h, "ZSTD_getErrorName");
     *(void **)&zstd_content_size = dlsym(h, "ZSTD_getFrameContentSize");
+    *(void **)&zstd_frame_size = dlsym(h, "ZSTD_findFrameCompressedSize");
     if (zstd_create && zstd_free && zstd_decompress && zstd_is_error && zstd_error_name
-        && zstd_content_size)
+        && zstd_content_size && zstd_frame_size)
         zstd_state = 1;
     return zstd_state;
 }
@@ -125,6 +127,13 @@ static int unzstd(ZSTD_DCtx *d, uint8_t *dst, size_t n, const uint8_t *src, size
     if (declared != (unsigned long long)n) {
         snprintf(err, errlen, "zstd frame declares %lld bytes, expected %zu",
                  (long long)declared, n);
+        return -1;
+    }
+    size_t frame = zstd_frame_size(src, len);
+    if (zstd_is_error(frame) || frame != len) {
+        /* One frame, nothing after it (as python-zstandard's allow_extra_data=False). */
+        snprintf(err, errlen, "zstd error: %s",
+                 zstd_is_error(frame) ? zstd_error_name(frame) : "data after the frame");
         return -1;
     }
     size_t got = zstd_decompress(d, dst, n, src, len);

@@ -126,6 +126,13 @@ def test_native_decode_frames_checks_every_row_before_decoding(width):
         assert native.decode_frames(stored, out, bad, width) == (len(rows) - 1, "frame table "
                                                                  "row does not fit the chunk")
         assert not out.any()                       # refused before anything was decoded
+    if not width:                                  # a second (empty) frame after the first
+        import zstandard
+        extra = zstandard.ZstdCompressor(write_content_size=True).compress(b"")
+        one = rows[:1].copy()
+        one[0, 3] += len(extra)
+        first = bytes(stored[:rows[0, 2] + rows[0, 3]]) + extra
+        assert native.decode_frames(first, out, one, 0) == (0, "zstd error: data after the frame")
     broken = bytearray(stored)
     broken[rows[1, 2] + 20] ^= 0xFF                # inside the second frame's zstd data
     got = native.decode_frames(bytes(broken), out, rows, width)
