@@ -42,3 +42,40 @@ def dequantize_rows(packed_rows, absmax_rows, blocksize: int, dtype: torch.dtype
         return torch.empty(0, half * 2, dtype=dtype, device=packed_rows.device)
     return dequantize(packed_rows.reshape(-1), absmax_rows.reshape(-1), (k, half * 2), blocksize,
                       dtype, out=None if packed_rows.is_cuda else out)
+
+
+_POOL = None
+
+
+def _pool():
+    """Helper threads for CPU dequantization (the compiled loop releases the GIL)."""
+    global _POOL
+    if _POOL is None:
+        from concurrent.futures import ThreadPoolExecutor
+        _POOL = ThreadPoolExecutor(max(1, torch.get_num_threads() - 1),
+                                   thread_name_prefix="lct-nf4")
+    return _POOL
+
+
+def dequantize_rows_into(packed_rows, absmax_rows, blocksize: int, dtype: torch.dtype,
+                         out: torch.Tensor) -> torch.Tensor:
+    """``dequantize_rows`` into ``out`` on the CPU, the rows split over torch's intra-op thread
+    count when the compiled loop is in use (bit-identical: rows are independent)."""
+    from lct import native
+    k, half = packed_rows.shape
+    parts = min(torch.get_num_threads(), max(1, k // 256)) if native.available() else 1
+    if parts <= 1:
+        return dequantize_rows(packed_rows, absmax_rows, blocksize, dtype, out=out)
+    h = half * 2
+    bounds = [k * i // parts for i in range(parts + 1)]
+
+    def one(i):
+        a, b = bounds[i], bounds[i + 1]
+        dequantize_rows(packed_rows[a:b], absmax_rows[a:b], blocksize, dtype,
+                        out=out[a * h: b * h])
+
+    futures = [_pool().submit(one, i) for i in range(1, parts)]
+    one(0)
+    for f in futures:
+        f.result()
+    return out.view(k, h)

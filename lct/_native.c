@@ -89,29 +89,35 @@ static const char *(*zstd_error_name)(size_t);
 static unsigned long long (*zstd_content_size)(const void *, size_t);
 static size_t (*zstd_frame_size)(const void *, size_t);
 static int zstd_state = -1;  /* -1 not tried, 0 absent, 1 loaded */
+#define ZSTD_CONTENTSIZE_UNKNOWN (0ULL - 1)
+#define ZSTD_CONTENTSIZE_ERROR (0ULL - 2)
 
 static int load_zstd(void)
 {
+    /* Called with the GIL held (decode_frames resolves before releasing it), so once. */
     if (zstd_state >= 0)
         return zstd_state;
     const char *names[] = {"libzstd.so.1", "libzstd.so", NULL};
-    void *h = NULL;
-    for (int i = 0; names[i] && !h; i++)
-        h = dlopen(names[i], RTLD_NOW | RTLD_LOCAL);
+    for (int i = 0; names[i]; i++) {
+        void *h = dlopen(names[i], RTLD_NOW | RTLD_LOCAL);
+        if (!h)
+            continue;
+        *(void **)&zstd_create = dlsym(h, "ZSTD_createDCtx");
+        *(void **)&zstd_free = dlsym(h, "ZSTD_freeDCtx");
+        *(void **)&zstd_decompress = dlsym(h, "ZSTD_decompressDCtx");
+        *(void **)&zstd_is_error = dlsym(h, "ZSTD_isError");
+        *(void **)&zstd_error_name = dlsym(h, "ZSTD_getErrorName");
+        *(void **)&zstd_content_size = dlsym(h, "ZSTD_getFrameContentSize");
+        *(void **)&zstd_frame_size = dlsym(h, "ZSTD_findFrameCompressedSize");
+        if (zstd_create && zstd_free && zstd_decompress && zstd_is_error && zstd_error_name
+            && zstd_content_size && zstd_frame_size) {
+            zstd_state = 1;
+            return 1;
+        }
+        dlclose(h);  /* a library without the stable API: try the next name */
+    }
     zstd_state = 0;
-    if (!h)
-        return 0;
-    *(void **)&zstd_create = dlsym(h, "ZSTD_createDCtx");
-    *(void **)&zstd_free = dlsym(h, "ZSTD_freeDCtx");
-    *(void **)&zstd_decompress = dlsym(h, "ZSTD_decompressDCtx");
-    *(void **)&zstd_is_error = dlsym(h, "ZSTD_isError");
-    *(void **)&zstd_error_name = dlsym(h, "ZSTD_getErrorName");
-    *(void **)&zstd_content_size = dlsym(h, "ZSTD_getFrameContentSize");
-    *(void **)&zstd_frame_size = dlsym(h, "ZSTD_findFrameCompressedSize");
-    if (zstd_create && zstd_free && zstd_decompress && zstd_is_error && zstd_error_name
-        && zstd_content_size && zstd_frame_size)
-        zstd_state = 1;
-    return zstd_state;
+    return 0;
 }
 
 static PyObject *zstd_available(PyObject *self, PyObject *args)
@@ -124,9 +130,14 @@ static int unzstd(ZSTD_DCtx *d, uint8_t *dst, size_t n, const uint8_t *src, size
                   char *err, size_t errlen)
 {
     unsigned long long declared = zstd_content_size(src, len);
+    if (declared == ZSTD_CONTENTSIZE_UNKNOWN || declared == ZSTD_CONTENTSIZE_ERROR) {
+        snprintf(err, errlen, "zstd frame declares %s, expected %zu bytes",
+                 declared == ZSTD_CONTENTSIZE_ERROR ? "nothing readable (not a zstd frame)"
+                                                   : "no content size", n);
+        return -1;
+    }
     if (declared != (unsigned long long)n) {
-        snprintf(err, errlen, "zstd frame declares %lld bytes, expected %zu",
-                 (long long)declared, n);
+        snprintf(err, errlen, "zstd frame declares %llu bytes, expected %zu", declared, n);
         return -1;
     }
     size_t frame = zstd_frame_size(src, len);
@@ -160,14 +171,18 @@ static PyObject *decode_frames(PyObject *self, PyObject *args)
     char err[200] = "";
     Py_ssize_t bad = -1;
     Py_ssize_t rows = table.len / (6 * 8);
-    const int64_t *t = table.buf;
+    int64_t *t = NULL;  /* a private copy: the caller's array could change under us */
     if (!load_zstd()) {
         PyErr_SetString(PyExc_RuntimeError, "decode_frames: libzstd is not available");
     } else if (width != 0 && width != 2 && width != 4) {
         PyErr_Format(PyExc_ValueError, "decode_frames: width must be 0, 2 or 4, got %d", width);
     } else if (table.len % (6 * 8) || ((uintptr_t)table.buf) % 8 || ((uintptr_t)out.buf) % 4) {
         PyErr_SetString(PyExc_ValueError, "decode_frames: bad table or unaligned output");
+    } else if (rows && !(t = malloc((size_t)table.len))) {
+        PyErr_NoMemory();
     } else {
+        if (rows)
+            memcpy(t, table.buf, (size_t)table.len);
         /* Check every row against the buffers before any decoding. */
         size_t scratch = 0;
         Py_ssize_t w = width ? width : 1;
@@ -186,9 +201,9 @@ static PyObject *decode_frames(PyObject *self, PyObject *args)
                 scratch = (size_t)(n * width);
         }
         if (bad < 0) {
-            uint8_t *buf = scratch ? malloc(scratch) : NULL;
+            uint8_t *buf = malloc(scratch ? scratch : 1);
             ZSTD_DCtx *d = zstd_create();
-            if ((scratch && !buf) || !d) {
+            if (!buf || !d) {
                 free(buf);
                 if (d)
                     zstd_free(d);
@@ -236,6 +251,7 @@ static PyObject *decode_frames(PyObject *self, PyObject *args)
             ret = Py_NewRef(Py_None);
     }
 done:
+    free(t);
     PyBuffer_Release(&stored);
     PyBuffer_Release(&out);
     PyBuffer_Release(&table);
@@ -315,11 +331,11 @@ static PyObject *nf4_dequant(PyObject *self, PyObject *args)
         PyErr_Format(PyExc_ValueError, "nf4_dequant: blocksize %zd must be positive and even",
                      blocksize);
     } else if (out.len % size || packed.len != (n + 1) / 2
-               || absmax.len != ((n + blocksize - 1) / blocksize) * 4 || code.len != 16 * 4) {
+               || absmax.len != (n / blocksize + (n % blocksize != 0)) * 4 || code.len != 16 * 4) {
         PyErr_Format(PyExc_ValueError,
                      "nf4_dequant: %zd output elements need %zd packed bytes, %zd absmax bytes "
                      "and a 64-byte code table, got %zd, %zd and %zd", n, (n + 1) / 2,
-                     ((n + blocksize - 1) / blocksize) * 4, packed.len, absmax.len, code.len);
+                     (n / blocksize + (n % blocksize != 0)) * 4, packed.len, absmax.len, code.len);
     } else if (((uintptr_t)out.buf) % size || ((uintptr_t)absmax.buf) % 4
                || ((uintptr_t)code.buf) % 4) {
         PyErr_SetString(PyExc_ValueError, "nf4_dequant: a buffer is not aligned");
@@ -402,17 +418,18 @@ static PyObject *nf4_quantize(PyObject *self, PyObject *args)
         PyErr_Format(PyExc_ValueError, "nf4_quantize: blocksize %zd must be positive and even",
                      blocksize);
     } else if (x.len % size || mids.len != 15 * 4 || packed.len != (n + 1) / 2
-               || absmax.len != ((n + blocksize - 1) / blocksize) * 4) {
+               || absmax.len != (n / blocksize + (n % blocksize != 0)) * 4) {
         PyErr_Format(PyExc_ValueError,
                      "nf4_quantize: %zd elements need %zd packed bytes and %zd absmax bytes, got "
                      "%zd and %zd (and 60 midpoint bytes, got %zd)", n, (n + 1) / 2,
-                     ((n + blocksize - 1) / blocksize) * 4, packed.len, absmax.len, mids.len);
+                     (n / blocksize + (n % blocksize != 0)) * 4, packed.len, absmax.len, mids.len);
     } else if (((uintptr_t)x.buf) % size || ((uintptr_t)absmax.buf) % 4
                || ((uintptr_t)mids.buf) % 4) {
         PyErr_SetString(PyExc_ValueError, "nf4_quantize: a buffer is not aligned");
     } else {
-        float *v = malloc(((size_t)blocksize + 1) * sizeof(float));
-        int32_t *c = malloc(((size_t)blocksize + 1) * sizeof(int32_t));
+        size_t room = (size_t)(blocksize < n ? blocksize : n) + 1;  /* one block, plus the pad */
+        float *v = malloc(room * sizeof(float));
+        int32_t *c = malloc(room * sizeof(int32_t));
         if (!v || !c) {
             free(v);
             free(c);

@@ -67,13 +67,34 @@ def test_nf4_linear_equals_dequantized_matmul(table, chunk_rows, monkeypatch):
     _, packed, absmax, full = table
     head = NF4Linear(packed, absmax, V, H, BS, torch.bfloat16, chunk_rows=chunk_rows)
     rows = []
-    real = klin.dequantize_rows
-    monkeypatch.setattr(klin, "dequantize_rows",
-                        lambda p, a, bs, dt, **kw: rows.append(p.shape[0]) or real(p, a, bs, dt, **kw))
+    real = klin.dequantize_rows_into
+    monkeypatch.setattr(klin, "dequantize_rows_into",
+                        lambda p, a, bs, dt, out: rows.append(p.shape[0]) or real(p, a, bs, dt, out))
     x = torch.randn(2, 6, H).to(torch.bfloat16)
     assert torch.equal(head(x), F.linear(x, full))
     assert max(rows) <= chunk_rows  # memory bounded by one chunk of the vocabulary
     assert sum(rows) == V
+
+
+def test_nf4_linear_default_chunk_is_bounded_by_bytes():
+    w = (torch.randn(40, 4096) * 0.02).to(torch.bfloat16)
+    packed, absmax = nf4.quantize(w, BS)
+    head = NF4Linear(packed, absmax, 40, 4096, BS, torch.bfloat16)
+    assert head.chunk_rows == klin.DEFAULT_CHUNK_BYTES // (4096 * 2)
+
+
+@pytest.mark.parametrize("threads", [1, 2, 3])
+def test_parallel_row_dequantize_is_exact(table, threads, monkeypatch):
+    from lct.kernels import nf4 as knf4
+    _, packed, absmax, full = table
+    monkeypatch.setattr(torch, "get_num_threads", lambda: threads)
+    monkeypatch.setattr(knf4, "_POOL", None)
+    big_p, big_a = packed.view(V, -1).repeat(4, 1), absmax.view(V, -1).repeat(4, 1)
+    out = torch.empty(4 * V * H, dtype=torch.bfloat16)
+    got = knf4.dequantize_rows_into(big_p, big_a, BS, torch.bfloat16, out)
+    assert torch.equal(got, full.repeat(4, 1))
+    if knf4._POOL is not None:
+        knf4._POOL.shutdown(wait=True)
 
 
 def test_nf4_linear_bias(table):
