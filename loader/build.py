@@ -302,6 +302,10 @@ def load(path, prefetch: int = 2, device="cpu", dtype=None, nf4: str = "keep",
     Returns:
         A ``PreTrainedModel`` in eval mode.
 
+    While it runs, torch and transformers are imported (and the skeleton built) in a thread
+    beside the decode, the decode threads run at a lower priority (nice +10) so that import keeps
+    its core, and the cyclic garbage collector is paused (restored afterwards, also on errors).
+
     Raises:
         LCTError subclasses: bad artifact, checksum mismatch (naming the chunk), missing tensors.
 
