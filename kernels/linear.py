@@ -33,7 +33,7 @@ class NF4Linear(nn.Module):
             raise ValueError(f"blocksize {blocksize} must divide in_features {in_features}")
         self.in_features, self.out_features = in_features, out_features
         if chunk_rows is None:
-            width = in_features * torch.empty(0, dtype=dtype).element_size()
+            width = in_features * dtype.itemsize
             chunk_rows = max(1, DEFAULT_CHUNK_BYTES // width)
         self.blocksize, self.dtype, self.chunk_rows = blocksize, dtype, chunk_rows
         self.register_buffer("packed", packed.reshape(out_features, in_features // 2))

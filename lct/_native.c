@@ -315,6 +315,32 @@ static void dequant(const uint8_t *restrict packed, const float *restrict absmax
     }
 }
 
+/* The checks nf4_dequant and nf4_quantize share: the kind, the blocksize, and the packed and
+ * absmax sizes for `elem_bytes` bytes of elements. Returns the element count, or -1 with a
+ * ValueError set. */
+static Py_ssize_t nf4_layout(const char *fn, int kind, Py_ssize_t blocksize,
+                             Py_ssize_t elem_bytes, Py_ssize_t packed_len, Py_ssize_t absmax_len)
+{
+    if (kind != 0 && kind != 1) {
+        PyErr_Format(PyExc_ValueError, "%s: kind must be 0 (float32) or 1 (bfloat16)", fn);
+        return -1;
+    }
+    if (blocksize <= 0 || blocksize % 2) {
+        PyErr_Format(PyExc_ValueError, "%s: blocksize %zd must be positive and even", fn,
+                     blocksize);
+        return -1;
+    }
+    Py_ssize_t size = kind == 0 ? 4 : 2, n = elem_bytes / size;
+    Py_ssize_t blocks = n / blocksize + (n % blocksize != 0);
+    if (elem_bytes % size || packed_len != (n + 1) / 2 || absmax_len != blocks * 4) {
+        PyErr_Format(PyExc_ValueError,
+                     "%s: %zd elements need %zd packed bytes and %zd absmax bytes, got %zd and %zd",
+                     fn, n, (n + 1) / 2, blocks * 4, packed_len, absmax_len);
+        return -1;
+    }
+    return n;
+}
+
 static PyObject *nf4_dequant(PyObject *self, PyObject *args)
 {
     Py_buffer packed, absmax, code, out;
@@ -324,18 +350,12 @@ static PyObject *nf4_dequant(PyObject *self, PyObject *args)
         return NULL;
     PyObject *ret = NULL;
     Py_ssize_t size = kind == 0 ? 4 : 2;
-    Py_ssize_t n = out.len / size;
-    if (kind != 0 && kind != 1) {
-        PyErr_Format(PyExc_ValueError, "nf4_dequant: kind must be 0 (float32) or 1 (bfloat16)");
-    } else if (blocksize <= 0 || blocksize % 2) {
-        PyErr_Format(PyExc_ValueError, "nf4_dequant: blocksize %zd must be positive and even",
-                     blocksize);
-    } else if (out.len % size || packed.len != (n + 1) / 2
-               || absmax.len != (n / blocksize + (n % blocksize != 0)) * 4 || code.len != 16 * 4) {
-        PyErr_Format(PyExc_ValueError,
-                     "nf4_dequant: %zd output elements need %zd packed bytes, %zd absmax bytes "
-                     "and a 64-byte code table, got %zd, %zd and %zd", n, (n + 1) / 2,
-                     (n / blocksize + (n % blocksize != 0)) * 4, packed.len, absmax.len, code.len);
+    Py_ssize_t n = nf4_layout("nf4_dequant", kind, blocksize, out.len, packed.len, absmax.len);
+    if (n < 0) {
+        /* error set */
+    } else if (code.len != 16 * 4) {
+        PyErr_Format(PyExc_ValueError, "nf4_dequant: the code table is %zd bytes, expected 64",
+                     code.len);
     } else if (((uintptr_t)out.buf) % size || ((uintptr_t)absmax.buf) % 4
                || ((uintptr_t)code.buf) % 4) {
         PyErr_SetString(PyExc_ValueError, "nf4_dequant: a buffer is not aligned");
@@ -411,18 +431,11 @@ static PyObject *nf4_quantize(PyObject *self, PyObject *args)
         return NULL;
     PyObject *ret = NULL;
     Py_ssize_t size = kind == 0 ? 4 : 2;
-    Py_ssize_t n = x.len / size;
-    if (kind != 0 && kind != 1) {
-        PyErr_SetString(PyExc_ValueError, "nf4_quantize: kind must be 0 (float32) or 1 (bfloat16)");
-    } else if (blocksize <= 0 || blocksize % 2) {
-        PyErr_Format(PyExc_ValueError, "nf4_quantize: blocksize %zd must be positive and even",
-                     blocksize);
-    } else if (x.len % size || mids.len != 15 * 4 || packed.len != (n + 1) / 2
-               || absmax.len != (n / blocksize + (n % blocksize != 0)) * 4) {
-        PyErr_Format(PyExc_ValueError,
-                     "nf4_quantize: %zd elements need %zd packed bytes and %zd absmax bytes, got "
-                     "%zd and %zd (and 60 midpoint bytes, got %zd)", n, (n + 1) / 2,
-                     (n / blocksize + (n % blocksize != 0)) * 4, packed.len, absmax.len, mids.len);
+    Py_ssize_t n = nf4_layout("nf4_quantize", kind, blocksize, x.len, packed.len, absmax.len);
+    if (n < 0) {
+        /* error set */
+    } else if (mids.len != 15 * 4) {
+        PyErr_Format(PyExc_ValueError, "nf4_quantize: %zd midpoint bytes, expected 60", mids.len);
     } else if (((uintptr_t)x.buf) % size || ((uintptr_t)absmax.buf) % 4
                || ((uintptr_t)mids.buf) % 4) {
         PyErr_SetString(PyExc_ValueError, "nf4_quantize: a buffer is not aligned");

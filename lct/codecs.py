@@ -279,18 +279,6 @@ def _decode_native(stored, out, spans, width: int, map_fn, what: str) -> None:
         pass
 
 
-def _join16(hi: np.ndarray, lo: np.ndarray, out: np.ndarray) -> None:
-    """``out = rotate_right(hi << 8 | lo, 1)`` for 16-bit elements (lct.native: one compiled
-    pass, or five contiguous numpy passes)."""
-    tmp = None
-    if not native.available():
-        tmp = getattr(_local, "tmp16", None)
-        if tmp is None or tmp.size < out.size:
-            tmp = _local.tmp16 = np.empty(out.size, np.uint16)
-        tmp = tmp[: out.size]
-    native.join_planes16(hi, lo, out, tmp)
-
-
 LO_SAMPLE = 64 * 1024
 LO_SAMPLE_GAIN = 0.97
 
@@ -378,8 +366,8 @@ class PlanesCodec(Codec):
                 lo = _zstd_decompress(lo, n * (width - 1), where)
             frame = out[start:start + n * width]
             if width == 2:
-                _join16(np.frombuffer(hi, np.uint8), np.frombuffer(lo, np.uint8),
-                        frame.view(np.uint16))
+                native.join_planes16(np.frombuffer(hi, np.uint8), np.frombuffer(lo, np.uint8),
+                                     frame.view(np.uint16))
                 return
             native.join_planes32(np.frombuffer(hi, np.uint8), np.frombuffer(lo, np.uint8),
                                  frame.view(np.uint32))

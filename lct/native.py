@@ -8,6 +8,7 @@ still installs and every function here gives the same bytes through numpy, only 
 from __future__ import annotations
 
 import os
+import threading
 
 import numpy as np
 
@@ -17,6 +18,7 @@ except ImportError:  # pragma: no cover - exercised where no compiler was availa
     _native = None
 
 _ENABLED = _native is not None and os.environ.get("LCT_NATIVE", "1") != "0"
+_local = threading.local()  # per-thread scratch of the numpy fallback
 
 
 def available() -> bool:
@@ -39,14 +41,15 @@ def decode_frames(stored, out: np.ndarray, rows: np.ndarray, width: int):
     return _native.decode_frames(stored, out, rows, width)
 
 
-def join_planes16(hi: np.ndarray, lo: np.ndarray, out: np.ndarray, tmp: np.ndarray) -> None:
-    """``out = rotate_right(hi << 8 | lo, 1)`` for 16-bit elements (the planes decode).
-
-    ``tmp`` is a uint16 scratch array of ``out``'s size, used only by the numpy fallback.
-    """
+def join_planes16(hi: np.ndarray, lo: np.ndarray, out: np.ndarray) -> None:
+    """``out = rotate_right(hi << 8 | lo, 1)`` for 16-bit elements (the planes decode)."""
     if _ENABLED:
         _native.join_planes(hi, lo, out, 2)
         return
+    tmp = getattr(_local, "tmp16", None)
+    if tmp is None or tmp.size < out.size:
+        tmp = _local.tmp16 = np.empty(out.size, np.uint16)
+    tmp = tmp[: out.size]
     # Five contiguous passes (no strided byte scatter): (hi << 7) | (lo >> 1) | (lo << 15).
     np.left_shift(hi, 7, out=out, dtype=np.uint16)
     np.right_shift(lo, 1, out=tmp, dtype=np.uint16)
@@ -78,13 +81,7 @@ def nf4_quantize(x: np.ndarray, bf16: bool, mids: np.ndarray, packed: np.ndarray
 
 
 def nf4_dequant_into(packed: np.ndarray, absmax: np.ndarray, code: np.ndarray, out: np.ndarray,
-                     blocksize: int, bf16: bool) -> bool:
-    """Dequantize NF4 into ``out`` (float32, or bfloat16 bits as uint16 when ``bf16``).
-
-    Returns False, writing nothing, when the extension is not in use: the caller then takes
-    its torch path.
-    """
-    if not _ENABLED:
-        return False
+                     blocksize: int, bf16: bool) -> None:
+    """Dequantize NF4 into ``out`` (float32, or bfloat16 bits as int16 when ``bf16``). Only call
+    when ``available()``."""
     _native.nf4_dequant(packed, absmax, code, out, blocksize, 1 if bf16 else 0)
-    return True

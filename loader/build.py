@@ -25,7 +25,6 @@ DECODE_NICE = 10
 class LoadStats:
     """Where the time of one load went (seconds) and the prefetch window used."""
 
-    imports_s: float = 0.0
     manifest_s: float = 0.0
     skeleton_s: float = 0.0         # importing transformers + meta model, in a thread beside decode
     read_s: float = 0.0
@@ -362,9 +361,8 @@ def _load(path, prefetch, device, dtype, nf4, workers, verify, pad_ids, stats, m
                     inst = _installer(future.result(), art, device, dtype, nf4, pad_ids)
                 if inst is not None:
                     _install_all(inst, held, stats)
-            if inst is None:
-                inst = _installer(future.result(), art, device, dtype, nf4, pad_ids)
-                _install_all(inst, held, stats)
+            inst = inst or _installer(future.result(), art, device, dtype, nf4, pad_ids)
+            _install_all(inst, held, stats)  # what arrived before the skeleton was ready
             s = stream.stats
         model = inst.model
         inst.finish()

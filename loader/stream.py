@@ -14,6 +14,7 @@ what has, so no thread outlives it.
 from __future__ import annotations
 
 import threading
+import time
 from collections import deque
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
@@ -98,7 +99,7 @@ class GroupStream:
         from lct.proc import lower_thread_priority
         self._pool = ThreadPoolExecutor(prefetch, thread_name_prefix="lct-prefetch",
                                         initializer=lower_thread_priority,
-                                        initargs=(getattr(artifact, "thread_nice", 0),)) \
+                                        initargs=(artifact.thread_nice,)) \
             if prefetch else None
         self._closed = False
 
@@ -126,7 +127,6 @@ class GroupStream:
 
     # Work --------------------------------------------------------------------------------------
     def _load(self, name: str) -> Group:
-        import time
         art = self.art
         buffers = {}
         for chunk in art.manifest.group_chunks(name):
@@ -162,7 +162,6 @@ class GroupStream:
         return self
 
     def __next__(self) -> Group:
-        import time
         if self._closed or self._given >= len(self.names):
             self.close()
             raise StopIteration
