@@ -51,12 +51,17 @@ def load_cmd(artifact, prefetch, device, dtype, nf4, workers, no_verify, layerwi
     cache and verified, or with --stream read chunk by chunk over HTTP)."""
     from lct.proc import peak_rss, process_age
 
+    from lct import hub
     source = artifact
-    if artifact.startswith("hf://"):
-        from lct import hub, remote
-        # The local folder of the small files (config, tokenizer), or of the whole pull.
-        artifact = str(remote.fetch_small(artifact)[0] if stream
-                       else hub.pull(artifact, chunks=no_verify))
+    if hub.is_hf_uri(artifact) and stream:
+        from lct import remote
+        # The local folder of the small files (config, tokenizer); the loader then streams the
+        # chunks from the same commit, whatever the branch does meanwhile.
+        local, sha, _ = remote.fetch_small(artifact)
+        source = f"{hub.HF_SCHEME}{hub.parse_hf_uri(artifact)[0]}@{sha}"
+        artifact = str(local)
+    elif hub.is_hf_uri(artifact):
+        artifact = str(hub.pull(artifact, chunks=no_verify))
     else:
         stream = False
 

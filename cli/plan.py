@@ -100,7 +100,7 @@ def plan_cmd(model, mode, batch, seq, vocab_size, add_tokens, precision, optimiz
 
 def render(p) -> list:
     """The human report of a ``Plan``, as lines."""
-    from lct.plan import KV_DTYPES, human_bytes as hb
+    from lct.plan import human_bytes as hb
     train = p.mode == "train"
     what = f"{p.mode}, batch {p.batch} x seq {p.seq}, {p.precision}"
     what += f", {p.optimizer}" if train else f", KV {p.kv_dtype}"

@@ -234,8 +234,7 @@ def _license_of(meta) -> str | None:
     return lic if isinstance(lic, str) and lic.strip() else None
 
 
-def model_card(manifest, repo_id: str, *, license: str | None = None,  # noqa: A002
-               data_bytes: int | None = None) -> str:
+def model_card(manifest, repo_id: str, *, license: str | None = None) -> str:  # noqa: A002
     """The ``README.md`` published with an artifact: front matter (``library_name: lct``,
     ``base_model``, tags, license) and a body saying how it was converted, its sizes, and how
     to load it."""
@@ -284,7 +283,7 @@ def model_card(manifest, repo_id: str, *, license: str | None = None,  # noqa: A
         maximus_line = "none"
     source_bytes = manifest.source_bytes
     stored = manifest.stored_bytes
-    data_bytes = data_bytes if data_bytes is not None else sum(f["size"] for f in manifest.files)
+    data_bytes = sum(f["size"] for f in manifest.files)  # opening checked them on disk
     ratio = f"{stored / source_bytes:.3f}x of the source" if source_bytes else "n/a"
     rows = [
         ("source", origin),
@@ -412,8 +411,7 @@ def push(artifact, repo_id: str, revision: str | None = None, private: bool = Fa
                             f"({len(report.failures)} problem(s)); first: {report.failures[0]}")
     names = _artifact_files(root, manifest)
     card = model_card(manifest, repo_id,
-                      license=license or _source_license(manifest, token, endpoint),
-                      data_bytes=sum((root / f["name"]).stat().st_size for f in manifest.files))
+                      license=license or _source_license(manifest, token, endpoint))
     hh = _hub()
     api = hh.HfApi(token=token, endpoint=endpoint)
     big = {f["name"] for f in manifest.files}

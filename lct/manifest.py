@@ -6,6 +6,7 @@ overlaps and names before any of it is used, and raises ``ManifestError`` naming
 
 from __future__ import annotations
 
+import functools
 import json
 import math
 import re
@@ -119,13 +120,24 @@ class Manifest:
         return _parse(d, where)
 
     # Convenience views --------------------------------------------------------------------
+    @functools.cached_property
+    def _by_group(self) -> dict:
+        """``{group: (chunks, tensors)}`` in manifest order, built once (a manifest is not
+        changed after it is built; readers ask per group, the layer-wise executor per token)."""
+        index: dict = {}
+        for c in self.chunks:
+            index.setdefault(c.group, ([], []))[0].append(c)
+        for t in self.tensors.values():
+            index.setdefault(t.group, ([], []))[1].append(t)
+        return index
+
     def group_chunks(self, group: str) -> list:
         """The chunks of ``group`` in order."""
-        return [c for c in self.chunks if c.group == group]
+        return list(self._by_group.get(group, ((), ()))[0])
 
     def group_tensors(self, group: str) -> list:
         """The tensors of ``group`` in manifest order."""
-        return [t for t in self.tensors.values() if t.group == group]
+        return list(self._by_group.get(group, ((), ()))[1])
 
     @property
     def stored_bytes(self) -> int:
@@ -216,7 +228,8 @@ def _parse(d, where: str) -> Manifest:
     raw_chunks = _obj(d, "chunks", list, where)
     if len(raw_chunks) > C.MAX_CHUNKS:
         _fail(where, f"{len(raw_chunks)} chunks exceed the cap {C.MAX_CHUNKS}")
-    chunks = [_chunk(c, i, files, set(groups), where) for i, c in enumerate(raw_chunks)]
+    group_set = set(groups)
+    chunks = [_chunk(c, i, files, group_set, where) for i, c in enumerate(raw_chunks)]
     _check_no_overlap(
         [(c.file, c.offset, c.offset + c.stored_size, f"chunk {c.id}") for c in chunks],
         where, "chunk byte ranges")

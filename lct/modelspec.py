@@ -7,15 +7,14 @@ from __future__ import annotations
 
 import json
 import math
-import re
 from dataclasses import dataclass
 from pathlib import Path
 
 from . import constants as C
 from .errors import LCTError, MissingDependencyError
+from .source import REPO_ID
 
 FAMILIES = ("llama", "mistral", "qwen2", "qwen3", "gemma", "gemma2", "gemma3_text", "phi3", "gpt2")
-_REPO_ID = re.compile(r"[A-Za-z0-9][\w.\-]*(/[\w.\-]+)?")
 
 
 class PlanError(LCTError, ValueError):
@@ -55,7 +54,7 @@ def read_config(model, revision: str | None = None) -> tuple:
             raise ConfigNotFoundError(f"{path.parent}: no config.json (the planner reads only "
                                       f"config.json; an LCT artifact copies it from its source)")
     elif not path.is_file():
-        if text.startswith(("/", ".", "~")) or not _REPO_ID.fullmatch(text):
+        if text.startswith(("/", ".", "~")) or not REPO_ID.fullmatch(text):
             raise ConfigNotFoundError(f"{text}: no such folder or file (and not a Hub repo id "
                                       f"like org/name)")
         path = _download_config(text, revision)

@@ -29,6 +29,8 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 from . import constants as C
+from .modelspec import (ConfigNotFoundError, Dims, PlanError,  # noqa: F401 (re-exported)
+                        model_dims, parameter_specs, read_config)
 
 MODES = ("infer", "train")
 PRECISIONS = ("bf16", "fp16", "fp32", "mixed")
@@ -50,9 +52,6 @@ NF4_HEAD_CHUNK_ROWS = 8192         # rows NF4Linear dequantizes at a time on CPU
 BNB_MIN_8BIT_SIZE = 4096
 BNB_BLOCKSIZE = 256
 BNB_QMAP_BYTES = 2 * 256 * 4
-# Model families whose parameters (and activations) the planner knows, by config model_type.
-from .modelspec import (FAMILIES, ConfigNotFoundError, Dims, ParamSpec, PlanError,  # noqa: F401
-                        model_dims, parameter_specs, read_config)
 
 
 def nf4_bytes(numel: int, blocksize: int = C.DEFAULT_BLOCKSIZE) -> int:

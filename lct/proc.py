@@ -37,11 +37,6 @@ def peak_rss() -> int:
     return peak if peak is not None else resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
 
 
-def current_rss() -> int:
-    """Current resident set size of this process in bytes (0 where unknown)."""
-    return _status_kb("VmRSS") or 0
-
-
 def lower_thread_priority(increment: int) -> None:
     """Raise the calling thread's nice value by ``increment`` (Linux: per thread), so that it
     runs on what the other threads of the machine leave; silently nothing where unsupported."""

@@ -16,7 +16,8 @@ from .errors import MissingDependencyError, SourceError, SourceNotFoundError
 
 PICKLE_SUFFIXES = (".bin", ".pt", ".pth", ".ckpt", ".pkl")
 INDEX_NAME = "model.safetensors.index.json"
-_REPO_ID = re.compile(r"[A-Za-z0-9][\w.\-]*(/[\w.\-]+)?")
+REPO_ID = re.compile(  # a Hub repo id: name or org/name
+    r"[A-Za-z0-9][\w.\-]*(/[\w.\-]+)?")
 
 # safetensors dtype strings -> LCT dtype names.
 ST_DTYPES = {
@@ -62,7 +63,8 @@ def resolve(source: str, revision: str | None = None) -> Source:
         SourceNotFoundError: no such folder, and not a Hub id (or no such repo).
         SourceError: the folder holds no safetensors, only pickle checkpoints, or a broken index.
     """
-    hub_only = isinstance(source, str) and source.startswith("hf://")
+    from .hub import is_hf_uri
+    hub_only = is_hf_uri(source)
     if hub_only:
         from .hub import HubURIError, parse_hf_uri
         try:
@@ -78,7 +80,7 @@ def resolve(source: str, revision: str | None = None) -> Source:
         if not path.is_dir():
             raise SourceError(f"{path}: is a file; pass the model folder that contains it")
         return _local(path, str(path.absolute()), "local", revision)
-    if source.startswith(("/", ".", "~")) or not _REPO_ID.fullmatch(source):
+    if source.startswith(("/", ".", "~")) or not REPO_ID.fullmatch(source):
         raise SourceNotFoundError(f"{source}: no such folder (and not a Hub repo id like org/name)")
     return _local(_download(source, revision), source, "hub", revision)
 

@@ -132,7 +132,6 @@ class ArtifactWriter:
         self.tmp.mkdir()
         self.artifact_id = uuid.uuid4().hex
         self.max_file_size = max_file_size
-        self.overwrite = overwrite
         self.map_fn = map_fn
         self.files: list = []
         self.chunks: list = []
@@ -259,11 +258,6 @@ class ArtifactWriter:
     def staging(self) -> Path:
         """The temporary directory being filled (side files may be written here)."""
         return self.tmp
-
-    def write_text(self, name: str, text: str) -> None:
-        """Write a small text file into the artifact."""
-        self._require_open()
-        (self.tmp / name).write_text(text)
 
     # Finish -----------------------------------------------------------------------------------
     def finish(self, *, groups: list, source: dict, architecture: dict, policy: dict,

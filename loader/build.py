@@ -98,7 +98,7 @@ class Installer:
         self.dtype = dtype
         self.names = {n for n, _ in model.named_parameters(remove_duplicate=False)} | \
             {n for n, _ in model.named_buffers(remove_duplicate=False)}
-        self.pad_ids = pad_ids
+        self.pad_ids = _pad_ids(model, pad_ids)  # given, else the config's pad_token_id
         self.installed: set = set()
         self.nf4_modules: list = []
         self._stream = None
@@ -164,7 +164,7 @@ class Installer:
         old = getattr(parent, leaf)
         if isinstance(old, torch.nn.Embedding):
             scale = getattr(old, "embed_scale", None)
-            pad = self.pad_ids if self.pad_ids is not None else ()
+            pad = self.pad_ids
             new = NF4Embedding(packed, absmax, w.shape[0], w.shape[1], w.blocksize, dtype,
                                pad_ids=pad, scale=scale.to(self.device) if scale is not None else None)
         elif isinstance(old, torch.nn.Linear):
@@ -219,8 +219,9 @@ def open_source(path, *, verify: bool = True, workers: int | None = None, stream
     hashes (chunk checksums are then verified as they are read), or with ``stream`` its chunks
     are fetched by HTTP range requests from one pinned commit.
     """
+    from lct.hub import is_hf_uri
     from lct.reader import open_artifact
-    if isinstance(path, str) and path.startswith("hf://"):
+    if is_hf_uri(path):
         if stream:
             from lct.remote import open_remote
             return open_remote(path, verify=verify, workers=workers, pin_memory=pin_memory)
@@ -358,10 +359,12 @@ def _load(path, prefetch, device, dtype, nf4, workers, verify, pad_ids, stats, m
             for group in stream:
                 held.append(group)
                 if inst is None and future.done():
-                    inst = _installer(future.result(), art, device, dtype, nf4, pad_ids)
+                    inst = Installer(future.result(), art, device=device, dtype=dtype, nf4=nf4,
+                                     pad_ids=pad_ids)
                 if inst is not None:
                     _install_all(inst, held, stats)
-            inst = inst or _installer(future.result(), art, device, dtype, nf4, pad_ids)
+            inst = inst or Installer(future.result(), art, device=device, dtype=dtype, nf4=nf4,
+                                     pad_ids=pad_ids)
             _install_all(inst, held, stats)  # what arrived before the skeleton was ready
             s = stream.stats
         model = inst.model
@@ -385,11 +388,6 @@ def _load(path, prefetch, device, dtype, nf4, workers, verify, pad_ids, stats, m
 def _is_cuda(device) -> bool:
     """Whether ``device`` (a string, or a torch.device when torch is already imported) is CUDA."""
     return (device if isinstance(device, str) else device.type).split(":")[0] == "cuda"
-
-
-def _installer(model, art, device, dtype, nf4, pad_ids) -> Installer:
-    return Installer(model, art, device=device, dtype=dtype, nf4=nf4,
-                     pad_ids=_pad_ids(model, pad_ids))
 
 
 def _install_all(inst: Installer, held: list, stats: LoadStats) -> None:

@@ -13,7 +13,7 @@ from __future__ import annotations
 from lct import constants as C
 from lct.errors import LCTError
 
-from .build import Installer, _pad_ids, _param_name, build_skeleton, open_source
+from .build import Installer, _is_cuda, _param_name, build_skeleton, open_source
 from .stream import GroupStream
 
 
@@ -44,12 +44,12 @@ class LayerwiseModel:
         import torch
 
         self.art = open_source(path, verify=verify, workers=workers, stream=stream,
-                               pin_memory=torch.device(device).type == "cuda")
+                               pin_memory=_is_cuda(device))
         self.prefetch = prefetch
         try:
             self.model = build_skeleton(self.art, dtype)
             self.installer = Installer(self.model, self.art, device=device, dtype=dtype, nf4=nf4,
-                                       pad_ids=_pad_ids(self.model, pad_ids))
+                                       pad_ids=pad_ids)
             self.layer_groups = [g for g in self.art.groups if g.startswith(C.GROUP_LAYER_PREFIX)]
             resident = [g for g in self.art.groups if g not in self.layer_groups]
             with GroupStream(self.art, resident, prefetch=prefetch) as stream:
