@@ -440,12 +440,18 @@ class MaximusEmbedding(nn.Module):
             raise ValueError(f"{where}: shard_offsets {t['maximus.shard_offsets'].tolist()[:4]}... "
                              f"do not match this embedding's {self.shard_offsets.tolist()[:4]}...")
         self.flush_gradients()
-        ordered = self.id_ordered_weight() if self.nf4 is None else None
+        if not torch.equal(row_to_id, self.row_to_id):
+            # New row r holds token row_to_id[r], which sits at old row id_to_row[that token]:
+            # move the rows of the table, dense or NF4, with the order.
+            moved = self.id_to_row[row_to_id]
+            with torch.no_grad():
+                if self.nf4 is None:
+                    self.weight.copy_(self.weight.detach()[moved])
+                else:
+                    packed, absmax, bs = self.nf4
+                    self.nf4 = (packed[moved], absmax[moved], bs)
         self.id_to_row.copy_(id_to_row)
         self.row_to_id.copy_(row_to_id)
-        if ordered is not None:
-            with torch.no_grad():
-                self.weight.copy_(ordered[row_to_id])
         self.token_counts.copy_(t["maximus.token_freq"])
         self.shard_score.copy_(t["maximus.shard_score"])
         self.shard_last_access_step.copy_(t["maximus.shard_last_access_step"])

@@ -125,6 +125,26 @@ def test_nf4_shards_equal_gather_then_dequantize(gen):
         assert torch.equal(m(ids), expected)
 
 
+def test_nf4_state_with_another_order_moves_the_rows(gen):
+    """Restoring a state whose frequency order differs re-orders an NF4 table too: the
+    vocabulary (id -> row values) is never scrambled."""
+    from lct import nf4
+    w = (torch.randn(V, 64, generator=gen) * 0.02).to(torch.bfloat16)
+    packed, absmax = nf4.quantize(w, 64)
+    full = nf4.dequantize(packed, absmax, (V, 64), 64, torch.bfloat16)
+    m = MaximusEmbedding(V, 64, max_shards=5, nf4=(packed, absmax, 64), counts=_counts(gen),
+                         dtype=torch.bfloat16)
+    other = MaximusEmbedding(V, 64, max_shards=5, nf4=(packed, absmax, 64),
+                             counts=_counts(torch.Generator().manual_seed(7)),
+                             dtype=torch.bfloat16)
+    assert not torch.equal(m.row_to_id, other.row_to_id)
+    m.load_state_tensors(other.state_tensors())
+    assert torch.equal(m.row_to_id, other.row_to_id)
+    assert torch.equal(m.id_ordered_weight(), full)
+    ids = zipf_ids(60, gen).view(2, 30)
+    assert torch.equal(m(ids), full[ids])
+
+
 def test_state_dict_is_id_ordered(gen):
     ref = torch.nn.Embedding(V, H)
     m = MaximusEmbedding(V, H, weight=ref.weight.detach(), counts=_counts(gen))
