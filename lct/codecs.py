@@ -50,6 +50,12 @@ def codec_names() -> list[str]:
     return sorted(_REGISTRY)
 
 
+def checksum(data) -> str:
+    """The manifest checksum string of a chunk's stored bytes (xxh3_64)."""
+    import xxhash
+    return f"{C.CHECKSUM_ALGO}:{xxhash.xxh3_64_hexdigest(data)}"
+
+
 def _zstd():
     try:
         import zstandard

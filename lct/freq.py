@@ -20,7 +20,8 @@ def _from_list(values, vocab_size: int, where: str):
     for i, v in enumerate(values):
         if not isinstance(v, int) or isinstance(v, bool) or v < 0:
             raise SourceError(f"{where}: count for token {i} is {v!r}; expected an integer >= 0")
-        counts[i] = v
+    if values:
+        counts[: len(values)] = torch.tensor(values, dtype=torch.int64)  # one copy, not V
     return counts
 
 

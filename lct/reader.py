@@ -16,11 +16,11 @@ from pathlib import Path
 import numpy as np
 
 from . import codecs
+from .codecs import checksum
 from . import constants as C
 from .errors import ArtifactNotFoundError, ChecksumError, CorruptChunkError, ManifestError
 from .manifest import ChunkInfo, Manifest, TensorInfo
 from .store import LocalStore
-from .writer import checksum
 
 _TORCH_DTYPES = {
     "float64": "float64", "float32": "float32", "float16": "float16", "bfloat16": "bfloat16",
@@ -86,6 +86,8 @@ class Artifact:
         # what the transformers import beside it leaves). Set before the first decode.
         self.thread_nice = 0
         self._pool = None
+        self._maximus = None
+        self._maximus_policy: dict = {}
         self.store = store if store is not None else LocalStore(self.path)
         self._check_files()
 
@@ -262,7 +264,7 @@ class Artifact:
         Raises:
             ManifestError: the artifact has no Maximus state, or the file is corrupt or invalid.
         """
-        if getattr(self, "_maximus", None) is None:
+        if self._maximus is None:
             m = self.manifest.maximus
             if m is None:
                 raise ManifestError(f"{self.path}: the artifact has no Maximus shard state")
@@ -274,7 +276,7 @@ class Artifact:
             if self.verify and sha256_file(path) != m["sha256"]:
                 raise ChecksumError(f"{path}: sha256 does not match the manifest")
             try:
-                tensors, _, _ = read_state_file(path)
+                tensors, modules, _ = read_state_file(path)
                 prefix = m.get("prefix", "maximus.")
                 own = {"maximus." + k[len(prefix):]: v for k, v in tensors.items()
                        if k.startswith(prefix)}
@@ -283,7 +285,14 @@ class Artifact:
             except MaximusStateError as e:
                 raise ManifestError(str(e)) from e
             self._maximus = own
+            self._maximus_policy = dict(next(iter(modules.values()))["policy"]) if modules else {}
         return self._maximus
+
+    def maximus_policy(self) -> dict:
+        """The stored Maximus policy (shards, budget, rates) of the state file, read with the
+        tensors by ``maximus_state``."""
+        self.maximus_state()
+        return self._maximus_policy
 
     def decode_group(self, group: str) -> dict:
         """Read and decode every chunk of ``group``: ``{chunk_id: buffer}``."""
@@ -296,7 +305,11 @@ class Artifact:
         """
         if group not in self.manifest.groups:
             raise KeyError(f"{self.path}: no group named {group!r}; groups: {self.groups}")
-        bufs = self.decode_group(group)
+        return self.assemble_group(group, self.decode_group(group), dequantize)
+
+    def assemble_group(self, group: str, bufs: dict, dequantize: bool = True) -> dict:
+        """Every tensor of ``group`` from its decoded chunk buffers ``{chunk_id: buffer}``,
+        tied names included (zero-copy views where a tensor is one chunk's bytes)."""
         out = {t.name: self.assemble(t, bufs, dequantize)
                for t in self.manifest.group_tensors(group)}
         for tied, real in self.manifest.ties.items():

@@ -18,18 +18,13 @@ from pathlib import Path
 import numpy as np
 
 from . import codecs
+from .codecs import checksum
 from . import constants as C
 from .errors import LCTError
 from .manifest import ChunkInfo, Manifest, TensorInfo
 
 
 SYNC_EVERY = 256 * 1024 * 1024
-
-
-def checksum(data) -> str:
-    """The manifest checksum string of ``data`` (xxh3_64 of its bytes)."""
-    import xxhash
-    return f"{C.CHECKSUM_ALGO}:{xxhash.xxh3_64_hexdigest(data)}"
 
 
 def _align(n: int, a: int) -> int:

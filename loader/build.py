@@ -240,14 +240,12 @@ def install_maximus(model, art, budget=None, device="cpu"):
     import torch
 
     from lct.kernels import MaximusEmbedding, NF4Embedding
-    from lct.maximus import read_state_file
     m = art.manifest.maximus
     if m is None:
         raise LCTError(f"{art.path}: no Maximus shard state; convert with --maximus-shards N")
     state = art.maximus_state()
-    _, modules, _ = read_state_file(art.path / m["file"])
     module_path = m["prefix"][len("maximus."):-1]
-    policy = dict(next(iter(modules.values()))["policy"]) if modules else {}
+    policy = art.maximus_policy()
     parent_path, _, leaf = module_path.rpartition(".")
     parent = model.get_submodule(parent_path) if parent_path else model
     old = getattr(parent, leaf)

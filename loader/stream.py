@@ -59,13 +59,7 @@ class Group:
     def tensors(self) -> dict:
         """``{name: tensor}`` for every tensor of the group (tied names included)."""
         if self._tensors is None:
-            art, tensors = self._art, {}
-            for t in art.manifest.group_tensors(self.name):
-                tensors[t.name] = art.assemble(t, self.buffers, self._dequantize)
-            for tied, real in art.manifest.ties.items():
-                if real in tensors:
-                    tensors[tied] = tensors[real]
-            self._tensors = tensors
+            self._tensors = self._art.assemble_group(self.name, self.buffers, self._dequantize)
         return self._tensors
 
     def __repr__(self) -> str:
