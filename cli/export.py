@@ -4,13 +4,15 @@ from __future__ import annotations
 
 import click
 
+from lct import constants as C
+
 from ._util import GroupProgress
 
 
 @click.command("export")
 @click.argument("artifact", type=click.Path())
 @click.argument("out_dir", type=click.Path())
-@click.option("--max-shard-size", type=int, default=2 * 1024**3, show_default=True,
+@click.option("--max-shard-size", type=int, default=C.EXPORT_SHARD_SIZE, show_default=True,
               help="Bytes per safetensors shard.")
 @click.option("--force", is_flag=True, help="Replace OUT_DIR if it exists.")
 @click.option("--quiet", is_flag=True, help="No progress bar.")

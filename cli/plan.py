@@ -4,29 +4,23 @@ from __future__ import annotations
 
 import click
 
-from lct.plan import DEVICES, FORMATS, KV_DTYPES, MODES, OPTIMIZERS, PRECISIONS
+from lct.plan import (DEFAULT_LOSS_CHUNK, DEFAULT_SEQ, DEVICES, FORMATS, KV_DTYPES, MODES,
+                      OPTIMIZERS, PRECISIONS)
 
 from ._util import table
 
 
-def _bytes(ctx, param, value):
-    if value is None:
-        return None
-    from lct.plan import PlanError, parse_bytes
-    try:
-        return parse_bytes(value)
-    except PlanError as e:
-        raise click.BadParameter(str(e)) from None
-
-
-def _resident(ctx, param, value):
-    if value is None:
-        return None
-    from lct.plan import PlanError, parse_resident
-    try:
-        return parse_resident(value)
-    except PlanError as e:
-        raise click.BadParameter(str(e)) from None
+def _parsed(parser_name: str):
+    """A click callback that parses a value with ``lct.plan.<parser_name>`` (None stays None)."""
+    def callback(ctx, param, value):
+        if value is None:
+            return None
+        import lct.plan as lp
+        try:
+            return getattr(lp, parser_name)(value)
+        except lp.PlanError as e:
+            raise click.BadParameter(str(e)) from None
+    return callback
 
 
 @click.command("plan")
@@ -35,7 +29,7 @@ def _resident(ctx, param, value):
               help="infer: a no-grad forward that fills a KV cache; train: forward with labels, "
                    "backward and optimizer step.")
 @click.option("--batch", type=click.IntRange(min=1), default=1, show_default=True)
-@click.option("--seq", type=click.IntRange(min=1), default=2048, show_default=True,
+@click.option("--seq", type=click.IntRange(min=1), default=DEFAULT_SEQ, show_default=True,
               help="Sequence length in tokens.")
 @click.option("--vocab-size", type=click.IntRange(min=1), default=None,
               help="Plan for this vocabulary size instead of the config's.")
@@ -57,14 +51,15 @@ def _resident(ctx, param, value):
                    "(none, embed, head or embed,head; default embed,head).")
 @click.option("--blocksize", type=click.IntRange(min=2), default=None,
               help="With --format lct and no artifact: the NF4 block size (default 64).")
-@click.option("--maximus-resident", callback=_resident, metavar="K/N", default=None,
+@click.option("--maximus-resident", callback=_parsed("parse_resident"), metavar="K/N", default=None,
               help="The embedding as Maximus shards, K of N resident on the accelerator, the "
                    "whole table in host memory.")
-@click.option("--memory", callback=_bytes, metavar="SIZE", default=None,
+@click.option("--memory", callback=_parsed("parse_bytes"), metavar="SIZE", default=None,
               help="Accelerator memory to plan against: 16GiB, 24GB, 512MiB...")
 @click.option("--device", type=click.Choice(DEVICES), default="cuda", show_default=True,
               help="Whose temporaries to plan: CUDA kernels or the CPU paths.")
-@click.option("--loss-chunk", type=click.IntRange(min=1), default=1024, show_default=True,
+@click.option("--loss-chunk", type=click.IntRange(min=1), default=DEFAULT_LOSS_CHUNK,
+              show_default=True,
               help="Tokens per chunk for the chunked-loss figure.")
 @click.option("--revision", default=None, help="Hub revision when MODEL is a Hub id.")
 @click.option("--json", "as_json", is_flag=True,

@@ -89,3 +89,6 @@ SIDECAR_FILES = (
     "merges.txt",
     "added_tokens.json",
 )
+
+# Largest safetensors shard `lct export` writes (as transformers' save_pretrained defaults).
+EXPORT_SHARD_SIZE = 2 * 1024**3

@@ -17,7 +17,7 @@ from . import constants as C
 from .errors import LCTError
 from .reader import Artifact, open_artifact
 
-DEFAULT_SHARD_SIZE = 2 * 1024**3
+DEFAULT_SHARD_SIZE = C.EXPORT_SHARD_SIZE
 
 
 def _shard_name(i: int, n: int) -> str:

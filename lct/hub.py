@@ -521,6 +521,15 @@ def check_files(root: Path, repo_id: str, revision: str | None, local_dir=None,
     return checked, problems
 
 
+def raise_corrupt(root: Path, where: str, problems: list, advice: str = "") -> None:
+    """Discard the corrupt downloaded files of ``problems`` (``[(name, message)]``) and raise
+    the ``ChecksumError`` that names the first problem and what was removed."""
+    removed = _discard(root, [n for n, _ in problems])
+    hint = f"; removed {', '.join(removed)} from the cache{advice}" if removed else ""
+    raise ChecksumError(f"{where}: download is corrupt, {len(problems)} problem(s): "
+                        f"{problems[0][1]}{hint}")
+
+
 def _discard(root: Path, names) -> list:
     """Remove corrupt downloaded files (and their cache blobs) so a new pull fetches them again."""
     removed = []
@@ -591,11 +600,8 @@ def verify_download(root: Path, repo_id: str, revision: str | None = None, local
         finally:
             art.close()
     if problems:
-        removed = _discard(root, [n for n, _ in problems])
-        hint = (f"; removed {', '.join(removed)} from the cache: pull again, and if it fails "
-                f"again the file is corrupt on the Hub") if removed else ""
-        raise ChecksumError(f"{where}: download is corrupt, {len(problems)} problem(s): "
-                            f"{problems[0][1]}{hint}")
+        raise_corrupt(root, where, problems, ": pull again, and if it fails again the file is "
+                                             "corrupt on the Hub")
     return files_checked, chunks_checked
 
 

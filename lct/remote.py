@@ -228,12 +228,8 @@ def fetch_small(repo_id: str, revision: str | None = None, token=None, *,
         raise hub_error(e, repo_id, revision) from e
     _, problems = check_files(local, repo_id, sha)
     if problems:
-        from .errors import ChecksumError
-        from .hub import _discard
-        removed = _discard(local, [n for n, _ in problems])
-        raise ChecksumError(f"{where}: download is corrupt, {len(problems)} problem(s): "
-                            f"{problems[0][1]}" + (f"; removed {', '.join(removed)} from the "
-                                                   f"cache" if removed else ""))
+        from .hub import raise_corrupt
+        raise_corrupt(local, where, problems)
     return local, sha, sizes
 
 
