@@ -10,7 +10,7 @@ import functools
 import json
 import math
 import re
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 
 from . import codecs
 from . import constants as C
@@ -50,6 +50,16 @@ class TensorInfo:
     pieces: tuple | None = None     # row-range pieces (TensorInfo each), for a sharded tensor
     row_order: str | None = None    # "maximus": stored rows are in frequency order
     rows: tuple | None = None       # (r0, r1) of a piece within its tensor
+
+    @classmethod
+    def from_pieces(cls, name: str, shape: tuple, dtype: str, pieces: tuple,
+                    row_order: str | None) -> "TensorInfo":
+        """The whole tensor stored as ``pieces`` (in row order): placed at the first piece,
+        ``nbytes`` their sum (FORMAT.md 2.3)."""
+        first = pieces[0]
+        return cls(name, tuple(shape), dtype, first.stored_dtype, first.encoding, first.role,
+                   first.group, first.chunk, first.offset, sum(p.nbytes for p in pieces),
+                   first.nf4 and {"blocksize": first.nf4["blocksize"]}, tuple(pieces), row_order)
 
     @property
     def numel(self) -> int:
@@ -368,18 +378,13 @@ def _pieced(t: dict, name: str, shape: tuple, dtype: str, chunks: list, where: s
             _fail(where, f"{w}: pieces[{k}].rows {rows!r} must continue at row {next_row} "
                          f"and end by {shape[0]}")
         sub = dict(t, **{key: p.get(key) for key in ("chunk", "offset", "nbytes", "nf4")})
-        sub["shape"] = [rows[1] - rows[0], shape[1]]
         piece = _placement(sub, f"{name}[{rows[0]}:{rows[1]}]", (rows[1] - rows[0], shape[1]),
                            dtype, chunks, where)
-        out.append(TensorInfo(**{**piece.__dict__, "rows": (rows[0], rows[1])}))
+        out.append(replace(piece, rows=(rows[0], rows[1])))
         next_row = rows[1]
     if next_row != shape[0]:
         _fail(where, f"{w}: pieces cover rows 0..{next_row}, the tensor has {shape[0]}")
-    first = out[0]
-    return TensorInfo(name, shape, dtype, first.stored_dtype, first.encoding, first.role,
-                      first.group, first.chunk, first.offset,
-                      sum(p.nbytes for p in out), first.nf4 and {"blocksize": first.nf4["blocksize"]},
-                      tuple(out), row_order)
+    return TensorInfo.from_pieces(name, shape, dtype, tuple(out), row_order)
 
 
 def _placement(t: dict, name: str, shape: tuple, dtype: str, chunks: list,

@@ -264,11 +264,8 @@ class ArtifactWriter:
         self._close_file()
         for spec, row_order, pieces in self.pieced.values():
             pieces.sort(key=lambda p: p.rows)
-            first = pieces[0]
-            self.tensors.append(TensorInfo(
-                spec.name, tuple(spec.shape), spec.dtype, spec.stored_dtype, spec.encoding,
-                spec.role, spec.group, first.chunk, first.offset, sum(p.nbytes for p in pieces),
-                first.nf4 and {"blocksize": spec.blocksize}, tuple(pieces), row_order))
+            self.tensors.append(TensorInfo.from_pieces(spec.name, spec.shape, spec.dtype,
+                                                       tuple(pieces), row_order))
         manifest = Manifest(
             format_version=C.FORMAT_VERSION, created_by=created_by, artifact_id=self.artifact_id,
             source=source, architecture=architecture, policy=policy, files=self.files,
