@@ -32,10 +32,11 @@ class LCTGroup(click.Group):
 
 
 class GroupProgress:
-    """A tqdm bar fed by the library's ``progress(group, done, total)`` callback."""
+    """A tqdm bar fed by the library's ``progress(group, done, total)`` callback (``count``:
+    show how many groups were reported, not just the last one's name)."""
 
-    def __init__(self, desc: str, unit: str = "B", enabled: bool = True):
-        self.desc, self.unit, self.enabled = desc, unit, enabled
+    def __init__(self, desc: str, unit: str = "B", enabled: bool = True, count: bool = True):
+        self.desc, self.unit, self.enabled, self.count = desc, unit, enabled, count
         self.bar = None
         self.groups = 0
 
@@ -48,7 +49,8 @@ class GroupProgress:
             self.bar = tqdm(total=total, desc=self.desc, unit=self.unit, unit_scale=scale,
                             unit_divisor=1000, file=sys.stderr, leave=True, dynamic_ncols=True)
         self.groups += 1
-        self.bar.set_postfix_str(f"{self.groups} groups, {group}", refresh=False)
+        self.bar.set_postfix_str(f"{self.groups} groups, {group}" if self.count else group,
+                                 refresh=False)
         self.bar.update(done - self.bar.n)
 
     def close(self) -> None:

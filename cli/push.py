@@ -7,29 +7,6 @@ import click
 from ._util import GroupProgress
 
 
-class _FileProgress:
-    """A byte progress bar fed by ``push``'s ``progress(file, done, total)`` callback."""
-
-    def __init__(self, enabled: bool):
-        self.enabled, self.bar = enabled, None
-
-    def __call__(self, name: str, done: int, total: int) -> None:
-        if not self.enabled:
-            return
-        if self.bar is None:
-            import sys
-
-            from tqdm import tqdm
-            self.bar = tqdm(total=total, desc="upload", unit="B", unit_scale=True,
-                            unit_divisor=1000, file=sys.stderr, dynamic_ncols=True)
-        self.bar.set_postfix_str(name, refresh=False)
-        self.bar.update(done - self.bar.n)
-
-    def close(self) -> None:
-        if self.bar is not None:
-            self.bar.close()
-
-
 @click.command("push")
 @click.argument("artifact", type=click.Path())
 @click.argument("repo_id")
@@ -57,7 +34,7 @@ def push_cmd(artifact, repo_id, revision, private, commit_message, create_pr, li
         from huggingface_hub.utils import disable_progress_bars
         disable_progress_bars()
     check = GroupProgress("verify", unit="group", enabled=not quiet)
-    upload = _FileProgress(enabled=not quiet)
+    upload = GroupProgress("upload", enabled=not quiet, count=False)  # per file, in bytes
     try:
         res = hub.push(artifact, repo_id, revision=revision, private=private,
                        commit_message=commit_message, create_pr=create_pr, license=license_,
