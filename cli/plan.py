@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import click
 
-from lct.plan import (DEFAULT_LOSS_CHUNK, DEFAULT_SEQ, DEVICES, FORMATS, KV_DTYPES, MODES,
-                      OPTIMIZERS, PRECISIONS)
+from lct.plan import (DEFAULT_LOSS_CHUNK, DEFAULT_MAXIMUS, DEFAULT_SEQ, DEVICES, FORMATS,
+                      KV_DTYPES, MODES, OPTIMIZERS, PRECISIONS)
 
 from ._util import table
 
@@ -146,7 +146,7 @@ def render(p) -> list:
     lines.append("")
     nf4 = f"NF4 embedding/head (LCT) {'save' if p.format == 'lct' else 'would save'} " \
         f"{hb(p.nf4_saving)}"
-    k, n = p.maximus or (8, 32)
+    k, n = p.maximus or DEFAULT_MAXIMUS
     verb = ("saves" if p.maximus else "would save") if p.maximus_saving >= 0 else \
         ("costs" if p.maximus else "would cost")
     mx = f"Maximus {k}/{n} {verb} {hb(abs(p.maximus_saving))} on the accelerator"

@@ -25,7 +25,8 @@ from dataclasses import dataclass, fields
 import torch
 from torch import nn
 
-from lct.maximus import STATS_FIELDS, frequency_order, shard_offsets, validate_permutation
+from lct.maximus import (DEFAULT_POLICY, DEFAULT_SHARDS, STATS_FIELDS, default_budget,
+                         frequency_order, shard_offsets, validate_permutation)
 
 @dataclass
 class MaximusStats:
@@ -88,9 +89,12 @@ class MaximusEmbedding(nn.Module):
     """
 
     def __init__(self, num_embeddings: int, embedding_dim: int, padding_idx: int | None = None,
-                 max_shards: int = 32, bucket_size: int = 1, *, budget_shards: int | None = None,
-                 budget_bytes: int | None = None, pad_ids=(), sparse: bool = True, device=None,
-                 load_rate: float = 0.3, evict_rate: float = 0.05, decay: float = 0.9,
+                 max_shards: int = DEFAULT_SHARDS, bucket_size: int = DEFAULT_POLICY["bucket_size"],
+                 *, budget_shards: int | None = None, budget_bytes: int | None = None, pad_ids=(),
+                 sparse: bool = DEFAULT_POLICY["sparse"], device=None,
+                 load_rate: float = DEFAULT_POLICY["load_rate"],
+                 evict_rate: float = DEFAULT_POLICY["evict_rate"],
+                 decay: float = DEFAULT_POLICY["decay"],
                  weight: torch.Tensor | None = None, counts=None, dtype=None, nf4=None,
                  row_to_id: torch.Tensor | None = None, ordered: bool = False,
                  scale: torch.Tensor | None = None):
@@ -164,7 +168,7 @@ class MaximusEmbedding(nn.Module):
             embedding_dim // 2 + 4 * embedding_dim // self.nf4[2] if self.nf4 is not None
             else embedding_dim * self.weight.element_size())
         if budget_shards is None and budget_bytes is None:
-            budget_shards = max(1, self.num_shards // 4)
+            budget_shards = default_budget(self.num_shards)
         if budget_bytes is not None:
             budget_shards = min(budget_shards or self.num_shards, budget_bytes // shard_bytes)
         self.budget_shards = max(0, min(int(budget_shards), self.num_shards))

@@ -200,7 +200,7 @@ class MaximusPlan:
 
 
 def _maximus_plan(src: Source, specs: dict, policy: Policy, token_freq) -> MaximusPlan:
-    from .maximus import DEFAULT_POLICY, initial_state
+    from .maximus import DEFAULT_POLICY, default_budget, initial_state
     embed = next((s for s in specs.get(C.GROUP_EMBED, []) if s.role == "embed"), None)
     if embed is None or len(embed.shape) != 2:
         raise PolicyError(f"{src.root}: --maximus-shards needs a 2-D token embedding; none found")
@@ -229,7 +229,7 @@ def _maximus_plan(src: Source, specs: dict, policy: Policy, token_freq) -> Maxim
                 names.append(spec.name)
     meta = {"policy": {"num_embeddings": rows, "embedding_dim": dim,
                        "num_shards": int(state["maximus.shard_offsets"].numel() - 1),
-                       "budget_shards": max(1, n // 4), "padding_idx": pads[0] if pads else None,
+                       "budget_shards": default_budget(n), "padding_idx": pads[0] if pads else None,
                        **DEFAULT_POLICY},
             "frequency_source": freq_source}
     return MaximusPlan(state, meta, embed.name.rpartition(".")[0], pieced, names)

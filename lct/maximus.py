@@ -23,6 +23,13 @@ STATS_FIELDS = ("lookups", "hits", "misses", "shard_loads", "shard_evictions", "
                 "steps", "pad_lookups")
 DEFAULT_POLICY = {"load_rate": 0.3, "evict_rate": 0.05, "decay": 0.9, "bucket_size": 1,
                   "sparse": True}
+DEFAULT_SHARDS = 32
+
+
+def default_budget(num_shards: int) -> int:
+    """Shards resident on the accelerator unless told otherwise: a quarter, at least one."""
+    return max(1, num_shards // 4)
+
 
 
 def shard_offsets(num_rows: int, num_shards: int):

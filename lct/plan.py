@@ -29,6 +29,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 from . import constants as C
+from .maximus import DEFAULT_SHARDS, default_budget
 from .modelspec import (ConfigNotFoundError, Dims, PlanError,  # noqa: F401 (re-exported)
                         model_dims, parameter_specs, read_config)
 
@@ -45,7 +46,8 @@ ROLE_PART = {"embed": "embedding", "pos_embed": "pos_embedding", "layer": "layer
              "head": "head"}
 DEFAULT_SEQ = 2048
 DEFAULT_LOSS_CHUNK = 1024          # tokens per chunk in the chunked-loss figure
-DEFAULT_MAXIMUS = (8, 32)          # MaximusEmbedding's default budget: a quarter of 32 shards
+# MaximusEmbedding's default: a quarter of 32 shards resident (K, N).
+DEFAULT_MAXIMUS = (default_budget(DEFAULT_SHARDS), DEFAULT_SHARDS)
 NF4_HEAD_CHUNK_ROWS = 8192         # rows NF4Linear dequantizes at a time on CPU (kernels/linear.py)
 # bitsandbytes 8-bit optimizers: tensors under 4096 elements keep fp32 states; blockwise absmax
 # per 256 elements; two 256-entry float32 quantization maps shared by all tensors.

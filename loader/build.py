@@ -240,6 +240,7 @@ def install_maximus(model, art, budget=None, device="cpu"):
     import torch
 
     from lct.kernels import MaximusEmbedding, NF4Embedding
+    from lct.maximus import DEFAULT_POLICY
     m = art.manifest.maximus
     if m is None:
         raise LCTError(f"{art.path}: no Maximus shard state; convert with --maximus-shards N")
@@ -252,8 +253,9 @@ def install_maximus(model, art, budget=None, device="cpu"):
     kw = dict(max_shards=policy.get("num_shards", m["num_shards"]),
               budget_shards=budget if isinstance(budget, int) and not isinstance(budget, bool)
               else policy.get("budget_shards"),
-              load_rate=policy.get("load_rate", 0.3), evict_rate=policy.get("evict_rate", 0.05),
-              decay=policy.get("decay", 0.9), device=device,
+              **{k: policy.get(k, DEFAULT_POLICY[k])
+                 for k in ("load_rate", "evict_rate", "decay")},
+              device=device,
               row_to_id=state["maximus.row_to_id"], counts=state["maximus.token_freq"])
     scale = getattr(old, "scale", None) if isinstance(old, NF4Embedding) else \
         getattr(old, "embed_scale", None)
