@@ -466,14 +466,16 @@ class PullResult:
     chunks_checked: int = 0
 
 
-def git_blob_oid(path: Path) -> str:
-    """The git blob sha1 of a file (the Hub's oid of a regular file)."""
+def hub_oids(path: Path) -> tuple:
+    """The two ids the Hub may give a file, from one read: its git blob sha1 (a regular file)
+    and the git sha1 of the LFS pointer holding its sha256 (a file stored with LFS)."""
     size = path.stat().st_size
-    h = hashlib.sha1(b"blob %d\0" % size)
+    blob, sha256 = hashlib.sha1(b"blob %d\0" % size), hashlib.sha256()
     with open(path, "rb") as f:
         while block := f.read(8 << 20):
-            h.update(block)
-    return h.hexdigest()
+            blob.update(block)
+            sha256.update(block)
+    return blob.hexdigest(), _lfs_pointer_oid(sha256.hexdigest(), size)
 
 
 def _lfs_pointer_oid(sha256: str, size: int) -> str:
@@ -499,7 +501,6 @@ def check_files(root: Path, repo_id: str, revision: str | None, local_dir=None,
     files, sha256 behind the LFS pointer of large ones). Returns ``(checked, problems)`` with
     problems as ``[(path, message)]``. Files in ``skip`` (data files, whose chunks are checked
     by their own checksums) are only checked for size."""
-    from .source import sha256_file
     tree = _tree(repo_id, revision, local_dir)
     if tree is None:
         return 0, []
@@ -515,7 +516,7 @@ def check_files(root: Path, repo_id: str, revision: str | None, local_dir=None,
             continue
         if name in skip or not oid:
             continue
-        if git_blob_oid(p) == oid or _lfs_pointer_oid(sha256_file(p), actual) == oid:
+        if oid in hub_oids(p):
             continue
         problems.append((name, f"{p}: content does not match the Hub's hash {oid[:12]}"))
     return checked, problems
