@@ -130,6 +130,9 @@ class MaximusEmbedding(nn.Module):
         self.register_buffer("id_to_row", id_to_row, **buf)
         self.register_buffer("token_counts", counts, **buf)
         self.register_buffer("shard_offsets", shard_offsets(num_embeddings, self.num_shards), **buf)
+        # Equal shards (the last may be shorter); offsets never change after construction
+        # (load_state_tensors refuses others), so the width is a plain int for the hot path.
+        self.rows_per_shard = int(self.shard_offsets[1] - self.shard_offsets[0])
         self.register_buffer("shard_score", torch.zeros(self.num_shards, dtype=torch.float32), **buf)
         self.register_buffer("shard_last_access_step",
                              torch.full((self.num_shards,), -1, dtype=torch.int64), **buf)
@@ -182,10 +185,6 @@ class MaximusEmbedding(nn.Module):
         self._pin_host()
 
     # Geometry -------------------------------------------------------------------------------
-    @property
-    def rows_per_shard(self) -> int:
-        return int(self.shard_offsets[1] - self.shard_offsets[0])
-
     def shard_of_rows(self, rows: torch.Tensor) -> torch.Tensor:
         """Shard index of each row."""
         return torch.div(rows, self.rows_per_shard, rounding_mode="floor")
@@ -320,7 +319,7 @@ class MaximusEmbedding(nn.Module):
         touched = per_shard > 0
         self.shard_last_access_step[touched] = step
         self.stats.steps += 1
-        self._update_residency(torch.unique(shards))
+        self._update_residency(touched.nonzero().flatten())  # the shards of this batch, sorted
 
     # Gradients ------------------------------------------------------------------------------
     def _accumulate(self, rows: torch.Tensor, grad_out: torch.Tensor) -> None:
