@@ -26,7 +26,8 @@ import torch
 from torch import nn
 
 from lct.maximus import (DEFAULT_POLICY, DEFAULT_SHARDS, STATS_FIELDS, default_budget,
-                         frequency_order, shard_offsets, validate_permutation)
+                         frequency_order, invert_permutation, shard_offsets,
+                         validate_permutation)
 
 @dataclass
 class MaximusStats:
@@ -120,8 +121,7 @@ class MaximusEmbedding(nn.Module):
             torch.as_tensor(row_to_id, dtype=torch.int64).clone()
         if not torch.equal(torch.sort(row_to_id).values, torch.arange(num_embeddings)):
             raise ValueError(f"row_to_id is not a permutation of 0..{num_embeddings - 1}")
-        id_to_row = torch.empty_like(row_to_id)
-        id_to_row[row_to_id] = torch.arange(num_embeddings)
+        id_to_row = invert_permutation(row_to_id)
         # Shard state is not part of the state dict (save_maximus_state writes it next to the
         # weights); the state dict holds the weight in token-id order, so save_pretrained of a
         # model using this module stays a plain, unscrambled embedding.
@@ -461,7 +461,7 @@ class MaximusEmbedding(nn.Module):
         if "maximus.pad_ids" in t:
             self.pad_ids = t["maximus.pad_ids"].long().clone()
         self._backwards, steps = (int(x) for x in t["maximus.step"])
-        self.stats = MaximusStats(*[int(x) for x in t["maximus.stats"]])
+        self.stats = MaximusStats(**dict(zip(STATS_FIELDS, (int(x) for x in t["maximus.stats"]))))
         self.stats.steps = steps
         self.resident.clear()
         resident = t["maximus.resident"].nonzero().flatten().tolist()

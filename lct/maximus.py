@@ -49,14 +49,21 @@ def frequency_order(counts):
     return torch.sort(-counts, stable=True).indices
 
 
+def invert_permutation(row_to_id):
+    """``id_to_row`` for a permutation ``row_to_id`` (int64)."""
+    import torch
+    id_to_row = torch.empty_like(row_to_id)
+    id_to_row[row_to_id] = torch.arange(row_to_id.numel())
+    return id_to_row
+
+
 def initial_state(counts, num_shards: int, pad_ids=()) -> dict:
     """The ``maximus.*`` tensors of a fresh shard plan: frequency order, offsets, zero scores."""
     import torch
     counts = torch.as_tensor(counts, dtype=torch.int64)
     rows = counts.numel()
     row_to_id = frequency_order(counts)
-    id_to_row = torch.empty_like(row_to_id)
-    id_to_row[row_to_id] = torch.arange(rows)
+    id_to_row = invert_permutation(row_to_id)
     offsets = shard_offsets(rows, num_shards)
     n = offsets.numel() - 1
     return {
