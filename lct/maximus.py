@@ -35,11 +35,15 @@ def default_budget(num_shards: int) -> int:
 def shard_offsets(num_rows: int, num_shards: int):
     """Row boundaries of ``num_shards`` equal shards (the last may be shorter): int64 [N+1]."""
     import torch
+    return torch.tensor(shard_bounds(num_rows, num_shards), dtype=torch.int64)
+
+
+def shard_bounds(num_rows: int, num_shards: int) -> list:
+    """``shard_offsets`` as a list of ints (for code that does not import torch)."""
     if not 1 <= num_shards <= num_rows:
         raise ValueError(f"the number of shards must be in 1..{num_rows}, got {num_shards}")
     size = -(-num_rows // num_shards)
-    return torch.tensor([min(i * size, num_rows) for i in range(num_shards + 1)],
-                        dtype=torch.int64)
+    return [min(i * size, num_rows) for i in range(num_shards + 1)]
 
 
 def frequency_order(counts):

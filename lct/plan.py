@@ -29,7 +29,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 from . import constants as C
-from .maximus import DEFAULT_SHARDS, default_budget
+from .maximus import DEFAULT_SHARDS, default_budget, shard_bounds
 from .modelspec import (ConfigNotFoundError, Dims, PlanError,  # noqa: F401 (re-exported)
                         model_dims, parameter_specs, read_config)
 
@@ -93,11 +93,10 @@ def lct_layout(specs: list, dtype: str, nf4_roles=C.NF4_ROLES, blocksize: int = 
             by_group.setdefault(s.group, []).append(spec)
     plans = [p for g, group_specs in by_group.items() for p in plan_group(g, group_specs)]
     for spec in pieced:
-        rows = spec.shape[0]
-        n = min(maximus_shards, rows)
-        size = -(-rows // n)
-        for r0 in range(0, rows, size):
-            r1 = min(rows, r0 + size)
+        bounds = shard_bounds(spec.shape[0], min(maximus_shards, spec.shape[0]))
+        for r0, r1 in zip(bounds, bounds[1:]):
+            if r1 == r0:
+                continue  # an empty trailing shard holds no bytes
             piece = TensorSpec(spec.name, (r1 - r0, spec.shape[1]), spec.dtype, spec.stored_dtype,
                                spec.encoding, spec.role, spec.group, spec.blocksize)
             plans += plan_group(spec.group, [piece])
@@ -499,8 +498,8 @@ def plan(model, *, mode: str = "infer", batch: int = 1, seq: int = DEFAULT_SEQ,
     options = dict(mode=mode, batch=batch, seq=seq, precision=precision, optimizer=optimizer,
                    kv_dtype=kv_dtype, format=format, mx=mx, device=device, loss_chunk=loss_chunk,
                    nf4=None if nf4 is None else tuple(nf4), blocksize=blocksize)
-    result = _plan(cfg, where, model_dims(cfg, where, new_vocab) if new_vocab else base, base,
-                   manifest, budget, **options)
+    dims = model_dims(cfg, where, new_vocab) if new_vocab else base
+    result = _plan(cfg, where, dims, base, manifest, budget, **options)
     result.model = where if isinstance(model, dict) else str(model)
     if new_vocab is not None and new_vocab != base.vocab:
         result.vocab_delta = {}
@@ -508,8 +507,7 @@ def plan(model, *, mode: str = "infer", batch: int = 1, seq: int = DEFAULT_SEQ,
             opts = dict(options, mode=m)
             old = _plan(cfg, where, base, base, manifest, None, remedies=False, **opts).total
             new = result.total if m == mode else _plan(
-                cfg, where, model_dims(cfg, where, new_vocab), base, manifest, None,
-                remedies=False, **opts).total
+                cfg, where, dims, base, manifest, None, remedies=False, **opts).total
             result.vocab_delta[m] = new - old
     return result
 
