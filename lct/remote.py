@@ -19,7 +19,8 @@ import time
 
 from . import constants as C
 from .errors import ArtifactNotFoundError, LCTError
-from .hub import HubError, HubOfflineError, _hub, _where, check_files, hub_error
+from .hub import (HubError, HubOfflineError, _hub, _where, check_files, hub_error, parse_hf_uri,
+                  raise_corrupt, split_address)
 
 # Statuses worth retrying (the request may succeed a moment later).
 RETRY_STATUS = (408, 429, 500, 502, 503, 504)
@@ -202,7 +203,6 @@ def fetch_small(repo_id: str, revision: str | None = None, token=None, *,
     """
     from pathlib import Path
 
-    from .hub import split_address
     repo_id, revision = split_address(repo_id, revision)
     hh = _hub()
     where = _where(repo_id, revision)
@@ -228,7 +228,6 @@ def fetch_small(repo_id: str, revision: str | None = None, token=None, *,
         raise hub_error(e, repo_id, revision) from e
     _, problems = check_files(local, repo_id, sha)
     if problems:
-        from .hub import raise_corrupt
         raise_corrupt(local, where, problems)
     return local, sha, sizes
 
@@ -253,7 +252,6 @@ def open_remote(repo_id: str, revision: str | None = None, token=None, *, verify
         HubAuthError, HubNotFoundError, HubOfflineError, HubError: with a one-line hint.
         ManifestError: the manifest disagrees with the data files on the Hub.
     """
-    from .hub import parse_hf_uri
     from .reader import open_artifact
     local, sha, sizes = fetch_small(repo_id, revision, token, endpoint=endpoint)
     repo_id = parse_hf_uri(repo_id)[0]
