@@ -7,13 +7,15 @@ import torch
 from torch import nn
 from torch.nn import functional as F
 
+from lct import constants as C
+
 from .nf4 import dequantize_rows, dequantize_rows_into, quant_state
 
 # Dequantized rows per CPU chunk are capped by bytes: 128 MiB is 32,768 rows of a 2048-wide bf16
 # head. Fewer, larger chunks matter on the CPU: after every matmul torch's OpenMP threads spin a
 # while and slow the next chunk's dequantize (8,192 rows: 0.72 s per 256k x 2048 forward;
 # 32,768: 0.52 s).
-DEFAULT_CHUNK_BYTES = 128 << 20
+DEFAULT_CHUNK_BYTES = C.NF4_HEAD_CHUNK_BYTES
 
 
 class NF4Linear(nn.Module):

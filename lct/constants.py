@@ -92,3 +92,7 @@ SIDECAR_FILES = (
 
 # Largest safetensors shard `lct export` writes (as transformers' save_pretrained defaults).
 EXPORT_SHARD_SIZE = 2 * 1024**3
+
+# Rows of an NF4 LM head dequantized at a time on the CPU are capped by this many bytes of
+# dequantized weight (kernels/linear.py; the planner models the same chunk).
+NF4_HEAD_CHUNK_BYTES = 128 << 20

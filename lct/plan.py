@@ -48,7 +48,6 @@ DEFAULT_SEQ = 2048
 DEFAULT_LOSS_CHUNK = 1024          # tokens per chunk in the chunked-loss figure
 # MaximusEmbedding's default: a quarter of 32 shards resident (K, N).
 DEFAULT_MAXIMUS = (default_budget(DEFAULT_SHARDS), DEFAULT_SHARDS)
-NF4_HEAD_CHUNK_ROWS = 8192         # rows NF4Linear dequantizes at a time on CPU (kernels/linear.py)
 # bitsandbytes 8-bit optimizers: tensors under 4096 elements keep fp32 states; blockwise absmax
 # per 256 elements; two 256-entry float32 quantization maps shared by all tensors.
 BNB_MIN_8BIT_SIZE = 4096
@@ -244,17 +243,21 @@ def nf4_head_transient(vocab: int, hidden: int, tokens: int, a: int, blocksize: 
     """Temporaries of an NF4 LM head over ``tokens`` positions (besides its output).
 
     CUDA: bitsandbytes' ``matmul_4bit`` dequantizes the whole weight for a multi-token input.
-    CPU: LCT's ``NF4Linear`` dequantizes 8192 rows at a time, each in pieces of
-    ``lct.nf4.PIECE_ELEMENTS``: per element of a piece the int64 code, the float32 scale, the
-    table lookup and the product (20 bytes), besides the rows' dequantized weight and their
-    slice of the output.
+    CPU: LCT's ``NF4Linear`` dequantizes ``NF4_HEAD_CHUNK_BYTES`` of rows at a time into one
+    scratch buffer, besides the rows' slice of the output; without the compiled loops
+    (``lct.native``) each piece of ``lct.nf4.PIECE_ELEMENTS`` also needs the int64 code, the
+    float32 scale, the table lookup and the product (20 bytes an element).
     """
     if device == "cuda":
         return vocab * hidden * a
-    from .nf4 import PIECE_ELEMENTS
-    rows = min(vocab, NF4_HEAD_CHUNK_ROWS)
-    piece = min(rows * hidden, max(1, PIECE_ELEMENTS // blocksize) * blocksize)
-    return rows * hidden * a + max(20 * piece, tokens * rows * a)
+    from . import native
+    rows = min(vocab, max(1, C.NF4_HEAD_CHUNK_BYTES // (hidden * a)))
+    temporaries = tokens * rows * a
+    if not native.available():
+        from .nf4 import PIECE_ELEMENTS
+        piece = min(rows * hidden, max(1, PIECE_ELEMENTS // blocksize) * blocksize)
+        temporaries = max(20 * piece, temporaries)
+    return rows * hidden * a + temporaries
 
 
 # --------------------------------------------------------------------------------------------
