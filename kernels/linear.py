@@ -11,11 +11,61 @@ from lct import constants as C
 
 from .nf4 import dequantize_rows, dequantize_rows_into, quant_state
 
+_FUSED_DTYPES = (torch.bfloat16, torch.float32)
+
+
+def use_fused(rows: int, blocksize: int) -> bool:
+    """Whether a CPU NF4 matmul over ``rows`` input rows takes the fused kernel: it is built,
+    and the input is short enough that reading 4-bit codes per row beats dequantizing once
+    (``C.NF4_FUSED_MAX_ROWS``, measured in docs/BENCHMARKS.md)."""
+    from lct import native
+    return native.matmul_available() and 0 < rows <= C.NF4_FUSED_MAX_ROWS
+
+
+def fused_nf4_matmul(x2: torch.Tensor, packed: torch.Tensor, absmax: torch.Tensor,
+                     blocksize: int, out_dtype: torch.dtype) -> torch.Tensor:
+    """``x2 [M, K] @ W.T`` for ``W`` [N, K] in NF4 (``packed`` [N, K/2], float32 ``absmax``
+    [N, K/blocksize]) through the compiled fused kernel: 4-bit codes are read straight from
+    ``packed`` and turned into float32 in registers, products are summed in float32, and
+    ``out_dtype`` (bfloat16 or float32) is written once. Uses torch's intra-op thread count."""
+    from lct import native
+    from lct.nf4 import code_array
+    m, k = x2.shape
+    n = packed.shape[0]
+    if x2.dtype not in _FUSED_DTYPES:
+        x2 = x2.float()
+    x2 = x2.contiguous()
+    out = torch.empty(m, n, dtype=out_dtype)
+    xb, ob = x2.dtype == torch.bfloat16, out_dtype == torch.bfloat16
+    native.nf4_matmul(x2.view(torch.int16).numpy() if xb else x2.numpy(), xb,
+                      packed.contiguous().numpy(), absmax.float().contiguous().numpy(),
+                      code_array(), out.view(torch.int16).numpy() if ob else out.numpy(), ob,
+                      (m, n, k), blocksize, torch.get_num_threads())
+    return out
+
 # Dequantized rows per CPU chunk are capped by bytes: 128 MiB is 32,768 rows of a 2048-wide bf16
 # head. Fewer, larger chunks matter on the CPU: after every matmul torch's OpenMP threads spin a
 # while and slow the next chunk's dequantize (8,192 rows: 0.72 s per 256k x 2048 forward;
 # 32,768: 0.52 s).
 DEFAULT_CHUNK_BYTES = C.NF4_HEAD_CHUNK_BYTES
+
+
+class FlatLinear(nn.Linear):
+    """``nn.Linear`` that hands torch its input as 2-D: on the CPU, torch's linear of a 3-D
+    activation (the ``hidden[:, -1:, :]`` slice that ``generate`` gives the LM head) takes a
+    path about 100x slower than the same data viewed as [tokens, features]. Same weights, same
+    state dict, same result as ``nn.Linear`` on the same data."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        y = F.linear(x.reshape(-1, self.in_features), self.weight, self.bias)
+        return y.view(*x.shape[:-1], self.out_features)
+
+
+def flatten_head(model) -> None:
+    """Make a model's dense LM head (an exact ``nn.Linear``) a ``FlatLinear`` in place."""
+    head = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
+    if type(head) is nn.Linear:
+        head.__class__ = FlatLinear
 
 
 class NF4Linear(nn.Module):
@@ -54,8 +104,23 @@ class NF4Linear(nn.Module):
                                 self.blocksize, self.dtype)
             return bnb.matmul_4bit(x.to(self.dtype), self.packed.reshape(-1, 1).t(),
                                    quant_state=state, bias=self.bias)
-        out = x.new_empty(*x.shape[:-1], self.out_features, dtype=torch.result_type(
-            x, torch.empty(0, dtype=self.dtype)))
+        lead = x.shape[:-1]
+        # Always 2-D: torch's CPU linear of a 3-D input (generate's prefill slice
+        # hidden[:, -1:, :] above all) takes a path 100x slower than the same data as 2-D.
+        x2 = x.reshape(-1, self.in_features)
+        odt = torch.result_type(x, torch.empty(0, dtype=self.dtype))
+        if use_fused(x2.shape[0], self.blocksize) and odt in _FUSED_DTYPES:
+            out = fused_nf4_matmul(x2, self.packed, self.absmax, self.blocksize, odt)
+            if self.bias is not None:
+                out += self.bias
+        else:
+            out = self._chunked(x2, odt)
+        return out.view(*lead, self.out_features)
+
+    def _chunked(self, x2: torch.Tensor, odt: torch.dtype) -> torch.Tensor:
+        """Dequantize ``chunk_rows`` rows at a time into one scratch buffer and multiply (the
+        path for many rows of input, where one dequantize serves them all)."""
+        out = x2.new_empty(x2.shape[0], self.out_features, dtype=odt)
         # One scratch buffer for every chunk: fresh pages cost more than the dequantize.
         scratch = torch.empty(min(self.chunk_rows, self.out_features) * self.in_features,
                               dtype=self.dtype)
@@ -63,7 +128,7 @@ class NF4Linear(nn.Module):
             r1 = min(self.out_features, r0 + self.chunk_rows)
             w = dequantize_rows_into(self.packed[r0:r1], self.absmax[r0:r1], self.blocksize,
                                      self.dtype, scratch[: (r1 - r0) * self.in_features])
-            out[..., r0:r1] = F.linear(x, w, None if self.bias is None else self.bias[r0:r1])
+            out[:, r0:r1] = F.linear(x2, w, None if self.bias is None else self.bias[r0:r1])
         return out
 
     def extra_repr(self) -> str:

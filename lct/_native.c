@@ -22,6 +22,7 @@
 #define PY_SSIZE_T_CLEAN
 #include <Python.h>
 #include <dlfcn.h>
+#include <pthread.h>
 #include <float.h>
 #include <math.h>
 #include <stdint.h>
@@ -464,6 +465,328 @@ static PyObject *nf4_quantize(PyObject *self, PyObject *args)
     return ret;
 }
 
+/* ---- Fused NF4 matmul: out[M, N] = x[M, K] @ W.T with W [N, K] in NF4 ---------------------
+ *
+ * Reads the packed codes (0.5 byte per weight) and one float32 absmax per block, never builds a
+ * row of weights in memory: each 16 (AVX-512) or 8 (AVX2) codes become floats in registers by a
+ * table permute, are multiplied with x in float32, summed per block, and the block sum is scaled
+ * by the block's absmax. x is split once into its even and odd elements (a byte holds element 2j
+ * in its high nibble and 2j+1 in its low one), so the high codes meet the even x and the low codes
+ * the odd x with no shuffle. Output rows are split over `threads` POSIX threads, GIL released.
+ * Accumulation is float32 throughout; only the summation order differs from a float32 reference.
+ */
+enum { ISA_SCALAR = 0, ISA_AVX2 = 1, ISA_AVX512 = 2 };
+#define MM_TILE 4   /* rows of x sharing one decode of a weight vector */
+
+typedef struct {
+    const uint8_t *packed;
+    const float *absmax, *code, *xe, *xo;  /* xe/xo: [M, K/2] even and odd elements of x */
+    void *out;
+    Py_ssize_t M, N, K, blocksize, n0, n1;
+    int out_kind, isa;
+} mm_job;
+
+static inline void mm_store(const mm_job *j, Py_ssize_t m, Py_ssize_t n, float v)
+{
+    if (j->out_kind == 0)
+        ((float *)j->out)[m * j->N + n] = v;
+    else
+        ((uint16_t *)j->out)[m * j->N + n] = to_bf16(v);
+}
+
+static void mm_rows_scalar(const mm_job *j)
+{
+    Py_ssize_t half = j->K / 2, hb = j->blocksize / 2, bpr = j->K / j->blocksize;
+    for (Py_ssize_t n = j->n0; n < j->n1; n++) {
+        const uint8_t *p = j->packed + n * half;
+        const float *am = j->absmax + n * bpr;
+        for (Py_ssize_t m = 0; m < j->M; m++) {
+            const float *xe = j->xe + m * half, *xo = j->xo + m * half;
+            float acc = 0.0f;
+            for (Py_ssize_t b = 0; b < bpr; b++) {
+                float s = 0.0f;
+                for (Py_ssize_t i = b * hb; i < (b + 1) * hb; i++)
+                    s += j->code[p[i] >> 4] * xe[i] + j->code[p[i] & 15] * xo[i];
+                acc += s * am[b];
+            }
+            mm_store(j, m, n, acc);
+        }
+    }
+}
+
+#if defined(__x86_64__) && (defined(__GNUC__) || defined(__clang__))
+#include <immintrin.h>
+#define LCT_X86 1
+
+/* One output row against `mt` (1..MM_TILE, a constant after inlining) rows of x. */
+__attribute__((target("avx512f"), always_inline)) static inline void
+mm_row512(const mm_job *j, __m512 table, const uint8_t *p, const float *am, Py_ssize_t m0,
+          int mt, float *res)
+{
+    Py_ssize_t half = j->K / 2, hb = j->blocksize / 2, bpr = j->K / j->blocksize;
+    const __m512i low = _mm512_set1_epi32(15);
+    __m512 acc[MM_TILE];
+    for (int t = 0; t < mt; t++)
+        acc[t] = _mm512_setzero_ps();
+    for (Py_ssize_t b = 0; b < bpr; b++) {
+        __m512 s[MM_TILE], s2[MM_TILE];  /* two chains: the FMAs do not wait on each other */
+        for (int t = 0; t < mt; t++)
+            s[t] = s2[t] = _mm512_setzero_ps();
+        for (Py_ssize_t i = b * hb; i < (b + 1) * hb; i += 16) {
+            __m512i v = _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)(p + i)));
+            __m512 wh = _mm512_permutexvar_ps(_mm512_srli_epi32(v, 4), table);
+            __m512 wl = _mm512_permutexvar_ps(_mm512_and_si512(v, low), table);
+            for (int t = 0; t < mt; t++) {
+                const float *xe = j->xe + (m0 + t) * half, *xo = j->xo + (m0 + t) * half;
+                s[t] = _mm512_fmadd_ps(wh, _mm512_loadu_ps(xe + i), s[t]);
+                s2[t] = _mm512_fmadd_ps(wl, _mm512_loadu_ps(xo + i), s2[t]);
+            }
+        }
+        __m512 a = _mm512_set1_ps(am[b]);
+        for (int t = 0; t < mt; t++)
+            acc[t] = _mm512_fmadd_ps(_mm512_add_ps(s[t], s2[t]), a, acc[t]);
+    }
+    for (int t = 0; t < mt; t++)
+        res[t] = _mm512_reduce_add_ps(acc[t]);
+}
+
+__attribute__((target("avx512f"))) static void mm_rows_avx512(const mm_job *j)
+{
+    __m512 table = _mm512_loadu_ps(j->code);
+    Py_ssize_t half = j->K / 2, bpr = j->K / j->blocksize;
+    float res[MM_TILE];
+    for (Py_ssize_t n = j->n0; n < j->n1; n++) {
+        const uint8_t *p = j->packed + n * half;
+        const float *am = j->absmax + n * bpr;
+        for (Py_ssize_t m0 = 0; m0 < j->M; m0 += MM_TILE) {
+            int mt = j->M - m0 < MM_TILE ? (int)(j->M - m0) : MM_TILE;
+            switch (mt) {  /* constant tile sizes, so the accumulators stay in registers */
+            case 1: mm_row512(j, table, p, am, m0, 1, res); break;
+            case 2: mm_row512(j, table, p, am, m0, 2, res); break;
+            case 3: mm_row512(j, table, p, am, m0, 3, res); break;
+            default: mm_row512(j, table, p, am, m0, 4, res); break;
+            }
+            for (int t = 0; t < mt; t++)
+                mm_store(j, m0 + t, n, res[t]);
+        }
+    }
+}
+
+/* 16-entry table lookup on 8 lanes: two 8-entry permutes, bit 3 of the index picks one. */
+__attribute__((target("avx2,fma"), always_inline)) static inline __m256
+lookup16(__m256 lo, __m256 hi, __m256i idx)
+{
+    __m256 a = _mm256_permutevar8x32_ps(lo, idx), b = _mm256_permutevar8x32_ps(hi, idx);
+    return _mm256_blendv_ps(a, b, _mm256_castsi256_ps(_mm256_slli_epi32(idx, 28)));
+}
+
+__attribute__((target("avx2,fma"), always_inline)) static inline float hsum256(__m256 v)
+{
+    __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+    s = _mm_add_ps(s, _mm_movehl_ps(s, s));
+    s = _mm_add_ss(s, _mm_movehdup_ps(s));
+    return _mm_cvtss_f32(s);
+}
+
+__attribute__((target("avx2,fma"), always_inline)) static inline void
+mm_row256(const mm_job *j, __m256 tlo, __m256 thi, const uint8_t *p, const float *am,
+          Py_ssize_t m0, int mt, float *res)
+{
+    Py_ssize_t half = j->K / 2, hb = j->blocksize / 2, bpr = j->K / j->blocksize;
+    const __m256i low = _mm256_set1_epi32(15);
+    __m256 acc[MM_TILE];
+    for (int t = 0; t < mt; t++)
+        acc[t] = _mm256_setzero_ps();
+    for (Py_ssize_t b = 0; b < bpr; b++) {
+        __m256 s[MM_TILE], s2[MM_TILE];  /* two chains: the FMAs do not wait on each other */
+        for (int t = 0; t < mt; t++)
+            s[t] = s2[t] = _mm256_setzero_ps();
+        for (Py_ssize_t i = b * hb; i < (b + 1) * hb; i += 8) {
+            __m256i v = _mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)(p + i)));
+            __m256 wh = lookup16(tlo, thi, _mm256_srli_epi32(v, 4));
+            __m256 wl = lookup16(tlo, thi, _mm256_and_si256(v, low));
+            for (int t = 0; t < mt; t++) {
+                const float *xe = j->xe + (m0 + t) * half, *xo = j->xo + (m0 + t) * half;
+                s[t] = _mm256_fmadd_ps(wh, _mm256_loadu_ps(xe + i), s[t]);
+                s2[t] = _mm256_fmadd_ps(wl, _mm256_loadu_ps(xo + i), s2[t]);
+            }
+        }
+        __m256 a = _mm256_set1_ps(am[b]);
+        for (int t = 0; t < mt; t++)
+            acc[t] = _mm256_fmadd_ps(_mm256_add_ps(s[t], s2[t]), a, acc[t]);
+    }
+    for (int t = 0; t < mt; t++)
+        res[t] = hsum256(acc[t]);
+}
+
+__attribute__((target("avx2,fma"))) static void mm_rows_avx2(const mm_job *j)
+{
+    __m256 tlo = _mm256_loadu_ps(j->code), thi = _mm256_loadu_ps(j->code + 8);
+    Py_ssize_t half = j->K / 2, bpr = j->K / j->blocksize;
+    float res[MM_TILE];
+    for (Py_ssize_t n = j->n0; n < j->n1; n++) {
+        const uint8_t *p = j->packed + n * half;
+        const float *am = j->absmax + n * bpr;
+        for (Py_ssize_t m0 = 0; m0 < j->M; m0 += MM_TILE) {
+            int mt = j->M - m0 < MM_TILE ? (int)(j->M - m0) : MM_TILE;
+            switch (mt) {
+            case 1: mm_row256(j, tlo, thi, p, am, m0, 1, res); break;
+            case 2: mm_row256(j, tlo, thi, p, am, m0, 2, res); break;
+            case 3: mm_row256(j, tlo, thi, p, am, m0, 3, res); break;
+            default: mm_row256(j, tlo, thi, p, am, m0, 4, res); break;
+            }
+            for (int t = 0; t < mt; t++)
+                mm_store(j, m0 + t, n, res[t]);
+        }
+    }
+}
+#endif
+
+/* The widest instruction set this CPU runs; LCT_NATIVE_ISA=scalar|avx2 caps it (A/B runs). */
+static int best_isa(void)
+{
+    static int isa = -1;
+    if (isa >= 0)
+        return isa;
+    int found = ISA_SCALAR;
+#ifdef LCT_X86
+    __builtin_cpu_init();
+    if (__builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma"))
+        found = ISA_AVX2;
+    if (__builtin_cpu_supports("avx512f"))
+        found = ISA_AVX512;
+#endif
+    const char *cap = getenv("LCT_NATIVE_ISA");
+    if (cap && !strcmp(cap, "scalar"))
+        found = ISA_SCALAR;
+    else if (cap && !strcmp(cap, "avx2") && found > ISA_AVX2)
+        found = ISA_AVX2;
+    return isa = found;
+}
+
+/* The step (in packed bytes) an instruction set's loop takes; a block must hold whole steps. */
+static Py_ssize_t isa_step(int isa)
+{
+    return isa == ISA_AVX512 ? 16 : isa == ISA_AVX2 ? 8 : 1;
+}
+
+static void *mm_worker(void *arg)
+{
+    const mm_job *j = arg;
+#ifdef LCT_X86
+    if (j->isa == ISA_AVX512) {
+        mm_rows_avx512(j);
+        return NULL;
+    }
+    if (j->isa == ISA_AVX2) {
+        mm_rows_avx2(j);
+        return NULL;
+    }
+#endif
+    mm_rows_scalar(j);
+    return NULL;
+}
+
+static PyObject *nf4_matmul_isa(PyObject *self, PyObject *args)
+{
+    static const char *names[] = {"scalar", "avx2", "avx512"};
+    return PyUnicode_FromString(names[best_isa()]);
+}
+
+static PyObject *nf4_matmul(PyObject *self, PyObject *args)
+{
+    Py_buffer x, packed, absmax, code, out;
+    Py_ssize_t M, N, K, blocksize;
+    int x_kind, out_kind, threads, isa;
+    if (!PyArg_ParseTuple(args, "y*iy*y*y*w*innnnii", &x, &x_kind, &packed, &absmax, &code, &out,
+                          &out_kind, &M, &N, &K, &blocksize, &threads, &isa))
+        return NULL;
+    PyObject *ret = NULL;
+    Py_ssize_t xs = x_kind == 0 ? 4 : 2, os = out_kind == 0 ? 4 : 2;
+    if (isa < 0 || isa > best_isa())
+        isa = best_isa();
+    if ((x_kind != 0 && x_kind != 1) || (out_kind != 0 && out_kind != 1)) {
+        PyErr_SetString(PyExc_ValueError, "nf4_matmul: kinds must be 0 (float32) or 1 (bfloat16)");
+    } else if (M <= 0 || N <= 0 || K <= 0 || blocksize <= 0 || blocksize % 2 || K % blocksize
+               || M > PY_SSIZE_T_MAX / K || N > PY_SSIZE_T_MAX / K || M > PY_SSIZE_T_MAX / N) {
+        PyErr_Format(PyExc_ValueError, "nf4_matmul: bad shape M=%zd N=%zd K=%zd blocksize=%zd "
+                     "(positive, blocksize even and dividing K)", M, N, K, blocksize);
+    } else if (x.len != M * K * xs || packed.len != N * (K / 2) || absmax.len != N * (K / blocksize) * 4
+               || out.len != M * N * os || code.len != 16 * 4) {
+        PyErr_Format(PyExc_ValueError, "nf4_matmul: buffer sizes %zd/%zd/%zd/%zd/%zd do not match "
+                     "M=%zd N=%zd K=%zd blocksize=%zd", x.len, packed.len, absmax.len, out.len,
+                     code.len, M, N, K, blocksize);
+    } else if (((uintptr_t)x.buf) % xs || ((uintptr_t)out.buf) % os
+               || ((uintptr_t)absmax.buf) % 4 || ((uintptr_t)code.buf) % 4) {
+        PyErr_SetString(PyExc_ValueError, "nf4_matmul: a buffer is not aligned");
+    } else {
+        if (threads < 1)
+            threads = 1;
+        if (threads > 64)
+            threads = 64;
+        if (threads > N)
+            threads = (int)N;
+        if ((blocksize / 2) % isa_step(isa))
+            isa = ISA_SCALAR;
+        Py_ssize_t half = K / 2;
+        float *xeo = malloc((size_t)M * K * sizeof(float));
+        mm_job *jobs = malloc((size_t)threads * sizeof(mm_job));
+        pthread_t *tids = malloc((size_t)threads * sizeof(pthread_t));
+        if (!xeo || !jobs || !tids) {
+            free(xeo);
+            free(jobs);
+            free(tids);
+            PyErr_NoMemory();
+        } else {
+            Py_BEGIN_ALLOW_THREADS
+            float *xe = xeo, *xo = xeo + M * half;
+            for (Py_ssize_t m = 0; m < M; m++)
+                for (Py_ssize_t i = 0; i < half; i++) {
+                    Py_ssize_t k = m * K + 2 * i;
+                    float e, o;
+                    if (x_kind == 0) {
+                        e = ((const float *)x.buf)[k];
+                        o = ((const float *)x.buf)[k + 1];
+                    } else {
+                        uint32_t ue = (uint32_t)((const uint16_t *)x.buf)[k] << 16;
+                        uint32_t uo = (uint32_t)((const uint16_t *)x.buf)[k + 1] << 16;
+                        memcpy(&e, &ue, 4);
+                        memcpy(&o, &uo, 4);
+                    }
+                    xe[m * half + i] = e;
+                    xo[m * half + i] = o;
+                }
+            char started[64] = {0};
+            for (int t = 0; t < threads; t++) {
+                mm_job jb = {packed.buf, absmax.buf, code.buf, xe, xo, out.buf, M, N, K,
+                             blocksize, N * t / threads, N * (t + 1) / threads, out_kind, isa};
+                jobs[t] = jb;
+            }
+            /* Thread 0's share runs here; a share whose thread cannot be started runs here too. */
+            for (int t = 1; t < threads; t++) {
+                started[t] = pthread_create(&tids[t], NULL, mm_worker, &jobs[t]) == 0;
+                if (!started[t])
+                    mm_worker(&jobs[t]);
+            }
+            mm_worker(&jobs[0]);
+            for (int t = 1; t < threads; t++)
+                if (started[t])
+                    pthread_join(tids[t], NULL);
+            Py_END_ALLOW_THREADS
+            free(xeo);
+            free(jobs);
+            free(tids);
+            ret = Py_NewRef(Py_None);
+        }
+    }
+    PyBuffer_Release(&x);
+    PyBuffer_Release(&packed);
+    PyBuffer_Release(&absmax);
+    PyBuffer_Release(&code);
+    PyBuffer_Release(&out);
+    return ret;
+}
+
 static PyMethodDef methods[] = {
     {"nf4_quantize", nf4_quantize, METH_VARARGS,
      "nf4_quantize(x, kind, mids, packed, absmax, blocksize) -> first bad block or -1."},
@@ -474,6 +797,11 @@ static PyMethodDef methods[] = {
      "join_planes(hi, lo, out, width): planes decode of n elements of 2 or 4 bytes."},
     {"nf4_dequant", nf4_dequant, METH_VARARGS,
      "nf4_dequant(packed, absmax, code, out, blocksize, kind): NF4 to float32 (0) or bf16 (1)."},
+    {"nf4_matmul", nf4_matmul, METH_VARARGS,
+     "nf4_matmul(x, x_kind, packed, absmax, code, out, out_kind, M, N, K, blocksize, threads, "
+     "isa): fused NF4 matmul, out[M, N] = x[M, K] @ W.T; isa -1 picks the best."},
+    {"nf4_matmul_isa", nf4_matmul_isa, METH_NOARGS,
+     "The instruction set nf4_matmul uses here: scalar, avx2 or avx512."},
     {NULL, NULL, 0, NULL},
 };
 

@@ -96,3 +96,6 @@ EXPORT_SHARD_SIZE = 2 * 1024**3
 # Rows of an NF4 LM head dequantized at a time on the CPU are capped by this many bytes of
 # dequantized weight (kernels/linear.py; the planner models the same chunk).
 NF4_HEAD_CHUNK_BYTES = 128 << 20
+# Input rows up to which the CPU NF4 head takes the fused kernel (4-bit codes read per row) rather
+# than dequantizing chunks once for all rows; measured crossover in docs/BENCHMARKS.md.
+NF4_FUSED_MAX_ROWS = 24

@@ -32,7 +32,8 @@ class DemoResult:
     logits_cosine: float = 0.0
     prompt: str = ""
     output: str = ""
-    load_equal: bool = False
+    load_agrees: bool = False        # same next token as the exported model at every position
+    load_max_diff: float = 0.0       # largest |logit difference| (the kept NF4 head sums in float32)
 
 
 def _dir_bytes(path: Path, suffix: str) -> int:
@@ -98,7 +99,9 @@ def run_demo(workdir=None, log=print) -> DemoResult:
     loaded = load(work / "model.lct", prefetch=2)
     res.timings["lct.load(prefetch=2)"] = time.perf_counter() - t
     with torch.no_grad():
-        res.load_equal = torch.equal(loaded(ids).logits, back(ids).logits)
+        la, lb = loaded(ids).logits.float(), back(ids).logits.float()
+    res.load_agrees = torch.equal(la.argmax(-1), lb.argmax(-1))
+    res.load_max_diff = (la - lb).abs().max().item()
     res.prompt = "Hello world, the quick brown fox"
     gen = generate_timed(loaded, work / "model.lct", prompt=res.prompt, max_new_tokens=12)
     res.timings["first token"] = gen.first_token_s

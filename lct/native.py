@@ -85,3 +85,30 @@ def nf4_dequant_into(packed: np.ndarray, absmax: np.ndarray, code: np.ndarray, o
     """Dequantize NF4 into ``out`` (float32, or bfloat16 bits as int16 when ``bf16``). Only call
     when ``available()``."""
     _native.nf4_dequant(packed, absmax, code, out, blocksize, 1 if bf16 else 0)
+
+
+def matmul_available() -> bool:
+    """Whether the fused NF4 matmul (``nf4_matmul``) can run."""
+    return _ENABLED and hasattr(_native, "nf4_matmul")
+
+
+def matmul_isa() -> str:
+    """The instruction set the fused NF4 matmul uses on this CPU: ``scalar``, ``avx2`` or
+    ``avx512`` (``LCT_NATIVE_ISA=scalar|avx2`` caps it)."""
+    return _native.nf4_matmul_isa()
+
+
+ISAS = ("scalar", "avx2", "avx512")
+
+
+def nf4_matmul(x: np.ndarray, x_bf16: bool, packed: np.ndarray, absmax: np.ndarray,
+               code: np.ndarray, out: np.ndarray, out_bf16: bool, shape: tuple,
+               blocksize: int, threads: int, isa: str | None = None) -> None:
+    """``out[M, N] = x[M, K] @ W.T`` with ``W`` [N, K] in NF4 (``packed`` [N, K/2], float32
+    ``absmax`` [N, K/blocksize]), accumulated in float32, over ``threads`` threads with the GIL
+    released. ``x``/``out`` are float32, or bfloat16 bits as int16 when the flag says so;
+    ``shape`` is (M, N, K). ``isa`` forces a narrower instruction set (tests). Only call when
+    ``matmul_available()``."""
+    m, n, k = shape
+    _native.nf4_matmul(x, 1 if x_bf16 else 0, packed, absmax, code, out, 1 if out_bf16 else 0,
+                       m, n, k, blocksize, threads, -1 if isa is None else ISAS.index(isa))

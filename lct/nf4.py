@@ -231,13 +231,14 @@ def _dequantize_native(packed, absmax, out, blocksize: int) -> bool:
         raise ValueError(f"NF4 data too short for {n} elements: {flat.numel()} packed bytes, "
                          f"{am.numel()} absmax values (blocksize {blocksize})")
     bf16 = out.dtype == torch.bfloat16
-    native.nf4_dequant_into(flat.numpy(), am.numpy(), _code_np(),
+    native.nf4_dequant_into(flat.numpy(), am.numpy(), code_array(),
                             out.view(torch.int16).numpy() if bf16 else out.numpy(), blocksize, bf16)
     return True
 
 
 @functools.lru_cache(maxsize=1)
-def _code_np():
+def code_array():
+    """The 16 NF4 values as a float32 numpy array (the compiled kernels' table)."""
     import numpy as np
     return np.asarray(C.NF4_CODE, dtype=np.float32)
 

@@ -243,7 +243,8 @@ def nf4_head_transient(vocab: int, hidden: int, tokens: int, a: int, blocksize: 
     """Temporaries of an NF4 LM head over ``tokens`` positions (besides its output).
 
     CUDA: bitsandbytes' ``matmul_4bit`` dequantizes the whole weight for a multi-token input.
-    CPU: LCT's ``NF4Linear`` dequantizes ``NF4_HEAD_CHUNK_BYTES`` of rows at a time into one
+    CPU, up to ``NF4_FUSED_MAX_ROWS`` tokens with the compiled loops: the fused kernel reads the
+    codes in place and only copies the input. CPU otherwise: LCT's ``NF4Linear`` dequantizes ``NF4_HEAD_CHUNK_BYTES`` of rows at a time into one
     scratch buffer, besides the rows' slice of the output; without the compiled loops
     (``lct.native``) each piece of ``lct.nf4.PIECE_ELEMENTS`` also needs the int64 code, the
     float32 scale, the table lookup and the product (20 bytes an element).
@@ -251,6 +252,8 @@ def nf4_head_transient(vocab: int, hidden: int, tokens: int, a: int, blocksize: 
     if device == "cuda":
         return vocab * hidden * a
     from . import native
+    if native.matmul_available() and 0 < tokens <= C.NF4_FUSED_MAX_ROWS:
+        return tokens * hidden * (4 + a)  # the fused kernel: x split into float32, x made contiguous
     rows = min(vocab, max(1, C.NF4_HEAD_CHUNK_BYTES // (hidden * a)))
     temporaries = tokens * rows * a
     if not native.available():

@@ -195,6 +195,8 @@ class Installer:
         if missing:
             raise LCTError(f"{self.art.path}: the artifact has no tensor for {len(missing)} model "
                            f"parameter(s): {', '.join(missing[:5])}")
+        from lct.kernels import flatten_head
+        flatten_head(self.model)
 
 
 def _dtype(name: str):

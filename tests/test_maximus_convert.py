@@ -75,8 +75,8 @@ def test_export_and_load_equal_unsharded(mx_art, llama_art, tmp_path):
     b = load_file(tmp_path / "hf2" / "model.safetensors")
     assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
     ids = torch.randint(1, V, (2, 9), generator=torch.Generator().manual_seed(0))
-    plain = lct.load(llama_art)
     for nf4_mode in ("keep", "dequantize"):
+        plain = lct.load(llama_art, nf4=nf4_mode)
         model = lct.load(mx_art, maximus=True, nf4=nf4_mode)
         emb = model.get_input_embeddings()
         assert type(emb).__name__ == "MaximusEmbedding"
