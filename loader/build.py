@@ -82,7 +82,11 @@ def _set(model, full: str, tensor, as_buffer: bool = False) -> None:
     if as_buffer or leaf in module._buffers:
         module._buffers[leaf] = tensor
     else:
-        module._parameters[leaf] = torch.nn.Parameter(tensor, requires_grad=False)
+        # requires_grad as from_pretrained sets it: besides matching what users get there, torch's
+        # CPU linear takes a path up to 100x slower for a strided 3-D input when the weight does
+        # not require grad (generate's prefill slice); inside no_grad nothing is recorded.
+        module._parameters[leaf] = torch.nn.Parameter(tensor,
+                                                      requires_grad=tensor.is_floating_point())
 
 
 class Installer:

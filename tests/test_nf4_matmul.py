@@ -141,3 +141,31 @@ def test_dense_head_sliced_input_equals_fresh_2d():
     ref = F.linear(x.contiguous().clone().reshape(-1, 128), model.lm_head.weight,
                    model.lm_head.bias)
     assert got.shape == (2, 1, 500) and torch.equal(got.reshape(-1, 500), ref)
+
+
+def test_heads_never_hand_torch_a_3d_input(monkeypatch):
+    """The regression guard for the 4 s prefill head: whatever generate passes, torch's linear
+    sees 2-D activations (dense FlatLinear and both NF4Linear paths)."""
+    seen = []
+    real = F.linear
+    monkeypatch.setattr(klin.F, "linear", lambda x, w, b=None: seen.append(x.dim()) or real(x, w, b))
+    packed, absmax = _weight(300, 128, 64)
+    dense = torch.nn.Linear(128, 300).to(torch.bfloat16)
+    dense.__class__ = FlatLinear
+    for fused in (True, False):
+        monkeypatch.setattr(klin, "use_fused", lambda rows, bs, f=fused: f and native.matmul_available())
+        NF4Linear(packed, absmax, 300, 128, 64, torch.bfloat16, chunk_rows=100)(_sliced())
+    dense(_sliced())
+    assert seen and set(seen) == {2}
+
+
+def test_loaded_parameters_require_grad_like_from_pretrained(llama_src, llama_art):
+    """from_pretrained's floating-point parameters require grad, and torch's CPU linear picks its
+    kernel by that; a loaded model matches it."""
+    import lct
+    from transformers import AutoModelForCausalLM
+    ref = AutoModelForCausalLM.from_pretrained(llama_src, dtype=torch.bfloat16)
+    model = lct.load(llama_art, nf4="dequantize")
+    want = {n: p.requires_grad for n, p in ref.named_parameters()}
+    got = {n: p.requires_grad for n, p in model.named_parameters()}
+    assert got == want and all(got.values())
