@@ -14,8 +14,23 @@ from lct.errors import LCTError
 class LCTGroup(click.Group):
     """A click group that turns library errors into one-line messages and a non-zero exit.
 
-    Set ``LCT_DEBUG=1`` to see the full traceback.
+    Set ``LCT_DEBUG=1`` to see the full traceback. ``lazy_commands`` maps command names to
+    ``"module:attribute"`` in ``lct.cli``, imported on first use.
     """
+
+    def __init__(self, *args, lazy_commands: dict | None = None, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.lazy_commands = dict(lazy_commands or {})
+
+    def list_commands(self, ctx):
+        return sorted(set(super().list_commands(ctx)) | set(self.lazy_commands))
+
+    def get_command(self, ctx, name):
+        if name not in self.commands and name in self.lazy_commands:
+            import importlib
+            module, attr = self.lazy_commands[name].split(":")
+            self.add_command(getattr(importlib.import_module(f"lct.cli.{module}"), attr), name)
+        return super().get_command(ctx, name)
 
     def invoke(self, ctx):
         try:
