@@ -494,36 +494,54 @@ static inline void mm_store(const mm_job *j, Py_ssize_t m, Py_ssize_t n, float v
         ((uint16_t *)j->out)[m * j->N + n] = to_bf16(v);
 }
 
-static void mm_rows_scalar(const mm_job *j)
+/* A row kernel: output row at packed codes `p` (absmax `am`) against rows m0..m0+mt-1 of x,
+ * one instruction set and one tile size mt each (a constant, so accumulators stay in
+ * registers); results in res[0..mt-1]. */
+typedef void (*mm_row_fn)(const mm_job *j, const uint8_t *p, const float *am, Py_ssize_t m0,
+                          float *res);
+
+static inline void mm_row_c(const mm_job *j, const uint8_t *p, const float *am, Py_ssize_t m0,
+                            int mt, float *res)
 {
     Py_ssize_t half = j->K / 2, hb = j->blocksize / 2, bpr = j->K / j->blocksize;
-    for (Py_ssize_t n = j->n0; n < j->n1; n++) {
-        const uint8_t *p = j->packed + n * half;
-        const float *am = j->absmax + n * bpr;
-        for (Py_ssize_t m = 0; m < j->M; m++) {
-            const float *xe = j->xe + m * half, *xo = j->xo + m * half;
-            float acc = 0.0f;
-            for (Py_ssize_t b = 0; b < bpr; b++) {
-                float s = 0.0f;
-                for (Py_ssize_t i = b * hb; i < (b + 1) * hb; i++)
-                    s += j->code[p[i] >> 4] * xe[i] + j->code[p[i] & 15] * xo[i];
-                acc += s * am[b];
-            }
-            mm_store(j, m, n, acc);
+    for (int t = 0; t < mt; t++) {
+        const float *xe = j->xe + (m0 + t) * half, *xo = j->xo + (m0 + t) * half;
+        float acc = 0.0f;
+        for (Py_ssize_t b = 0; b < bpr; b++) {
+            float s = 0.0f;
+            for (Py_ssize_t i = b * hb; i < (b + 1) * hb; i++)
+                s += j->code[p[i] >> 4] * xe[i] + j->code[p[i] & 15] * xo[i];
+            acc += s * am[b];
         }
+        res[t] = acc;
     }
 }
+
+#define MM_ROW_FN(PREFIX, KERNEL, TARGET, T)                                                  \
+    TARGET static void PREFIX##_##T(const mm_job *j, const uint8_t *p, const float *am,        \
+                                    Py_ssize_t m0, float *res)                                 \
+    {                                                                                          \
+        KERNEL(j, p, am, m0, T, res);                                                          \
+    }
+#define MM_ROW_FNS(PREFIX, KERNEL, TARGET)                                                    \
+    MM_ROW_FN(PREFIX, KERNEL, TARGET, 1)                                                      \
+    MM_ROW_FN(PREFIX, KERNEL, TARGET, 2)                                                      \
+    MM_ROW_FN(PREFIX, KERNEL, TARGET, 3)                                                      \
+    MM_ROW_FN(PREFIX, KERNEL, TARGET, 4)                                                      \
+    static const mm_row_fn PREFIX[MM_TILE] = {PREFIX##_1, PREFIX##_2, PREFIX##_3, PREFIX##_4};
+
+MM_ROW_FNS(mm_rows_c, mm_row_c, )
 
 #if defined(__x86_64__) && (defined(__GNUC__) || defined(__clang__))
 #include <immintrin.h>
 #define LCT_X86 1
 
-/* One output row against `mt` (1..MM_TILE, a constant after inlining) rows of x. */
+/* The same algorithm at two vector widths (16 and 8 lanes); only the intrinsics differ. */
 __attribute__((target("avx512f"), always_inline)) static inline void
-mm_row512(const mm_job *j, __m512 table, const uint8_t *p, const float *am, Py_ssize_t m0,
-          int mt, float *res)
+mm_row512(const mm_job *j, const uint8_t *p, const float *am, Py_ssize_t m0, int mt, float *res)
 {
     Py_ssize_t half = j->K / 2, hb = j->blocksize / 2, bpr = j->K / j->blocksize;
+    const __m512 table = _mm512_loadu_ps(j->code);
     const __m512i low = _mm512_set1_epi32(15);
     __m512 acc[MM_TILE];
     for (int t = 0; t < mt; t++)
@@ -550,28 +568,6 @@ mm_row512(const mm_job *j, __m512 table, const uint8_t *p, const float *am, Py_s
         res[t] = _mm512_reduce_add_ps(acc[t]);
 }
 
-__attribute__((target("avx512f"))) static void mm_rows_avx512(const mm_job *j)
-{
-    __m512 table = _mm512_loadu_ps(j->code);
-    Py_ssize_t half = j->K / 2, bpr = j->K / j->blocksize;
-    float res[MM_TILE];
-    for (Py_ssize_t n = j->n0; n < j->n1; n++) {
-        const uint8_t *p = j->packed + n * half;
-        const float *am = j->absmax + n * bpr;
-        for (Py_ssize_t m0 = 0; m0 < j->M; m0 += MM_TILE) {
-            int mt = j->M - m0 < MM_TILE ? (int)(j->M - m0) : MM_TILE;
-            switch (mt) {  /* constant tile sizes, so the accumulators stay in registers */
-            case 1: mm_row512(j, table, p, am, m0, 1, res); break;
-            case 2: mm_row512(j, table, p, am, m0, 2, res); break;
-            case 3: mm_row512(j, table, p, am, m0, 3, res); break;
-            default: mm_row512(j, table, p, am, m0, 4, res); break;
-            }
-            for (int t = 0; t < mt; t++)
-                mm_store(j, m0 + t, n, res[t]);
-        }
-    }
-}
-
 /* 16-entry table lookup on 8 lanes: two 8-entry permutes, bit 3 of the index picks one. */
 __attribute__((target("avx2,fma"), always_inline)) static inline __m256
 lookup16(__m256 lo, __m256 hi, __m256i idx)
@@ -589,16 +585,16 @@ __attribute__((target("avx2,fma"), always_inline)) static inline float hsum256(_
 }
 
 __attribute__((target("avx2,fma"), always_inline)) static inline void
-mm_row256(const mm_job *j, __m256 tlo, __m256 thi, const uint8_t *p, const float *am,
-          Py_ssize_t m0, int mt, float *res)
+mm_row256(const mm_job *j, const uint8_t *p, const float *am, Py_ssize_t m0, int mt, float *res)
 {
     Py_ssize_t half = j->K / 2, hb = j->blocksize / 2, bpr = j->K / j->blocksize;
+    const __m256 tlo = _mm256_loadu_ps(j->code), thi = _mm256_loadu_ps(j->code + 8);
     const __m256i low = _mm256_set1_epi32(15);
     __m256 acc[MM_TILE];
     for (int t = 0; t < mt; t++)
         acc[t] = _mm256_setzero_ps();
     for (Py_ssize_t b = 0; b < bpr; b++) {
-        __m256 s[MM_TILE], s2[MM_TILE];  /* two chains: the FMAs do not wait on each other */
+        __m256 s[MM_TILE], s2[MM_TILE];
         for (int t = 0; t < mt; t++)
             s[t] = s2[t] = _mm256_setzero_ps();
         for (Py_ssize_t i = b * hb; i < (b + 1) * hb; i += 8) {
@@ -619,9 +615,13 @@ mm_row256(const mm_job *j, __m256 tlo, __m256 thi, const uint8_t *p, const float
         res[t] = hsum256(acc[t]);
 }
 
-__attribute__((target("avx2,fma"))) static void mm_rows_avx2(const mm_job *j)
+MM_ROW_FNS(mm_rows_avx512, mm_row512, __attribute__((target("avx512f"))))
+MM_ROW_FNS(mm_rows_avx2, mm_row256, __attribute__((target("avx2,fma"))))
+#endif
+
+/* Every output row of the job's share, input rows in tiles of up to MM_TILE. */
+static void mm_rows(const mm_job *j, const mm_row_fn rows[MM_TILE])
 {
-    __m256 tlo = _mm256_loadu_ps(j->code), thi = _mm256_loadu_ps(j->code + 8);
     Py_ssize_t half = j->K / 2, bpr = j->K / j->blocksize;
     float res[MM_TILE];
     for (Py_ssize_t n = j->n0; n < j->n1; n++) {
@@ -629,18 +629,12 @@ __attribute__((target("avx2,fma"))) static void mm_rows_avx2(const mm_job *j)
         const float *am = j->absmax + n * bpr;
         for (Py_ssize_t m0 = 0; m0 < j->M; m0 += MM_TILE) {
             int mt = j->M - m0 < MM_TILE ? (int)(j->M - m0) : MM_TILE;
-            switch (mt) {
-            case 1: mm_row256(j, tlo, thi, p, am, m0, 1, res); break;
-            case 2: mm_row256(j, tlo, thi, p, am, m0, 2, res); break;
-            case 3: mm_row256(j, tlo, thi, p, am, m0, 3, res); break;
-            default: mm_row256(j, tlo, thi, p, am, m0, 4, res); break;
-            }
+            rows[mt - 1](j, p, am, m0, res);
             for (int t = 0; t < mt; t++)
                 mm_store(j, m0 + t, n, res[t]);
         }
     }
 }
-#endif
 
 /* The widest instruction set this CPU runs; LCT_NATIVE_ISA=scalar|avx2 caps it (A/B runs). */
 static int best_isa(void)
@@ -675,15 +669,15 @@ static void *mm_worker(void *arg)
     const mm_job *j = arg;
 #ifdef LCT_X86
     if (j->isa == ISA_AVX512) {
-        mm_rows_avx512(j);
+        mm_rows(j, mm_rows_avx512);
         return NULL;
     }
     if (j->isa == ISA_AVX2) {
-        mm_rows_avx2(j);
+        mm_rows(j, mm_rows_avx2);
         return NULL;
     }
 #endif
-    mm_rows_scalar(j);
+    mm_rows(j, mm_rows_c);
     return NULL;
 }
 
