@@ -102,7 +102,8 @@ class Installer:
         self.dtype = dtype
         self.names = {n for n, _ in model.named_parameters(remove_duplicate=False)} | \
             {n for n, _ in model.named_buffers(remove_duplicate=False)}
-        self.pad_ids = _pad_ids(model, pad_ids)  # given, else the config's pad_token_id
+        # Given ids are skipped as asked; the config's pad id only while its stored row is zero.
+        self.pad_ids, self.pad_given = _pad_ids(model, pad_ids), pad_ids is not None
         self.installed: set = set()
         self.nf4_modules: list = []
         self._stream = None
@@ -168,7 +169,8 @@ class Installer:
         old = getattr(parent, leaf)
         if isinstance(old, torch.nn.Embedding):
             scale = getattr(old, "embed_scale", None)
-            pad = self.pad_ids
+            pad = self.pad_ids if self.pad_given else _padding_only(self.pad_ids, absmax,
+                                                                    w.shape[0])
             new = NF4Embedding(packed, absmax, w.shape[0], w.shape[1], w.blocksize, dtype,
                                pad_ids=pad, scale=scale.to(self.device) if scale is not None else None)
         elif isinstance(old, torch.nn.Linear):
@@ -215,6 +217,15 @@ def _pad_ids(model, pad_ids):
     if isinstance(pid, int):
         return (pid,)
     return ()
+
+
+def _padding_only(ids, absmax, rows: int) -> tuple:
+    """The ids among ``ids`` whose NF4 row is all zeros (every block's absmax is 0): skipping
+    those gives the very zeros a gather would, so the lookup stays identical to transformers'.
+    A pad id that is also a trained token (chat models often pad with ``<|im_end|>``) has a
+    non-zero row and is gathered like any other token."""
+    table = absmax.reshape(rows, -1)
+    return tuple(i for i in ids if 0 <= i < rows and not bool(table[i].any()))
 
 
 def open_source(path, *, verify: bool = True, workers: int | None = None, stream: bool = False,
@@ -298,7 +309,9 @@ def load(path, prefetch: int = 2, device="cpu", dtype=None, nf4: str = "keep",
             ``"dequantize"`` expands them to the model dtype at load.
         workers: decode threads (default: all cores).
         verify: check chunk checksums as they stream.
-        pad_ids: ids the NF4 embedding never gathers (default: the config's pad_token_id).
+        pad_ids: ids the NF4 embedding never gathers and returns as zeros (default: the
+            config's pad_token_id, and only while its stored row is zero, so that the lookup
+            equals transformers' for every input).
         stats: a ``LoadStats`` to fill with the time breakdown.
         maximus: ``True`` (or a budget in shards) installs a ``MaximusEmbedding`` from the
             artifact's shard state, hottest shards resident first.

@@ -343,3 +343,31 @@ def test_cli_load(llama_art):
     assert res.exit_code == 0 and "max resident layers" in res.output
     res = CliRunner().invoke(cli, ["load", str(llama_art), "--prompt", "hi"])
     assert res.exit_code == 1 and "no tokenizer" in res.output
+
+
+@pytest.mark.parametrize("zero_row", [False, True])
+def test_pad_id_is_skipped_only_when_it_is_padding_and_nothing_else(tmp_path, zero_row):
+    """A chat model that pads with its end-of-turn token: the NF4 lookup must return that
+    token's trained row, as transformers does; a pad id whose row is zero is still skipped."""
+    from safetensors.torch import load_file, save_file
+
+    from lct import tiny
+    src = tiny.save_tiny(tmp_path / "src", "llama", pad_token_id=5)
+    weights = load_file(src / "model.safetensors")
+    if zero_row:
+        weights["model.embed_tokens.weight"][5] = 0
+    save_file(weights, src / "model.safetensors", metadata={"format": "pt"})
+    lct.convert(str(src), tmp_path / "a.lct", policy=Policy(nf4=("embed",)))
+    keep = lct.load(tmp_path / "a.lct", nf4="keep")
+    deq = lct.load(tmp_path / "a.lct", nf4="dequantize")  # transformers' nn.Embedding lookup
+    ids = torch.tensor([[1, 5, 9, 5, 17]])
+    emb = keep.get_input_embeddings()
+    assert emb.pad_ids.tolist() == ([5] if zero_row else [])
+    with torch.no_grad():
+        assert torch.equal(emb(ids), deq.get_input_embeddings()(ids))
+        assert torch.equal(keep(ids).logits, deq(ids).logits)
+        if zero_row:
+            before = emb.gathered_rows
+            emb(ids)
+            assert emb.gathered_rows - before == 3  # the two pad positions were not gathered
+            assert torch.equal(emb(ids)[0, 1], torch.zeros(emb.embedding_dim, dtype=emb.dtype))
