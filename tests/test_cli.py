@@ -67,6 +67,23 @@ def test_verify_against_changed_source_fails(run, gemma_src, gemma_art, tmp_path
     assert "model.layers.1.mlp.up_proj.weight" in res.output
 
 
+def test_verify_against_source_whose_nf4_table_differs_fails(run, gemma_src, gemma_art,
+                                                              tmp_path):
+    """The NF4 embedding is checked too: the source quantized again must give the stored bytes
+    (a changed source row fails, where a verify that only measured error would pass)."""
+    from safetensors.torch import save_file
+    src = tmp_path / "src"
+    shutil.copytree(gemma_src, src)
+    tensors = load_file(src / "model.safetensors")
+    row = tensors["model.embed_tokens.weight"][7]
+    row[3] = row.abs().max() * 0.5  # one value inside the block's range: absmax unchanged
+    save_file(tensors, src / "model.safetensors")
+    res = run("verify", gemma_art, "--against", src, "--quiet")
+    assert res.exit_code == 1
+    assert "model.embed_tokens.weight: NF4 codes differ" in res.output
+    assert run("verify", gemma_art, "--against", gemma_src, "--quiet").exit_code == 0
+
+
 @pytest.mark.parametrize("args,fragment", [
     (["info", "/nonexistent/x.lct"], "no such artifact"),
     (["convert", "/nonexistent/model", "-o", "OUT"], "no such folder"),
