@@ -15,16 +15,33 @@ from ._util import GroupProgress, table
               help="Source folder or Hub id: compare lossless tensors bit for bit and report "
                    "NF4 error (max, mean, cosine).")
 @click.option("--revision", default=None, help="Hub revision of --against.")
+@click.option("--quality", is_flag=True,
+              help="Also load ARTIFACT and the --against source and compare them on real text: "
+                   "perplexity of both, its change, top-1 next-token agreement, KL (nats).")
+@click.option("--text", "text", type=click.Path(exists=True), default=None,
+              help="Text file or folder for --quality (default: public-domain prose and Python "
+                   "source shipped with LCT).")
+@click.option("--max-tokens", type=click.IntRange(1), default=None,
+              help="Scored tokens for --quality  [default: 4096].")
+@click.option("--json", "as_json", is_flag=True, help="Print the --quality result as JSON.")
 @click.option("--quiet", is_flag=True, help="No progress bar.")
-def verify_cmd(artifact, against, revision, quiet):
-    """Check every chunk of ARTIFACT (checksum and decode). Exits 1 if anything is wrong."""
+def verify_cmd(artifact, against, revision, quality, text, max_tokens, as_json, quiet):
+    """Check every chunk of ARTIFACT (checksum and decode). Exits 1 if anything is wrong.
+
+    With --against SOURCE, every tensor is compared with the source: lossless ones bit for bit,
+    NF4 ones by quantizing the source again. With --quality, what the lossy parts cost on text."""
     from lct.verifier import verify
 
+    if quality and against is None:
+        raise click.UsageError("--quality needs --against SOURCE (the lossless reference)")
     bar = GroupProgress("verify", unit="group", enabled=not quiet)
+    qbar = GroupProgress("quality", unit="block", enabled=not quiet)
     try:
-        rep = verify(artifact, against=against, revision=revision, progress=bar)
+        rep = verify(artifact, against=against, revision=revision, progress=bar,
+                     quality=quality, text=text, max_tokens=max_tokens, quality_progress=qbar)
     finally:
         bar.close()
+        qbar.close()
     nf4 = [t for t in rep.tensors if t.encoding == "nf4"]
     if nf4:
         click.echo(table([(t.name, f"{t.max_err:.3g}", f"{t.mean_err:.3g}", f"{t.cosine:.6f}")
@@ -33,6 +50,18 @@ def verify_cmd(artifact, against, revision, quiet):
     if lossless:
         click.echo(f"{sum(t.ok for t in lossless)}/{len(lossless)} lossless tensors bit-identical "
                    f"to the source")
+    if rep.quality is not None:
+        q = rep.quality
+        if as_json:
+            import json
+            click.echo(json.dumps(q.to_dict(), indent=1))
+        else:
+            click.echo(table([
+                ("perplexity, source / artifact", f"{q.ppl_reference:.4f} / {q.ppl:.4f}"),
+                ("perplexity change", f"{q.delta_pct:+.2f} %"),
+                ("top-1 agreement", f"{q.top1_agreement:.4f}"),
+                ("KL mean / max (nats)", f"{q.kl_mean:.5f} / {q.kl_max:.4f}"),
+                ("scored", f"{q.tokens} tokens in {q.blocks} blocks")], ["quality", "value"]))
     for f in rep.failures:
         click.echo(f"FAIL {f}", err=True)
     click.echo(f"{rep.chunks_checked} chunks checked: " + ("OK" if rep.ok else

@@ -31,6 +31,7 @@ class VerifyReport:
     chunks_checked: int = 0
     failures: list = field(default_factory=list)
     tensors: list = field(default_factory=list)
+    quality: object = None      # a lct.quality.QualityReport when asked for
 
     @property
     def ok(self) -> bool:
@@ -65,7 +66,8 @@ def _compare(name, info, got, ref) -> TensorCheck:
 
 
 def verify(artifact, *, against: str | None = None, revision: str | None = None,
-           progress=None) -> VerifyReport:
+           progress=None, quality: bool = False, text=None, max_tokens: int | None = None,
+           quality_progress=None) -> VerifyReport:
     """Check every chunk of ``artifact``; with ``against``, compare every tensor with the source.
 
     Args:
@@ -73,10 +75,16 @@ def verify(artifact, *, against: str | None = None, revision: str | None = None,
         against: the source folder or Hub id to compare with.
         revision: Hub revision of ``against``.
         progress: called as ``progress(group, done, total)`` after each group.
+        quality: also load the artifact and score it against ``against`` on real text
+            (``lct.quality.measure_quality``: perplexity of both, top-1 agreement, KL), from
+            ``text`` (a file or folder; default: the sample shipped in ``lct.sample_text``), at
+            most ``max_tokens`` scored tokens; ``quality_progress`` is called per block.
 
     Returns:
         A ``VerifyReport``; ``report.ok`` tells whether everything matched.
     """
+    if quality and against is None:
+        raise LCTError("a quality check needs the lossless reference: pass the source as against")
     art = artifact if isinstance(artifact, Artifact) else open_artifact(artifact)
     report = VerifyReport()
     src_tensors, src = {}, None
@@ -105,6 +113,11 @@ def verify(artifact, *, against: str | None = None, revision: str | None = None,
     finally:
         if art is not artifact:
             art.close()
+    if quality:
+        from .quality import DEFAULT_MAX_TOKENS, measure_quality
+        report.quality = measure_quality(art.path, against, revision=revision, text=text,
+                                         max_tokens=max_tokens or DEFAULT_MAX_TOKENS,
+                                         progress=quality_progress)
     return report
 
 

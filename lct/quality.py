@@ -1,0 +1,139 @@
+"""What an artifact's lossy parts cost on real text: perplexity of the loaded artifact and of a
+lossless reference (the source checkpoint), their difference, how often the most likely next
+token agrees, and the KL divergence of the next-token distributions.
+
+Text is cut into non-overlapping blocks of ``block`` tokens (tokenised with the artifact's
+tokenizer); every position but a block's first is scored. Perplexity is exp of the mean negative
+log-likelihood of the true next token; KL is ``sum p_ref * (log p_ref - log p)`` per position.
+"""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+from .errors import LCTError
+
+DEFAULT_MAX_TOKENS = 4096
+DEFAULT_BLOCK = 512
+TEXT_SUFFIXES = (".txt", ".md", ".rst", ".py", ".json", ".jinja", ".c", ".h", ".js", ".html")
+
+
+@dataclass
+class QualityReport:
+    """Scores of the artifact (``ppl``) against the lossless reference (``ppl_reference``)."""
+
+    texts: list = field(default_factory=list)   # names of the texts scored
+    blocks: int = 0
+    tokens: int = 0                 # scored next-token positions
+    ppl_reference: float = 0.0
+    ppl: float = 0.0
+    top1_agreement: float = 0.0     # share of positions whose argmax equals the reference's
+    kl_mean: float = 0.0            # nats
+    kl_max: float = 0.0
+
+    @property
+    def delta_pct(self) -> float:
+        """Perplexity change against the reference, in percent."""
+        return (self.ppl / self.ppl_reference - 1.0) * 100.0 if self.ppl_reference else 0.0
+
+    def to_dict(self) -> dict:
+        return {**asdict(self), "delta_pct": self.delta_pct}
+
+
+def read_texts(path) -> list:
+    """``[(name, text)]`` from a text file, or every text file under a folder (sorted)."""
+    p = Path(path)
+    if p.is_file():
+        files = [p]
+    elif p.is_dir():
+        files = sorted(f for f in p.rglob("*") if f.is_file() and f.suffix in TEXT_SUFFIXES)
+    else:
+        raise LCTError(f"{p}: no such text file or folder")
+    out = [(str(f), f.read_text(encoding="utf-8", errors="replace")) for f in files]
+    out = [(n, t) for n, t in out if t.strip()]
+    if not out:
+        raise LCTError(f"{p}: no text to score (looked for {', '.join(TEXT_SUFFIXES)})")
+    return out
+
+
+def token_blocks(tokenizer, texts: list, max_tokens: int, block: int) -> list:
+    """Token id lists of at most ``block`` ids, ``max_tokens`` scored positions in all."""
+    if block < 2:
+        raise LCTError(f"block {block} must be at least 2 tokens")
+    blocks, scored = [], 0
+    for _, text in texts:
+        ids = tokenizer(text).input_ids
+        for i in range(0, len(ids), block):
+            piece = ids[i:i + block]
+            room = max_tokens - scored
+            if room <= 0:
+                return blocks
+            piece = piece[: room + 1]
+            if len(piece) >= 2:
+                blocks.append(piece)
+                scored += len(piece) - 1
+    return blocks
+
+
+def score(model, reference, blocks: list, progress=None) -> dict:
+    """Sums over ``blocks`` of both models' next-token statistics (see the module docstring)."""
+    import torch
+    from torch.nn import functional as F
+    sums = {"nll": 0.0, "nll_ref": 0.0, "agree": 0, "kl": 0.0, "kl_max": 0.0, "n": 0}
+    with torch.no_grad():
+        for i, ids in enumerate(blocks):
+            x = torch.tensor([ids])
+            target = x[0, 1:]
+            lp = F.log_softmax(model(x).logits[0, :-1].float(), dim=-1)
+            lr = F.log_softmax(reference(x).logits[0, :-1].float(), dim=-1)
+            sums["nll"] += -lp.gather(1, target[:, None]).sum().item()
+            sums["nll_ref"] += -lr.gather(1, target[:, None]).sum().item()
+            sums["agree"] += int((lp.argmax(-1) == lr.argmax(-1)).sum())
+            kl = (lr.exp() * (lr - lp)).sum(-1)
+            sums["kl"] += kl.sum().item()
+            sums["kl_max"] = max(sums["kl_max"], kl.max().item())
+            sums["n"] += target.numel()
+            if progress:
+                progress(f"block {i + 1}", i + 1, len(blocks))
+    return sums
+
+
+def measure_quality(artifact, against: str, *, revision: str | None = None, text=None,
+                    max_tokens: int = DEFAULT_MAX_TOKENS, block: int = DEFAULT_BLOCK,
+                    progress=None) -> QualityReport:
+    """Score the loaded ``artifact`` (as ``lct.load`` gives it: NF4 parts kept) against the
+    source ``against`` loaded with ``from_pretrained``, on ``text`` (a file or folder; default:
+    the sample in ``lct.sample_text``).
+
+    Raises:
+        LCTError: the artifact has no tokenizer, no text, or the source cannot be resolved.
+    """
+    import math
+
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from .loader import load
+    from .source import resolve
+    from . import sample_text
+    path = Path(artifact)
+    if not any((path / n).is_file() for n in ("tokenizer.json", "tokenizer.model")):
+        raise LCTError(f"{path}: the artifact has no tokenizer to cut the text into tokens")
+    if max_tokens < 1:
+        raise LCTError(f"max tokens {max_tokens} must be at least 1")
+    texts = read_texts(text) if text is not None else sample_text.samples()
+    tokenizer = AutoTokenizer.from_pretrained(path)
+    blocks = token_blocks(tokenizer, texts, max_tokens, block)
+    if not blocks:
+        raise LCTError("the text is shorter than two tokens: nothing to score")
+    src = resolve(against, revision)
+    model = load(path)
+    first = next(p for p in model.parameters() if p.is_floating_point())
+    reference = AutoModelForCausalLM.from_pretrained(src.root, dtype=first.dtype).eval()
+    sums = score(model, reference, blocks, progress)
+    n = sums["n"]
+    return QualityReport(texts=[name for name, _ in texts], blocks=len(blocks), tokens=n,
+                         ppl_reference=math.exp(sums["nll_ref"] / n), ppl=math.exp(sums["nll"] / n),
+                         top1_agreement=sums["agree"] / n, kl_mean=sums["kl"] / n,
+                         kl_max=sums["kl_max"])

@@ -1,0 +1,93 @@
+"""`lct verify --quality`: perplexity, agreement and KL equal an independent computation, and a
+lossless artifact costs exactly nothing."""
+
+import json
+import math
+
+import pytest
+import torch
+from torch.nn import functional as F
+
+import lct
+from lct.converter import Policy
+from lct.quality import measure_quality, token_blocks
+
+
+@pytest.fixture(scope="module")
+def src(tmp_path_factory):
+    from lct import tiny
+    out = tiny.save_tiny(tmp_path_factory.mktemp("q") / "src", "llama")
+    tiny.save_tokenizer(out, vocab_size=256)
+    return out
+
+
+@pytest.fixture(scope="module")
+def arts(src, tmp_path_factory):
+    d = tmp_path_factory.mktemp("qa")
+    lct.convert(str(src), d / "default.lct")
+    lct.convert(str(src), d / "lossless.lct", policy=Policy(nf4=()))
+    return d / "default.lct", d / "lossless.lct"
+
+
+def test_quality_equals_an_independent_computation(src, arts):
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+    art = arts[0]
+    q = measure_quality(art, str(src), max_tokens=300, block=64)
+    tok = AutoTokenizer.from_pretrained(art)
+    from lct import sample_text
+    ids = tok(sample_text.PROSE).input_ids  # the prose comes first and is long enough
+    blocks, scored = [], 0  # non-overlapping 64-token blocks until 300 positions are scored
+    for i in range(0, len(ids), 64):
+        b = ids[i:i + 64][: 300 - scored + 1]
+        blocks.append(b)
+        scored += len(b) - 1
+        if scored == 300:
+            break
+    assert token_blocks(tok, sample_text.samples(), 300, 64) == blocks
+    model = lct.load(art)
+    ref = AutoModelForCausalLM.from_pretrained(src, dtype=torch.bfloat16).eval()
+    nll = nll_ref = 0.0
+    agree = n = 0
+    kls = []
+    with torch.no_grad():
+        for b in blocks:
+            x = torch.tensor([b])
+            a, r = model(x).logits[0, :-1].float(), ref(x).logits[0, :-1].float()
+            nll += F.cross_entropy(a, x[0, 1:], reduction="sum").item()
+            nll_ref += F.cross_entropy(r, x[0, 1:], reduction="sum").item()
+            agree += int((a.argmax(-1) == r.argmax(-1)).sum())
+            kls.append(F.kl_div(F.log_softmax(a, -1), F.log_softmax(r, -1), log_target=True,
+                                reduction="none").sum(-1))
+            n += len(b) - 1
+    kl = torch.cat(kls)
+    assert q.tokens == n == 300
+    assert q.ppl == pytest.approx(math.exp(nll / n), rel=1e-5)
+    assert q.ppl_reference == pytest.approx(math.exp(nll_ref / n), rel=1e-5)
+    assert q.top1_agreement == agree / n
+    assert q.kl_mean == pytest.approx(kl.mean().item(), rel=1e-4, abs=1e-7)
+    assert q.kl_max == pytest.approx(kl.max().item(), rel=1e-4, abs=1e-7)
+    assert q.delta_pct != 0.0  # the default artifact's NF4 embedding/head changes something
+
+
+def test_lossless_artifact_costs_exactly_nothing(src, arts, run):
+    res = run("verify", arts[1], "--against", src, "--quality", "--max-tokens", "200", "--json",
+              "--quiet")
+    assert res.exit_code == 0, res.output
+    q = json.loads(res.output[res.output.index("{"): res.output.rindex("}") + 1])
+    assert q["delta_pct"] == 0.0 and q["kl_mean"] == 0.0 and q["kl_max"] == 0.0
+    assert q["top1_agreement"] == 1.0 and q["tokens"] == 200
+
+
+def test_quality_text_folder_and_errors(src, arts, run, tmp_path):
+    (tmp_path / "t").mkdir()
+    (tmp_path / "t" / "a.txt").write_text("Hello world, the quick brown fox. " * 20)
+    res = run("verify", arts[0], "--against", src, "--quality", "--text", tmp_path / "t",
+              "--quiet")
+    assert res.exit_code == 0 and "perplexity change" in res.output
+    res = run("verify", arts[0], "--quality")
+    assert res.exit_code != 0 and "--quality needs --against" in res.output
+    (tmp_path / "empty").mkdir()
+    res = run("verify", arts[0], "--against", src, "--quality", "--text", tmp_path / "empty")
+    assert res.exit_code == 1 and "no text to score" in res.output
+    with pytest.raises(lct.errors.LCTError, match="lossless reference"):
+        lct.verify(arts[0], quality=True)
