@@ -25,7 +25,8 @@ def _parse_nf4(ctx, param, value: str) -> tuple:
               help="Artifact directory to create (appears atomically when complete).")
 @click.option("--revision", default=None, help="Hub revision (branch, tag or commit) of SOURCE.")
 @click.option("--nf4", "nf4", default="embed,head", show_default=True, callback=_parse_nf4,
-              help="Parts stored in NF4 (bitsandbytes layout): none, embed, head or embed,head.")
+              help="Parts stored in NF4 (bitsandbytes layout): none, embed, head or embed,head. "
+                   "A tied embedding/head is one table: none or embed,head.")
 @click.option("--dtype", type=click.Choice(C.CAST_TARGETS), default=None,
               help="Cast the lossless floating-point tensors (refused if a value overflows). "
                    "Default: keep each tensor's source dtype.")

@@ -325,6 +325,11 @@ def convert(source: str, out, *, revision: str | None = None, policy: Policy | N
                     ties[h.name] = e.name
                     del specs[C.GROUP_HEAD]
 
+    if ties and len(set(policy.nf4) & {"embed", "head"}) == 1:
+        only = next(iter(set(policy.nf4) & {"embed", "head"}))
+        raise PolicyError(f"{src.root}: the embedding and the LM head are one tied table, so "
+                          f"NF4 for the {only} alone cannot be honoured: store the table in NF4 "
+                          f"(embed,head) or losslessly (none)")
     groups = M.group_order(specs)
     total = sum(int(np.prod(tensors[s.name].shape)) * C.DTYPE_SIZES[tensors[s.name].dtype]
                 for g in specs.values() for s in g)

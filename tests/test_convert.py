@@ -278,3 +278,15 @@ def test_gpt2_naming(tmp_path):
     assert m.tensors["transformer.wpe.weight"].encoding == "plain"
     assert m.tensors["transformer.h.1.mlp.c_fc.weight"].group == "layers.1"
     assert m.tensors["transformer.ln_f.weight"].group == "norm"
+
+
+@pytest.mark.parametrize("part", ["embed", "head"])
+def test_nf4_for_one_side_of_a_tied_table_is_refused(gemma_src, tmp_path, part, run):
+    """A tied embedding/head is one table: NF4 for only one of them cannot be what the user
+    asked for, so it is refused instead of silently doing one or the other."""
+    from lct.errors import PolicyError
+    with pytest.raises(PolicyError, match="one tied table"):
+        lct.convert(str(gemma_src), tmp_path / "a.lct", policy=Policy(nf4=(part,)))
+    assert not (tmp_path / "a.lct").exists()
+    res = run("convert", gemma_src, "-o", tmp_path / "b.lct", "--nf4", part)
+    assert res.exit_code == 1 and "one tied table" in res.output
