@@ -88,6 +88,10 @@ SIDECAR_FILES = (
     "vocab.json",
     "merges.txt",
     "added_tokens.json",
+    "chat_template.jinja",          # transformers 4.43+ saves a chat model's template here
+    "chat_template.json",
+    "preprocessor_config.json",
+    "processor_config.json",
 )
 
 # Largest safetensors shard `lct export` writes (as transformers' save_pretrained defaults).

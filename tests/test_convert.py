@@ -290,3 +290,22 @@ def test_nf4_for_one_side_of_a_tied_table_is_refused(gemma_src, tmp_path, part, 
     assert not (tmp_path / "a.lct").exists()
     res = run("convert", gemma_src, "-o", tmp_path / "b.lct", "--nf4", part)
     assert res.exit_code == 1 and "one tied table" in res.output
+
+
+def test_chat_template_survives_convert_and_export(tmp_path):
+    """A chat model's template (chat_template.jinja) is carried into the artifact and back out."""
+    from transformers import AutoTokenizer
+
+    from lct import tiny
+    src = tiny.save_tiny(tmp_path / "src", "llama")
+    tiny.save_tokenizer(src, vocab_size=256)
+    tok = AutoTokenizer.from_pretrained(src)
+    tok.chat_template = "{% for m in messages %}<{{ m['role'] }}>{{ m['content'] }}{% endfor %}"
+    tok.save_pretrained(src)
+    assert (src / "chat_template.jinja").is_file()
+    lct.convert(str(src), tmp_path / "a.lct")
+    lct.export(tmp_path / "a.lct", tmp_path / "hf")
+    msgs = [{"role": "user", "content": "hi"}]
+    for folder in (tmp_path / "a.lct", tmp_path / "hf"):
+        text = AutoTokenizer.from_pretrained(folder).apply_chat_template(msgs, tokenize=False)
+        assert text == "<user>hi"
