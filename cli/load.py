@@ -13,9 +13,12 @@ def _ids(ctx, param, value):
     if value is None:
         return None
     try:
-        return [int(x) for x in value.split(",") if x.strip()]
+        ids = [int(x) for x in value.split(",") if x.strip()]
     except ValueError:
         raise click.BadParameter("comma-separated token ids, e.g. 1,5,9") from None
+    if not ids:
+        raise click.BadParameter("give at least one token id, e.g. 1,5,9")
+    return ids
 
 
 @click.command("load")
@@ -50,6 +53,9 @@ def load_cmd(artifact, prefetch, device, dtype, nf4, workers, no_verify, layerwi
     ARTIFACT is a folder or a Hub address hf://org/name[@revision] (pulled into the Hugging Face
     cache and verified, or with --stream read chunk by chunk over HTTP)."""
     from lct.proc import peak_rss, process_age
+
+    if prompt is not None and ids is not None:
+        raise click.UsageError("give --prompt or --ids, not both")
 
     from lct import hub
     source = artifact

@@ -12,8 +12,9 @@ from ._util import GroupProgress, table
 @click.command("verify")
 @click.argument("artifact", type=click.Path())
 @click.option("--against", default=None,
-              help="Source folder or Hub id: compare lossless tensors bit for bit and report "
-                   "NF4 error (max, mean, cosine).")
+              help="Source folder or Hub id: compare lossless tensors bit for bit, and NF4 "
+                   "tensors with the source quantized again (byte for byte; error and cosine "
+                   "shown beside).")
 @click.option("--revision", default=None, help="Hub revision of --against.")
 @click.option("--quality", is_flag=True,
               help="Also load ARTIFACT and the --against source and compare them on real text: "
@@ -44,8 +45,10 @@ def verify_cmd(artifact, against, revision, quality, text, max_tokens, as_json, 
         qbar.close()
     nf4 = [t for t in rep.tensors if t.encoding == "nf4"]
     if nf4:
-        click.echo(table([(t.name, f"{t.max_err:.3g}", f"{t.mean_err:.3g}", f"{t.cosine:.6f}")
-                          for t in nf4], ["nf4 tensor", "max err", "mean err", "cosine"]))
+        click.echo(table([(t.name, "identical" if t.ok else "DIFFER", f"{t.max_err:.3g}",
+                           f"{t.mean_err:.3g}", f"{t.cosine:.6f}") for t in nf4],
+                         ["nf4 tensor", "codes vs source re-quantized", "max err", "mean err",
+                          "cosine"]))
     lossless = [t for t in rep.tensors if t.encoding == "plain"]
     if lossless:
         click.echo(f"{sum(t.ok for t in lossless)}/{len(lossless)} lossless tensors bit-identical "

@@ -75,6 +75,9 @@ class NF4Embedding(nn.Module):
 
     def forward(self, ids: torch.Tensor) -> torch.Tensor:
         flat = ids.reshape(-1)
+        if flat.numel() and (int(flat.min()) < 0 or int(flat.max()) >= self.num_embeddings):
+            raise IndexError(f"ids must be in [0, {self.num_embeddings}), got "
+                             f"{int(flat.min())}..{int(flat.max())}")  # as nn.Embedding refuses
         mask = _pad_mask(flat, self.pad_ids)
         sel = flat if mask is None else flat[~mask]
         self.gathered_rows += sel.numel()

@@ -347,8 +347,25 @@ def load(path, prefetch: int = 2, device="cpu", dtype=None, nf4: str = "keep",
             gc.enable()
 
 
+def check_device(device) -> None:
+    """Refuse a device that is neither ``cpu`` nor an available CUDA device, before any work."""
+    name = device if isinstance(device, str) else str(device)
+    kind, _, index = name.partition(":")
+    if kind not in ("cpu", "cuda") or (index and not index.isdigit()) or (kind == "cpu" and index):
+        raise LCTError(f"device {name!r} is not 'cpu' or 'cuda[:N]'")
+    if kind == "cuda":
+        import torch
+        if not torch.cuda.is_available():
+            raise LCTError(f"device {name!r}: CUDA is not available in this torch build or on "
+                           f"this machine; load on 'cpu'")
+        if index and int(index) >= torch.cuda.device_count():
+            raise LCTError(f"device {name!r}: this machine has {torch.cuda.device_count()} CUDA "
+                           f"device(s)")
+
+
 def _load(path, prefetch, device, dtype, nf4, workers, verify, pad_ids, stats, maximus, stream):
     from concurrent.futures import ThreadPoolExecutor
+    check_device(device)
 
     from .stream import GroupStream
     stats = stats if stats is not None else LoadStats()

@@ -64,8 +64,15 @@ def generate_timed(model, path, prompt: str | None = None, ids=None,
             raise LCTError(f"{path}: the artifact has no tokenizer; pass token ids with --ids")
         input_ids = tok(prompt, return_tensors="pt").input_ids
     else:
-        input_ids = torch.tensor([list(ids)], dtype=torch.long)
+        ids = list(ids)
+        if not ids:
+            raise LCTError("no token ids to generate from")
+        input_ids = torch.tensor([ids], dtype=torch.long)
     gen = model.model if hasattr(model, "installer") else model
+    vocab = gen.get_input_embeddings().num_embeddings
+    bad = [int(i) for i in input_ids[0] if not 0 <= int(i) < vocab]
+    if bad:
+        raise LCTError(f"token id {bad[0]} is outside the vocabulary (0..{vocab - 1})")
     input_ids = input_ids.to(gen.device)
     clock = _Clock()
     t0 = time.perf_counter()

@@ -13,7 +13,8 @@ from __future__ import annotations
 from lct import constants as C
 from lct.errors import LCTError
 
-from .build import Installer, _is_cuda, _param_name, build_skeleton, open_source
+from .build import (Installer, _is_cuda, _param_name, build_skeleton, check_device,
+                    open_source)
 from .stream import GroupStream
 
 
@@ -43,6 +44,7 @@ class LayerwiseModel:
                  stream: bool = False):
         import torch
 
+        check_device(device)
         self.art = open_source(path, verify=verify, workers=workers, stream=stream,
                                pin_memory=_is_cuda(device))
         self.prefetch = prefetch

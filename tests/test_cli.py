@@ -111,3 +111,32 @@ def test_demo(run, tmp_path):
     assert "lossless tensors bit-identical" in res.output
     assert "convert" in res.output and "safetensors" in res.output
     assert (tmp_path / "demo" / "model.lct" / "lct.json").exists()
+
+
+@pytest.mark.parametrize("args,fragment,code", [
+    (["--ids", "1,99999"], "token id 99999 is outside the vocabulary", 1),
+    (["--ids", "-1"], "token id -1 is outside the vocabulary", 1),
+    (["--ids", ","], "give at least one token id", 2),
+    (["--ids", "1", "--prompt", "hi"], "give --prompt or --ids, not both", 2),
+    (["--device", "tpu", "--ids", "1"], "is not 'cpu' or 'cuda[:N]'", 1),
+])
+def test_load_bad_input_is_one_line(run, llama_art, args, fragment, code):
+    res = run("load", llama_art, *args)
+    assert res.exit_code == code and fragment in res.output and "Traceback" not in res.output
+
+
+def test_load_on_cuda_without_cuda_is_one_line(run, llama_art):
+    import torch
+    if torch.cuda.is_available():
+        pytest.skip("this machine has CUDA")
+    res = run("load", llama_art, "--device", "cuda", "--ids", "1")
+    assert res.exit_code == 1 and "CUDA is not available" in res.output
+
+
+def test_nf4_embedding_refuses_out_of_range_ids(llama_art):
+    import torch
+
+    import lct
+    model = lct.load(llama_art)
+    with pytest.raises(IndexError, match="ids must be in"):
+        model.get_input_embeddings()(torch.tensor([[-1, 2]]))
