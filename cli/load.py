@@ -121,7 +121,8 @@ def load_cmd(artifact, prefetch, device, dtype, nf4, workers, no_verify, layerwi
             if age is not None:
                 rows.append(("process start to first token",
                              f"{age - (time.perf_counter() - res.first_token_at):.2f} s"))
-            rows += [("first token (after ready)", f"{res.first_token_s:.2f} s"),
+            rows += [("tokenizer load + prompt encode", f"{res.tokenize_s:.2f} s"),
+                     ("first token (after the tokenizer)", f"{res.first_token_s:.2f} s"),
                      ("generation", f"{res.new_tokens} tokens, {res.tokens_per_s:.1f} tok/s")]
             click.echo(f"output: {res.text}")
         if layerwise:

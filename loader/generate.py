@@ -17,6 +17,7 @@ class GenerationResult:
     first_token_s: float      # from the call to the first generated token
     total_s: float
     first_token_at: float     # time.perf_counter() of the first token
+    tokenize_s: float = 0.0   # loading the tokenizer and encoding the prompt, before the call
 
     @property
     def tokens_per_s(self) -> float:
@@ -58,6 +59,7 @@ def generate_timed(model, path, prompt: str | None = None, ids=None,
         LCTError: a prompt was given but the artifact has no tokenizer.
     """
     import torch
+    t_tok = time.perf_counter()
     tok = load_tokenizer(path)
     if prompt is not None:
         if tok is None:
@@ -76,6 +78,7 @@ def generate_timed(model, path, prompt: str | None = None, ids=None,
     input_ids = input_ids.to(gen.device)
     clock = _Clock()
     t0 = time.perf_counter()
+    tokenize_s = t0 - t_tok
     with torch.no_grad():
         out = model.generate(input_ids, attention_mask=torch.ones_like(input_ids),
                              max_new_tokens=max_new_tokens, do_sample=False, streamer=clock,
@@ -85,4 +88,4 @@ def generate_timed(model, path, prompt: str | None = None, ids=None,
     text = tok.decode(new, skip_special_tokens=True) if tok is not None else " ".join(
         map(str, new.tolist()))
     first = clock.first or (t0 + total)
-    return GenerationResult(text, int(new.numel()), first - t0, total, first)
+    return GenerationResult(text, int(new.numel()), first - t0, total, first, tokenize_s)
