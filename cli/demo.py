@@ -29,6 +29,11 @@ def demo_cmd(workdir):
                f"{res.logits_cosine:.5f} (NF4 embedding)")
     click.echo(f"lct.load (NF4 kept) vs the exported model: same next token at every position: "
                f"{res.load_agrees}; max |logit difference| {res.load_max_diff:.2g} (fused NF4 head)")
+    q = res.quality
+    click.echo(f"quality vs source (lct verify --quality, {q.tokens} tokens of the shipped text): "
+               f"perplexity {q.ppl_reference:.2f} -> {q.ppl:.2f} ({q.delta_pct:+.2f} %), top-1 "
+               f"agreement {q.top1_agreement:.3f}, mean KL {q.kl_mean:.4f} nats (random weights: "
+               f"try it on a real model)")
     click.echo(f"prompt: {res.prompt!r} -> {res.output!r}")
     click.echo(table([(k, f"{v:.2f} s") for k, v in res.timings.items()], ["step", "time"]))
     click.echo(f"files are in {res.workdir}")

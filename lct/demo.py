@@ -34,6 +34,7 @@ class DemoResult:
     output: str = ""
     load_agrees: bool = False        # same next token as the exported model at every position
     load_max_diff: float = 0.0       # largest |logit difference| (the kept NF4 head sums in float32)
+    quality: object = None           # lct.quality.QualityReport of the artifact against the source
 
 
 def _dir_bytes(path: Path, suffix: str) -> int:
@@ -106,4 +107,9 @@ def run_demo(workdir=None, log=print) -> DemoResult:
     gen = generate_timed(loaded, work / "model.lct", prompt=res.prompt, max_new_tokens=12)
     res.timings["first token"] = gen.first_token_s
     res.output = gen.text
+
+    from .quality import measure_quality
+    t = time.perf_counter()
+    res.quality = measure_quality(work / "model.lct", str(src), max_tokens=512, block=256)
+    res.timings["verify --quality (512 tokens)"] = time.perf_counter() - t
     return res
