@@ -14,7 +14,7 @@ from .nf4 import dequantize_rows, dequantize_rows_into, quant_state
 _FUSED_DTYPES = (torch.bfloat16, torch.float32)
 
 
-def use_fused(rows: int, blocksize: int) -> bool:
+def use_fused(rows: int) -> bool:
     """Whether a CPU NF4 matmul over ``rows`` input rows takes the fused kernel: it is built,
     and the input is short enough that reading 4-bit codes per row beats dequantizing once
     (``C.NF4_FUSED_MAX_ROWS``, measured in docs/BENCHMARKS.md)."""
@@ -109,7 +109,7 @@ class NF4Linear(nn.Module):
         # hidden[:, -1:, :] above all) takes a path 100x slower than the same data as 2-D.
         x2 = x.reshape(-1, self.in_features)
         odt = torch.result_type(x, torch.empty(0, dtype=self.dtype))
-        if use_fused(x2.shape[0], self.blocksize) and odt in _FUSED_DTYPES:
+        if use_fused(x2.shape[0]) and odt in _FUSED_DTYPES:
             out = fused_nf4_matmul(x2, self.packed, self.absmax, self.blocksize, odt)
             if self.bias is not None:
                 out += self.bias

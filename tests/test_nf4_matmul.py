@@ -114,7 +114,7 @@ def _sliced():
 
 @pytest.mark.parametrize("fused", [True, False])
 def test_nf4_head_sliced_input_equals_fresh_2d(fused, monkeypatch):
-    monkeypatch.setattr(klin, "use_fused", lambda rows, bs: fused and native.matmul_available())
+    monkeypatch.setattr(klin, "use_fused", lambda rows: fused and native.matmul_available())
     packed, absmax = _weight(500, 128, 64)
     head = NF4Linear(packed, absmax, 500, 128, 64, torch.bfloat16)
     x = _sliced()
@@ -153,7 +153,7 @@ def test_heads_never_hand_torch_a_3d_input(monkeypatch):
     dense = torch.nn.Linear(128, 300).to(torch.bfloat16)
     dense.__class__ = FlatLinear
     for fused in (True, False):
-        monkeypatch.setattr(klin, "use_fused", lambda rows, bs, f=fused: f and native.matmul_available())
+        monkeypatch.setattr(klin, "use_fused", lambda rows, f=fused: f and native.matmul_available())
         NF4Linear(packed, absmax, 300, 128, 64, torch.bfloat16, chunk_rows=100)(_sliced())
     dense(_sliced())
     assert seen and set(seen) == {2}
