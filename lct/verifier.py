@@ -97,6 +97,11 @@ def verify(artifact, *, against: str | None = None, revision: str | None = None,
         for name in sorted(set(src_tensors) - stored):
             report.failures.append(f"{name}: in the source but not in the artifact")
     try:
+        if art.manifest.maximus is not None:
+            try:
+                art.maximus_state()  # its sha256 and permutation, as a load would check them
+            except LCTError as e:
+                report.failures.append(str(e))
         groups = art.groups
         for i, group in enumerate(groups):
             bufs = {}

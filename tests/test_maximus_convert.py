@@ -185,3 +185,21 @@ def test_corrupt_or_mismatched_state_in_artifact(mx_art, tmp_path):
 def lct_cli():
     from lct.cli.main import cli
     return cli
+
+
+@pytest.mark.parametrize("how", ["flip", "truncate"])
+def test_verify_catches_a_corrupt_maximus_state(mx_art, tmp_path, how):
+    import shutil
+    art = tmp_path / "a.lct"
+    shutil.copytree(mx_art, art)
+    with lct.open(art) as a:
+        state = art / a.manifest.maximus["file"]
+    data = bytearray(state.read_bytes())
+    if how == "flip":
+        data[len(data) // 2] ^= 0x40
+    else:
+        data = data[: len(data) // 3]
+    state.write_bytes(bytes(data))
+    rep = lct.verify(art)
+    assert not rep.ok and any(str(state) in f for f in rep.failures)
+    assert lct.verify(mx_art).ok
