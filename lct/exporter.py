@@ -16,6 +16,7 @@ from pathlib import Path
 from . import constants as C
 from .errors import LCTError
 from .reader import Artifact, open_artifact
+from .writer import check_output_path
 
 DEFAULT_SHARD_SIZE = C.EXPORT_SHARD_SIZE
 
@@ -46,6 +47,7 @@ def export(artifact, out_dir, *, max_shard_size: int = DEFAULT_SHARD_SIZE, overw
 
     art = artifact if isinstance(artifact, Artifact) else open_artifact(artifact)
     out = Path(out_dir).absolute()
+    check_output_path(out)
     if out.exists() and not overwrite:
         raise LCTError(f"{out} already exists; pass --force to replace it")
     out.parent.mkdir(parents=True, exist_ok=True)

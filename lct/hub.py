@@ -79,7 +79,9 @@ def parse_hf_uri(uri: str) -> tuple:
         raise HubURIError(f"{uri!r}: expected a string like hf://org/name@revision")
     rest = uri[len(HF_SCHEME):] if uri.startswith(HF_SCHEME) else uri
     repo_id, sep, revision = rest.partition("@")
-    repo_id = repo_id.strip("/")
+    if repo_id.startswith("/"):  # hf:///name: an empty owner, not the legacy repo "name"
+        raise HubURIError(f"{uri}: not a Hub model address; expected hf://org/name[@revision]")
+    repo_id = repo_id.rstrip("/")
     if repo_id.startswith(("datasets/", "spaces/")):
         raise HubURIError(f"{uri}: LCT artifacts live in model repos, not {repo_id.split('/')[0]}")
     if repo_id.startswith("models/") and repo_id.count("/") == 2:

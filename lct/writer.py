@@ -104,6 +104,24 @@ def plan_group(group: str, specs: list) -> list:
     return list(plans.values())
 
 
+def check_output_path(target: Path) -> None:
+    """Refuse an output path LCT cannot create or replace as a folder: a symbolic link, a file,
+    or a path below a file.
+
+    Raises:
+        LCTError: naming the path and what is in the way.
+    """
+    if target.is_symlink():
+        raise LCTError(f"{target} is a symbolic link; give the path of a folder to create")
+    if target.exists() and not target.is_dir():
+        raise LCTError(f"{target} is a file, not a folder; give another output path")
+    for parent in target.parents:
+        if parent.exists():
+            if not parent.is_dir():
+                raise LCTError(f"{target}: cannot create it, {parent} is a file, not a folder")
+            return
+
+
 class ArtifactWriter:
     """Write an artifact directory atomically.
 
@@ -116,6 +134,7 @@ class ArtifactWriter:
     def __init__(self, out_dir, *, max_file_size: int = C.DEFAULT_MAX_FILE_SIZE,
                  overwrite: bool = False, map_fn=map):
         self.target = Path(out_dir).absolute()
+        check_output_path(self.target)
         if self.target.exists():
             if not overwrite:
                 raise LCTError(f"{self.target} already exists; pass --force to replace it")

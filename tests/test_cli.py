@@ -140,3 +140,24 @@ def test_nf4_embedding_refuses_out_of_range_ids(llama_art):
     model = lct.load(llama_art)
     with pytest.raises(IndexError, match="ids must be in"):
         model.get_input_embeddings()(torch.tensor([[-1, 2]]))
+
+
+def test_outputs_in_the_way_are_one_line(run, llama_src, llama_art, tmp_path):
+    (tmp_path / "afile").write_text("user data")
+    (tmp_path / "alink").symlink_to(tmp_path / "afile")
+    cases = [(["convert", llama_src, "-o", tmp_path / "afile" / "x.lct"], "is a file, not a folder"),
+             (["export", llama_art, tmp_path / "afile" / "sub"], "is a file, not a folder"),
+             (["export", llama_art, tmp_path / "afile", "--force"], "is a file, not a folder"),
+             (["export", llama_art, tmp_path / "alink", "--force"], "is a symbolic link"),
+             (["convert", llama_src, "-o", tmp_path / "alink", "--force"], "is a symbolic link")]
+    for args, fragment in cases:
+        res = run(*args)
+        assert res.exit_code == 1 and fragment in res.output, (args, res.output)
+    assert (tmp_path / "afile").read_text() == "user data" and (tmp_path / "alink").is_symlink()
+
+
+def test_hf_address_with_an_empty_owner_is_refused():
+    from lct.hub import HubURIError, parse_hf_uri
+    with pytest.raises(HubURIError, match="not a Hub model address"):
+        parse_hf_uri("hf:///bad")
+    assert parse_hf_uri("hf://org/name/") == ("org/name", None)
