@@ -16,13 +16,39 @@ from pathlib import Path
 from . import constants as C
 from .errors import LCTError
 from .reader import Artifact, open_artifact
-from .writer import check_output_path
+from .writer import check_output_path, foreign_entry
 
 DEFAULT_SHARD_SIZE = C.EXPORT_SHARD_SIZE
 
 
 def _shard_name(i: int, n: int) -> str:
     return "model.safetensors" if n == 1 else f"model-{i + 1:05d}-of-{n:05d}.safetensors"
+
+
+def _is_export_file(name: str) -> bool:
+    """Whether ``name`` is a file ``export`` writes (shards, their index, side files)."""
+    import re
+    return (name in ("model.safetensors", "model.safetensors.index.json")
+            or name in C.SIDECAR_FILES
+            or re.fullmatch(r"model-[0-9]{5}-of-[0-9]{5}\.safetensors", name) is not None)
+
+
+def _check_target(out: Path, art_path: Path, overwrite: bool) -> None:
+    """Refuse an export target LCT must not write: a file or link, the artifact itself, a
+    folder inside it or around it, or (with ``overwrite``) a folder holding files an export
+    does not write."""
+    check_output_path(out)
+    src, dst = art_path.resolve(), out.resolve()
+    if dst == src or src in dst.parents or dst in src.parents:
+        raise LCTError(f"{out}: the export would write into, over or around the artifact "
+                       f"{art_path}; give a folder outside it")
+    if out.exists() and not overwrite:
+        raise LCTError(f"{out} already exists; pass --force to replace it")
+    if out.exists():
+        other = foreign_entry(out, _is_export_file)
+        if other is not None:
+            raise LCTError(f"{out} holds {other!r}, which an export does not write; refusing to "
+                           f"replace the folder (move it first)")
 
 
 def export(artifact, out_dir, *, max_shard_size: int = DEFAULT_SHARD_SIZE, overwrite: bool = False,
@@ -45,11 +71,10 @@ def export(artifact, out_dir, *, max_shard_size: int = DEFAULT_SHARD_SIZE, overw
     """
     from safetensors.torch import save_file
 
-    art = artifact if isinstance(artifact, Artifact) else open_artifact(artifact)
     out = Path(out_dir).absolute()
-    check_output_path(out)
-    if out.exists() and not overwrite:
-        raise LCTError(f"{out} already exists; pass --force to replace it")
+    _check_target(out, artifact.path if isinstance(artifact, Artifact) else Path(artifact),
+                  overwrite)
+    art = artifact if isinstance(artifact, Artifact) else open_artifact(artifact)
     out.parent.mkdir(parents=True, exist_ok=True)
     tmp = out.parent / f".{out.name}.tmp-{uuid.uuid4().hex[:12]}"
     tmp.mkdir()

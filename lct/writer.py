@@ -122,6 +122,22 @@ def check_output_path(target: Path) -> None:
             return
 
 
+def foreign_entry(folder: Path, owned) -> str | None:
+    """The first entry of ``folder`` that is not a regular file for which ``owned(name)`` holds
+    (what LCT would be deleting without having written it), or None."""
+    for entry in sorted(folder.iterdir()):
+        if entry.is_symlink() or not entry.is_file() or not owned(entry.name):
+            return entry.name
+    return None
+
+
+def is_artifact_file(name: str) -> bool:
+    """Whether ``name`` is a file an LCT artifact consists of (FORMAT.md section 1)."""
+    import re
+    return (name in (C.MANIFEST_NAME, C.MAXIMUS_FILE) or name in C.SIDECAR_FILES
+            or re.fullmatch(C.DATA_FILE_PATTERN, name) is not None)
+
+
 class ArtifactWriter:
     """Write an artifact directory atomically.
 
@@ -141,6 +157,10 @@ class ArtifactWriter:
             if not (self.target.is_dir() and ((self.target / C.MANIFEST_NAME).exists()
                                               or not any(self.target.iterdir()))):
                 raise LCTError(f"{self.target} exists and is not an LCT artifact; refusing to replace it")
+            other = foreign_entry(self.target, is_artifact_file)
+            if other is not None:
+                raise LCTError(f"{self.target} holds {other!r}, which is not part of an LCT "
+                               f"artifact; refusing to replace the folder (move it first)")
         self.target.parent.mkdir(parents=True, exist_ok=True)
         self.tmp = self.target.parent / f".{self.target.name}.tmp-{uuid.uuid4().hex[:12]}"
         self.tmp.mkdir()

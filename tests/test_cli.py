@@ -161,3 +161,29 @@ def test_hf_address_with_an_empty_owner_is_refused():
     with pytest.raises(HubURIError, match="not a Hub model address"):
         parse_hf_uri("hf:///bad")
     assert parse_hf_uri("hf://org/name/") == ("org/name", None)
+
+
+def test_force_never_deletes_what_lct_did_not_write(run, llama_src, llama_art, tmp_path):
+    """export/convert --force replace only folders made of their own files (issue 12 items 1-2)."""
+    art = tmp_path / "a.lct"
+    shutil.copytree(llama_art, art)
+    out = tmp_path / "hf"
+    assert run("export", art, out).exit_code == 0
+    assert run("export", art, out, "--force").exit_code == 0  # an earlier export: replaced
+    (out / "notes.txt").write_text("mine")
+    res = run("export", art, out, "--force")
+    assert res.exit_code == 1 and "'notes.txt'" in res.output and (out / "notes.txt").exists()
+    for target in (art, art / "sub", tmp_path):  # the artifact, inside it, around it
+        res = run("export", art, target, "--force")
+        assert res.exit_code == 1 and "into, over or around the artifact" in res.output
+    assert lct_ok(art)
+    (art / "my-notes.md").write_text("mine")
+    res = run("convert", llama_src, "-o", art, "--force")
+    assert res.exit_code == 1 and "'my-notes.md'" in res.output and (art / "my-notes.md").exists()
+    (art / "my-notes.md").unlink()
+    assert run("convert", llama_src, "-o", art, "--force").exit_code == 0
+
+
+def lct_ok(path):
+    import lct
+    return lct.verify(path).ok
