@@ -16,7 +16,7 @@ from pathlib import Path
 from . import constants as C
 from .errors import LCTError
 from .reader import Artifact, open_artifact
-from .writer import check_output_path, foreign_entry
+from .writer import OutputLock, check_output_path, foreign_entry
 
 DEFAULT_SHARD_SIZE = C.EXPORT_SHARD_SIZE
 
@@ -33,15 +33,19 @@ def _is_export_file(name: str) -> bool:
             or re.fullmatch(r"model-[0-9]{5}-of-[0-9]{5}\.safetensors", name) is not None)
 
 
-def _check_target(out: Path, art_path: Path, overwrite: bool) -> None:
-    """Refuse an export target LCT must not write: a file or link, the artifact itself, a
-    folder inside it or around it, or (with ``overwrite``) a folder holding files an export
-    does not write."""
+def _check_place(out: Path, art_path: Path) -> None:
+    """Refuse an export target that is a file or link, the artifact itself, or a folder inside
+    or around it."""
     check_output_path(out)
     src, dst = art_path.resolve(), out.resolve()
     if dst == src or src in dst.parents or dst in src.parents:
         raise LCTError(f"{out}: the export would write into, over or around the artifact "
                        f"{art_path}; give a folder outside it")
+
+
+def _check_target(out: Path, overwrite: bool) -> None:
+    """Refuse to replace an existing folder without ``overwrite``, or one holding files an
+    export does not write (run with the output lock held)."""
     if out.exists() and not overwrite:
         raise LCTError(f"{out} already exists; pass --force to replace it")
     if out.exists():
@@ -69,13 +73,20 @@ def export(artifact, out_dir, *, max_shard_size: int = DEFAULT_SHARD_SIZE, overw
         >>> lct.export("gemma.lct", "gemma-hf")
         >>> AutoModelForCausalLM.from_pretrained("gemma-hf")
     """
+    out = Path(out_dir).absolute()
+    art_path = artifact.path if isinstance(artifact, Artifact) else Path(artifact)
+    _check_place(out, art_path)
+    # Held while writing: no other LCT process writes the same folder between the checks and
+    # the rename; litter of dead runs is cleaned on the way in.
+    with OutputLock(out):
+        _check_target(out, overwrite)
+        return _export(artifact, out, max_shard_size, progress)
+
+
+def _export(artifact, out: Path, max_shard_size: int, progress) -> Path:
     from safetensors.torch import save_file
 
-    out = Path(out_dir).absolute()
-    _check_target(out, artifact.path if isinstance(artifact, Artifact) else Path(artifact),
-                  overwrite)
     art = artifact if isinstance(artifact, Artifact) else open_artifact(artifact)
-    out.parent.mkdir(parents=True, exist_ok=True)
     tmp = out.parent / f".{out.name}.tmp-{uuid.uuid4().hex[:12]}"
     tmp.mkdir()
     try:
@@ -119,9 +130,13 @@ def export(artifact, out_dir, *, max_shard_size: int = DEFAULT_SHARD_SIZE, overw
         for name in C.SIDECAR_FILES:
             if (art.path / name).is_file():
                 shutil.copyfile(art.path / name, tmp / name)
-        if out.exists():
-            shutil.rmtree(out)
+        trash = None
+        if out.exists():  # an earlier export (checked): aside first, so a crash loses nothing
+            trash = out.parent / f".{out.name}.old-{uuid.uuid4().hex[:12]}"
+            os.replace(out, trash)
         os.replace(tmp, out)
+        if trash is not None:
+            shutil.rmtree(trash, ignore_errors=True)
     finally:
         if tmp.exists():
             shutil.rmtree(tmp, ignore_errors=True)

@@ -122,6 +122,67 @@ def check_output_path(target: Path) -> None:
             return
 
 
+class OutputLock:
+    """An exclusive lock on an output path, held while LCT writes it: ``flock`` on a file beside
+    it (``.NAME.lock``), which dies with its process and is deleted on release, so that nothing
+    stays behind. (Not the filelock package: it leaves the file, and deleting it safely needs
+    the inode check in ``acquire``.) While it is held, temporary folders of earlier runs for the
+    same output (``.NAME.tmp-*``, ``.NAME.old-*``) can only be litter of runs that died, and
+    are removed.
+
+    Raises:
+        LCTError: another process holds the lock.
+    """
+
+    def __init__(self, target: Path):
+        self.target = target
+        self.path = target.parent / f".{target.name}.lock"
+        self._fd = None
+
+    def acquire(self) -> "OutputLock":
+        import fcntl
+        self.target.parent.mkdir(parents=True, exist_ok=True)
+        for _ in range(8):
+            fd = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o644)
+            try:
+                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            except BlockingIOError:
+                os.close(fd)
+                raise LCTError(f"{self.target}: another LCT process is writing it right now "
+                               f"(lock {self.path}); wait for it to finish") from None
+            try:
+                same = os.stat(self.path).st_ino == os.fstat(fd).st_ino
+            except FileNotFoundError:
+                same = False
+            if same:  # not a file its previous holder deleted while we waited to open it
+                self._fd = fd
+                break
+            os.close(fd)
+        else:
+            raise LCTError(f"{self.target}: could not take the lock {self.path}")
+        for litter in self.target.parent.glob(f".{self.target.name}.*-*"):
+            tail = litter.name[len(self.target.name) + 2:]
+            if litter.is_dir() and not litter.is_symlink() and tail[:4] in ("tmp-", "old-"):
+                shutil.rmtree(litter, ignore_errors=True)
+        return self
+
+    def release(self) -> None:
+        if self._fd is None:
+            return
+        try:
+            os.unlink(self.path)  # before unlocking: a waiter then sees another inode
+        except FileNotFoundError:
+            pass
+        os.close(self._fd)
+        self._fd = None
+
+    def __enter__(self):
+        return self.acquire()
+
+    def __exit__(self, *exc):
+        self.release()
+
+
 def foreign_entry(folder: Path, owned) -> str | None:
     """The first entry of ``folder`` that is not a regular file for which ``owned(name)`` holds
     (what LCT would be deleting without having written it), or None."""
@@ -151,19 +212,17 @@ class ArtifactWriter:
                  overwrite: bool = False, map_fn=map):
         self.target = Path(out_dir).absolute()
         check_output_path(self.target)
-        if self.target.exists():
-            if not overwrite:
-                raise LCTError(f"{self.target} already exists; pass --force to replace it")
-            if not (self.target.is_dir() and ((self.target / C.MANIFEST_NAME).exists()
-                                              or not any(self.target.iterdir()))):
-                raise LCTError(f"{self.target} exists and is not an LCT artifact; refusing to replace it")
-            other = foreign_entry(self.target, is_artifact_file)
-            if other is not None:
-                raise LCTError(f"{self.target} holds {other!r}, which is not part of an LCT "
-                               f"artifact; refusing to replace the folder (move it first)")
-        self.target.parent.mkdir(parents=True, exist_ok=True)
-        self.tmp = self.target.parent / f".{self.target.name}.tmp-{uuid.uuid4().hex[:12]}"
-        self.tmp.mkdir()
+        self.overwrite = overwrite
+        # Held until finish/abort: no other LCT process creates or replaces the target between
+        # the checks here and the rename in finish.
+        self._lock = OutputLock(self.target).acquire()
+        try:
+            self._check_target()
+            self.tmp = self.target.parent / f".{self.target.name}.tmp-{uuid.uuid4().hex[:12]}"
+            self.tmp.mkdir()
+        except BaseException:
+            self._lock.release()
+            raise
         self.artifact_id = uuid.uuid4().hex
         self.max_file_size = max_file_size
         self.map_fn = map_fn
@@ -182,6 +241,20 @@ class ArtifactWriter:
     def _require_open(self):
         if self.state != "open":
             raise RuntimeError(f"ArtifactWriter is {self.state}; no more writes allowed")
+
+    def _check_target(self) -> None:
+        """Refuse to replace anything but an LCT artifact made only of its own files."""
+        if not self.target.exists():
+            return
+        if not self.overwrite:
+            raise LCTError(f"{self.target} already exists; pass --force to replace it")
+        if not (self.target.is_dir() and ((self.target / C.MANIFEST_NAME).exists()
+                                          or not any(self.target.iterdir()))):
+            raise LCTError(f"{self.target} exists and is not an LCT artifact; refusing to replace it")
+        other = foreign_entry(self.target, is_artifact_file)
+        if other is not None:
+            raise LCTError(f"{self.target} holds {other!r}, which is not part of an LCT "
+                           f"artifact; refusing to replace the folder (move it first)")
 
     def __enter__(self):
         return self
@@ -316,6 +389,7 @@ class ArtifactWriter:
             f.write(text)
             f.flush()
             os.fsync(f.fileno())
+        self._check_target()  # something other than LCT may have put it there meanwhile
         trash = None
         if self.target.exists():
             trash = self.target.parent / f".{self.target.name}.old-{uuid.uuid4().hex[:12]}"
@@ -324,6 +398,7 @@ class ArtifactWriter:
         if trash is not None:
             shutil.rmtree(trash, ignore_errors=True)
         self.state = "finished"
+        self._lock.release()
         return manifest
 
     def abort(self) -> None:
@@ -338,3 +413,4 @@ class ArtifactWriter:
         finally:
             shutil.rmtree(self.tmp, ignore_errors=True)
             self.state = "aborted"
+            self._lock.release()

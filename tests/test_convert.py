@@ -309,3 +309,34 @@ def test_chat_template_survives_convert_and_export(tmp_path):
     for folder in (tmp_path / "a.lct", tmp_path / "hf"):
         text = AutoTokenizer.from_pretrained(folder).apply_chat_template(msgs, tokenize=False)
         assert text == "<user>hi"
+
+
+@pytest.mark.parametrize("command", ["convert", "export"])
+def test_a_second_writer_of_the_same_output_fails_and_dead_runs_litter_is_cleaned(
+        command, llama_src, llama_art, tmp_path):
+    """Two LCT processes writing one output: the second fails naming the lock, instead of both
+    exiting 0 and one silently replacing the other (issue 12 item 3); temporary folders of a run
+    that died are removed by the next run (item 14)."""
+    from lct.writer import OutputLock
+
+    out = tmp_path / "out"
+    litter = [tmp_path / ".out.tmp-0123456789ab", tmp_path / ".out.old-0123456789ab"]
+    keep = tmp_path / ".out.notes"  # not LCT's pattern: left alone
+    keep.write_text("mine")
+
+    def write():
+        if command == "convert":
+            lct.convert(str(llama_src), out)
+        else:
+            lct.export(llama_art, out)
+
+    with OutputLock(out):  # another writer holds the output (flock: per open file, as a process)
+        for d in litter:  # what a run killed by SIGKILL leaves
+            d.mkdir()
+            (d / "model-00000.lct").write_bytes(b"half")
+        with pytest.raises(LCTError, match="another LCT process is writing it"):
+            write()
+    assert not out.exists() and all(d.exists() for d in litter)
+    write()
+    assert out.is_dir() and not any(d.exists() for d in litter) and keep.read_text() == "mine"
+    assert not (tmp_path / ".out.lock").exists()  # released and deleted
