@@ -16,7 +16,7 @@ from pathlib import Path
 from . import constants as C
 from .errors import LCTError
 from .reader import Artifact, open_artifact
-from .writer import OutputLock, check_output_path, foreign_entry
+from .writer import OutputLock, check_output_path, foreign_entry, swap_into_place
 
 DEFAULT_SHARD_SIZE = C.EXPORT_SHARD_SIZE
 
@@ -130,13 +130,7 @@ def _export(artifact, out: Path, max_shard_size: int, progress) -> Path:
         for name in C.SIDECAR_FILES:
             if (art.path / name).is_file():
                 shutil.copyfile(art.path / name, tmp / name)
-        trash = None
-        if out.exists():  # an earlier export (checked): aside first, so a crash loses nothing
-            trash = out.parent / f".{out.name}.old-{uuid.uuid4().hex[:12]}"
-            os.replace(out, trash)
-        os.replace(tmp, out)
-        if trash is not None:
-            shutil.rmtree(trash, ignore_errors=True)
+        swap_into_place(tmp, out)  # an earlier export (checked) is replaced in one step
     finally:
         if tmp.exists():
             shutil.rmtree(tmp, ignore_errors=True)

@@ -160,10 +160,17 @@ class OutputLock:
             os.close(fd)
         else:
             raise LCTError(f"{self.target}: could not take the lock {self.path}")
-        for litter in self.target.parent.glob(f".{self.target.name}.*-*"):
-            tail = litter.name[len(self.target.name) + 2:]
-            if litter.is_dir() and not litter.is_symlink() and tail[:4] in ("tmp-", "old-"):
-                shutil.rmtree(litter, ignore_errors=True)
+        litter = [p for p in self.target.parent.glob(f".{self.target.name}.*-*")
+                  if p.is_dir() and not p.is_symlink()
+                  and p.name[len(self.target.name) + 2:][:4] in ("tmp-", "old-")]
+        old = sorted((p for p in litter if ".old-" in p.name), key=lambda p: p.stat().st_mtime)
+        if old and not self.target.exists() and not self.target.is_symlink():
+            # A run died between moving the old output aside and putting the new one in place:
+            # the old one goes back (the new one may be incomplete).
+            os.replace(old[-1], self.target)
+            litter.remove(old[-1])
+        for p in litter:
+            shutil.rmtree(p, ignore_errors=True)
         return self
 
     def release(self) -> None:
@@ -181,6 +188,36 @@ class OutputLock:
 
     def __exit__(self, *exc):
         self.release()
+
+
+def _exchange(a: Path, b: Path) -> bool:
+    """Swap two paths in one step (Linux ``renameat2(RENAME_EXCHANGE)``); False where the
+    kernel, the C library or the filesystem cannot."""
+    import ctypes
+    try:
+        libc = ctypes.CDLL(None, use_errno=True)
+        fn = libc.renameat2
+    except (OSError, AttributeError):
+        return False
+    at_fdcwd, rename_exchange = -100, 2
+    return fn(at_fdcwd, os.fsencode(a), at_fdcwd, os.fsencode(b), rename_exchange) == 0
+
+
+def swap_into_place(new: Path, target: Path) -> None:
+    """Put the complete folder ``new`` at ``target``. An existing target is exchanged with it
+    atomically where the system allows (a crash at any instant leaves the old or the new one at
+    ``target``), else moved aside first (a crash in between leaves it as ``.NAME.old-*``, which
+    the next run holding ``OutputLock`` puts back); the old one is then deleted."""
+    if not target.exists():
+        os.replace(new, target)
+        return
+    if _exchange(new, target):
+        shutil.rmtree(new, ignore_errors=True)  # now holds the old one
+        return
+    trash = target.parent / f".{target.name}.old-{uuid.uuid4().hex[:12]}"
+    os.replace(target, trash)
+    os.replace(new, target)
+    shutil.rmtree(trash, ignore_errors=True)
 
 
 def foreign_entry(folder: Path, owned) -> str | None:
@@ -390,13 +427,7 @@ class ArtifactWriter:
             f.flush()
             os.fsync(f.fileno())
         self._check_target()  # something other than LCT may have put it there meanwhile
-        trash = None
-        if self.target.exists():
-            trash = self.target.parent / f".{self.target.name}.old-{uuid.uuid4().hex[:12]}"
-            os.replace(self.target, trash)
-        os.replace(self.tmp, self.target)
-        if trash is not None:
-            shutil.rmtree(trash, ignore_errors=True)
+        swap_into_place(self.tmp, self.target)
         self.state = "finished"
         self._lock.release()
         return manifest

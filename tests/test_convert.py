@@ -320,7 +320,8 @@ def test_a_second_writer_of_the_same_output_fails_and_dead_runs_litter_is_cleane
     from lct.writer import OutputLock
 
     out = tmp_path / "out"
-    litter = [tmp_path / ".out.tmp-0123456789ab", tmp_path / ".out.old-0123456789ab"]
+    # (an .old-* beside a missing target is put back instead: see the replacement test below)
+    litter = [tmp_path / ".out.tmp-0123456789ab", tmp_path / ".out.tmp-ba9876543210"]
     keep = tmp_path / ".out.notes"  # not LCT's pattern: left alone
     keep.write_text("mine")
 
@@ -340,3 +341,37 @@ def test_a_second_writer_of_the_same_output_fails_and_dead_runs_litter_is_cleane
     write()
     assert out.is_dir() and not any(d.exists() for d in litter) and keep.read_text() == "mine"
     assert not (tmp_path / ".out.lock").exists()  # released and deleted
+
+
+def test_replacement_is_one_step_and_a_run_killed_midway_gets_the_old_artifact_back(
+        llama_src, tmp_path, monkeypatch):
+    """--force swaps the new artifact in atomically (renameat2 exchange); where that is not
+    possible and a run dies between moving the old one aside and renaming the new one in, the
+    next run puts the old one back (issue 12 item 4)."""
+    from lct import writer
+    out = tmp_path / "a.lct"
+    lct.convert(str(llama_src), out)
+    first = json.loads((out / "lct.json").read_text())["artifact_id"]
+    lct.convert(str(llama_src), out, overwrite=True)
+    second = json.loads((out / "lct.json").read_text())["artifact_id"]
+    assert second != first and lct.verify(out).ok
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["a.lct"]  # nothing left beside it
+
+    # No exchange here, and the process dies right after moving the old artifact aside.
+    monkeypatch.setattr(writer, "_exchange", lambda a, b: False)
+    real_replace = writer.os.replace
+
+    def die_after_moving_aside(src, dst):
+        real_replace(src, dst)
+        if ".old-" in str(dst):
+            raise KeyboardInterrupt("killed")
+    monkeypatch.setattr(writer.os, "replace", die_after_moving_aside)
+    with pytest.raises(KeyboardInterrupt):
+        lct.convert(str(llama_src), out, overwrite=True)
+    monkeypatch.setattr(writer.os, "replace", real_replace)
+    assert not out.exists()  # the user sees neither until the next run
+    with pytest.raises(LCTError, match="already exists"):
+        lct.convert(str(llama_src), out)  # the next run first puts the old one back
+    assert json.loads((out / "lct.json").read_text())["artifact_id"] == second
+    assert lct.verify(out).ok
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["a.lct"]
