@@ -358,6 +358,9 @@ def _artifact_files(root: Path, manifest) -> list:
     names += [n for n in C.SIDECAR_FILES if (root / n).is_file()]
     names += [n for n in EXTRA_FILES if (root / n).is_file()]
     for n in names:
+        if (root / n).is_symlink():  # it would publish whatever it points at
+            raise LCTError(f"{root / n}: a symbolic link; refusing to push (LCT publishes only "
+                           f"the artifact's own regular files)")
         if not (root / n).is_file():
             raise LCTError(f"{root / n}: missing; refusing to push an incomplete artifact")
     return names
@@ -402,9 +405,7 @@ def push(artifact, repo_id: str, revision: str | None = None, private: bool = Fa
     root = Path(artifact)
     try:
         with open_artifact(root) as art:
-            report = verify(art, progress=verify_progress)
-            if art.manifest.maximus and not report.failures:
-                art.maximus_state()  # sha256 and permutation checks
+            report = verify(art, progress=verify_progress)  # Maximus state included
             manifest = art.manifest
     except LCTError as e:
         raise type(e)(f"refusing to push: {e}") from e

@@ -13,7 +13,7 @@ import lct
 from lct import constants as C
 from lct import hub as lhub
 from lct.cli.main import cli
-from lct.errors import ArtifactNotFoundError, ChecksumError
+from lct.errors import ArtifactNotFoundError, ChecksumError, LCTError
 from lct.hub import HubAuthError, HubError, HubNotFoundError, HubOfflineError, HubURIError
 
 from hub_server import HubServer  # noqa: E402  (tests/ is on sys.path under pytest)
@@ -120,6 +120,18 @@ def test_push_refuses_invalid_artifacts(gemma_art, hub, tmp_path):
         lhub.push(bad, "alice/bad")
     with pytest.raises(ArtifactNotFoundError, match="refusing to push"):
         lhub.push(tmp_path, "alice/bad")
+    assert not hub.repos and not [r for r in hub.log if r["method"] != "GET"]
+
+
+def test_push_refuses_a_symlink_inside_the_artifact(gemma_art, hub, tmp_path):
+    """A LICENSE that links to a private file outside the folder must not be published."""
+    art = tmp_path / "a.lct"
+    shutil.copytree(gemma_art, art)
+    secret = tmp_path / "id_rsa"
+    secret.write_text("PRIVATE KEY")
+    (art / "LICENSE").symlink_to(secret)
+    with pytest.raises(LCTError, match="symbolic link; refusing to push"):
+        lhub.push(art, "alice/leak")
     assert not hub.repos and not [r for r in hub.log if r["method"] != "GET"]
 
 
