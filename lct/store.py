@@ -45,7 +45,17 @@ class LocalStore:
             m = self._maps.get(name)
             if m is None:
                 path = self.root / name
-                with open(path, "rb") as fh:
+                # O_NOFOLLOW: a data file that is a symbolic link could read anything outside
+                # the artifact folder; it is refused, never followed.
+                try:
+                    fd = os.open(path, os.O_RDONLY | getattr(os, "O_NOFOLLOW", 0))
+                except OSError as e:
+                    if path.is_symlink():
+                        raise ManifestError(f"{path}: a symbolic link; an artifact's data files "
+                                            f"must be regular files in its folder") from None
+                    raise ArtifactNotFoundError(f"{path}: cannot open the data file "
+                                                f"({e.strerror})") from e
+                with os.fdopen(fd, "rb") as fh:
                     size = os.fstat(fh.fileno()).st_size
                     if size != expected:
                         raise ManifestError(f"{path}: file is {size} bytes, manifest says "

@@ -741,3 +741,22 @@ def test_cli_verify_bit_flip(art):
 def test_cli_verify_and_info_ok_on_pristine(gemma_art):
     assert _cli(["verify", "--quiet", str(gemma_art)]).exit_code == 0
     assert _cli(["info", str(gemma_art)]).exit_code == 0
+
+
+def test_data_file_that_is_a_symlink_is_refused_not_followed(gemma_art, tmp_path):
+    """Issue 12 item 9, for readers: a data file replaced by a link to a file outside the
+    artifact (even one with the very same bytes) is refused with a typed error."""
+    import shutil
+
+    import lct
+    from lct.errors import LCTError
+    art = tmp_path / "a.lct"
+    shutil.copytree(gemma_art, art)
+    outside = tmp_path / "outside.bin"
+    data = art / "model-00000.lct"
+    shutil.copyfile(data, outside)
+    data.unlink()
+    data.symlink_to(outside)
+    with pytest.raises(LCTError, match="symbolic link"):
+        with lct.open(art) as a:
+            a.read_group(a.groups[0])
