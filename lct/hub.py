@@ -25,6 +25,7 @@ from pathlib import Path
 from . import constants as C
 from .errors import ChecksumError, CorruptChunkError, LCTError, MissingDependencyError
 from .info import human
+from .store import confined
 
 HF_SCHEME = "hf://"
 _REPO_ID = re.compile(r"[A-Za-z0-9][\w.\-]*(/[A-Za-z0-9][\w.\-]*)?")
@@ -358,9 +359,9 @@ def _artifact_files(root: Path, manifest) -> list:
     names += [n for n in C.SIDECAR_FILES if (root / n).is_file()]
     names += [n for n in EXTRA_FILES if (root / n).is_file()]
     for n in names:
-        if (root / n).is_symlink():  # it would publish whatever it points at
-            raise LCTError(f"{root / n}: a symbolic link; refusing to push (LCT publishes only "
-                           f"the artifact's own regular files)")
+        if not confined(root / n, root):  # it would publish whatever it points at
+            raise LCTError(f"{root / n}: a symbolic link that leaves the artifact folder; "
+                           f"refusing to push")
         if not (root / n).is_file():
             raise LCTError(f"{root / n}: missing; refusing to push an incomplete artifact")
     return names

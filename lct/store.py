@@ -17,6 +17,20 @@ from .errors import ArtifactNotFoundError, ManifestError
 WILLNEED_STEP = 2 << 20
 
 
+def confined(path: Path, root: Path) -> bool:
+    """Whether ``path`` (inside the artifact folder ``root``) is a regular file, or a symbolic
+    link that stays where the artifact's bytes legitimately live: inside ``root``, or, for an
+    artifact in the Hugging Face cache (``.../snapshots/<commit>/``), that repo's ``blobs``."""
+    if not path.is_symlink():
+        return True
+    target = path.resolve()
+    base = root.resolve()
+    allowed = [base]
+    if root.parent.name == "snapshots":
+        allowed.append((root.parent.parent / "blobs").resolve())
+    return any(target == a or a in target.parents for a in allowed)
+
+
 class LocalStore:
     """Data files in a local directory, read through read-only memory maps (zero-copy)."""
 
@@ -45,17 +59,10 @@ class LocalStore:
             m = self._maps.get(name)
             if m is None:
                 path = self.root / name
-                # O_NOFOLLOW: a data file that is a symbolic link could read anything outside
-                # the artifact folder; it is refused, never followed.
-                try:
-                    fd = os.open(path, os.O_RDONLY | getattr(os, "O_NOFOLLOW", 0))
-                except OSError as e:
-                    if path.is_symlink():
-                        raise ManifestError(f"{path}: a symbolic link; an artifact's data files "
-                                            f"must be regular files in its folder") from None
-                    raise ArtifactNotFoundError(f"{path}: cannot open the data file "
-                                                f"({e.strerror})") from e
-                with os.fdopen(fd, "rb") as fh:
+                if not confined(path, self.root):  # it could read anything on the machine
+                    raise ManifestError(f"{path}: a symbolic link that leaves the artifact "
+                                        f"folder; refusing to follow it")
+                with open(path, "rb") as fh:
                     size = os.fstat(fh.fileno()).st_size
                     if size != expected:
                         raise ManifestError(f"{path}: file is {size} bytes, manifest says "
