@@ -65,8 +65,11 @@ def verify_cmd(artifact, against, revision, quality, text, max_tokens, as_json, 
                 ("top-1 agreement", f"{q.top1_agreement:.4f}"),
                 ("KL mean / max (nats)", f"{q.kl_mean:.5f} / {q.kl_max:.4f}"),
                 ("scored", f"{q.tokens} tokens in {q.blocks} blocks")], ["quality", "value"]))
-    for f in rep.failures:
+    shown = 20
+    for f in rep.failures[:shown]:
         click.echo(f"FAIL {f}", err=True)
+    if len(rep.failures) > shown:
+        click.echo(f"... and {len(rep.failures) - shown} more", err=True)
     click.echo(f"{rep.chunks_checked} chunks checked: " + ("OK" if rep.ok else
                                                            f"{len(rep.failures)} problem(s)"))
     if not rep.ok:

@@ -94,6 +94,11 @@ def verify(artifact, *, against: str | None = None, revision: str | None = None,
         src = resolve(against, revision)
         src_tensors = scan(src)
         stored = set(art.manifest.tensors) | set(art.manifest.ties)
+        if src_tensors and not set(src_tensors) & stored:
+            if art is not artifact:
+                art.close()
+            raise LCTError(f"{against}: shares no tensor name with the artifact {art.path} "
+                           f"(a different model?)")
         for name in sorted(set(src_tensors) - stored):
             report.failures.append(f"{name}: in the source but not in the artifact")
     try:

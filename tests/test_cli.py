@@ -187,3 +187,13 @@ def test_force_never_deletes_what_lct_did_not_write(run, llama_src, llama_art, t
 def lct_ok(path):
     import lct
     return lct.verify(path).ok
+
+
+def test_verify_against_a_different_model_is_one_line(run, gemma_art, tmp_path):
+    from safetensors.torch import save_file
+    other = tmp_path / "other"
+    other.mkdir()
+    save_file({"transformer.h.0.attn.weight": torch.zeros(4, 4)}, other / "model.safetensors")
+    res = run("verify", gemma_art, "--against", other, "--quiet")
+    assert res.exit_code == 1 and "shares no tensor name with the artifact" in res.output
+    assert res.output.count("\n") == 1
