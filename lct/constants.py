@@ -94,6 +94,9 @@ SIDECAR_FILES = (
     "processor_config.json",
 )
 
+# Side files that decide what model a load builds: checked against the manifest on every open.
+MODEL_SIDE_FILES = ("config.json", "generation_config.json")
+
 # Largest safetensors shard `lct export` writes (as transformers' save_pretrained defaults).
 EXPORT_SHARD_SIZE = 2 * 1024**3
 

@@ -20,7 +20,7 @@ from .codecs import checksum
 from . import constants as C
 from .errors import ArtifactNotFoundError, ChecksumError, CorruptChunkError, ManifestError
 from .manifest import ChunkInfo, Manifest, TensorInfo
-from .store import LocalStore
+from .store import LocalStore, confined
 
 _TORCH_DTYPES = {
     "float64": "float64", "float32": "float32", "float16": "float16", "bfloat16": "bfloat16",
@@ -90,6 +90,36 @@ class Artifact:
         self._maximus_policy: dict = {}
         self.store = store if store is not None else LocalStore(self.path)
         self._check_files()
+        if verify:  # what builds the model: a changed config loads a different model silently
+            problems = self.check_side_files(C.MODEL_SIDE_FILES)
+            if problems:
+                raise ChecksumError(problems[0])
+
+    def check_side_files(self, names=C.SIDECAR_FILES) -> list:
+        """Problems with the side files ``names`` (config, tokenizer, ...): each one copied from
+        the source must still equal the source's size and sha256 recorded in the manifest
+        (``source.files``). Returns one message per problem (empty: all match)."""
+        from .source import sha256_file
+        recorded = self.manifest.source.get("files", {}) if isinstance(
+            self.manifest.source, dict) else {}
+        problems = []
+        for name in names:
+            want = recorded.get(name)
+            if not isinstance(want, dict):
+                continue  # not copied from the source (or an artifact that predates the rule)
+            path = self.path / name
+            if not path.is_file():
+                problems.append(f"{path}: missing (the manifest records it from the source)")
+                continue
+            if not confined(path, self.path):
+                problems.append(f"{path}: a symbolic link that leaves the artifact folder")
+                continue
+            size = path.stat().st_size
+            if size != want.get("size") or sha256_file(path) != want.get("sha256"):
+                problems.append(f"{path}: differs from the source file the manifest records "
+                                f"(size {size}, expected {want.get('size')}); it was changed "
+                                f"after conversion")
+        return problems
 
     # Lifecycle ---------------------------------------------------------------------------------
     def __enter__(self):

@@ -107,6 +107,7 @@ def verify(artifact, *, against: str | None = None, revision: str | None = None,
                 art.maximus_state()  # its sha256 and permutation, as a load would check them
             except LCTError as e:
                 report.failures.append(str(e))
+        report.failures += art.check_side_files()
         groups = art.groups
         for i, group in enumerate(groups):
             bufs = {}

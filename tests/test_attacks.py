@@ -760,3 +760,40 @@ def test_data_file_that_is_a_symlink_is_refused_not_followed(gemma_art, tmp_path
     with pytest.raises(LCTError, match="symbolic link"):
         with lct.open(art) as a:
             a.read_group(a.groups[0])
+
+
+@pytest.mark.parametrize("edit", ["layers", "misspelled"])
+def test_edited_config_is_caught_by_open_load_and_verify(gemma_art, tmp_path, edit):
+    """Issue 12 item 6: config.json decides what model loads; an edit after conversion (one
+    layer fewer, a misspelled key) is a typed error on open, load and verify, never a different
+    model built silently."""
+    import json
+    import shutil
+
+    import lct
+    from lct.errors import ChecksumError
+    art = tmp_path / "a.lct"
+    shutil.copytree(gemma_art, art)
+    cfg = json.loads((art / "config.json").read_text())
+    if edit == "layers":
+        cfg["num_hidden_layers"] -= 1
+    else:
+        cfg["num_attention_headz"] = cfg.pop("num_attention_heads")
+    (art / "config.json").write_text(json.dumps(cfg))
+    for step in (lct.open, lct.load, lct.verify):  # verify opens the artifact, too
+        with pytest.raises(ChecksumError, match="config.json: differs from the source file"):
+            step(art)
+
+
+def test_edited_tokenizer_fails_verify_but_opens(tmp_path):
+    import lct
+    from lct import tiny
+    src = tiny.save_tiny(tmp_path / "src", "llama")
+    tiny.save_tokenizer(src, vocab_size=256)
+    art = tmp_path / "a.lct"
+    lct.convert(str(src), art)
+    assert lct.verify(art).ok
+    (art / "tokenizer.json").write_text((art / "tokenizer.json").read_text() + " ")
+    rep = lct.verify(art)
+    assert not rep.ok and any("tokenizer.json: differs" in f for f in rep.failures)
+    lct.open(art).close()  # only the files that build the model are checked on every open

@@ -189,8 +189,10 @@ def test_skeleton_error_reaches_the_caller_and_leaves_no_thread(llama_art, tmp_p
     bad = tmp_path / "noconfig.lct"
     shutil.copytree(llama_art, bad)
     (bad / "config.json").unlink()
-    with pytest.raises(LCTError, match="no config.json"):
+    with pytest.raises(LCTError, match="config.json: missing"):  # caught when it opens
         lct.load(bad, prefetch=2)
+    with pytest.raises(LCTError, match="no config.json"):  # unchecked: the skeleton's error
+        lct.load(bad, prefetch=2, verify=False)
     assert not _threads()
 
 
