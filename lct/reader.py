@@ -225,7 +225,11 @@ class Artifact:
         codec = codecs.get_codec(chunk.codec)
         where = f"{self.path / self.manifest.files[chunk.file]['name']}: chunk {chunk.id} ({chunk.group})"
         codec.check_stored(stored, chunk.decoded_size, chunk.params, where)  # before allocating
-        out = self._alloc(chunk.decoded_size)
+        try:
+            out = self._alloc(chunk.decoded_size)
+        except MemoryError:
+            raise CorruptChunkError(f"{where}: declares {chunk.decoded_size:,} decoded bytes, "
+                                    f"more than this machine can allocate") from None
         map_fn = self.pool.map if chunk.decoded_size > chunk.params.get("frame_size", 1 << 62) else map
         codec.decode(stored, out, chunk.params, map_fn, where)
         return out

@@ -797,3 +797,18 @@ def test_edited_tokenizer_fails_verify_but_opens(tmp_path):
     rep = lct.verify(art)
     assert not rep.ok and any("tokenizer.json: differs" in f for f in rep.failures)
     lct.open(art).close()  # only the files that build the model are checked on every open
+
+
+def test_a_chunk_too_large_to_allocate_is_a_typed_error(gemma_art, monkeypatch):
+    """Issue 12 items 10/14: a manifest may declare a chunk of up to 64 GiB decoded; where that
+    cannot be allocated the reader raises CorruptChunkError naming the chunk, not MemoryError."""
+    import lct
+    from lct.errors import CorruptChunkError
+    from lct.reader import Artifact
+
+    def no_memory(self, size):
+        raise MemoryError
+    monkeypatch.setattr(Artifact, "_alloc", no_memory)
+    with lct.open(gemma_art) as art:
+        with pytest.raises(CorruptChunkError, match="more than this machine can allocate"):
+            art.read_chunk(0)
