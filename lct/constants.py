@@ -20,6 +20,9 @@ MAX_FILES = 100_000
 MAX_NAME_LEN = 1024
 MAX_CHUNK_DECODED = 64 * 1024**3
 MAX_FRAME_SIZE = 64 * 1024 * 1024
+# A manifest holds at most one JSON object or array per this many bytes of its text (plus a
+# few): checked before parsing, so that parsing memory stays a small multiple of the text.
+MANIFEST_BYTES_PER_CONTAINER = 24
 
 # Codec ids.
 CODEC_RAW = "raw"

@@ -118,6 +118,11 @@ class Manifest:
         """Parse and validate manifest text (``where`` names it in errors)."""
         if len(text) > C.MAX_MANIFEST_BYTES:
             raise ManifestError(f"{where}: manifest is {len(text)} bytes, cap is {C.MAX_MANIFEST_BYTES}")
+        raw = text.encode() if isinstance(text, str) else text
+        containers = raw.count(b"{") + raw.count(b"[")
+        if containers > len(raw) // C.MANIFEST_BYTES_PER_CONTAINER + 64:
+            raise ManifestError(f"{where}: {containers:,} JSON objects/arrays in {len(raw):,} "
+                                f"bytes; at most one per {C.MANIFEST_BYTES_PER_CONTAINER} bytes")
         try:
             d = json.loads(text)
         except (ValueError, UnicodeDecodeError, RecursionError) as e:

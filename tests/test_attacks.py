@@ -812,3 +812,30 @@ def test_a_chunk_too_large_to_allocate_is_a_typed_error(gemma_art, monkeypatch):
     with lct.open(gemma_art) as art:
         with pytest.raises(CorruptChunkError, match="more than this machine can allocate"):
             art.read_chunk(0)
+
+
+@pytest.mark.parametrize("junk", [b"{}", b"[]", b'{"a":[]}'])
+def test_manifest_of_tiny_containers_is_refused_before_it_amplifies(junk):
+    """Issue 12 item 10: millions of tiny JSON objects under the size cap used to parse into
+    25x their size in memory; they are counted and refused first (peak measured)."""
+    import tracemalloc
+
+    from lct.errors import ManifestError
+    from lct.manifest import Manifest
+    text = b'{"format": "lct", "junk": [' + b",".join([junk] * 500_000) + b"]}"
+    tracemalloc.start()
+    try:
+        with pytest.raises(ManifestError, match="JSON objects/arrays"):
+            Manifest.from_json(text)
+        peak = tracemalloc.get_traced_memory()[1]
+    finally:
+        tracemalloc.stop()
+    assert peak < 2 * len(text)
+
+
+def test_real_manifests_are_far_from_the_container_cap(gemma_art, llama_art):
+    from lct import constants as C
+    for art in (gemma_art, llama_art):
+        raw = (art / "lct.json").read_bytes()
+        per = len(raw) / (raw.count(b"{") + raw.count(b"["))
+        assert per > 3 * C.MANIFEST_BYTES_PER_CONTAINER
