@@ -33,6 +33,10 @@ class ChecksumError(LCTError, ValueError):
     """A chunk's stored bytes do not match the checksum recorded in the manifest."""
 
 
+class ArtifactClosedError(LCTError, RuntimeError):
+    """The artifact was closed while, or before, something read from it."""
+
+
 class CorruptChunkError(LCTError, ValueError):
     """A chunk's bytes cannot be decoded to what the manifest declares."""
 

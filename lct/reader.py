@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import os
 import struct
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import CancelledError, ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -18,7 +18,8 @@ import numpy as np
 from . import codecs
 from .codecs import checksum
 from . import constants as C
-from .errors import ArtifactNotFoundError, ChecksumError, CorruptChunkError, ManifestError
+from .errors import (ArtifactClosedError, ArtifactNotFoundError, ChecksumError,
+                     CorruptChunkError, ManifestError)
 from .manifest import ChunkInfo, Manifest, TensorInfo
 from .store import LocalStore, confined
 
@@ -86,6 +87,7 @@ class Artifact:
         # what the transformers import beside it leaves). Set before the first decode.
         self.thread_nice = 0
         self._pool = None
+        self._closed = False
         self._maximus = None
         self._maximus_policy: dict = {}
         self.store = store if store is not None else LocalStore(self.path)
@@ -130,7 +132,9 @@ class Artifact:
         return False
 
     def close(self) -> None:
-        """Release the worker threads and the mapped data files."""
+        """Release the worker threads and the mapped data files. Reads still running in other
+        threads, and any read after this, end in ``ArtifactClosedError``."""
+        self._closed = True
         if self._pool is not None:
             self._pool.shutdown(wait=True, cancel_futures=True)
             self._pool = None
@@ -138,6 +142,8 @@ class Artifact:
 
     @property
     def pool(self) -> ThreadPoolExecutor:
+        if self._closed:
+            raise ArtifactClosedError(f"{self.path}: the artifact is closed")
         if self._pool is None:
             from .proc import lower_thread_priority
             self._pool = ThreadPoolExecutor(self.workers, thread_name_prefix="lct-decode",
@@ -245,9 +251,16 @@ class Artifact:
     def read_chunk(self, chunk_id: int) -> np.ndarray:
         """Read, verify and decode chunk ``chunk_id``."""
         chunk = self.manifest.chunks[chunk_id]
+        if self._closed:
+            raise ArtifactClosedError(f"{self.path}: the artifact is closed (chunk {chunk_id})")
         stored = self.read_stored(chunk)
         try:
             return self.decode(chunk, stored)
+        except (CancelledError, RuntimeError) as e:
+            if self._closed:  # close() cancelled the frames this decode was waiting for
+                raise ArtifactClosedError(f"{self.path}: closed while chunk {chunk_id} "
+                                          f"({chunk.group}) was being decoded") from e
+            raise
         finally:
             stored.release()
             self.release(chunk)

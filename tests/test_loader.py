@@ -373,3 +373,32 @@ def test_pad_id_is_skipped_only_when_it_is_padding_and_nothing_else(tmp_path, ze
             emb(ids)
             assert emb.gathered_rows - before == 3  # the two pad positions were not gathered
             assert torch.equal(emb(ids)[0, 1], torch.zeros(emb.embedding_dim, dtype=emb.dtype))
+
+
+def test_close_while_threads_read_ends_in_a_typed_error(llama_art):
+    """Issue 12 item 14: closing an artifact that other threads read from gives them
+    ArtifactClosedError (never a raw CancelledError/RuntimeError), and so does any later read."""
+    from lct.errors import ArtifactClosedError
+    art = lct.open(llama_art)
+    errors, stop = [], threading.Event()
+
+    def reader():
+        while not stop.is_set():
+            try:
+                for g in art.groups:
+                    art.read_group(g)
+            except Exception as e:  # noqa: BLE001 - the type is what is tested
+                errors.append(e)
+                return
+
+    threads = [threading.Thread(target=reader) for _ in range(3)]
+    for t in threads:
+        t.start()
+    time.sleep(0.05)
+    art.close()
+    stop.set()
+    for t in threads:
+        t.join(timeout=30)
+    assert all(isinstance(e, ArtifactClosedError) for e in errors), errors
+    with pytest.raises(ArtifactClosedError):
+        art.read_group(art.groups[0])
