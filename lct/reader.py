@@ -262,8 +262,17 @@ class Artifact:
                                           f"({chunk.group}) was being decoded") from e
             raise
         finally:
+            self.release_stored(chunk, stored)
+
+    def release_stored(self, chunk: ChunkInfo, stored: memoryview) -> None:
+        """Let go of a chunk's stored bytes once it is decoded. When a decode was interrupted
+        (Ctrl-C) while decode threads still hold slices of them, they stay until those threads
+        finish, so that the interrupt, not a BufferError, reaches the caller."""
+        try:
             stored.release()
-            self.release(chunk)
+        except BufferError:
+            return
+        self.release(chunk)
 
     # Tensors ---------------------------------------------------------------------------------
     def tensor_from_buffer(self, info: TensorInfo, buf: np.ndarray, dequantize: bool = True):

@@ -130,8 +130,7 @@ class GroupStream:
             try:
                 buf = art.decode(chunk, stored)
             finally:
-                stored.release()
-                art.release(chunk)
+                art.release_stored(chunk, stored)
             t2 = time.perf_counter()
             self.stats.add(t1 - t0, t2 - t1, chunk.stored_size, chunk.decoded_size)
             buffers[chunk.id] = buf

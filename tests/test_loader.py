@@ -402,3 +402,22 @@ def test_close_while_threads_read_ends_in_a_typed_error(llama_art):
     assert all(isinstance(e, ArtifactClosedError) for e in errors), errors
     with pytest.raises(ArtifactClosedError):
         art.read_group(art.groups[0])
+
+
+def test_interrupt_during_decode_is_not_masked_by_a_buffer_error(llama_art, monkeypatch):
+    """Issue 12 item 14: Ctrl-C while decode threads still hold the chunk's stored bytes (the C
+    decoder keeps a buffer export during its GIL-free run) used to surface as 'BufferError:
+    memoryview has 2 exported buffers' instead of the interrupt."""
+    from lct.reader import Artifact
+
+    class Exported:  # a stored view whose release fails as one with live exports does
+        def release(self):
+            raise BufferError("memoryview has 2 exported buffers")
+
+    def interrupted_decode(self, chunk, stored):
+        raise KeyboardInterrupt
+    monkeypatch.setattr(Artifact, "read_stored", lambda self, chunk: Exported())
+    monkeypatch.setattr(Artifact, "decode", interrupted_decode)
+    with lct.open(llama_art) as art:
+        with pytest.raises(KeyboardInterrupt):
+            art.read_chunk(0)
