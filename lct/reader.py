@@ -92,6 +92,10 @@ class Artifact:
         self._maximus_policy: dict = {}
         self.store = store if store is not None else LocalStore(self.path)
         self._check_files()
+        for name in C.SIDECAR_FILES + (C.MAXIMUS_FILE,):  # read by us or by transformers
+            if not confined(self.path / name, self.path):
+                raise ManifestError(f"{self.path / name}: a symbolic link that leaves the "
+                                    f"artifact folder; refusing to follow it")
         if verify:  # what builds the model: a changed config loads a different model silently
             problems = self.check_side_files(C.MODEL_SIDE_FILES)
             if problems:

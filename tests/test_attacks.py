@@ -839,3 +839,21 @@ def test_real_manifests_are_far_from_the_container_cap(gemma_art, llama_art):
         raw = (art / "lct.json").read_bytes()
         per = len(raw) / (raw.count(b"{") + raw.count(b"["))
         assert per > 3 * C.MANIFEST_BYTES_PER_CONTAINER
+
+
+@pytest.mark.parametrize("name", ["tokenizer.json", "maximus.safetensors", "config.json"])
+def test_side_file_linking_outside_the_artifact_is_refused(gemma_art, tmp_path, name):
+    """Issue 12 items 9/11: a side file (read by LCT or by transformers) that is a symbolic link
+    leaving the folder is refused on open, whatever it points at."""
+    import shutil
+
+    import lct
+    from lct.errors import ManifestError
+    art = tmp_path / "a.lct"
+    shutil.copytree(gemma_art, art)
+    outside = tmp_path / "secret"
+    outside.write_text("{}")
+    (art / name).unlink(missing_ok=True)
+    (art / name).symlink_to(outside)
+    with pytest.raises(ManifestError, match="leaves the artifact folder"):
+        lct.open(art)
