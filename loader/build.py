@@ -102,6 +102,7 @@ class Installer:
         self.dtype = dtype
         self.names = {n for n, _ in model.named_parameters(remove_duplicate=False)} | \
             {n for n, _ in model.named_buffers(remove_duplicate=False)}
+        self.shapes = {n: tuple(p.shape) for n, p in model.named_parameters(remove_duplicate=False)}
         # Given ids are skipped as asked; the config's pad id only while its stored row is zero.
         self.pad_ids, self.pad_given = _pad_ids(model, pad_ids), pad_ids is not None
         self.installed: set = set()
@@ -134,6 +135,7 @@ class Installer:
             full = _param_name(self.model, name, self.names)
             if full is None or full in self._done:
                 continue  # a name the model does not expose, or a tie already installed
+            self._check_shape(full, name, tuple(t.shape))
             if isinstance(t, NF4Weight):
                 if self.nf4 == "keep":
                     self._install_nf4(full, t)
@@ -143,6 +145,14 @@ class Installer:
                 t = t.to(self.dtype)
             _set(self.model, full, self._to_device(t))
             self._mark(full)
+
+    def _check_shape(self, full: str, name: str, shape: tuple) -> None:
+        """The stored shape must be the one the config gives the parameter (a manifest edited or
+        mutated otherwise would build a different model, or fail deep in a kernel)."""
+        want = self.shapes.get(full)
+        if want is not None and tuple(want) != shape:
+            raise LCTError(f"{self.art.path}: tensor {name!r} is stored as {list(shape)}, but the "
+                           f"model built from config.json expects {list(want)}")
 
     def _mark(self, full: str) -> None:
         self.installed.add(full)

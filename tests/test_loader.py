@@ -421,3 +421,19 @@ def test_interrupt_during_decode_is_not_masked_by_a_buffer_error(llama_art, monk
     with lct.open(llama_art) as art:
         with pytest.raises(KeyboardInterrupt):
             art.read_chunk(0)
+
+
+def test_stored_shape_that_is_not_the_configs_is_a_typed_error(llama_art, tmp_path):
+    """Issue 12 item 11: a manifest whose tensor shape disagrees with config.json (here one
+    transposed, same bytes) fails the load naming the tensor and both shapes, instead of
+    building a different model or failing deep in a kernel."""
+    import json
+    art = tmp_path / "a.lct"
+    shutil.copytree(llama_art, art)
+    m = json.loads((art / "lct.json").read_text())
+    t = next(t for t in m["tensors"] if t["name"].endswith("mlp.up_proj.weight"))
+    t["shape"] = t["shape"][::-1]
+    (art / "lct.json").write_text(json.dumps(m))
+    with pytest.raises(LCTError, match=r"up_proj.weight' is stored as \[\d+, \d+\], but the "
+                                       r"model built from config.json expects"):
+        lct.load(art)
