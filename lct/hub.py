@@ -617,13 +617,22 @@ def pull_detailed(repo_id: str, revision: str | None = None, local_dir=None, tok
     hh = _hub()
     if not hh.constants.is_offline_mode():
         _check_is_artifact(hh, repo_id, revision, token, endpoint)
-    try:
-        path = Path(hh.snapshot_download(repo_id, revision=revision, local_dir=local_dir,
-                                         token=token, endpoint=endpoint))
-    except Exception as e:  # noqa: BLE001
-        raise hub_error(e, repo_id, revision) from e
-    files_checked, chunks_checked = verify_download(path, repo_id, revision, local_dir,
-                                                    chunks=chunks, progress=progress)
+    # A corrupt file is removed from the cache by verify_download; online, it is fetched once
+    # more before giving up (a transient fault then costs one retry, not a second `lct pull`).
+    attempts = 1 if hh.constants.is_offline_mode() else 2
+    for attempt in range(attempts):
+        try:
+            path = Path(hh.snapshot_download(repo_id, revision=revision, local_dir=local_dir,
+                                             token=token, endpoint=endpoint))
+        except Exception as e:  # noqa: BLE001
+            raise hub_error(e, repo_id, revision) from e
+        try:
+            files_checked, chunks_checked = verify_download(path, repo_id, revision, local_dir,
+                                                            chunks=chunks, progress=progress)
+            break
+        except ChecksumError:
+            if attempt + 1 == attempts:
+                raise
     files = sorted(p.name for p in path.iterdir() if p.is_file() and not p.name.startswith("."))
     size = sum((path / f).stat().st_size for f in files)
     return PullResult(path, repo_id, revision, files, size, files_checked, chunks_checked)

@@ -11,6 +11,7 @@ Knobs for tests:
 - ``tokens``: ``{token: user}``; when given, a wrong token is answered 401 ("Invalid
   credentials"), a private repo is invisible to others, writes need a token and the namespace.
 - ``corrupt(repo_id, path)``: flip bytes of a stored blob without changing its recorded hashes.
+- ``corrupt_once(path, offset)``: the next GET of ``path`` carries that byte flipped.
 - ``drop_once(path, after)``: the next GET of ``path`` sends ``after`` bytes and closes the
   connection (an interrupted download).
 - ``ignore_ranges``: answer ``Range`` requests with the whole file, like a server without
@@ -103,6 +104,7 @@ class HubServer:
         self.regular: dict = {}          # git oid -> bytes
         self.log: list = []
         self._drops: dict = {}           # path -> bytes to send before dropping
+        self._flips: dict = {}           # path -> file offset flipped in the next body sent
         self._lock = threading.RLock()
         self._conns: set = set()
         self._httpd = None
@@ -171,6 +173,12 @@ class HubServer:
         """The next GET of file ``path`` stops after ``after`` bytes and drops the connection."""
         with self._lock:
             self._drops[path] = after
+
+    def corrupt_once(self, path: str, offset: int) -> None:
+        """The next GET of file ``path`` carries byte ``offset`` flipped (a transient fault: the
+        stored content stays intact)."""
+        with self._lock:
+            self._flips[path] = offset
 
     def requests_for(self, path: str, method: str | None = None) -> list:
         """Logged requests whose file is ``path`` (resolve and LFS download URLs)."""
@@ -639,6 +647,11 @@ class _Handler(BaseHTTPRequestHandler):
             return
         with self.hub._lock:
             drop = self.hub._drops.pop(path, None)
+            flip = self.hub._flips.pop(path, None)
+        if flip is not None and start <= flip <= end:
+            body = bytearray(body)
+            body[flip - start] ^= 0xFF
+            body = bytes(body)
         if drop is not None:
             part = body[:drop]
             self.wfile.write(part)

@@ -378,6 +378,23 @@ def test_corrupted_blob_is_detected_and_not_used(gemma_art, hub):
     assert (path / name).read_bytes() == (gemma_art / name).read_bytes()
 
 
+def test_a_transient_corruption_is_fetched_again_once(gemma_art, hub):
+    """Issue 12 item 13: one corrupt download (the Hub's copy is fine) is removed and fetched
+    again by the same pull, instead of failing until `lct pull` runs twice."""
+    lhub.push(gemma_art, "alice/g")
+    m = lct.open(gemma_art).manifest
+    c = m.chunks[2]
+    name = m.files[c.file]["name"]
+    hub.clear_log()
+    hub.corrupt_once(name, c.offset + 11)
+    path = lhub.pull("alice/g")
+    assert (path / name).read_bytes() == (gemma_art / name).read_bytes()
+    assert len([r for r in hub.requests_for(name, "GET") if r["status"] in (200, 206)]) == 2
+    ids = torch.tensor([[1, 5, 9]])
+    with torch.no_grad():  # and a load after it uses the good copy
+        assert torch.equal(lct.load("hf://alice/g")(ids).logits, lct.load(gemma_art)(ids).logits)
+
+
 def test_corrupted_small_file_is_detected(gemma_art, hub, run):
     lhub.push(gemma_art, "alice/g")
     hub.corrupt("alice/g", "config.json", offset=3, nbytes=1)
