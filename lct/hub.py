@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import hashlib
 import re
+import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -610,6 +611,16 @@ def verify_download(root: Path, repo_id: str, revision: str | None = None, local
     return files_checked, chunks_checked
 
 
+def _transient_status(e: BaseException) -> bool:
+    """Whether ``e`` (or what it was raised from) is an HTTP 5xx or 429 answer."""
+    while e is not None:
+        status = getattr(getattr(e, "response", None), "status_code", None)
+        if isinstance(status, int):
+            return status >= 500 or status == 429
+        e = e.__cause__ or e.__context__
+    return False
+
+
 def pull_detailed(repo_id: str, revision: str | None = None, local_dir=None, token=None, *,
                   chunks: bool = True, progress=None, endpoint: str | None = None) -> PullResult:
     """``pull``, returning a ``PullResult`` (path, files, bytes and what was checked)."""
@@ -618,13 +629,17 @@ def pull_detailed(repo_id: str, revision: str | None = None, local_dir=None, tok
     if not hh.constants.is_offline_mode():
         _check_is_artifact(hh, repo_id, revision, token, endpoint)
     # A corrupt file is removed from the cache by verify_download; online, it is fetched once
-    # more before giving up (a transient fault then costs one retry, not a second `lct pull`).
+    # more before giving up, and a 5xx/429 is tried once more too (a transient fault then costs
+    # one retry, not a second `lct pull`).
     attempts = 1 if hh.constants.is_offline_mode() else 2
     for attempt in range(attempts):
         try:
             path = Path(hh.snapshot_download(repo_id, revision=revision, local_dir=local_dir,
                                              token=token, endpoint=endpoint))
         except Exception as e:  # noqa: BLE001
+            if attempt + 1 < attempts and _transient_status(e):
+                time.sleep(1.0)  # a 5xx or 429: the server may answer a moment later
+                continue
             raise hub_error(e, repo_id, revision) from e
         try:
             files_checked, chunks_checked = verify_download(path, repo_id, revision, local_dir,

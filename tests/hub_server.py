@@ -12,6 +12,7 @@ Knobs for tests:
   credentials"), a private repo is invisible to others, writes need a token and the namespace.
 - ``corrupt(repo_id, path)``: flip bytes of a stored blob without changing its recorded hashes.
 - ``corrupt_once(path, offset)``: the next GET of ``path`` carries that byte flipped.
+- ``fail_once(path, status)``: the next GET of ``path`` is answered with that status.
 - ``drop_once(path, after)``: the next GET of ``path`` sends ``after`` bytes and closes the
   connection (an interrupted download).
 - ``ignore_ranges``: answer ``Range`` requests with the whole file, like a server without
@@ -105,6 +106,7 @@ class HubServer:
         self.log: list = []
         self._drops: dict = {}           # path -> bytes to send before dropping
         self._flips: dict = {}           # path -> file offset flipped in the next body sent
+        self._fails: dict = {}           # path -> HTTP status answered to its next GET
         self._lock = threading.RLock()
         self._conns: set = set()
         self._httpd = None
@@ -173,6 +175,11 @@ class HubServer:
         """The next GET of file ``path`` stops after ``after`` bytes and drops the connection."""
         with self._lock:
             self._drops[path] = after
+
+    def fail_once(self, path: str, status: int = 500) -> None:
+        """The next GET of file ``path`` is answered with ``status`` (a transient server fault)."""
+        with self._lock:
+            self._fails[path] = status
 
     def corrupt_once(self, path: str, offset: int) -> None:
         """The next GET of file ``path`` carries byte ``offset`` flipped (a transient fault: the
@@ -617,6 +624,11 @@ class _Handler(BaseHTTPRequestHandler):
         return h
 
     def _serve(self, data, headers: dict, path: str) -> None:
+        if self.command == "GET":
+            with self.hub._lock:
+                fail = self.hub._fails.pop(path, None)
+            if fail is not None:
+                raise HubError(fail, "injected server fault")
         size = len(data)
         start, end, status = 0, size - 1, 200
         rng = None if self.hub.ignore_ranges else self.headers.get("Range")

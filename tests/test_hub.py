@@ -395,6 +395,17 @@ def test_a_transient_corruption_is_fetched_again_once(gemma_art, hub):
         assert torch.equal(lct.load("hf://alice/g")(ids).logits, lct.load(gemma_art)(ids).logits)
 
 
+def test_a_single_server_error_is_retried(gemma_art, hub):
+    """Issue 12 item 13: one 500 on a data file no longer fails the pull."""
+    lhub.push(gemma_art, "alice/g")
+    name = lct.open(gemma_art).manifest.files[0]["name"]
+    hub.clear_log()
+    hub.fail_once(name, 500)
+    path = lhub.pull("alice/g")
+    assert (path / name).read_bytes() == (gemma_art / name).read_bytes()
+    assert [r["status"] for r in hub.requests_for(name, "GET")][:1] == [500]
+
+
 def test_corrupted_small_file_is_detected(gemma_art, hub, run):
     lhub.push(gemma_art, "alice/g")
     hub.corrupt("alice/g", "config.json", offset=3, nbytes=1)
