@@ -197,3 +197,11 @@ def test_verify_against_a_different_model_is_one_line(run, gemma_art, tmp_path):
     res = run("verify", gemma_art, "--against", other, "--quiet")
     assert res.exit_code == 1 and "shares no tensor name with the artifact" in res.output
     assert res.output.count("\n") == 1
+
+
+def test_python_m_lct_is_the_lct_command():
+    import subprocess
+    import sys
+    out = subprocess.run([sys.executable, "-m", "lct", "--help"], capture_output=True, text=True,
+                         timeout=120)
+    assert out.returncode == 0 and "convert" in out.stdout and "load" in out.stdout
