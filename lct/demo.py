@@ -108,8 +108,12 @@ def run_demo(workdir=None, log=print) -> DemoResult:
     res.timings["first token"] = gen.first_token_s
     res.output = gen.text
 
-    from .quality import measure_quality
-    t = time.perf_counter()
-    res.quality = measure_quality(work / "model.lct", str(src), max_tokens=512, block=256)
+    from transformers import AutoTokenizer
+
+    from . import sample_text
+    from .quality import compare
+    t = time.perf_counter()  # the models already loaded above: the artifact's and the source's
+    res.quality = compare(loaded, ref, AutoTokenizer.from_pretrained(work / "model.lct"),
+                          sample_text.samples(), max_tokens=512, block=256)
     res.timings["verify --quality (512 tokens)"] = time.perf_counter() - t
     return res

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import shutil
 import uuid
 from pathlib import Path
@@ -16,6 +17,7 @@ from pathlib import Path
 from . import constants as C
 from .errors import LCTError
 from .reader import Artifact, open_artifact
+from .source import INDEX_NAME
 from .writer import OutputLock, check_output_path, foreign_entry, swap_into_place
 
 DEFAULT_SHARD_SIZE = C.EXPORT_SHARD_SIZE
@@ -26,10 +28,9 @@ def _shard_name(i: int, n: int) -> str:
 
 
 def _is_export_file(name: str) -> bool:
-    """Whether ``name`` is a file ``export`` writes (shards, their index, side files)."""
-    import re
-    return (name in ("model.safetensors", "model.safetensors.index.json")
-            or name in C.SIDECAR_FILES
+    """Whether ``name`` is a file ``export`` writes (shards as ``_shard_name`` names them, their
+    index, side files)."""
+    return (name in (_shard_name(0, 1), INDEX_NAME) or name in C.SIDECAR_FILES
             or re.fullmatch(r"model-[0-9]{5}-of-[0-9]{5}\.safetensors", name) is not None)
 
 
@@ -125,7 +126,7 @@ def _export(artifact, out: Path, max_shard_size: int, progress) -> Path:
             os.replace(tmp / tmpname, tmp / final)
             weight_map.update({n: final for n in names})
         if len(shards) > 1:
-            (tmp / "model.safetensors.index.json").write_text(json.dumps(
+            (tmp / INDEX_NAME).write_text(json.dumps(
                 {"metadata": {"total_size": total_size}, "weight_map": weight_map}, indent=2))
         for name in C.SIDECAR_FILES:
             if (art.path / name).is_file():

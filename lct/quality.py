@@ -109,9 +109,6 @@ def measure_quality(artifact, against: str, *, revision: str | None = None, text
     Raises:
         LCTError: the artifact has no tokenizer, no text, or the source cannot be resolved.
     """
-    import math
-
-    import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     from .loader import load
@@ -120,17 +117,30 @@ def measure_quality(artifact, against: str, *, revision: str | None = None, text
     path = Path(artifact)
     if not any((path / n).is_file() for n in ("tokenizer.json", "tokenizer.model")):
         raise LCTError(f"{path}: the artifact has no tokenizer to cut the text into tokens")
-    if max_tokens < 1:
-        raise LCTError(f"max tokens {max_tokens} must be at least 1")
     texts = read_texts(text) if text is not None else sample_text.samples()
     tokenizer = AutoTokenizer.from_pretrained(path)
-    blocks = token_blocks(tokenizer, texts, max_tokens, block)
-    if not blocks:
-        raise LCTError("the text is shorter than two tokens: nothing to score")
     src = resolve(against, revision)
     model = load(path)
     first = next(p for p in model.parameters() if p.is_floating_point())
     reference = AutoModelForCausalLM.from_pretrained(src.root, dtype=first.dtype).eval()
+    return compare(model, reference, tokenizer, texts, max_tokens=max_tokens, block=block,
+                   progress=progress)
+
+
+def compare(model, reference, tokenizer, texts: list, *, max_tokens: int = DEFAULT_MAX_TOKENS,
+            block: int = DEFAULT_BLOCK, progress=None) -> QualityReport:
+    """Score loaded ``model`` against loaded ``reference`` on ``texts`` (``[(name, text)]``),
+    tokenized with ``tokenizer`` (see the module docstring).
+
+    Raises:
+        LCTError: ``max_tokens`` below 1, or text shorter than two tokens.
+    """
+    import math
+    if max_tokens < 1:
+        raise LCTError(f"max tokens {max_tokens} must be at least 1")
+    blocks = token_blocks(tokenizer, texts, max_tokens, block)
+    if not blocks:
+        raise LCTError("the text is shorter than two tokens: nothing to score")
     sums = score(model, reference, blocks, progress)
     n = sums["n"]
     return QualityReport(texts=[name for name, _ in texts], blocks=len(blocks), tokens=n,

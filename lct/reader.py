@@ -106,8 +106,8 @@ class Artifact:
         the source must still equal the source's size and sha256 recorded in the manifest
         (``source.files``). Returns one message per problem (empty: all match)."""
         from .source import sha256_file
-        recorded = self.manifest.source.get("files", {}) if isinstance(
-            self.manifest.source, dict) else {}
+        recorded = self.manifest.source.get("files")  # untrusted: a dict only if well formed
+        recorded = recorded if isinstance(recorded, dict) else {}
         problems = []
         for name in names:
             want = recorded.get(name)
@@ -117,10 +117,7 @@ class Artifact:
             if not path.is_file():
                 problems.append(f"{path}: missing (the manifest records it from the source)")
                 continue
-            if not confined(path, self.path):
-                problems.append(f"{path}: a symbolic link that leaves the artifact folder")
-                continue
-            size = path.stat().st_size
+            size = path.stat().st_size  # (links leaving the folder were refused at open)
             if size != want.get("size") or sha256_file(path) != want.get("sha256"):
                 problems.append(f"{path}: differs from the source file the manifest records "
                                 f"(size {size}, expected {want.get('size')}); it was changed "

@@ -8,6 +8,7 @@ wrong state raises ``RuntimeError`` naming the state.
 from __future__ import annotations
 
 import os
+import re
 import shutil
 import struct
 import uuid
@@ -160,10 +161,11 @@ class OutputLock:
             os.close(fd)
         else:
             raise LCTError(f"{self.target}: could not take the lock {self.path}")
-        litter = [p for p in self.target.parent.glob(f".{self.target.name}.*-*")
-                  if p.is_dir() and not p.is_symlink()
-                  and p.name[len(self.target.name) + 2:][:4] in ("tmp-", "old-")]
-        old = sorted((p for p in litter if ".old-" in p.name), key=lambda p: p.stat().st_mtime)
+        parent, name = self.target.parent, self.target.name
+        old = sorted((p for p in parent.glob(f".{name}.old-*") if p.is_dir() and not p.is_symlink()),
+                     key=lambda p: p.stat().st_mtime)
+        litter = [p for p in parent.glob(f".{name}.tmp-*") if p.is_dir() and not p.is_symlink()]
+        litter += old
         if old and not self.target.exists() and not self.target.is_symlink():
             # A run died between moving the old output aside and putting the new one in place:
             # the old one goes back (the new one may be incomplete).
@@ -231,7 +233,6 @@ def foreign_entry(folder: Path, owned) -> str | None:
 
 def is_artifact_file(name: str) -> bool:
     """Whether ``name`` is a file an LCT artifact consists of (FORMAT.md section 1)."""
-    import re
     return (name in (C.MANIFEST_NAME, C.MAXIMUS_FILE) or name in C.SIDECAR_FILES
             or re.fullmatch(C.DATA_FILE_PATTERN, name) is not None)
 

@@ -100,9 +100,8 @@ class Installer:
         self.model, self.art, self.nf4 = model, art, nf4
         self.device = torch.device(device)
         self.dtype = dtype
-        self.names = {n for n, _ in model.named_parameters(remove_duplicate=False)} | \
-            {n for n, _ in model.named_buffers(remove_duplicate=False)}
         self.shapes = {n: tuple(p.shape) for n, p in model.named_parameters(remove_duplicate=False)}
+        self.names = set(self.shapes) | {n for n, _ in model.named_buffers(remove_duplicate=False)}
         # Given ids are skipped as asked; the config's pad id only while its stored row is zero.
         self.pad_ids, self.pad_given = _pad_ids(model, pad_ids), pad_ids is not None
         self.installed: set = set()
