@@ -24,7 +24,7 @@ def demo_cmd(workdir):
     click.echo(f"safetensors {human(res.source_bytes)} -> LCT {human(res.artifact_bytes)} "
                f"({res.artifact_bytes / res.source_bytes:.3f}x)")
     click.echo(f"verify: {'OK' if res.verify_ok else 'FAILED'}; lossless tensors bit-identical: "
-               f"{res.lossless_identical}; NF4 min cosine {res.nf4_cosine:.5f}")
+               f"{res.lossless_identical}; lossy parts min cosine {res.nf4_cosine:.5f}")
     click.echo(f"export reloaded with transformers: logits cosine vs source "
                f"{res.logits_cosine:.5f} (NF4 embedding)")
     click.echo(f"lct.load (NF4 kept) vs the exported model: same next token at every position: "

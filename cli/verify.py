@@ -43,12 +43,13 @@ def verify_cmd(artifact, against, revision, quality, text, max_tokens, as_json, 
     finally:
         bar.close()
         qbar.close()
-    nf4 = [t for t in rep.tensors if t.encoding == "nf4"]
-    if nf4:
-        click.echo(table([(t.name, "identical" if t.ok else "DIFFER", f"{t.max_err:.3g}",
-                           f"{t.mean_err:.3g}", f"{t.cosine:.6f}") for t in nf4],
-                         ["nf4 tensor", "codes vs source re-quantized", "max err", "mean err",
-                          "cosine"]))
+    lossy = [t for t in rep.tensors if t.encoding != "plain"]
+    if lossy:
+        click.echo(table([(t.name, t.encoding, "identical" if t.ok else "DIFFER",
+                           f"{t.max_err:.3g}", f"{t.mean_err:.3g}", f"{t.cosine:.6f}")
+                          for t in lossy],
+                         ["lossy tensor", "encoding", "codes vs source re-quantized", "max err",
+                          "mean err", "cosine"]))
     lossless = [t for t in rep.tensors if t.encoding == "plain"]
     if lossless:
         click.echo(f"{sum(t.ok for t in lossless)}/{len(lossless)} lossless tensors bit-identical "

@@ -479,11 +479,12 @@ enum { ISA_SCALAR = 0, ISA_AVX2 = 1, ISA_AVX512 = 2 };
 #define MM_TILE 4   /* rows of x sharing one decode of a weight vector */
 
 typedef struct {
-    const uint8_t *packed;
+    const uint8_t *packed;                 /* NF4 codes [N, K/2], or int8 codes [N, K] */
     const float *absmax, *code, *xe, *xo;  /* xe/xo: [M, K/2] even and odd elements of x */
     void *out;
     Py_ssize_t M, N, K, blocksize, n0, n1;
     int out_kind, isa;
+    int int8;                              /* 1: int8 codes, absmax = one scale per row, x in xe */
 } mm_job;
 
 static inline void mm_store(const mm_job *j, Py_ssize_t m, Py_ssize_t n, float v)
@@ -531,6 +532,23 @@ static inline void mm_row_c(const mm_job *j, const uint8_t *p, const float *am, 
     static const mm_row_fn PREFIX[MM_TILE] = {PREFIX##_1, PREFIX##_2, PREFIX##_3, PREFIX##_4};
 
 MM_ROW_FNS(mm_rows_c, mm_row_c, )
+
+/* int8 rows: the dot product of one row of codes (`p`, signed bytes) with rows of x (float32
+ * [M, K] in xe); the row's scale is applied by the caller. Same signature as the NF4 kernels. */
+static inline void i8_row_c(const mm_job *j, const uint8_t *p, const float *am, Py_ssize_t m0,
+                            int mt, float *res)
+{
+    const int8_t *q = (const int8_t *)p;
+    for (int t = 0; t < mt; t++) {
+        const float *x = j->xe + (m0 + t) * j->K;
+        float acc = 0.0f;
+        for (Py_ssize_t i = 0; i < j->K; i++)
+            acc += (float)q[i] * x[i];
+        res[t] = acc;
+    }
+}
+
+MM_ROW_FNS(i8_rows_c, i8_row_c, )
 
 #if defined(__x86_64__) && (defined(__GNUC__) || defined(__clang__))
 #include <immintrin.h>
@@ -615,6 +633,49 @@ mm_row256(const mm_job *j, const uint8_t *p, const float *am, Py_ssize_t m0, int
         res[t] = hsum256(acc[t]);
 }
 
+/* int8 codes widened to float32 16 (8) at a time; two FMA chains per input row. */
+__attribute__((target("avx512f"), always_inline)) static inline void
+i8_row512(const mm_job *j, const uint8_t *p, const float *am, Py_ssize_t m0, int mt, float *res)
+{
+    __m512 s[MM_TILE], s2[MM_TILE];
+    for (int t = 0; t < mt; t++)
+        s[t] = s2[t] = _mm512_setzero_ps();
+    for (Py_ssize_t i = 0; i < j->K; i += 32) {
+        __m512 w = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)(p + i))));
+        __m512 w2 = _mm512_cvtepi32_ps(
+            _mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)(p + i + 16))));
+        for (int t = 0; t < mt; t++) {
+            const float *x = j->xe + (m0 + t) * j->K + i;
+            s[t] = _mm512_fmadd_ps(w, _mm512_loadu_ps(x), s[t]);
+            s2[t] = _mm512_fmadd_ps(w2, _mm512_loadu_ps(x + 16), s2[t]);
+        }
+    }
+    for (int t = 0; t < mt; t++)
+        res[t] = _mm512_reduce_add_ps(_mm512_add_ps(s[t], s2[t]));
+}
+
+__attribute__((target("avx2,fma"), always_inline)) static inline void
+i8_row256(const mm_job *j, const uint8_t *p, const float *am, Py_ssize_t m0, int mt, float *res)
+{
+    __m256 s[MM_TILE], s2[MM_TILE];
+    for (int t = 0; t < mt; t++)
+        s[t] = s2[t] = _mm256_setzero_ps();
+    for (Py_ssize_t i = 0; i < j->K; i += 16) {
+        __m256 w = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i *)(p + i))));
+        __m256 w2 = _mm256_cvtepi32_ps(
+            _mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i *)(p + i + 8))));
+        for (int t = 0; t < mt; t++) {
+            const float *x = j->xe + (m0 + t) * j->K + i;
+            s[t] = _mm256_fmadd_ps(w, _mm256_loadu_ps(x), s[t]);
+            s2[t] = _mm256_fmadd_ps(w2, _mm256_loadu_ps(x + 8), s2[t]);
+        }
+    }
+    for (int t = 0; t < mt; t++)
+        res[t] = hsum256(_mm256_add_ps(s[t], s2[t]));
+}
+
+MM_ROW_FNS(i8_rows_avx512, i8_row512, __attribute__((target("avx512f"))))
+MM_ROW_FNS(i8_rows_avx2, i8_row256, __attribute__((target("avx2,fma"))))
 MM_ROW_FNS(mm_rows_avx512, mm_row512, __attribute__((target("avx512f"))))
 MM_ROW_FNS(mm_rows_avx2, mm_row256, __attribute__((target("avx2,fma"))))
 #endif
@@ -622,16 +683,18 @@ MM_ROW_FNS(mm_rows_avx2, mm_row256, __attribute__((target("avx2,fma"))))
 /* Every output row of the job's share, input rows in tiles of up to MM_TILE. */
 static void mm_rows(const mm_job *j, const mm_row_fn rows[MM_TILE])
 {
-    Py_ssize_t half = j->K / 2, bpr = j->K / j->blocksize;
+    /* NF4: K/2 code bytes and K/blocksize absmax per row; int8: K codes and one scale. */
+    Py_ssize_t stride = j->int8 ? j->K : j->K / 2, bpr = j->int8 ? 1 : j->K / j->blocksize;
     float res[MM_TILE];
     for (Py_ssize_t n = j->n0; n < j->n1; n++) {
-        const uint8_t *p = j->packed + n * half;
+        const uint8_t *p = j->packed + n * stride;
         const float *am = j->absmax + n * bpr;
+        float scale = j->int8 ? am[0] : 1.0f;
         for (Py_ssize_t m0 = 0; m0 < j->M; m0 += MM_TILE) {
             int mt = j->M - m0 < MM_TILE ? (int)(j->M - m0) : MM_TILE;
             rows[mt - 1](j, p, am, m0, res);
             for (int t = 0; t < mt; t++)
-                mm_store(j, m0 + t, n, res[t]);
+                mm_store(j, m0 + t, n, res[t] * scale);
         }
     }
 }
@@ -669,16 +732,44 @@ static void *mm_worker(void *arg)
     const mm_job *j = arg;
 #ifdef LCT_X86
     if (j->isa == ISA_AVX512) {
-        mm_rows(j, mm_rows_avx512);
+        mm_rows(j, j->int8 ? i8_rows_avx512 : mm_rows_avx512);
         return NULL;
     }
     if (j->isa == ISA_AVX2) {
-        mm_rows(j, mm_rows_avx2);
+        mm_rows(j, j->int8 ? i8_rows_avx2 : mm_rows_avx2);
         return NULL;
     }
 #endif
-    mm_rows(j, mm_rows_c);
+    mm_rows(j, j->int8 ? i8_rows_c : mm_rows_c);
     return NULL;
+}
+
+/* Run `threads` jobs (output rows split evenly), thread 0's share on the calling thread; a share
+ * whose thread cannot be started runs here too. Call with the GIL released. */
+static void mm_run(mm_job *jobs, pthread_t *tids, int threads)
+{
+    char started[64] = {0};
+    for (int t = 1; t < threads; t++) {
+        started[t] = pthread_create(&tids[t], NULL, mm_worker, &jobs[t]) == 0;
+        if (!started[t])
+            mm_worker(&jobs[t]);
+    }
+    mm_worker(&jobs[0]);
+    for (int t = 1; t < threads; t++)
+        if (started[t])
+            pthread_join(tids[t], NULL);
+}
+
+/* Threads for an N-row output: 1..64, at most N. */
+static int mm_threads(int threads, Py_ssize_t N)
+{
+    if (threads < 1)
+        threads = 1;
+    if (threads > 64)
+        threads = 64;
+    if (threads > N)
+        threads = (int)N;
+    return threads;
 }
 
 static PyObject *nf4_matmul_isa(PyObject *self, PyObject *args)
@@ -714,12 +805,7 @@ static PyObject *nf4_matmul(PyObject *self, PyObject *args)
                || ((uintptr_t)absmax.buf) % 4 || ((uintptr_t)code.buf) % 4) {
         PyErr_SetString(PyExc_ValueError, "nf4_matmul: a buffer is not aligned");
     } else {
-        if (threads < 1)
-            threads = 1;
-        if (threads > 64)
-            threads = 64;
-        if (threads > N)
-            threads = (int)N;
+        threads = mm_threads(threads, N);
         if ((blocksize / 2) % isa_step(isa))
             isa = ISA_SCALAR;
         Py_ssize_t half = K / 2;
@@ -750,22 +836,12 @@ static PyObject *nf4_matmul(PyObject *self, PyObject *args)
                     xe[m * half + i] = e;
                     xo[m * half + i] = o;
                 }
-            char started[64] = {0};
             for (int t = 0; t < threads; t++) {
                 mm_job jb = {packed.buf, absmax.buf, code.buf, xe, xo, out.buf, M, N, K,
-                             blocksize, N * t / threads, N * (t + 1) / threads, out_kind, isa};
+                             blocksize, N * t / threads, N * (t + 1) / threads, out_kind, isa, 0};
                 jobs[t] = jb;
             }
-            /* Thread 0's share runs here; a share whose thread cannot be started runs here too. */
-            for (int t = 1; t < threads; t++) {
-                started[t] = pthread_create(&tids[t], NULL, mm_worker, &jobs[t]) == 0;
-                if (!started[t])
-                    mm_worker(&jobs[t]);
-            }
-            mm_worker(&jobs[0]);
-            for (int t = 1; t < threads; t++)
-                if (started[t])
-                    pthread_join(tids[t], NULL);
+            mm_run(jobs, tids, threads);
             Py_END_ALLOW_THREADS
             free(xeo);
             free(jobs);
@@ -781,7 +857,75 @@ static PyObject *nf4_matmul(PyObject *self, PyObject *args)
     return ret;
 }
 
+/* out[M, N] = x[M, K] @ (q * scale[:, None]).T with q int8 [N, K], one float32 scale per row. */
+static PyObject *int8_matmul(PyObject *self, PyObject *args)
+{
+    Py_buffer x, q, scale, out;
+    Py_ssize_t M, N, K;
+    int x_kind, out_kind, threads, isa;
+    if (!PyArg_ParseTuple(args, "y*iy*y*w*innnii", &x, &x_kind, &q, &scale, &out, &out_kind, &M,
+                          &N, &K, &threads, &isa))
+        return NULL;
+    PyObject *ret = NULL;
+    Py_ssize_t xs = x_kind == 0 ? 4 : 2, os = out_kind == 0 ? 4 : 2;
+    if (isa < 0 || isa > best_isa())
+        isa = best_isa();
+    if ((x_kind != 0 && x_kind != 1) || (out_kind != 0 && out_kind != 1)) {
+        PyErr_SetString(PyExc_ValueError, "int8_matmul: kinds must be 0 (float32) or 1 (bfloat16)");
+    } else if (M <= 0 || N <= 0 || K <= 0 || M > PY_SSIZE_T_MAX / K || N > PY_SSIZE_T_MAX / K
+               || M > PY_SSIZE_T_MAX / N) {
+        PyErr_Format(PyExc_ValueError, "int8_matmul: bad shape M=%zd N=%zd K=%zd", M, N, K);
+    } else if (x.len != M * K * xs || q.len != N * K || scale.len != N * 4 || out.len != M * N * os) {
+        PyErr_Format(PyExc_ValueError, "int8_matmul: buffer sizes %zd/%zd/%zd/%zd do not match "
+                     "M=%zd N=%zd K=%zd", x.len, q.len, scale.len, out.len, M, N, K);
+    } else if (((uintptr_t)x.buf) % xs || ((uintptr_t)out.buf) % os || ((uintptr_t)scale.buf) % 4) {
+        PyErr_SetString(PyExc_ValueError, "int8_matmul: a buffer is not aligned");
+    } else {
+        threads = mm_threads(threads, N);
+        if (K % (2 * 16))      /* the vector loops take 32 (AVX-512) or 16 (AVX2) codes a step */
+            isa = K % 16 ? ISA_SCALAR : (isa == ISA_AVX512 ? ISA_AVX2 : isa);
+        float *xf = malloc((size_t)M * K * sizeof(float));
+        mm_job *jobs = malloc((size_t)threads * sizeof(mm_job));
+        pthread_t *tids = malloc((size_t)threads * sizeof(pthread_t));
+        if (!xf || !jobs || !tids) {
+            free(xf);
+            free(jobs);
+            free(tids);
+            PyErr_NoMemory();
+        } else {
+            Py_BEGIN_ALLOW_THREADS
+            for (Py_ssize_t i = 0; i < M * K; i++) {
+                if (x_kind == 0) {
+                    xf[i] = ((const float *)x.buf)[i];
+                } else {
+                    uint32_t u = (uint32_t)((const uint16_t *)x.buf)[i] << 16;
+                    memcpy(&xf[i], &u, 4);
+                }
+            }
+            for (int t = 0; t < threads; t++) {
+                mm_job jb = {q.buf, scale.buf, NULL, xf, NULL, out.buf, M, N, K, 1,
+                             N * t / threads, N * (t + 1) / threads, out_kind, isa, 1};
+                jobs[t] = jb;
+            }
+            mm_run(jobs, tids, threads);
+            Py_END_ALLOW_THREADS
+            free(xf);
+            free(jobs);
+            free(tids);
+            ret = Py_NewRef(Py_None);
+        }
+    }
+    PyBuffer_Release(&x);
+    PyBuffer_Release(&q);
+    PyBuffer_Release(&scale);
+    PyBuffer_Release(&out);
+    return ret;
+}
+
 static PyMethodDef methods[] = {
+    {"int8_matmul", int8_matmul, METH_VARARGS,
+     "int8_matmul(x, x_kind, q, scale, out, out_kind, M, N, K, threads, isa): fused int8 "
+     "matmul, out[M, N] = x[M, K] @ (q * scale).T; isa -1 picks the best."},
     {"nf4_quantize", nf4_quantize, METH_VARARGS,
      "nf4_quantize(x, kind, mids, packed, absmax, blocksize) -> first bad block or -1."},
     {"decode_frames", decode_frames, METH_VARARGS,

@@ -1,7 +1,7 @@
 """Every number of the LCT format, in one place (see docs/FORMAT.md)."""
 
 FORMAT_NAME = "lct"
-FORMAT_VERSION = (1, 0)
+FORMAT_VERSION = (1, 1)
 
 MANIFEST_NAME = "lct.json"
 DATA_FILE_TEMPLATE = "model-{index:05d}.lct"
@@ -40,8 +40,12 @@ DEFAULT_MAX_FILE_SIZE = 4 * 1024**3
 # Tensor encodings and roles.
 ENCODING_PLAIN = "plain"
 ENCODING_NF4 = "nf4"
+ENCODING_INT8 = "int8"      # int8 codes, one float32 scale per row (FORMAT.md 2.2)
 ROLES = ("embed", "head", "pos_embed", "layer", "norm", "misc")
 NF4_ROLES = ("embed", "head")
+# The roles a lossy encoding may be chosen for, and the encodings a policy may give them.
+LOSSY_ROLES = ("embed", "head")
+INT8_MAX = 127
 
 # Groups.
 GROUP_EMBED = "embed"
@@ -109,3 +113,15 @@ NF4_HEAD_CHUNK_BYTES = 128 << 20
 # Input rows up to which the CPU NF4 head takes the fused kernel (4-bit codes read per row) rather
 # than dequantizing chunks once for all rows; measured crossover in docs/BENCHMARKS.md.
 NF4_FUSED_MAX_ROWS = 24
+
+# The auto policy (lct/policy.py): the whole artifact's budget for its lossy parts, as a mean KL
+# divergence of the next-token distribution in nats (0.01 nats is about +1 % perplexity), and
+# how much it measures.
+DEFAULT_BUDGET_KL = 0.01
+DEFAULT_CALIBRATION_TOKENS = 2048
+PROXY_SAMPLES = 64
+# Final norms that scale by (1 + weight) rather than weight (transformers' Gemma family).
+NORM_PLUS_ONE = ("gemma", "gemma2", "gemma3", "gemma3_text", "recurrent_gemma")
+# Input rows up to which the CPU int8 head takes the fused kernel rather than dequantizing chunks
+# once for all rows (docs/BENCHMARKS.md section 11).
+INT8_FUSED_MAX_ROWS = 24

@@ -32,21 +32,57 @@ Progress = Callable[[str, int, int], None]
 
 @dataclass
 class Policy:
-    """What the converter does with each tensor (stored in the manifest as ``policy``)."""
+    """What the converter does with each tensor (stored in the manifest as ``policy``).
 
-    nf4: tuple = C.NF4_ROLES
+    The embedding and the LM head are the lossy candidates. With neither ``nf4`` nor ``int8``
+    given the policy is **auto**: for each of them (a tied table once) the converter measures
+    what NF4 and int8 would cost (``lct.policy``) and keeps the smallest encoding whose cost
+    fits ``budget`` (mean KL of the next-token distribution, nats, for the whole artifact).
+    ``nf4``/``int8`` name the parts forced to that encoding instead (``nf4=()`` and ``int8=()``:
+    all lossless); the rest are then lossless.
+    """
+
+    nf4: tuple | None = None
     blocksize: int = C.DEFAULT_BLOCKSIZE
     dtype: str | None = None
     codec: str = C.CODEC_PLANES
     level: int = C.DEFAULT_LEVEL
     frame_size: int = C.DEFAULT_FRAME_SIZE
     maximus_shards: int | None = None
+    int8: tuple | None = None
+    budget: float = C.DEFAULT_BUDGET_KL
+    calibration: str | None = None
+    max_calibration_tokens: int = C.DEFAULT_CALIBRATION_TOKENS
+
+    @property
+    def auto(self) -> bool:
+        """Whether the lossy parts are chosen by measurement (no part forced)."""
+        return self.nf4 is None and self.int8 is None
+
+    def forced(self) -> dict:
+        """``{role: encoding}`` of a manual policy (roles not named are lossless)."""
+        out = {r: C.ENCODING_PLAIN for r in C.LOSSY_ROLES}
+        out.update({r: C.ENCODING_NF4 for r in self.nf4 or ()})
+        out.update({r: C.ENCODING_INT8 for r in self.int8 or ()})
+        return out
 
     def check(self) -> None:
         """Raise ``PolicyError`` for options that cannot work."""
-        bad = [r for r in self.nf4 if r not in C.NF4_ROLES]
-        if bad:
-            raise PolicyError(f"--nf4: unknown part {bad[0]!r}; use none, embed, head or embed,head")
+        for flag, parts in (("--nf4", self.nf4), ("--int8", self.int8)):
+            bad = [r for r in parts or () if r not in C.LOSSY_ROLES]
+            if bad:
+                raise PolicyError(f"{flag}: unknown part {bad[0]!r}; use none, embed, head or "
+                                  f"embed,head")
+        both = set(self.nf4 or ()) & set(self.int8 or ())
+        if both:
+            raise PolicyError(f"--nf4 and --int8 both name {sorted(both)[0]!r}; give each part "
+                              f"one encoding")
+        if not self.auto and self.calibration:
+            raise PolicyError("--calibration chooses the encodings, so it cannot go with "
+                              "--nf4/--int8 (which force them)")
+        if not 0 < self.budget < 10:
+            raise PolicyError(f"--budget {self.budget} must be a mean KL in nats, above 0 and "
+                              f"below 10 (default {C.DEFAULT_BUDGET_KL}, about +1 % perplexity)")
         if self.dtype is not None and self.dtype not in C.CAST_TARGETS:
             raise PolicyError(f"--dtype: {self.dtype!r} is not one of {C.CAST_TARGETS}")
         if self.codec not in (C.CODEC_RAW, C.CODEC_ZSTD, C.CODEC_PLANES):
@@ -61,10 +97,17 @@ class Policy:
             raise PolicyError(f"frame size {self.frame_size} must be a multiple of 4096 "
                               f"up to {C.MAX_FRAME_SIZE}")
 
-    def to_dict(self) -> dict:
-        return {"nf4": list(self.nf4), "blocksize": self.blocksize, "dtype": self.dtype,
-                "codec": self.codec, "level": self.level, "frame_size": self.frame_size,
-                "maximus_shards": self.maximus_shards}
+    def to_dict(self, chosen: dict, decision=None) -> dict:
+        """The manifest's ``policy``: ``chosen`` is ``{role: encoding}`` as written."""
+        d = {"mode": "auto" if self.auto else "manual",
+             "nf4": [r for r in C.LOSSY_ROLES if chosen.get(r) == C.ENCODING_NF4],
+             "int8": [r for r in C.LOSSY_ROLES if chosen.get(r) == C.ENCODING_INT8],
+             "blocksize": self.blocksize, "dtype": self.dtype,
+             "codec": self.codec, "level": self.level, "frame_size": self.frame_size,
+             "maximus_shards": self.maximus_shards}
+        if decision is not None:
+            d["measured"] = decision.to_dict()
+        return d
 
 
 @dataclass
@@ -84,6 +127,7 @@ class ConvertReport:
     seconds: float
     source_bytes: int
     unmapped: list = field(default_factory=list)
+    decision: object = None     # the auto policy's ``lct.policy.Decision`` (None when forced)
 
     @property
     def mb_per_s(self) -> float:
@@ -157,19 +201,24 @@ def _write_plan(writer, plan, policy: Policy, src: Source, get) -> int:
     for s in plan.specs:
         t, path = get(s)
         off = plan.offsets[s.name]
-        if s.encoding == C.ENCODING_NF4:
-            from .nf4 import quantize
-            packed, absmax = quantize(t, s.blocksize, f"{path}: tensor {s.piece_of or s.name!r}")
-            buf[off: off + s.nbytes] = packed.numpy()
+        if s.encoding in (C.ENCODING_NF4, C.ENCODING_INT8):
+            where = f"{path}: tensor {s.piece_of or s.name!r}"
+            if s.encoding == C.ENCODING_NF4:
+                from .nf4 import quantize
+                codes, scales = quantize(t, s.blocksize, where)
+            else:
+                from .int8 import quantize
+                codes, scales = quantize(t, where)
+            buf[off: off + s.nbytes] = codes.reshape(-1).view(torch.uint8).numpy()
             a = plan.absmax_offsets[s.name]
-            buf[a: a + s.absmax_nbytes] = absmax.view(torch.uint8).numpy()
+            buf[a: a + s.absmax_nbytes] = scales.view(torch.uint8).numpy()
         else:
             if s.stored_dtype != s.dtype:
                 t = _cast(t, s.stored_dtype, s.piece_of or s.name, path)
             buf[off: off + s.nbytes] = _tensor_bytes(t)
         done += t.numel() * C.DTYPE_SIZES[s.dtype]
         del t
-    width = None if plan.width_class == "nf4" else plan.width_class
+    width = plan.width_class if isinstance(plan.width_class, int) else None
     is_float = all(s.stored_dtype in C.FLOAT_DTYPES for s in plan.specs)
     codec, params = choose_codec(width if is_float else None, policy.codec)
     if codec != C.CODEC_RAW:
@@ -294,25 +343,15 @@ def convert(source: str, out, *, revision: str | None = None, policy: Policy | N
     table = M.mapping_for(src.model_type)
     tie_flag = bool(src.config.get("tie_word_embeddings", True))
 
-    specs: dict = {}
     unmapped = []
-    for name, st in tensors.items():
-        group, role = M.classify(name, table)
-        if group == C.GROUP_MISC:
+    placed = {}
+    for name in tensors:
+        placed[name] = M.classify(name, table)
+        if placed[name][0] == C.GROUP_MISC:
             unmapped.append(name)
-        encoding, stored = C.ENCODING_PLAIN, st.dtype
-        if role in policy.nf4 and st.dtype in C.FLOAT_DTYPES and len(st.shape) == 2:
-            from .nf4 import check_blocksize
-            check_blocksize(st.shape, policy.blocksize, f"{src.root / st.file}: tensor {name!r}")
-            encoding, stored = C.ENCODING_NF4, "nf4"
-        elif policy.dtype and st.dtype in C.FLOAT_DTYPES:
-            stored = policy.dtype
-        specs.setdefault(group, []).append(TensorSpec(
-            name, st.shape, st.dtype, stored, encoding, role, group,
-            policy.blocksize if encoding == C.ENCODING_NF4 else None))
-
-    embed_name = next((s.name for s in specs.get(C.GROUP_EMBED, []) if s.role == "embed"), None)
-    head_names = [s.name for s in specs.get(C.GROUP_HEAD, [])]
+    embed_name = next((n for n, (g, r) in placed.items() if g == C.GROUP_EMBED and r == "embed"),
+                      None)
+    head_names = [n for n, (g, _) in placed.items() if g == C.GROUP_HEAD]
     ties = {}
     if embed_name and not head_names and tie_flag and table.head:
         ties[table.tied_head] = embed_name
@@ -323,13 +362,46 @@ def convert(source: str, out, *, revision: str | None = None, policy: Policy | N
                     safe_open(str(src.root / h.file), framework="pt") as fh:
                 if torch.equal(fe.get_tensor(e.name), fh.get_tensor(h.name)):
                     ties[h.name] = e.name
-                    del specs[C.GROUP_HEAD]
+                    del placed[h.name]
+    # The lossy candidates: 2-D float tables in the embed and head roles (the first of each is
+    # the one the auto policy measures).
+    def lossy_ok(n):
+        return tensors[n].dtype in C.FLOAT_DTYPES and len(tensors[n].shape) == 2
+    lossy: dict = {}
+    for n, (_, r) in placed.items():
+        if r in C.LOSSY_ROLES and lossy_ok(n):
+            lossy.setdefault(r, n)
+    decision = None
+    if policy.auto:
+        from .policy import decide
+        decision = decide(src, tensors, lossy, bool(ties), table, policy, progress)
+        chosen = decision.chosen
+    else:
+        chosen = policy.forced()
+        if ties and chosen["embed"] != chosen["head"]:
+            raise PolicyError(
+                f"{src.root}: the embedding and the LM head are one tied table, so "
+                f"{chosen['embed']} for the embedding and {chosen['head']} for the head cannot "
+                f"both be honoured: name both parts (--nf4 embed,head or --int8 embed,head) "
+                f"or neither (lossless)")
 
-    if ties and len(set(policy.nf4) & {"embed", "head"}) == 1:
-        only = next(iter(set(policy.nf4) & {"embed", "head"}))
-        raise PolicyError(f"{src.root}: the embedding and the LM head are one tied table, so "
-                          f"NF4 for the {only} alone cannot be honoured: store the table in NF4 "
-                          f"(embed,head) or losslessly (none)")
+    specs: dict = {}
+    for name, (group, role) in placed.items():
+        st = tensors[name]
+        encoding = chosen.get(role, C.ENCODING_PLAIN) if lossy_ok(name) else C.ENCODING_PLAIN
+        stored = st.dtype
+        if encoding == C.ENCODING_NF4:
+            from .nf4 import check_blocksize
+            check_blocksize(st.shape, policy.blocksize, f"{src.root / st.file}: tensor {name!r}")
+            stored = "nf4"
+        elif encoding == C.ENCODING_INT8:
+            stored = "int8"
+        elif policy.dtype and st.dtype in C.FLOAT_DTYPES:
+            stored = policy.dtype
+        specs.setdefault(group, []).append(TensorSpec(
+            name, st.shape, st.dtype, stored, encoding, role, group,
+            policy.blocksize if encoding == C.ENCODING_NF4 else None))
+
     groups = M.group_order(specs)
     total = sum(int(np.prod(tensors[s.name].shape)) * C.DTYPE_SIZES[tensors[s.name].dtype]
                 for g in specs.values() for s in g)
@@ -366,6 +438,6 @@ def convert(source: str, out, *, revision: str | None = None, policy: Policy | N
             source={"id": src.id, "kind": src.kind, "revision": src.revision, "files": hashes},
             architecture={"model_type": src.model_type, "tie_word_embeddings": tie_flag,
                           "mapping": table.name},
-            policy=policy.to_dict(), ties=ties, unmapped=unmapped,
+            policy=policy.to_dict(chosen, decision), ties=ties, unmapped=unmapped,
             created_by=f"lct {__version__}", maximus=maximus)
-    return ConvertReport(manifest, Path(out), time.perf_counter() - t0, total, unmapped)
+    return ConvertReport(manifest, Path(out), time.perf_counter() - t0, total, unmapped, decision)

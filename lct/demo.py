@@ -77,7 +77,7 @@ def run_demo(workdir=None, log=print) -> DemoResult:
     res.verify_ok = ver.ok
     plain = [c for c in ver.tensors if c.encoding == "plain"]
     res.lossless_identical = f"{sum(c.ok for c in plain)}/{len(plain)}"
-    nf4 = [c for c in ver.tensors if c.encoding == "nf4"]
+    nf4 = [c for c in ver.tensors if c.encoding != "plain"]
     res.nf4_cosine = min((c.cosine for c in nf4), default=1.0)
 
     t = time.perf_counter()

@@ -23,7 +23,7 @@ def summarize(manifest) -> list:
         tensors = manifest.group_tensors(g)
         rows.append(GroupRow(
             g, len(tensors),
-            ",".join(sorted({t.encoding if t.encoding == "nf4" else t.stored_dtype for t in tensors})),
+            ",".join(sorted({t.stored_dtype if t.encoding == "plain" else t.encoding for t in tensors})),
             ",".join(sorted({c.codec for c in chunks})),
             sum(c.stored_size for c in chunks), sum(c.decoded_size for c in chunks)))
     return rows

@@ -50,6 +50,7 @@ class TensorInfo:
     pieces: tuple | None = None     # row-range pieces (TensorInfo each), for a sharded tensor
     row_order: str | None = None    # "maximus": stored rows are in frequency order
     rows: tuple | None = None       # (r0, r1) of a piece within its tensor
+    int8: dict | None = None        # {"scale_offset", "scale_nbytes"} of an int8 tensor
 
     @classmethod
     def from_pieces(cls, name: str, shape: tuple, dtype: str, pieces: tuple,
@@ -60,6 +61,15 @@ class TensorInfo:
         return cls(name, tuple(shape), dtype, first.stored_dtype, first.encoding, first.role,
                    first.group, first.chunk, first.offset, sum(p.nbytes for p in pieces),
                    first.nf4 and {"blocksize": first.nf4["blocksize"]}, tuple(pieces), row_order)
+
+    def scales_span(self) -> tuple | None:
+        """``(offset, nbytes)`` of the float32 scales after a lossy tensor's codes (NF4's absmax
+        per block, int8's scale per row); None for a plain tensor."""
+        if self.nf4 and "absmax_offset" in self.nf4:
+            return self.nf4["absmax_offset"], self.nf4["absmax_nbytes"]
+        if self.int8:
+            return self.int8["scale_offset"], self.int8["scale_nbytes"]
+        return None
 
     @property
     def numel(self) -> int:
@@ -170,14 +180,15 @@ class Manifest:
 def _tensor_dict(t: TensorInfo) -> dict:
     d = {k: v for k, v in asdict(t).items() if k not in ("pieces", "rows")}
     d["shape"] = list(t.shape)
-    for key in ("nf4", "row_order"):
+    for key in ("nf4", "row_order", "int8"):
         if d[key] is None:
             del d[key]
     if t.pieces:
-        for key in ("chunk", "offset", "nbytes", "nf4"):
+        for key in ("chunk", "offset", "nbytes", "nf4", "int8"):
             d.pop(key, None)
         d["pieces"] = [{"rows": list(p.rows), "chunk": p.chunk, "offset": p.offset,
-                        "nbytes": p.nbytes, **({"nf4": p.nf4} if p.nf4 else {})}
+                        "nbytes": p.nbytes, **({"nf4": p.nf4} if p.nf4 else {}),
+                        **({"int8": p.int8} if p.int8 else {})}
                        for p in t.pieces]
     return d
 
@@ -261,9 +272,9 @@ def _parse(d, where: str) -> Manifest:
         tensors[info.name] = info
         for p in info.placements():
             spans.append((p.chunk, p.offset, p.offset + p.nbytes, p.name))
-            if p.nf4:
-                a = p.nf4["absmax_offset"]
-                spans.append((p.chunk, a, a + p.nf4["absmax_nbytes"], p.name + " absmax"))
+            aux = p.scales_span()
+            if aux:
+                spans.append((p.chunk, aux[0], aux[0] + aux[1], p.name + " scales"))
     _check_no_overlap(spans, where, "tensor byte ranges")
 
     ties = d.get("ties", {})
@@ -382,7 +393,7 @@ def _pieced(t: dict, name: str, shape: tuple, dtype: str, chunks: list, where: s
                 and next_row < rows[1] <= shape[0]):
             _fail(where, f"{w}: pieces[{k}].rows {rows!r} must continue at row {next_row} "
                          f"and end by {shape[0]}")
-        sub = dict(t, **{key: p.get(key) for key in ("chunk", "offset", "nbytes", "nf4")})
+        sub = dict(t, **{key: p.get(key) for key in ("chunk", "offset", "nbytes", "nf4", "int8")})
         piece = _placement(sub, f"{name}[{rows[0]}:{rows[1]}]", (rows[1] - rows[0], shape[1]),
                            dtype, chunks, where)
         out.append(replace(piece, rows=(rows[0], rows[1])))
@@ -407,7 +418,7 @@ def _placement(t: dict, name: str, shape: tuple, dtype: str, chunks: list,
     offset = _int(t.get("offset"), where, f"{w} offset")
     nbytes = _int(t.get("nbytes"), where, f"{w} nbytes")
     n = math.prod(shape)
-    nf4 = None
+    nf4 = int8 = None
     if encoding == C.ENCODING_PLAIN:
         if not isinstance(stored_dtype, str) or stored_dtype not in C.DTYPE_SIZES:
             raise UnsupportedVersionError(f"{where}: {w}: unknown stored dtype {stored_dtype!r}")
@@ -435,10 +446,36 @@ def _placement(t: dict, name: str, shape: tuple, dtype: str, chunks: list,
         _span_in_chunk(offset, nbytes, chunk, where, w)
         _span_in_chunk(a_off, a_n, chunk, where, w + " absmax")
         nf4 = {"blocksize": bs, "absmax_offset": a_off, "absmax_nbytes": a_n}
+    elif encoding == C.ENCODING_INT8:
+        int8 = _int8_placement(t, w, shape, dtype, stored_dtype, offset, nbytes, chunk, where)
     else:
         raise UnsupportedVersionError(f"{where}: {w}: unknown encoding {encoding!r}")
     return TensorInfo(name, tuple(shape), dtype, stored_dtype, encoding, role, group, cidx,
-                      offset, nbytes, nf4, row_order=t.get("row_order"))
+                      offset, nbytes, nf4, row_order=t.get("row_order"), int8=int8)
+
+
+def _int8_placement(t: dict, w: str, shape: tuple, dtype: str, stored_dtype, offset: int,
+                    nbytes: int, chunk: ChunkInfo, where: str) -> dict:
+    """Validate an int8 tensor's codes and per-row scales (FORMAT.md 2.2)."""
+    if stored_dtype != "int8":
+        _fail(where, f"{w}: int8 tensor must have stored_dtype 'int8', got {stored_dtype!r}")
+    if dtype not in C.FLOAT_DTYPES:
+        _fail(where, f"{w}: int8 tensor must dequantize to one of {C.FLOAT_DTYPES}, got {dtype!r}")
+    if len(shape) < 1:
+        _fail(where, f"{w}: an int8 tensor needs at least one dimension")
+    spec = t.get("int8")
+    if not isinstance(spec, dict):
+        _fail(where, f"{w}: int8 tensor lacks its 'int8' object")
+    n, rows = math.prod(shape), math.prod(shape[:-1])
+    if nbytes != n:
+        _fail(where, f"{w}: int8 nbytes {nbytes} != {n}")
+    s_off = _int(spec.get("scale_offset"), where, f"{w} scale_offset")
+    s_n = _int(spec.get("scale_nbytes"), where, f"{w} scale_nbytes")
+    if s_n != 4 * rows:
+        _fail(where, f"{w}: scale_nbytes {s_n} != {4 * rows} (one float32 per row)")
+    _span_in_chunk(offset, nbytes, chunk, where, w)
+    _span_in_chunk(s_off, s_n, chunk, where, w + " scales")
+    return {"scale_offset": s_off, "scale_nbytes": s_n}
 
 
 def _check_maximus(m, tensors: dict, where: str) -> None:

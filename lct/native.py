@@ -112,3 +112,18 @@ def nf4_matmul(x: np.ndarray, x_bf16: bool, packed: np.ndarray, absmax: np.ndarr
     m, n, k = shape
     _native.nf4_matmul(x, 1 if x_bf16 else 0, packed, absmax, code, out, 1 if out_bf16 else 0,
                        m, n, k, blocksize, threads, -1 if isa is None else ISAS.index(isa))
+
+
+def int8_matmul(x: np.ndarray, x_bf16: bool, q: np.ndarray, scale: np.ndarray, out: np.ndarray,
+                out_bf16: bool, shape: tuple, threads: int, isa: str | None = None) -> None:
+    """``out[M, N] = x[M, K] @ (q * scale[:, None]).T`` with ``q`` int8 [N, K] and one float32
+    ``scale`` per row, accumulated in float32 over ``threads`` threads with the GIL released;
+    ``x``/``out`` as for ``nf4_matmul``. Only call when ``int8_matmul_available()``."""
+    m, n, k = shape
+    _native.int8_matmul(x, 1 if x_bf16 else 0, q, scale, out, 1 if out_bf16 else 0, m, n, k,
+                        threads, -1 if isa is None else ISAS.index(isa))
+
+
+def int8_matmul_available() -> bool:
+    """Whether the fused int8 matmul can run."""
+    return _ENABLED and hasattr(_native, "int8_matmul")

@@ -60,6 +60,26 @@ class NF4Weight:
                                   self.blocksize, self.dtype)
 
 
+@dataclass
+class Int8Weight:
+    """An int8-encoded tensor as stored: codes, one float32 scale per row, and what it
+    dequantizes to."""
+
+    name: str
+    q: object            # torch.int8 [rows, cols]
+    scale: object        # torch.float32 [rows]
+    shape: tuple
+    dtype: str
+
+    def dequantize(self, dtype=None):
+        """Dequantize to ``dtype`` (default: the source dtype): ``q * scale`` in float32."""
+        from . import int8
+        return int8.dequantize(self.q, self.scale, self.shape, dtype or torch_dtype(self.dtype))
+
+
+QUANTIZED = (NF4Weight, Int8Weight)
+
+
 class Artifact:
     """An opened LCT artifact. Use as a context manager, or call ``close()``.
 
@@ -285,6 +305,13 @@ class Artifact:
             absmax = torch.from_numpy(buf[a: a + info.nf4["absmax_nbytes"]]).view(torch.float32)
             w = NF4Weight(info.name, raw, absmax, info.shape, info.nf4["blocksize"], info.dtype)
             return w.dequantize() if dequantize else w
+        if info.encoding == C.ENCODING_INT8:
+            from .int8 import row_shape
+            a, n = info.int8["scale_offset"], info.int8["scale_nbytes"]
+            scale = torch.from_numpy(buf[a: a + n]).view(torch.float32)
+            w = Int8Weight(info.name, raw.view(torch.int8).view(row_shape(info.shape)), scale,
+                           info.shape, info.dtype)
+            return w.dequantize() if dequantize else w
         return raw.view(torch_dtype(info.stored_dtype)).view(info.shape)
 
     def assemble(self, info: TensorInfo, bufs: dict, dequantize: bool = True,
@@ -311,6 +338,13 @@ class Artifact:
                 packed, absmax = packed[perm], absmax[perm]
             w = NF4Weight(info.name, packed.reshape(-1), absmax.reshape(-1), info.shape, bs,
                           info.dtype)
+            return w.dequantize() if dequantize else w
+        if info.encoding == C.ENCODING_INT8:
+            q = torch.cat([p.q for p in parts])
+            scale = torch.cat([p.scale for p in parts])
+            if perm is not None:
+                q, scale = q[perm], scale[perm]
+            w = Int8Weight(info.name, q, scale, info.shape, info.dtype)
             return w.dequantize() if dequantize else w
         table = torch.cat(parts)
         return table[perm] if perm is not None else table
@@ -356,7 +390,8 @@ class Artifact:
         return {c.id: self.read_chunk(c.id) for c in self.manifest.group_chunks(group)}
 
     def read_group(self, group: str, dequantize: bool = True) -> dict:
-        """All tensors of ``group`` as ``{name: tensor}`` (NF4 as ``NF4Weight`` unless dequantized).
+        """All tensors of ``group`` as ``{name: tensor}`` (NF4 and int8 ones as ``NF4Weight`` and
+        ``Int8Weight`` unless dequantized).
 
         Tied names whose stored tensor is in this group are included under both names.
         """

@@ -39,25 +39,33 @@ class VerifyReport:
 
 
 def _compare(name, info, got, ref) -> TensorCheck:
-    """``got`` is the stored tensor (an ``NF4Weight`` for NF4 ones), ``ref`` the source's."""
+    """``got`` is the stored tensor (an ``NF4Weight``/``Int8Weight`` for lossy ones), ``ref``
+    the source's."""
     import torch
-    if info.encoding == C.ENCODING_NF4:
-        # The quantizer is deterministic and bit-exact with bitsandbytes: the source, quantized
-        # again, must give the stored bytes. Error and cosine are extra information.
-        from .nf4 import quantize
-        packed, absmax = quantize(ref, got.blocksize, name)
-        same = tuple(ref.shape) == tuple(got.shape) and torch.equal(
-            packed.reshape(-1), got.packed.reshape(-1)) and torch.equal(
-            absmax.reshape(-1), got.absmax.reshape(-1).to(absmax.dtype))
+    if info.encoding in (C.ENCODING_NF4, C.ENCODING_INT8):
+        # Both quantizers are deterministic (NF4 bit-exact with bitsandbytes): the source,
+        # quantized again, must give the stored bytes. Error and cosine are extra information.
+        kind = info.encoding
+        if tuple(ref.shape) != tuple(got.shape):
+            return TensorCheck(name, kind, False, note=f"shape {tuple(got.shape)} differs from "
+                                                       f"the source's {tuple(ref.shape)}")
+        if kind == C.ENCODING_NF4:
+            from .nf4 import quantize
+            codes, scales = quantize(ref, got.blocksize, name)
+            stored = (got.packed, got.absmax)
+        else:
+            from .int8 import quantize
+            codes, scales = quantize(ref, name)
+            stored = (got.q, got.scale)
+        same = torch.equal(codes.reshape(-1), stored[0].reshape(-1)) and torch.equal(
+            scales.reshape(-1), stored[1].reshape(-1).to(scales.dtype))
         a, b = got.dequantize().float().reshape(-1), ref.float().reshape(-1)
-        if a.shape != b.shape:
-            return TensorCheck(name, "nf4", False, note=f"shape {tuple(got.shape)} differs from "
-                                                        f"the source's {tuple(ref.shape)}")
         err = (a - b).abs()
         cos = torch.nn.functional.cosine_similarity(a, b, dim=0).item() if a.numel() else 1.0
-        return TensorCheck(name, "nf4", same, err.max().item() if err.numel() else 0.0,
+        label = "NF4" if kind == C.ENCODING_NF4 else "int8"
+        return TensorCheck(name, kind, same, err.max().item() if err.numel() else 0.0,
                            err.mean().item() if err.numel() else 0.0, cos,
-                           "" if same else "NF4 codes differ from the source quantized again")
+                           "" if same else f"{label} codes differ from the source quantized again")
     if info.stored_dtype != info.dtype:
         ref = ref.to(got.dtype)
     same = got.shape == ref.shape and got.dtype == ref.dtype and torch.equal(

@@ -58,17 +58,27 @@ class TensorSpec:
     def nbytes(self) -> int:
         if self.encoding == C.ENCODING_NF4:
             return (self.numel + 1) // 2
+        if self.encoding == C.ENCODING_INT8:
+            return self.numel
         return self.numel * C.DTYPE_SIZES[self.stored_dtype]
 
     @property
     def absmax_nbytes(self) -> int:
-        return 4 * (-(-self.numel // self.blocksize)) if self.encoding == C.ENCODING_NF4 else 0
+        """Bytes of the float32 scales after the codes: NF4's absmax per block, int8's scale
+        per row; 0 for plain tensors."""
+        if self.encoding == C.ENCODING_NF4:
+            return 4 * (-(-self.numel // self.blocksize))
+        if self.encoding == C.ENCODING_INT8:
+            from .int8 import row_shape
+            return 4 * row_shape(self.shape)[0]
+        return 0
 
     @property
     def width_class(self):
-        """Tensors of one class share a chunk: NF4 apart, plain tensors by element width."""
-        if self.encoding == C.ENCODING_NF4:
-            return "nf4"
+        """Tensors of one class share a chunk: each lossy encoding apart, plain tensors by
+        element width."""
+        if self.encoding in (C.ENCODING_NF4, C.ENCODING_INT8):
+            return self.encoding
         return C.DTYPE_SIZES[self.stored_dtype]
 
 
@@ -80,7 +90,7 @@ class ChunkPlan:
     width_class: object
     specs: list = field(default_factory=list)
     offsets: dict = field(default_factory=dict)        # name -> offset
-    absmax_offsets: dict = field(default_factory=dict)  # name -> offset (nf4)
+    absmax_offsets: dict = field(default_factory=dict)  # name -> offset of its scales (lossy)
     decoded_size: int = 0
 
     def allocate(self) -> np.ndarray:
@@ -96,7 +106,7 @@ def plan_group(group: str, specs: list) -> list:
         pos = _align(plan.decoded_size, C.TENSOR_ALIGNMENT)
         plan.offsets[spec.name] = pos
         pos += spec.nbytes
-        if spec.encoding == C.ENCODING_NF4:
+        if spec.absmax_nbytes:
             pos = _align(pos, C.TENSOR_ALIGNMENT)
             plan.absmax_offsets[spec.name] = pos
             pos += spec.absmax_nbytes
@@ -372,13 +382,17 @@ class ArtifactWriter:
                          plan.decoded_size, codec, dict(params), checksum(stored))
         self.chunks.append(info)
         for spec in plan.specs:
-            nf4 = None
+            nf4 = int8 = None
             if spec.encoding == C.ENCODING_NF4:
                 nf4 = {"blocksize": spec.blocksize, "absmax_offset": plan.absmax_offsets[spec.name],
                        "absmax_nbytes": spec.absmax_nbytes}
+            elif spec.encoding == C.ENCODING_INT8:
+                int8 = {"scale_offset": plan.absmax_offsets[spec.name],
+                        "scale_nbytes": spec.absmax_nbytes}
             entry = TensorInfo(spec.name, tuple(spec.shape), spec.dtype, spec.stored_dtype,
                                spec.encoding, spec.role, spec.group, info.id,
-                               plan.offsets[spec.name], spec.nbytes, nf4, rows=spec.rows)
+                               plan.offsets[spec.name], spec.nbytes, nf4, rows=spec.rows,
+                               int8=int8)
             if spec.piece_of is not None:
                 self.pieced[spec.piece_of][2].append(entry)
             else:

@@ -128,16 +128,16 @@ class Installer:
 
     def install(self, group) -> None:
         """Install every tensor of a decoded group."""
-        from lct.reader import NF4Weight
+        from lct.reader import QUANTIZED
         self._done: set = set()
         for name, t in group.tensors.items():
             full = _param_name(self.model, name, self.names)
             if full is None or full in self._done:
                 continue  # a name the model does not expose, or a tie already installed
             self._check_shape(full, name, tuple(t.shape))
-            if isinstance(t, NF4Weight):
+            if isinstance(t, QUANTIZED):
                 if self.nf4 == "keep":
-                    self._install_nf4(full, t)
+                    self._install_quantized(full, t)
                     continue
                 t = t.dequantize()
             if self.dtype is not None and t.is_floating_point():
@@ -157,37 +157,50 @@ class Installer:
         self.installed.add(full)
         self._done.add(full)
 
-    def _install_nf4(self, full: str, w) -> None:
+    def _install_quantized(self, full: str, w) -> None:
+        from lct.reader import NF4Weight
         dtype = self.dtype or _dtype(w.dtype)
-        packed, absmax = self._to_device(w.packed), self._to_device(w.absmax)
-        self._swap(full, w, packed, absmax, dtype)
-        # A tied head shares the embedding's NF4 storage.
+        if isinstance(w, NF4Weight):
+            codes, scales = self._to_device(w.packed), self._to_device(w.absmax)
+        else:
+            codes, scales = self._to_device(w.q), self._to_device(w.scale)
+        self._swap(full, w, codes, scales, dtype)
+        # A tied head shares the embedding's quantized storage.
         for tied, real in self.art.manifest.ties.items():
             tfull = _param_name(self.model, tied, self.names) if real == w.name else None
             if tfull and tfull.rpartition(".")[0] != full.rpartition(".")[0]:
-                self._swap(tfull, w, packed, absmax, dtype)
+                self._swap(tfull, w, codes, scales, dtype)
 
-    def _swap(self, full: str, w, packed, absmax, dtype) -> None:
-        """Replace the module owning parameter ``full`` by its NF4 counterpart."""
+    def _swap(self, full: str, w, codes, scales, dtype) -> None:
+        """Replace the module owning parameter ``full`` by its NF4 or int8 counterpart
+        (``codes``/``scales``: packed codes and absmax, or int8 codes and row scales)."""
         import torch
 
-        from lct.kernels import NF4Embedding, NF4Linear
+        from lct.kernels import Int8Embedding, Int8Linear, NF4Embedding, NF4Linear
+        from lct.reader import NF4Weight
         mod_path = full.rpartition(".")[0]
         parent_path, _, leaf = mod_path.rpartition(".")
         parent = self.model.get_submodule(parent_path) if parent_path else self.model
         old = getattr(parent, leaf)
+        nf4 = isinstance(w, NF4Weight)
         if isinstance(old, torch.nn.Embedding):
             scale = getattr(old, "embed_scale", None)
-            pad = self.pad_ids if self.pad_given else _padding_only(self.pad_ids, absmax,
+            scale = scale.to(self.device) if scale is not None else None
+            zero = scales.reshape(w.shape[0], -1) if nf4 else scales.reshape(w.shape[0], 1)
+            pad = self.pad_ids if self.pad_given else _padding_only(self.pad_ids, zero,
                                                                     w.shape[0])
-            new = NF4Embedding(packed, absmax, w.shape[0], w.shape[1], w.blocksize, dtype,
-                               pad_ids=pad, scale=scale.to(self.device) if scale is not None else None)
+            if nf4:
+                new = NF4Embedding(codes, scales, w.shape[0], w.shape[1], w.blocksize, dtype,
+                                   pad_ids=pad, scale=scale)
+            else:
+                new = Int8Embedding(codes, scales, dtype, pad_ids=pad, scale_by=scale)
         elif isinstance(old, torch.nn.Linear):
             bias = old.bias if old.bias is not None and not old.bias.is_meta else None
-            new = NF4Linear(packed, absmax, w.shape[0], w.shape[1], w.blocksize, dtype, bias=bias)
+            new = NF4Linear(codes, scales, w.shape[0], w.shape[1], w.blocksize, dtype,
+                            bias=bias) if nf4 else Int8Linear(codes, scales, dtype, bias=bias)
         else:
-            raise LCTError(f"{self.art.path}: tensor {full!r} is NF4 but its module is a "
-                           f"{type(old).__name__}; load with nf4='dequantize'")
+            raise LCTError(f"{self.art.path}: tensor {full!r} is {'NF4' if nf4 else 'int8'} but "
+                           f"its module is a {type(old).__name__}; load with nf4='dequantize'")
         setattr(parent, leaf, new)
         self.nf4_modules.append(mod_path)
         self._mark(full)
@@ -229,7 +242,8 @@ def _pad_ids(model, pad_ids):
 
 
 def _padding_only(ids, absmax, rows: int) -> tuple:
-    """The ids among ``ids`` whose NF4 row is all zeros (every block's absmax is 0): skipping
+    """The ids among ``ids`` whose quantized row is all zeros (every block's absmax, or the
+    int8 row's scale, is 0): skipping
     those gives the very zeros a gather would, so the lookup stays identical to transformers'.
     A pad id that is also a trained token (chat models often pad with ``<|im_end|>``) has a
     non-zero row and is gathered like any other token."""
@@ -265,7 +279,7 @@ def install_maximus(model, art, budget=None, device="cpu"):
     """
     import torch
 
-    from lct.kernels import MaximusEmbedding, NF4Embedding
+    from lct.kernels import Int8Embedding, MaximusEmbedding, NF4Embedding
     from lct.maximus import DEFAULT_POLICY
     m = art.manifest.maximus
     if m is None:
@@ -290,7 +304,8 @@ def install_maximus(model, art, budget=None, device="cpu"):
         new = MaximusEmbedding(old.num_embeddings, old.embedding_dim, pad_ids=pads,
                                nf4=(old.packed, old.absmax, old.blocksize), dtype=old.dtype,
                                scale=scale, **kw)
-    elif isinstance(old, torch.nn.Embedding):
+    elif isinstance(old, (torch.nn.Embedding, Int8Embedding)):
+        # An int8 table is held dequantized: Maximus shards rows of a dense or NF4 table.
         new = MaximusEmbedding(old.num_embeddings, old.embedding_dim, pad_ids=pads,
                                weight=old.weight.detach(), dtype=old.weight.dtype, scale=scale,
                                **kw)

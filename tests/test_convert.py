@@ -188,7 +188,7 @@ def test_overflowing_cast_is_refused_and_leaves_nothing(tmp_path):
 
 def test_bad_blocksize_names_tensor(gemma_src, tmp_path):
     with pytest.raises(PolicyError, match=r"model\.embed_tokens\.weight.*blocksize 48"):
-        lct.convert(str(gemma_src), tmp_path / "a.lct", policy=Policy(blocksize=48))
+        lct.convert(str(gemma_src), tmp_path / "a.lct", policy=Policy(nf4=("embed", "head"), blocksize=48))
     assert not (tmp_path / "a.lct").exists()
 
 

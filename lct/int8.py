@@ -1,0 +1,86 @@
+"""int8 per-row reference codec (docs/FORMAT.md section 2.2): one float32 scale per row and one
+signed byte per element.
+
+Rule, in float32 throughout: ``scale = absmax(row) / 127``; ``q = clamp(round_half_even(x /
+scale), -127, 127)`` (``q = 0`` for a row whose scale is 0); dequantized value ``q * scale``, then
+cast to the tensor's dtype. Rows are processed in pieces so memory does not grow with the table.
+"""
+
+from __future__ import annotations
+
+import math
+
+from . import constants as C
+from .errors import PolicyError
+
+PIECE_ELEMENTS = 1 << 22
+
+
+def row_shape(shape) -> tuple:
+    """``(rows, cols)`` of a tensor of ``shape`` for int8 per-row storage (rows = all but the
+    last dimension)."""
+    if not shape:
+        return 1, 1
+    return math.prod(shape[:-1]), shape[-1]
+
+
+def quantize(tensor, name: str = "tensor"):
+    """Quantize ``tensor`` to int8 with one float32 scale per row (its last dimension).
+
+    Args:
+        tensor: a floating-point torch tensor whose values are all finite.
+        name: used in error messages.
+
+    Returns:
+        ``(q, scale)``: int8 ``[rows, cols]`` and float32 ``[rows]``.
+
+    Raises:
+        PolicyError: a non-float tensor, or a NaN/Inf value.
+
+    Example:
+        >>> q, scale = quantize(torch.randn(4, 128))
+    """
+    import torch
+    if not tensor.is_floating_point():
+        raise PolicyError(f"{name}: int8 needs a floating-point tensor, got {tensor.dtype}")
+    rows, cols = row_shape(tuple(tensor.shape))
+    x2 = tensor.reshape(rows, cols)
+    q = torch.empty(rows, cols, dtype=torch.int8)
+    scale = torch.empty(rows, dtype=torch.float32)
+    step = max(1, PIECE_ELEMENTS // max(cols, 1))
+    for r0 in range(0, rows, step):
+        r1 = min(rows, r0 + step)
+        x = x2[r0:r1].to(torch.float32)
+        am = x.abs().amax(dim=1) if cols else x.new_zeros(r1 - r0)
+        if not torch.isfinite(am).all():  # amax propagates NaN and Inf
+            bad = r0 + int((~torch.isfinite(am)).nonzero()[0])
+            raise PolicyError(f"{name}: int8 cannot encode NaN or Inf values (row {bad})")
+        s = am / C.INT8_MAX
+        scale[r0:r1] = s
+        safe = torch.where(s == 0, torch.ones_like(s), s)
+        v = torch.round(x / safe.unsqueeze(1)).clamp_(-C.INT8_MAX, C.INT8_MAX)  # x may be the input
+        v[s == 0] = 0
+        q[r0:r1] = v.to(torch.int8)
+    return q, scale
+
+
+def dequantize(q, scale, shape, dtype=None, out=None):
+    """Dequantize int8 ``q`` [rows, cols] with float32 ``scale`` [rows] to ``shape``: ``q * scale``
+    in float32, then cast to ``dtype`` (default float32). ``out``, if given, is a contiguous
+    tensor of ``shape``'s size and ``dtype`` to write into."""
+    import torch
+    dtype = dtype or torch.float32
+    rows, cols = row_shape(tuple(shape))
+    q2 = q.reshape(rows, cols)
+    s = scale.reshape(rows).to(torch.float32)
+    if out is None:
+        out = torch.empty(rows, cols, dtype=dtype, device=q.device)
+    elif out.numel() != rows * cols or out.dtype != dtype or not out.is_contiguous():
+        raise ValueError(f"out must be a contiguous {dtype} tensor of {rows * cols} elements, "
+                         f"got {out.dtype} {tuple(out.shape)}")
+    out2 = out.view(rows, cols)
+    step = max(1, PIECE_ELEMENTS // max(cols, 1))
+    for r0 in range(0, rows, step):
+        r1 = min(rows, r0 + step)
+        out2[r0:r1] = q2[r0:r1].to(torch.float32) * s[r0:r1].unsqueeze(1)
+    return out.view(*shape)

@@ -1,0 +1,317 @@
+"""The auto policy: for the embedding and the LM head (a tied table once), measure what NF4 and
+int8 would cost, and keep the smallest encoding whose cost fits the budget.
+
+Cost is the mean KL divergence (nats) of the next-token distribution from the lossless model's,
+measured one of two ways:
+
+- **calibration** (``--calibration TEXT``): the source model runs on the text, once as it is and
+  once per candidate with that table replaced by its quantized-and-dequantized copy.
+- **proxy** (no text): the LM head's logits on hidden states drawn from the final norm's
+  statistics (``gamma * z + beta``, ``z ~ N(0, I)``, a fixed seed), lossless against each
+  candidate. The embedding gets no cheap measurement of its own: its cost is taken to be that of
+  the same relative error in the head (the proxy's error ratio times the head's cost), an upper
+  bound on the real-text cost in benchmarks/bench_quality.py (a tied table is counted twice).
+
+The costs of the embedding and the head add up to the artifact's cost; among the combinations
+whose cost is within the budget, the one with the fewest stored bytes wins (lossless always fits).
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+from itertools import product
+
+from . import constants as C
+from .errors import LCTError, PolicyError
+
+CANDIDATES = (C.ENCODING_NF4, C.ENCODING_INT8)
+ROW_STEP_BYTES = 64 << 20
+
+
+@dataclass
+class Decision:
+    """What the auto policy chose and what it measured."""
+
+    chosen: dict                     # role -> encoding
+    tied: bool
+    method: str                      # "proxy" or "calibration"
+    budget: float
+    costs: dict = field(default_factory=dict)    # part -> {encoding: mean KL, nats}
+    cost: float = 0.0                # the chosen combination's estimated cost
+    tokens: int = 0                  # calibration tokens scored (0 for the proxy)
+    seconds: float = 0.0
+
+    def to_dict(self) -> dict:
+        return {"method": self.method, "budget_kl": self.budget, "cost_kl": round(self.cost, 6),
+                "tied": self.tied, "tokens": self.tokens, "seconds": round(self.seconds, 3),
+                "costs": {p: {e: round(v, 6) for e, v in c.items()}
+                          for p, c in self.costs.items()}}
+
+    def summary(self) -> str:
+        """One line for ``lct convert``: the choice, its cost, and what the others cost."""
+        parts = ["embed+head" if self.tied else r for r in self.costs]
+        pick = []
+        for part in parts:
+            role = "embed" if part == "embed+head" else part
+            other = ", ".join(f"{e} {v:.4f}" for e, v in self.costs[part].items())
+            pick.append(f"{part} {self.chosen[role]} ({other})")
+        return (f"policy auto ({self.method}): {'; '.join(pick)}; estimated mean KL "
+                f"{self.cost:.4f} nats, budget {self.budget:g}")
+
+
+def stored_bytes(encoding: str, shape: tuple, dtype: str, blocksize: int) -> int:
+    """Bytes a 2-D table of ``shape`` takes in ``encoding`` (before zstd)."""
+    rows, cols = shape
+    n = rows * cols
+    if encoding == C.ENCODING_NF4:
+        return (n + 1) // 2 + 4 * (-(-n // blocksize))
+    if encoding == C.ENCODING_INT8:
+        return n + 4 * rows
+    return n * C.DTYPE_SIZES[dtype]
+
+
+def roundtrip(encoding: str, w, blocksize: int):
+    """``w`` quantized in ``encoding`` and dequantized again, as float32."""
+    import torch
+    if encoding == C.ENCODING_NF4:
+        from . import nf4
+        packed, absmax = nf4.quantize(w, blocksize)
+        return nf4.dequantize(packed, absmax, tuple(w.shape), blocksize, torch.float32)
+    from . import int8
+    q, scale = int8.quantize(w)
+    return int8.dequantize(q, scale, tuple(w.shape), torch.float32)
+
+
+def _kl(ref_logits, logits) -> float:
+    from torch.nn import functional as F
+    lr, lq = F.log_softmax(ref_logits, -1), F.log_softmax(logits, -1)
+    return float((lr.exp() * (lr - lq)).sum(-1).mean())
+
+
+def head_proxy(w, hidden, candidates, blocksize: int, softcap: float | None = None) -> tuple:
+    """Mean KL of softmax(hidden @ w.T) against each candidate's quantized ``w``, and each
+    candidate's relative squared error of ``w`` (``||w_q - w||^2 / ||w||^2``).
+
+    Rows of ``w`` are taken a slice at a time, so memory holds the logits and one slice.
+    Returns ``({encoding: kl}, {encoding: rel_err2})``.
+    """
+    import torch
+    rows, cols = w.shape
+    step = max(1, ROW_STEP_BYTES // (4 * cols))
+    ref = torch.empty(hidden.shape[0], rows)
+    out = {e: torch.empty(hidden.shape[0], rows) for e in candidates}
+    err = {e: 0.0 for e in candidates}
+    norm = 0.0
+    for r0 in range(0, rows, step):
+        piece = w[r0:r0 + step]
+        wf = piece.float()
+        ref[:, r0:r0 + step] = hidden @ wf.T
+        norm += float(wf.pow(2).sum())
+        for e in candidates:
+            wq = roundtrip(e, piece, blocksize)
+            out[e][:, r0:r0 + step] = hidden @ wq.T
+            err[e] += float((wq - wf).pow(2).sum())
+    if softcap:
+        ref = torch.tanh(ref / softcap) * softcap
+        out = {e: torch.tanh(v / softcap) * softcap for e, v in out.items()}
+    return ({e: _kl(ref, out[e]) for e in candidates},
+            {e: err[e] / max(norm, 1e-30) for e in candidates})
+
+
+def proxy_hidden(gamma, beta, cols: int, samples: int = C.PROXY_SAMPLES):
+    """Hidden states drawn from the final norm's statistics: ``gamma * z + beta``, ``z ~ N(0, I)``
+    (an RMS- or LayerNorm output has unit spread per feature before its affine part)."""
+    import torch
+    gen = torch.Generator().manual_seed(0)
+    z = torch.randn(samples, cols, generator=gen)
+    if gamma is not None:
+        z = z * gamma.float()
+    if beta is not None:
+        z = z + beta.float()
+    return z
+
+
+def _final_norm(src, tensors: dict, table):
+    """The final norm's weight (Gemma's ``1 + weight``) and bias from the source, or None."""
+    import re
+
+    from safetensors import safe_open
+    found = {}
+    for name, st in tensors.items():
+        if len(st.shape) == 1 and any(re.fullmatch(p, name) for p in table.norm):
+            kind = "bias" if name.endswith("bias") else "weight"
+            with safe_open(str(src.root / st.file), framework="pt") as f:
+                found[kind] = f.get_tensor(name).float()
+    gamma = found.get("weight")
+    if gamma is not None and src.model_type in C.NORM_PLUS_ONE:
+        gamma = gamma + 1.0
+    return gamma, found.get("bias")
+
+
+def _table(src, st):
+    from safetensors import safe_open
+    with safe_open(str(src.root / st.file), framework="pt") as f:
+        return f.get_tensor(st.name)
+
+
+def _candidates(shape, blocksize: int) -> tuple:
+    return tuple(e for e in CANDIDATES if e != C.ENCODING_NF4 or shape[1] % blocksize == 0)
+
+
+def proxy_costs(src, tensors: dict, lossy: dict, tied: bool, table, policy) -> dict:
+    """Costs per part and candidate by the text-free proxy (see the module docstring)."""
+    gamma, beta = _final_norm(src, tensors, table)
+    softcap = src.config.get("final_logit_softcapping")
+    costs: dict = {}
+    head_name = lossy.get("embed") if tied else lossy.get("head")
+    rel_head: dict = {}
+    if head_name is not None:
+        w = _table(src, tensors[head_name])
+        cands = _candidates(tuple(w.shape), policy.blocksize)
+        hidden = proxy_hidden(gamma if gamma is not None and gamma.numel() == w.shape[1]
+                              else None, beta if beta is not None
+                              and beta.numel() == w.shape[1] else None, w.shape[1])
+        kl, rel_head = head_proxy(w, hidden, cands, policy.blocksize, softcap)
+        del w
+        if tied:
+            # The table is the head and the embedding: its head cost, plus the same again for
+            # the embedding (same relative error, see the module docstring).
+            return {"embed+head": {e: 2 * kl[e] for e in cands}}
+        costs["head"] = kl
+    if "embed" in lossy:
+        e = _table(src, tensors[lossy["embed"]])
+        cands = _candidates(tuple(e.shape), policy.blocksize)
+        if rel_head:
+            rel = _rel_err(e, cands, policy.blocksize)
+            costs["embed"] = {c: costs["head"].get(c, max(costs["head"].values()))
+                              * rel[c] / max(rel_head.get(c, rel[c]), 1e-30) for c in cands}
+        else:
+            kl, _ = head_proxy(e, proxy_hidden(None, None, e.shape[1]), cands, policy.blocksize)
+            costs["embed"] = kl
+    return costs
+
+
+def _rel_err(w, candidates, blocksize: int) -> dict:
+    """``||w_q - w||^2 / ||w||^2`` per candidate, a row slice at a time."""
+    rows, cols = w.shape
+    step = max(1, ROW_STEP_BYTES // (4 * cols))
+    err = {e: 0.0 for e in candidates}
+    norm = 0.0
+    for r0 in range(0, rows, step):
+        wf = w[r0:r0 + step].float()
+        norm += float(wf.pow(2).sum())
+        for e in candidates:
+            err[e] += float((roundtrip(e, w[r0:r0 + step], blocksize) - wf).pow(2).sum())
+    return {e: err[e] / max(norm, 1e-30) for e in candidates}
+
+
+def calibration_costs(src, tensors: dict, lossy: dict, tied: bool, policy) -> tuple:
+    """Costs per part and candidate measured on ``policy.calibration`` text: the source model
+    runs once as it is and once per candidate with that table quantized. Returns
+    ``(costs, tokens scored)``."""
+    import torch
+    from torch.nn import functional as F
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from .quality import DEFAULT_BLOCK, read_texts, token_blocks
+    if not any((src.root / n).is_file() for n in ("tokenizer.json", "tokenizer.model")):
+        raise PolicyError(f"{src.root}: --calibration needs the model's tokenizer, and the "
+                          f"source has none")
+    blocks = token_blocks(AutoTokenizer.from_pretrained(src.root),
+                          read_texts(policy.calibration), policy.max_calibration_tokens,
+                          DEFAULT_BLOCK)
+    if not blocks:
+        raise PolicyError(f"{policy.calibration}: the text is shorter than two tokens")
+    first = _table(src, tensors[next(iter(lossy.values()))])
+    model = AutoModelForCausalLM.from_pretrained(src.root, dtype=first.dtype).eval()
+    del first
+    params = {"embed": model.get_input_embeddings().weight}
+    head = model.get_output_embeddings()
+    if head is not None:
+        params["head"] = head.weight
+    parts = {"embed+head": "embed"} if tied else {r: r for r in lossy if r in params}
+    variants = {}
+    for part, role in parts.items():
+        p = params[role]
+        cands = _candidates(tuple(p.shape), policy.blocksize)
+        variants[part] = {e: roundtrip(e, p.detach(), policy.blocksize).to(p.dtype)
+                          for e in cands}
+    sums = {part: {e: 0.0 for e in v} for part, v in variants.items()}
+    n = 0
+    with torch.no_grad():
+        for ids in blocks:
+            x = torch.tensor([ids])
+            lr = F.log_softmax(model(x).logits[0, :-1].float(), -1)
+            for part, cands in variants.items():
+                p = params[parts[part]]
+                keep = p.data
+                for e, wq in cands.items():
+                    p.data = wq
+                    try:
+                        lq = F.log_softmax(model(x).logits[0, :-1].float(), -1)
+                    finally:
+                        p.data = keep
+                    sums[part][e] += float((lr.exp() * (lr - lq)).sum())
+            n += len(ids) - 1
+    return {part: {e: v / n for e, v in c.items()} for part, c in sums.items()}, n
+
+
+def choose(costs: dict, shapes: dict, dtypes: dict, tied: bool, budget: float,
+           blocksize: int) -> tuple:
+    """The combination of encodings with the fewest stored bytes whose summed cost fits
+    ``budget``: ``({role: encoding}, cost)``. ``shapes``/``dtypes`` are per part."""
+    parts = list(costs)
+    options = [[(C.ENCODING_PLAIN, 0.0)] + list(costs[p].items()) for p in parts]
+    best = None
+    for combo in product(*options):
+        cost = sum(c for _, c in combo)
+        if cost > budget:
+            continue
+        size = sum(stored_bytes(e, shapes[p], dtypes[p], blocksize)
+                   for p, (e, _) in zip(parts, combo))
+        if best is None or (size, cost) < best[0]:
+            best = ((size, cost), combo)
+    chosen = {r: C.ENCODING_PLAIN for r in C.LOSSY_ROLES}
+    for p, (e, _) in zip(parts, best[1]):
+        if p == "embed+head":
+            chosen["embed"] = chosen["head"] = e
+        else:
+            chosen[p] = e
+    return chosen, best[0][1]
+
+
+def decide(src, tensors: dict, lossy: dict, tied: bool, table, policy,
+           progress=None) -> Decision:
+    """Choose the encodings of the embedding and the head (see the module docstring).
+
+    Args:
+        src: the resolved source; ``tensors``: its ``{name: SourceTensor}``.
+        lossy: ``{role: tensor name}`` of the candidate tables.
+        tied: the embedding and the head are one stored table.
+        table: the model's group mapping (to find the final norm).
+        policy: the converter's ``Policy`` (budget, blocksize, calibration text).
+
+    Raises:
+        PolicyError: calibration text or tokenizer missing.
+    """
+    t0 = time.perf_counter()
+    if not lossy:
+        return Decision({r: C.ENCODING_PLAIN for r in C.LOSSY_ROLES}, tied, "none",
+                        policy.budget)
+    if policy.calibration:
+        try:
+            costs, tokens = calibration_costs(src, tensors, lossy, tied, policy)
+        except (OSError, ValueError) as e:
+            raise LCTError(f"{src.root}: could not run the model on the calibration text "
+                           f"({e})") from e
+        method = "calibration"
+    else:
+        costs, tokens, method = proxy_costs(src, tensors, lossy, tied, table, policy), 0, "proxy"
+    shapes, dtypes = {}, {}
+    for part in costs:
+        st = tensors[lossy["embed" if part == "embed+head" else part]]
+        shapes[part], dtypes[part] = tuple(st.shape), st.dtype
+    chosen, cost = choose(costs, shapes, dtypes, tied, policy.budget, policy.blocksize)
+    return Decision(chosen, tied, method, policy.budget, costs, cost, tokens,
+                    time.perf_counter() - t0)
