@@ -9,11 +9,13 @@ from lct import constants as C
 from ._util import GroupProgress
 
 
-def _parse_nf4(ctx, param, value: str) -> tuple:
+def _parse_parts(ctx, param, value):
+    if value is None:
+        return None
     if value.strip().lower() in ("none", ""):
         return ()
     parts = tuple(p.strip() for p in value.split(",") if p.strip())
-    bad = [p for p in parts if p not in C.NF4_ROLES]
+    bad = [p for p in parts if p not in C.LOSSY_ROLES]
     if bad:
         raise click.BadParameter(f"{bad[0]!r}: use none, embed, head or embed,head")
     return parts
@@ -24,9 +26,19 @@ def _parse_nf4(ctx, param, value: str) -> tuple:
 @click.option("-o", "--output", "output", required=True, type=click.Path(),
               help="Artifact directory to create (appears atomically when complete).")
 @click.option("--revision", default=None, help="Hub revision (branch, tag or commit) of SOURCE.")
-@click.option("--nf4", "nf4", default="embed,head", show_default=True, callback=_parse_nf4,
-              help="Parts stored in NF4 (bitsandbytes layout): none, embed, head or embed,head. "
-                   "A tied embedding/head is one table: none or embed,head.")
+@click.option("--nf4", "nf4", default=None, callback=_parse_parts, metavar="PARTS",
+              help="Force these parts to NF4 (bitsandbytes layout): embed, head, embed,head or "
+                   "none. Any of --nf4/--int8 turns the automatic choice off; parts not named "
+                   "are then lossless. A tied embedding/head is one table: name both or neither.")
+@click.option("--int8", "int8", default=None, callback=_parse_parts, metavar="PARTS",
+              help="Force these parts to int8 with one scale per row: embed, head, embed,head "
+                   "or none.")
+@click.option("--budget", type=float, default=C.DEFAULT_BUDGET_KL, show_default=True,
+              help="Automatic choice: the most the lossy parts may cost, as mean KL of the "
+                   "next-token distribution in nats (0.01 is about +1 % perplexity).")
+@click.option("--calibration", type=click.Path(exists=True), default=None,
+              help="Automatic choice: measure each candidate on this text file or folder by "
+                   "running the source model (slower, exact) instead of the text-free proxy.")
 @click.option("--dtype", type=click.Choice(C.CAST_TARGETS), default=None,
               help="Cast the lossless floating-point tensors (refused if a value overflows). "
                    "Default: keep each tensor's source dtype.")
@@ -49,20 +61,24 @@ def _parse_nf4(ctx, param, value: str) -> tuple:
                    "with the model's tokenizer), or counts (.json list/object, .npy array).")
 @click.option("--force", is_flag=True, help="Replace OUTPUT if it is an existing artifact.")
 @click.option("--quiet", is_flag=True, help="No progress bar.")
-def convert_cmd(source, output, revision, nf4, dtype, level, blocksize, codec, max_file_size,
-                workers, maximus_shards, token_freq, force, quiet):
+def convert_cmd(source, output, revision, nf4, int8, budget, calibration, dtype, level, blocksize,
+                codec, max_file_size, workers, maximus_shards, token_freq, force, quiet):
     """Convert SOURCE (a local model folder with safetensors, or a Hub id such as
     google/gemma-2b or hf://google/gemma-2b@main) into an LCT artifact.
 
-    Each transformer layer becomes an independent compressed chunk; the embedding and LM head are
-    stored in NF4; everything else is kept losslessly in its dtype. Pickle checkpoints (.bin) are
-    refused. HF_HUB_OFFLINE=1 uses only the local Hugging Face cache.
+    Each transformer layer becomes an independent compressed chunk, kept losslessly in its dtype.
+    The embedding and the LM head (a tied table once) are stored in the smallest encoding that
+    keeps the model faithful: NF4, int8 with one scale per row, or lossless, chosen by measuring
+    each (a text-free proxy, or --calibration text) against --budget. --nf4/--int8 force a
+    choice. Pickle checkpoints (.bin) are refused. HF_HUB_OFFLINE=1 uses only the local Hugging
+    Face cache.
     """
     from lct.converter import Policy, convert
 
     if token_freq and not maximus_shards:
         raise click.UsageError("--token-freq needs --maximus-shards")
-    policy = Policy(nf4=nf4, blocksize=blocksize, dtype=dtype, codec=codec, level=level,
+    policy = Policy(nf4=nf4, int8=int8, budget=budget, calibration=calibration,
+                    blocksize=blocksize, dtype=dtype, codec=codec, level=level,
                     maximus_shards=maximus_shards)
     bar = GroupProgress("convert", enabled=not quiet)
     try:
@@ -77,6 +93,13 @@ def convert_cmd(source, output, revision, nf4, dtype, level, blocksize, codec, m
                f"{human(m.stored_bytes)} from {human(rep.source_bytes)} of tensors "
                f"({m.stored_bytes / max(rep.source_bytes, 1):.3f}x) in {rep.seconds:.1f} s "
                f"({rep.mb_per_s:.0f} MB/s)")
+    if rep.decision is not None:
+        click.echo(rep.decision.summary())
+    else:
+        p = m.policy
+        click.echo(f"policy manual: nf4 {','.join(p['nf4']) or 'none'}, int8 "
+                   f"{','.join(p['int8']) or 'none'}, the rest lossless (the cost on text: "
+                   f"lct verify --against SOURCE --quality)")
     if m.maximus:
         fs = m.maximus["frequency_source"]
         click.echo(f"maximus: {m.maximus['num_shards']} shards of {', '.join(m.maximus['tensors'])}"

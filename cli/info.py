@@ -31,8 +31,12 @@ def info_cmd(artifact, as_json, tensors):
         click.echo(f"source: {m.source.get('id')}"
                    + (f" @ {m.source['revision']}" if m.source.get("revision") else ""))
         p = m.policy
-        click.echo(f"policy: nf4={','.join(p.get('nf4', [])) or 'none'} blocksize={p.get('blocksize')} "
+        click.echo(f"policy: {p.get('mode', 'manual')} nf4={_parts(p.get('nf4'))} "
+                   f"int8={_parts(p.get('int8'))} blocksize={p.get('blocksize')} "
                    f"dtype={p.get('dtype') or 'source'} codec={p.get('codec')} level={p.get('level')}")
+        measured = _measured(p.get("measured"))
+        if measured:
+            click.echo(measured)
         click.echo(table(rows, ["group", "tensors", "stored as", "codec", "stored", "decoded",
                                 "ratio"]))
         src = m.source_bytes
@@ -47,3 +51,19 @@ def info_cmd(artifact, as_json, tensors):
             click.echo(table([(t.name, "x".join(map(str, t.shape)), t.dtype, t.encoding, t.group,
                                human(t.nbytes)) for t in m.tensors.values()],
                              ["tensor", "shape", "dtype", "encoding", "group", "bytes"]))
+
+
+def _parts(v) -> str:
+    """A manifest's list of roles (informative, so not trusted to be a list of strings)."""
+    return ",".join(str(x) for x in v) if isinstance(v, list) and v else "none"
+
+
+def _measured(m) -> str:
+    """The auto policy's measurement as one line, or '' when absent or malformed."""
+    try:
+        costs = "; ".join(f"{part}: " + ", ".join(f"{e} {float(v):.4f}" for e, v in c.items())
+                          for part, c in m["costs"].items())
+        return (f"measured ({m['method']}): estimated mean KL {float(m['cost_kl']):.4f} nats "
+                f"within budget {float(m['budget_kl']):g}; candidates {costs}")
+    except (TypeError, KeyError, ValueError, AttributeError):
+        return ""

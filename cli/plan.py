@@ -44,11 +44,15 @@ def _parsed(parser_name: str):
 @click.option("--kv-dtype", type=click.Choice(list(KV_DTYPES)), default=None,
               help="KV-cache dtype (default: the activation dtype).")
 @click.option("--format", "fmt", type=click.Choice(FORMATS), default=None,
-              help="hf: dense weights; lct: LCT's NF4 embedding and head (frozen in training). "
+              help="hf: dense weights; lct: LCT's quantized embedding and head (frozen in training). "
                    "Default: lct for an LCT artifact, else hf.")
 @click.option("--nf4", "nf4", default=None, metavar="PARTS",
               help="With --format lct and no artifact: the NF4 parts, as lct convert --nf4 "
-                   "(none, embed, head or embed,head; default embed,head).")
+                   "(none, embed, head or embed,head).")
+@click.option("--int8", "int8", default=None, metavar="PARTS",
+              help="With --format lct and no artifact: the int8 parts, as lct convert --int8. "
+                   "Default with neither: embed,head in int8, what the auto policy picks for "
+                   "trained models.")
 @click.option("--blocksize", type=click.IntRange(min=2), default=None,
               help="With --format lct and no artifact: the NF4 block size (default 64).")
 @click.option("--maximus-resident", callback=_parsed("parse_resident"), metavar="K/N", default=None,
@@ -65,14 +69,14 @@ def _parsed(parser_name: str):
 @click.option("--json", "as_json", is_flag=True,
               help="Print every figure as JSON (integer parameters and bytes).")
 def plan_cmd(model, mode, batch, seq, vocab_size, add_tokens, precision, optimizer, kv_dtype,
-             fmt, nf4, blocksize, maximus_resident, memory, device, loss_chunk, revision,
+             fmt, nf4, int8, blocksize, maximus_resident, memory, device, loss_chunk, revision,
              as_json):
     """Plan the memory MODEL needs for inference or a training step.
 
     MODEL is a model folder, an LCT artifact or a Hub id (such as google/gemma-2b); only its
     config.json is read, no weights. The table shows parameters and the bytes of weights,
     gradients, optimizer states and master weights per part; then activations, the logits
-    (batch x seq x vocab) and what a chunked loss saves, the KV cache, what LCT's NF4
+    (batch x seq x vocab) and what a chunked loss saves, the KV cache, what LCT's quantized
     embedding/head and Maximus shards save, and the peak against --memory. Parameter counts,
     weight, optimizer and KV-cache bytes are exact; activations and the peak are estimates
     (docs/PLAN.md; benchmarks/bench_plan.py measures them).
@@ -80,13 +84,12 @@ def plan_cmd(model, mode, batch, seq, vocab_size, add_tokens, precision, optimiz
     from lct.plan import plan
     if vocab_size is not None and add_tokens is not None:
         raise click.UsageError("give --vocab-size or --add-tokens, not both")
-    if nf4 is not None:
-        from .convert import _parse_nf4
-        nf4 = _parse_nf4(None, None, nf4)
+    from .convert import _parse_parts
+    nf4, int8 = _parse_parts(None, None, nf4), _parse_parts(None, None, int8)
     p = plan(model, mode=mode, batch=batch, seq=seq, vocab_size=vocab_size,
              add_tokens=add_tokens, precision=precision, optimizer=optimizer, kv_dtype=kv_dtype,
              format=fmt, maximus_resident=maximus_resident, memory=memory, device=device,
-             loss_chunk=loss_chunk, nf4=nf4, blocksize=blocksize, revision=revision)
+             loss_chunk=loss_chunk, nf4=nf4, blocksize=blocksize, revision=revision, int8=int8)
     if as_json:
         click.echo(p.to_json(), nl=False)
         return
@@ -144,7 +147,7 @@ def render(p) -> list:
     width = max(len(a) for a, _ in act)
     lines += [f"{a.ljust(width)}  {b:>11s}" for a, b in act]
     lines.append("")
-    nf4 = f"NF4 embedding/head (LCT) {'save' if p.format == 'lct' else 'would save'} " \
+    nf4 = f"quantized embedding/head (LCT) {'save' if p.format == 'lct' else 'would save'} " \
         f"{hb(p.nf4_saving)}"
     k, n = p.maximus or DEFAULT_MAXIMUS
     verb = ("saves" if p.maximus else "would save") if p.maximus_saving >= 0 else \

@@ -60,8 +60,13 @@ def nf4_bytes(numel: int, blocksize: int = C.DEFAULT_BLOCKSIZE) -> int:
     return (numel + 1) // 2 + 4 * (-(-numel // blocksize))
 
 
+def int8_bytes(shape: tuple) -> int:
+    """Bytes of an int8 tensor: one byte per element and a float32 scale per row."""
+    return math.prod(shape) + 4 * math.prod(shape[:-1])
+
+
 def lct_layout(specs: list, dtype: str, nf4_roles=C.NF4_ROLES, blocksize: int = C.DEFAULT_BLOCKSIZE,
-               maximus_shards: int | None = None) -> dict:
+               maximus_shards: int | None = None, int8_roles=()) -> dict:
     """How LCT's converter lays ``specs`` out: ``{name: (tensor_bytes, decoded_bytes)}``.
 
     ``decoded_bytes`` is the tensor's span in its decoded chunk (codes, absmax and the 64-byte
@@ -83,9 +88,10 @@ def lct_layout(specs: list, dtype: str, nf4_roles=C.NF4_ROLES, blocksize: int = 
             raise PlanError(f"NF4 blocksize {blocksize} does not divide the row length "
                             f"{s.shape[-1]} of {s.name}; lct convert would refuse it "
                             f"(pass another blocksize, or nf4=())")
-        spec = TensorSpec(s.name, s.shape, dtype, "nf4" if nf4 else dtype,
-                          C.ENCODING_NF4 if nf4 else C.ENCODING_PLAIN, s.role, s.group,
-                          blocksize if nf4 else None)
+        i8 = not nf4 and s.role in int8_roles and len(s.shape) == 2
+        enc = C.ENCODING_NF4 if nf4 else C.ENCODING_INT8 if i8 else C.ENCODING_PLAIN
+        spec = TensorSpec(s.name, s.shape, dtype, "nf4" if nf4 else "int8" if i8 else dtype, enc,
+                          s.role, s.group, blocksize if nf4 else None)
         if maximus_shards and s.role in ("embed", "head") and s.shape == table_shape:
             pieced.append(spec)
         else:
@@ -263,6 +269,18 @@ def nf4_head_transient(vocab: int, hidden: int, tokens: int, a: int, blocksize: 
     return rows * hidden * a + temporaries
 
 
+def int8_head_transient(vocab: int, hidden: int, tokens: int, a: int) -> int:
+    """Temporaries of an int8 LM head (``Int8Linear``) over ``tokens`` positions (besides its
+    output): on the CPU up to ``INT8_FUSED_MAX_ROWS`` tokens the fused kernel reads the codes in
+    place and copies the input as float32; otherwise (and on CUDA) ``NF4_HEAD_CHUNK_BYTES`` of
+    rows are dequantized at a time, through a float32 product, beside the rows' output slice."""
+    from . import native
+    if native.int8_matmul_available() and 0 < tokens <= C.INT8_FUSED_MAX_ROWS:
+        return tokens * hidden * (4 + a)
+    rows = min(vocab, max(1, C.NF4_HEAD_CHUNK_BYTES // (hidden * a)))
+    return rows * hidden * (4 + a) + tokens * rows * a
+
+
 # --------------------------------------------------------------------------------------------
 # The plan
 
@@ -429,7 +447,7 @@ def plan(model, *, mode: str = "infer", batch: int = 1, seq: int = DEFAULT_SEQ,
          format: str | None = None, maximus_resident=None, memory=None,  # noqa: A002
          device: str = "cuda", loss_chunk: int = DEFAULT_LOSS_CHUNK,
          nf4: tuple | None = None, blocksize: int | None = None,
-         revision: str | None = None) -> Plan:
+         revision: str | None = None, int8: tuple | None = None) -> Plan:
     """Plan the memory of MODEL for inference or a training step.
 
     Args:
@@ -444,18 +462,20 @@ def plan(model, *, mode: str = "infer", batch: int = 1, seq: int = DEFAULT_SEQ,
             and optimizer states); default: the config's dtype (bf16 if it names none).
         optimizer: adamw, sgd, adafactor or adamw-8bit (train mode).
         kv_dtype: bf16, fp16, fp32 or fp8 (default: the activation dtype).
-        format: "hf" (dense weights) or "lct" (LCT's NF4 embedding/head, frozen in training);
-            default: "lct" for an LCT artifact, whose policy (NF4 parts, blocksize, Maximus
-            shards) is then used and whose stored sizes are reported, else "hf".
+        format: "hf" (dense weights) or "lct" (LCT's quantized embedding/head, frozen in
+            training); default: "lct" for an LCT artifact, whose policy (NF4 and int8 parts,
+            blocksize, Maximus shards) is then used and whose stored sizes are reported, else
+            "hf".
         maximus_resident: "K/N" or (K, N): the input embedding as a MaximusEmbedding with K of
             N shards on the accelerator and the whole table in host memory.
         memory: the accelerator's memory ("16GiB", "24GB", "512MiB" or bytes) for ``fits``.
         device: "cuda" (foreach optimizers, bitsandbytes' NF4 matmul) or "cpu" (single-tensor
             optimizers, LCT's chunked NF4 head, CPU attention kernels): whose temporaries.
         loss_chunk: tokens per chunk for the chunked-loss figure.
-        nf4, blocksize: the NF4 parts ("embed", "head") and block size of ``format="lct"``, as
-            ``lct convert --nf4/--blocksize`` (default: an artifact's policy, else both parts
-            and 64).
+        nf4, int8, blocksize: the NF4 and int8 parts ("embed", "head") and the NF4 block size
+            of ``format="lct"``, as ``lct convert --nf4/--int8/--blocksize`` (default: an
+            artifact's policy, else both parts in int8, what the auto policy picks for the
+            trained models measured in docs/BENCHMARKS.md, and 64).
         revision: Hub revision for a Hub id.
 
     Returns:
@@ -484,8 +504,11 @@ def plan(model, *, mode: str = "infer", batch: int = 1, seq: int = DEFAULT_SEQ,
         raise PlanError("give a new vocabulary size or a number of tokens to add, not both")
     mx = parse_resident(maximus_resident) if maximus_resident is not None else None
     budget = parse_bytes(memory) if memory is not None else None
-    if nf4 is not None and any(r not in C.NF4_ROLES for r in nf4):
-        raise PlanError(f"nf4 parts {tuple(nf4)!r} must be among {C.NF4_ROLES}")
+    for parts, what in ((nf4, "nf4"), (int8, "int8")):
+        if parts is not None and any(r not in C.LOSSY_ROLES for r in parts):
+            raise PlanError(f"{what} parts {tuple(parts)!r} must be among {C.LOSSY_ROLES}")
+    if set(nf4 or ()) & set(int8 or ()):
+        raise PlanError(f"nf4 {tuple(nf4)!r} and int8 {tuple(int8)!r} name the same part")
     if blocksize is not None and (not isinstance(blocksize, int) or blocksize < 2 or blocksize % 2):
         raise PlanError(f"NF4 blocksize {blocksize!r} must be a positive even integer")
 
@@ -503,7 +526,8 @@ def plan(model, *, mode: str = "infer", batch: int = 1, seq: int = DEFAULT_SEQ,
     kv_dtype = kv_dtype or {"fp32": "fp32", "fp16": "fp16"}.get(precision, "bf16")
     options = dict(mode=mode, batch=batch, seq=seq, precision=precision, optimizer=optimizer,
                    kv_dtype=kv_dtype, format=format, mx=mx, device=device, loss_chunk=loss_chunk,
-                   nf4=None if nf4 is None else tuple(nf4), blocksize=blocksize)
+                   nf4=None if nf4 is None else tuple(nf4), blocksize=blocksize,
+                   int8=None if int8 is None else tuple(int8))
     dims = model_dims(cfg, where, new_vocab) if new_vocab else base
     result = _plan(cfg, where, dims, base, manifest, budget, **options)
     result.model = where if isinstance(model, dict) else str(model)
@@ -520,12 +544,17 @@ def plan(model, *, mode: str = "infer", batch: int = 1, seq: int = DEFAULT_SEQ,
 
 def _plan(cfg: dict, where: str, dims: Dims, base: Dims, manifest, budget, *, mode, batch, seq,
           precision, optimizer, kv_dtype, format, mx, device, loss_chunk, nf4,  # noqa: A002
-          blocksize, remedies: bool = True) -> Plan:
+          blocksize, int8=None, remedies: bool = True) -> Plan:
     train = mode == "train"
     a = 4 if precision == "fp32" else 2                  # weight, gradient and activation bytes
     state_bytes = 4 if precision in ("fp32", "mixed") else 2
     policy = manifest.policy if manifest else {}
-    nf4_roles = nf4 if nf4 is not None else tuple(policy.get("nf4", C.NF4_ROLES))
+    if nf4 is not None or int8 is not None:
+        nf4_roles, int8_roles = tuple(nf4 or ()), tuple(int8 or ())
+    elif manifest is not None:
+        nf4_roles, int8_roles = tuple(policy.get("nf4") or ()), tuple(policy.get("int8") or ())
+    else:
+        nf4_roles, int8_roles = (), C.LOSSY_ROLES
     blocksize = blocksize or int(policy.get("blocksize", C.DEFAULT_BLOCKSIZE))
     shards = (manifest.maximus or {}).get("num_shards") if manifest else None
     if mx is not None:
@@ -535,10 +564,13 @@ def _plan(cfg: dict, where: str, dims: Dims, base: Dims, manifest, budget, *, mo
         shards = shards or mx[1]
 
     specs = parameter_specs(dims)
-    layout = lct_layout(specs, PRECISION_DTYPE[precision], nf4_roles, blocksize, shards) \
-        if format == "lct" else None
+    layout = lct_layout(specs, PRECISION_DTYPE[precision], nf4_roles, blocksize, shards,
+                        int8_roles) if format == "lct" else None
     nf4_specs = {s.name for s in specs if layout is not None and s.role in nf4_roles
                  and len(s.shape) == 2}
+    int8_specs = {s.name for s in specs if layout is not None and s.role in int8_roles
+                  and len(s.shape) == 2 and s.name not in nf4_specs}
+    quant_specs = nf4_specs | int8_specs
     parts = {name: Part(name) for name in PARTS}
     notes: list = []
     trainable = largest = 0
@@ -554,7 +586,7 @@ def _plan(cfg: dict, where: str, dims: Dims, base: Dims, manifest, budget, *, mo
             p.padding += span - tensor_bytes
         else:
             p.weights += s.numel * a
-        if train and s.name not in nf4_specs:
+        if train and s.name not in quant_specs:
             p.grads += s.numel * a
             p.optimizer += optimizer_state_bytes(s.shape, optimizer, state_bytes)
             p.master += 4 * s.numel if precision == "mixed" else 0
@@ -565,27 +597,30 @@ def _plan(cfg: dict, where: str, dims: Dims, base: Dims, manifest, budget, *, mo
         parts["layers"].optimizer += BNB_QMAP_BYTES
     if dims.tied:
         parts["head"].note = "tied to the embedding"
-    if train and nf4_specs:
-        notes.append("--format lct: the NF4 embedding/head are frozen in training (no gradients "
-                     "or optimizer states)")
+    if train and quant_specs:
+        notes.append("--format lct: the NF4/int8 embedding/head are frozen in training (no "
+                     "gradients or optimizer states)")
 
-    # What the NF4 tables save against dense ones, in this mode (frozen when training).
+    # What the quantized tables save against dense ones, in this mode (frozen when training).
     nf4_saving = 0
     for s in specs:
-        if s.role in nf4_roles and len(s.shape) == 2 and s.shape[-1] % blocksize == 0:
+        q_nf4 = s.role in nf4_roles and s.shape[-1] % blocksize == 0
+        if len(s.shape) == 2 and (q_nf4 or s.role in int8_roles):
             dense = s.numel * a
             if train:
                 dense += s.numel * a + optimizer_state_bytes(s.shape, optimizer, state_bytes) + \
                     (4 * s.numel if precision == "mixed" else 0)
             nf4_saving += dense - (layout[s.name][1] if layout is not None and
-                                   s.name in nf4_specs else nf4_bytes(s.numel, blocksize))
+                                   s.name in quant_specs else nf4_bytes(s.numel, blocksize)
+                                   if q_nf4 else int8_bytes(s.shape))
 
     # Maximus: the input embedding's table in host memory, K of N shards on the accelerator.
     emb = next(s for s in specs if s.role == "embed")
     rows, width = emb.shape
     k, n = mx if mx is not None else (DEFAULT_MAXIMUS[0], min(DEFAULT_MAXIMUS[1], rows))
     resident_rows = min(k * -(-rows // n), rows)
-    row_bytes = width // 2 + 4 * (width // blocksize) if emb.name in nf4_specs else width * a
+    row_bytes = width // 2 + 4 * (width // blocksize) if emb.name in nf4_specs else \
+        width + 4 if emb.name in int8_specs else width * a
     e, h = parts["embedding"], parts["head"]
     resident = resident_rows * row_bytes
     maximus_saving = (0 if dims.tied else e.on_device) - resident
@@ -648,8 +683,11 @@ def _plan(cfg: dict, where: str, dims: Dims, base: Dims, manifest, budget, *, mo
         activations = infer_transient(dims, batch, seq, a)
         head_nf4 = bool(nf4_specs & {"lm_head.weight"}) or (dims.tied and emb.name in nf4_specs)
         final = logits + a * t * H
+        head_int8 = bool(int8_specs & {"lm_head.weight"}) or (dims.tied and emb.name in int8_specs)
         if head_nf4:
             final += nf4_head_transient(V, H, t, a, blocksize, device)
+        elif head_int8:
+            final += int8_head_transient(V, H, t, a)
         phases["layers"] = weights + kv_held + activations
         phases["logits"] = weights + kv_held + final
         loss = loss_chunked = step = 0
@@ -675,7 +713,7 @@ def _plan(cfg: dict, where: str, dims: Dims, base: Dims, manifest, budget, *, mo
         result.remedies = _remedies(result, cfg, where, dims, base, manifest, mode=mode,
                                  batch=batch, seq=seq, precision=precision, optimizer=optimizer,
                                  kv_dtype=kv_dtype, format=format, mx=mx, device=device,
-                                 loss_chunk=loss_chunk, nf4=nf4, blocksize=blocksize)
+                                 loss_chunk=loss_chunk, nf4=nf4, blocksize=blocksize, int8=int8)
     return result
 
 
@@ -683,7 +721,7 @@ def _remedies(p: Plan, cfg, where, dims, base, manifest, **opts) -> list:
     """Plan each remedy again and keep those that lower the peak."""
     tries = []
     if opts["format"] == "hf":
-        tries.append(("--format lct (NF4 embedding/head)", dict(format="lct")))
+        tries.append(("--format lct (quantized embedding/head)", dict(format="lct")))
     if opts["mx"] is None and not dims.tied:
         tries.append((f"--maximus-resident {DEFAULT_MAXIMUS[0]}/{DEFAULT_MAXIMUS[1]}",
                       dict(mx=(DEFAULT_MAXIMUS[0], min(DEFAULT_MAXIMUS[1], dims.vocab)))))

@@ -7,7 +7,7 @@ measured one of two ways:
 - **calibration** (``--calibration TEXT``): the source model runs on the text, once as it is and
   once per candidate with that table replaced by its quantized-and-dequantized copy.
 - **proxy** (no text): the LM head's logits on hidden states drawn from the final norm's
-  statistics (``gamma * z + beta``, ``z ~ N(0, I)``, a fixed seed), lossless against each
+  statistics (``gamma * z + beta``, ``z ~ N(0, I)``, seed ``PROXY_SEED``), lossless against each
   candidate. The embedding gets no cheap measurement of its own: its cost is taken to be that of
   the same relative error in the head (the proxy's error ratio times the head's cost), an upper
   bound on the real-text cost in benchmarks/bench_quality.py (a tied table is counted twice).
@@ -123,7 +123,7 @@ def proxy_hidden(gamma, beta, cols: int, samples: int = C.PROXY_SAMPLES):
     """Hidden states drawn from the final norm's statistics: ``gamma * z + beta``, ``z ~ N(0, I)``
     (an RMS- or LayerNorm output has unit spread per feature before its affine part)."""
     import torch
-    gen = torch.Generator().manual_seed(0)
+    gen = torch.Generator().manual_seed(C.PROXY_SEED)
     z = torch.randn(samples, cols, generator=gen)
     if gamma is not None:
         z = z * gamma.float()

@@ -162,6 +162,9 @@ def _group_part(group):
     ("llama", {}, Policy(maximus_shards=5)),
     ("gpt2", {}, Policy(blocksize=32)),
     ("gpt2", {}, Policy(nf4=())),
+    ("llama", {}, Policy(int8=("embed", "head"))),
+    ("llama", {}, Policy(nf4=("embed",), int8=("head",), maximus_shards=3)),
+    ("gpt2", {}, Policy(int8=("embed", "head"))),
     # odd sizes: 40-element biases, 20-row k/v projections -> 64-byte alignment padding
     ("qwen2", dict(hidden_size=40, num_attention_heads=4, num_key_value_heads=2,
                    intermediate_size=72, vocab_size=250), Policy(blocksize=8)),
@@ -179,9 +182,11 @@ def test_lct_weights_equal_manifest(tmp_path, arch, kw, policy):
     for t in m.tensors.values():
         key = _group_part(t.group)
         tensor_bytes[key] = tensor_bytes.get(key, 0) + sum(
-            pl.nbytes + (pl.nf4 or {}).get("absmax_nbytes", 0) for pl in t.placements())
+            pl.nbytes + (pl.scales_span() or (0, 0))[1] for pl in t.placements())
 
-    planned = plan(src, format="lct", nf4=policy.nf4, blocksize=policy.blocksize,
+    # the source planned with the encodings the converter chose (the auto policy's, or forced)
+    planned = plan(src, format="lct", nf4=tuple(m.policy["nf4"]), int8=tuple(m.policy["int8"]),
+                   blocksize=policy.blocksize,
                    maximus_resident=(1, policy.maximus_shards) if policy.maximus_shards else None)
     for p in (plan(out), planned):
         parts = {q.name: q for q in p.parts}
@@ -388,7 +393,15 @@ def test_config_sources_and_errors(tmp_path, llama_src, monkeypatch):
     with pytest.raises(PlanError, match="optimizer"):
         plan(llama_src, optimizer="lion")
     with pytest.raises(PlanError, match="blocksize"):
-        plan(dict(tiny.TINY_CONFIGS["gemma"], model_type="gemma", hidden_size=96), format="lct")
+        plan(dict(tiny.TINY_CONFIGS["gemma"], model_type="gemma", hidden_size=96), format="lct",
+             nf4=("embed", "head"))
+    with pytest.raises(PlanError, match="same part"):
+        plan(llama_src, format="lct", nf4=("head",), int8=("head",))
+    # planned without an artifact or parts: both tables in int8, as the auto policy usually picks
+    p = plan(llama_src, format="lct")
+    emb = next(q for q in p.parts if q.name == "embedding")
+    v, h = tiny.TINY_CONFIGS["llama"]["vocab_size"], tiny.TINY_CONFIGS["llama"]["hidden_size"]
+    assert emb.weights >= v * h + 4 * v and emb.weights < v * h * 2
     # A Hub id from the local cache: only config.json is needed.
     import huggingface_hub.constants as hc
     sha = "a" * 40
