@@ -71,16 +71,20 @@ def stored_bytes(encoding: str, shape: tuple, dtype: str, blocksize: int) -> int
     return n * C.DTYPE_SIZES[dtype]
 
 
-def roundtrip(encoding: str, w, blocksize: int):
-    """``w`` quantized in ``encoding`` and dequantized again, as float32."""
+def roundtrip(encoding: str, w, blocksize: int, wf=None):
+    """``w`` quantized in ``encoding`` and dequantized again, as float32 (``wf``: ``w`` as
+    float32 already, if the caller has it)."""
     import torch
     if encoding == C.ENCODING_NF4:
         from . import nf4
         packed, absmax = nf4.quantize(w, blocksize)
         return nf4.dequantize(packed, absmax, tuple(w.shape), blocksize, torch.float32)
-    from . import int8
-    q, scale = int8.quantize(w)
-    return int8.dequantize(q, scale, tuple(w.shape), torch.float32)
+    # int8 per row (lct.int8's rule) without the int8 tensor: q is integer-valued in float32,
+    # so q * scale is the dequantized value exactly.
+    x = wf if wf is not None else w.float()
+    scale = x.abs().amax(dim=-1, keepdim=True) / C.INT8_MAX
+    safe = torch.where(scale == 0, torch.ones_like(scale), scale)
+    return (x / safe).round_().clamp_(-C.INT8_MAX, C.INT8_MAX).mul_(scale)
 
 
 def _kl(ref_logits, logits) -> float:
@@ -89,9 +93,10 @@ def _kl(ref_logits, logits) -> float:
     return float((lr.exp() * (lr - lq)).sum(-1).mean())
 
 
-def head_proxy(w, hidden, candidates, blocksize: int, softcap: float | None = None) -> tuple:
-    """Mean KL of softmax(hidden @ w.T) against each candidate's quantized ``w``, and each
-    candidate's relative squared error of ``w`` (``||w_q - w||^2 / ||w||^2``).
+def head_proxy(w, hidden, candidates, blocksize: int, softcap: float | None = None,
+               errors: bool = True) -> tuple:
+    """Mean KL of softmax(hidden @ w.T) against each candidate's quantized ``w``, and (with
+    ``errors``) each candidate's relative squared error of ``w`` (``||w_q - w||^2 / ||w||^2``).
 
     Rows of ``w`` are taken a slice at a time, so memory holds the logits and one slice.
     Returns ``({encoding: kl}, {encoding: rel_err2})``.
@@ -107,11 +112,13 @@ def head_proxy(w, hidden, candidates, blocksize: int, softcap: float | None = No
         piece = w[r0:r0 + step]
         wf = piece.float()
         ref[:, r0:r0 + step] = hidden @ wf.T
-        norm += float(wf.pow(2).sum())
+        if errors:
+            norm += float(wf.pow(2).sum())
         for e in candidates:
-            wq = roundtrip(e, piece, blocksize)
+            wq = roundtrip(e, piece, blocksize, wf)
             out[e][:, r0:r0 + step] = hidden @ wq.T
-            err[e] += float((wq - wf).pow(2).sum())
+            if errors:
+                err[e] += float((wq - wf).pow(2).sum())
     if softcap:
         ref = torch.tanh(ref / softcap) * softcap
         out = {e: torch.tanh(v / softcap) * softcap for e, v in out.items()}
@@ -172,7 +179,8 @@ def proxy_costs(src, tensors: dict, lossy: dict, tied: bool, table, policy) -> d
         hidden = proxy_hidden(gamma if gamma is not None and gamma.numel() == w.shape[1]
                               else None, beta if beta is not None
                               and beta.numel() == w.shape[1] else None, w.shape[1])
-        kl, rel_head = head_proxy(w, hidden, cands, policy.blocksize, softcap)
+        kl, rel_head = head_proxy(w, hidden, cands, policy.blocksize, softcap,
+                                  errors=not tied and "embed" in lossy)
         del w
         if tied:
             # The table is the head and the embedding: its head cost, plus the same again for
@@ -202,7 +210,7 @@ def _rel_err(w, candidates, blocksize: int) -> dict:
         wf = w[r0:r0 + step].float()
         norm += float(wf.pow(2).sum())
         for e in candidates:
-            err[e] += float((roundtrip(e, w[r0:r0 + step], blocksize) - wf).pow(2).sum())
+            err[e] += float((roundtrip(e, w[r0:r0 + step], blocksize, wf) - wf).pow(2).sum())
     return {e: err[e] / max(norm, 1e-30) for e in candidates}
 
 
