@@ -15,14 +15,24 @@ from .linear import DEFAULT_CHUNK_BYTES, _FUSED_DTYPES
 
 
 def dequantize_rows(q_rows: torch.Tensor, scale_rows: torch.Tensor, dtype: torch.dtype,
-                    out: torch.Tensor | None = None) -> torch.Tensor:
+                    out: torch.Tensor | None = None,
+                    tmp: torch.Tensor | None = None) -> torch.Tensor:
     """Rows ``q_rows`` [k, H] int8 with ``scale_rows`` [k] float32 -> [k, H] of ``dtype``:
-    ``q * scale`` in float32, then cast (bit-identical to dequantizing the table and indexing)."""
-    w = q_rows.to(torch.float32).mul_(scale_rows.to(torch.float32).unsqueeze(1))
+    ``q * scale`` in float32, then cast (bit-identical to dequantizing the table and indexing).
+    ``out`` (k*H of ``dtype``) and ``tmp`` (k*H float32) are written into if given."""
+    shape = q_rows.shape
     if out is None:
-        return w.to(dtype)
-    out.view(w.shape).copy_(w)
-    return out.view(w.shape)
+        out = torch.empty(shape, dtype=dtype, device=q_rows.device)
+    out = out.view(shape)
+    f32 = out if dtype == torch.float32 else (
+        tmp.view(shape) if tmp is not None else torch.empty(shape, device=q_rows.device))
+    # Widen, scale and round as three same-dtype passes: torch's mixed int8 x float32 multiply
+    # is 5x slower on the CPU than this.
+    f32.copy_(q_rows)
+    f32.mul_(scale_rows.to(torch.float32).unsqueeze(1))
+    if f32 is not out:
+        out.copy_(f32)
+    return out
 
 
 def use_fused(rows: int) -> bool:
@@ -96,9 +106,15 @@ class Int8Linear(nn.Module):
         """Dequantize ``chunk_rows`` rows at a time and multiply: the path for many input rows,
         and the GPU path (torch kernels on any device)."""
         out = x2.new_empty(x2.shape[0], self.out_features, dtype=odt)
+        # One scratch buffer for every chunk: fresh pages cost more than the dequantize.
+        size = min(self.chunk_rows, self.out_features) * self.in_features
+        scratch = torch.empty(size, dtype=odt, device=x2.device)
+        tmp = None if odt == torch.float32 else torch.empty(size, device=x2.device)
         for r0 in range(0, self.out_features, self.chunk_rows):
             r1 = min(self.out_features, r0 + self.chunk_rows)
-            w = dequantize_rows(self.q[r0:r1], self.scale[r0:r1], odt)
+            n = (r1 - r0) * self.in_features
+            w = dequantize_rows(self.q[r0:r1], self.scale[r0:r1], odt, out=scratch[:n],
+                                tmp=None if tmp is None else tmp[:n])
             out[:, r0:r1] = F.linear(x2.to(odt), w,
                                      None if self.bias is None else self.bias[r0:r1])
         return out
