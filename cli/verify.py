@@ -24,22 +24,30 @@ from ._util import GroupProgress, table
                    "source shipped with LCT).")
 @click.option("--max-tokens", type=click.IntRange(1), default=None,
               help="Scored tokens for --quality  [default: 4096].")
+@click.option("--layerwise", is_flag=True,
+              help="--quality for a model larger than memory: both models stream their layers "
+                   "on every forward (the reference is the artifact with its lossy tensors taken "
+                   "from the source), so only the embeddings, heads and two prefetch windows are "
+                   "resident.")
 @click.option("--json", "as_json", is_flag=True, help="Print the --quality result as JSON.")
 @click.option("--quiet", is_flag=True, help="No progress bar.")
-def verify_cmd(artifact, against, revision, quality, text, max_tokens, as_json, quiet):
+def verify_cmd(artifact, against, revision, quality, text, max_tokens, layerwise, as_json, quiet):
     """Check every chunk of ARTIFACT (checksum and decode). Exits 1 if anything is wrong.
 
     With --against SOURCE, every tensor is compared with the source: lossless ones bit for bit,
     NF4 ones by quantizing the source again. With --quality, what the lossy parts cost on text."""
     from lct.verifier import verify
 
+    if layerwise and not quality:
+        raise click.UsageError("--layerwise goes with --quality")
     if quality and against is None:
         raise click.UsageError("--quality needs --against SOURCE (the lossless reference)")
     bar = GroupProgress("verify", unit="group", enabled=not quiet)
     qbar = GroupProgress("quality", unit="block", enabled=not quiet)
     try:
         rep = verify(artifact, against=against, revision=revision, progress=bar,
-                     quality=quality, text=text, max_tokens=max_tokens, quality_progress=qbar)
+                     quality=quality, text=text, max_tokens=max_tokens, quality_progress=qbar,
+                     layerwise=layerwise)
     finally:
         bar.close()
         qbar.close()

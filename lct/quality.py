@@ -101,10 +101,16 @@ def score(model, reference, blocks: list, progress=None) -> dict:
 
 def measure_quality(artifact, against: str, *, revision: str | None = None, text=None,
                     max_tokens: int = DEFAULT_MAX_TOKENS, block: int = DEFAULT_BLOCK,
-                    progress=None) -> QualityReport:
-    """Score the loaded ``artifact`` (as ``lct.load`` gives it: NF4 parts kept) against the
+                    progress=None, layerwise: bool = False) -> QualityReport:
+    """Score the loaded ``artifact`` (as ``lct.load`` gives it: lossy parts kept) against the
     source ``against`` loaded with ``from_pretrained``, on ``text`` (a file or folder; default:
     the sample in ``lct.sample_text``).
+
+    With ``layerwise`` neither model is ever whole in memory: the artifact runs as a
+    ``LayerwiseModel`` (layers streamed on every forward), and so does the reference, which is
+    the artifact with every lossy tensor replaced by the source's own (its lossless tensors are
+    the source's bytes, which ``lct verify --against`` checks), so only the embedding, the head
+    and the prefetch windows are resident.
 
     Raises:
         LCTError: the artifact has no tokenizer, no text, or the source cannot be resolved.
@@ -120,6 +126,12 @@ def measure_quality(artifact, against: str, *, revision: str | None = None, text
     texts = read_texts(text) if text is not None else sample_text.samples()
     tokenizer = AutoTokenizer.from_pretrained(path)
     src = resolve(against, revision)
+    if layerwise:
+        from .loader.layerwise import LayerwiseModel
+        with LayerwiseModel(path) as model, LayerwiseModel(path, nf4="dequantize") as reference:
+            _take_lossy_from_source(reference, src)
+            return compare(model, reference, tokenizer, texts, max_tokens=max_tokens,
+                           block=block, progress=progress)
     model = load(path)
     first = next(p for p in model.parameters() if p.is_floating_point())
     reference = AutoModelForCausalLM.from_pretrained(src.root, dtype=first.dtype).eval()
@@ -147,3 +159,34 @@ def compare(model, reference, tokenizer, texts: list, *, max_tokens: int = DEFAU
                          ppl_reference=math.exp(sums["nll_ref"] / n), ppl=math.exp(sums["nll"] / n),
                          top1_agreement=sums["agree"] / n, kl_mean=sums["kl"] / n,
                          kl_max=sums["kl_max"])
+
+
+def _take_lossy_from_source(reference, src) -> None:
+    """Replace every lossy tensor of the layer-wise ``reference`` (loaded dequantized) by the
+    source's tensor of that name, so that it is the lossless model."""
+    from safetensors import safe_open
+
+    from .converter import scan
+    from .loader.build import _param_name
+    from . import constants as C
+    manifest = reference.art.manifest
+    lossy = [t.name for t in manifest.tensors.values() if t.encoding != C.ENCODING_PLAIN]
+    found = scan(src)
+    names = reference.installer.names
+    for name in lossy:
+        st = found.get(name)
+        full = _param_name(reference.model, name, names)
+        if st is None or full is None:
+            raise LCTError(f"{src.root}: the source has no tensor {name!r} to compare the "
+                           f"artifact's lossy one with")
+        with safe_open(str(src.root / st.file), framework="pt") as f:
+            t = f.get_tensor(name)
+        # a tied name (the head of a tied table) may hold its own copy of the stored tensor
+        tied = [_param_name(reference.model, k, names) for k, v in manifest.ties.items()
+                if v == name]
+        for target in [full] + [n for n in tied if n]:
+            param = reference.model.get_parameter(target)
+            if tuple(param.shape) != tuple(t.shape):
+                raise LCTError(f"{src.root}: tensor {name!r} is {list(t.shape)} in the source "
+                               f"and {list(param.shape)} in the artifact")
+            param.data = t.to(param.dtype)

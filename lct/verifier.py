@@ -75,7 +75,7 @@ def _compare(name, info, got, ref) -> TensorCheck:
 
 def verify(artifact, *, against: str | None = None, revision: str | None = None,
            progress=None, quality: bool = False, text=None, max_tokens: int | None = None,
-           quality_progress=None) -> VerifyReport:
+           quality_progress=None, layerwise: bool = False) -> VerifyReport:
     """Check every chunk of ``artifact``; with ``against``, compare every tensor with the source.
 
     Args:
@@ -86,7 +86,8 @@ def verify(artifact, *, against: str | None = None, revision: str | None = None,
         quality: also load the artifact and score it against ``against`` on real text
             (``lct.quality.measure_quality``: perplexity of both, top-1 agreement, KL), from
             ``text`` (a file or folder; default: the sample shipped in ``lct.sample_text``), at
-            most ``max_tokens`` scored tokens; ``quality_progress`` is called per block.
+            most ``max_tokens`` scored tokens; ``quality_progress`` is called per block;
+            ``layerwise`` streams the layers of both models (for models larger than memory).
 
     Returns:
         A ``VerifyReport``; ``report.ok`` tells whether everything matched.
@@ -136,7 +137,7 @@ def verify(artifact, *, against: str | None = None, revision: str | None = None,
         from .quality import DEFAULT_MAX_TOKENS, measure_quality
         report.quality = measure_quality(art.path, against, revision=revision, text=text,
                                          max_tokens=max_tokens or DEFAULT_MAX_TOKENS,
-                                         progress=quality_progress)
+                                         progress=quality_progress, layerwise=layerwise)
     return report
 
 
