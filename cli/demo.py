@@ -23,12 +23,15 @@ def demo_cmd(workdir):
                       for g in res.groups], ["group", "tensors", "stored as", "stored", "decoded"]))
     click.echo(f"safetensors {human(res.source_bytes)} -> LCT {human(res.artifact_bytes)} "
                f"({res.artifact_bytes / res.source_bytes:.3f}x)")
+    if res.policy_line:
+        click.echo(res.policy_line)
     click.echo(f"verify: {'OK' if res.verify_ok else 'FAILED'}; lossless tensors bit-identical: "
                f"{res.lossless_identical}; lossy parts min cosine {res.nf4_cosine:.5f}")
     click.echo(f"export reloaded with transformers: logits cosine vs source "
-               f"{res.logits_cosine:.5f} (NF4 embedding)")
-    click.echo(f"lct.load (NF4 kept) vs the exported model: same next token at every position: "
-               f"{res.load_agrees}; max |logit difference| {res.load_max_diff:.2g} (fused NF4 head)")
+               f"{res.logits_cosine:.5f} (lossy parts: {res.lossy})")
+    click.echo(f"lct.load ({res.lossy} kept) vs the exported model: same next token at every "
+               f"position: {res.load_agrees}; max |logit difference| {res.load_max_diff:.2g} "
+               f"(the kept head sums in float32)")
     q = res.quality
     click.echo(f"quality vs source (lct verify --quality, {q.tokens} tokens of the shipped text): "
                f"perplexity {q.ppl_reference:.2f} -> {q.ppl:.2f} ({q.delta_pct:+.2f} %), top-1 "

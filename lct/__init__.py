@@ -12,7 +12,8 @@ Example:
 
 __version__ = "0.1.0"
 
-__all__ = ["__version__", "open", "convert", "export", "verify", "load", "Policy"]
+__all__ = ["__version__", "open", "convert", "export", "verify", "load", "Policy", "NF4Weight",
+           "Int8Weight"]
 
 
 def open(path, *, verify: bool = True, workers=None, stream: bool = False):  # noqa: A001
@@ -57,4 +58,7 @@ def __getattr__(name):
     if name == "Policy":
         from .converter import Policy
         return Policy
+    if name in ("NF4Weight", "Int8Weight"):
+        from . import reader
+        return getattr(reader, name)
     raise AttributeError(f"module 'lct' has no attribute {name!r}")

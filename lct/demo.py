@@ -2,7 +2,7 @@
 
 Builds a small random Gemma (bf16) with a small trained tokenizer, converts it, verifies it
 against the source, exports it back to a Hugging Face folder, reloads that with transformers and
-compares logits with the source, then loads the artifact with the streaming loader (NF4 kept) and
+compares logits with the source, then loads the artifact with the streaming loader (lossy parts kept) and
 generates from a prompt. The weights are random, so the text is gibberish; the point is the path.
 """
 
@@ -28,12 +28,14 @@ class DemoResult:
     groups: list = field(default_factory=list)   # info.GroupRow
     verify_ok: bool = False
     lossless_identical: str = ""
-    nf4_cosine: float = 0.0
+    nf4_cosine: float = 0.0          # lowest cosine of a lossy tensor with the source
+    lossy: str = "none"              # what the policy stored the embedding/head as
+    policy_line: str = ""            # the auto policy's choice and measured cost
     logits_cosine: float = 0.0
     prompt: str = ""
     output: str = ""
     load_agrees: bool = False        # same next token as the exported model at every position
-    load_max_diff: float = 0.0       # largest |logit difference| (the kept NF4 head sums in float32)
+    load_max_diff: float = 0.0       # largest |logit difference| (a kept head sums in float32)
     quality: object = None           # lct.quality.QualityReport of the artifact against the source
 
 
@@ -68,6 +70,9 @@ def run_demo(workdir=None, log=print) -> DemoResult:
     t = time.perf_counter()
     rep = convert(str(src), work / "model.lct", overwrite=True)
     res.timings["convert"] = time.perf_counter() - t
+    encs = sorted({t.encoding for t in rep.manifest.tensors.values() if t.encoding != "plain"})
+    res.lossy = ",".join(e.upper() if e == "nf4" else e for e in encs) or "none"
+    res.policy_line = rep.decision.summary() if rep.decision is not None else ""
     res.artifact_bytes = _dir_bytes(work / "model.lct", ".lct")
     res.groups = summarize(rep.manifest)
 
