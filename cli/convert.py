@@ -96,10 +96,7 @@ def convert_cmd(source, output, revision, nf4, int8, budget, calibration, dtype,
     if rep.decision is not None:
         click.echo(rep.decision.summary())
     else:
-        p = m.policy
-        click.echo(f"policy manual: nf4 {','.join(p['nf4']) or 'none'}, int8 "
-                   f"{','.join(p['int8']) or 'none'}, the rest lossless (the cost on text: "
-                   f"lct verify --against SOURCE --quality)")
+        click.echo("policy manual: every tensor lossless")
     if m.maximus:
         fs = m.maximus["frequency_source"]
         click.echo(f"maximus: {m.maximus['num_shards']} shards of {', '.join(m.maximus['tensors'])}"

@@ -63,7 +63,9 @@ def _measured(m) -> str:
     try:
         costs = "; ".join(f"{part}: " + ", ".join(f"{e} {float(v):.4f}" for e, v in c.items())
                           for part, c in m["costs"].items())
-        return (f"measured ({m['method']}): estimated mean KL {float(m['cost_kl']):.4f} nats "
-                f"within budget {float(m['budget_kl']):g}; candidates {costs}")
+        cost, budget = float(m["cost_kl"]), float(m["budget_kl"])
+        return (f"measured ({m['method']}): estimated mean KL {cost:.4f} nats, "
+                f"{'OVER' if cost > budget else 'within'} the budget {budget:g}; "
+                f"candidates {costs}")
     except (TypeError, KeyError, ValueError, AttributeError):
         return ""

@@ -384,6 +384,10 @@ def convert(source: str, out, *, revision: str | None = None, policy: Policy | N
                 f"{chosen['embed']} for the embedding and {chosen['head']} for the head cannot "
                 f"both be honoured: name both parts (--nf4 embed,head or --int8 embed,head) "
                 f"or neither (lossless)")
+        if any(chosen[r] != C.ENCODING_PLAIN for r in lossy):
+            # a forced lossy encoding: measure what it costs (the proxy), to say so
+            from .policy import decide
+            decision = decide(src, tensors, lossy, bool(ties), table, policy, progress)
 
     specs: dict = {}
     for name, (group, role) in placed.items():

@@ -41,9 +41,11 @@ class Decision:
     cost: float = 0.0                # the chosen combination's estimated cost
     tokens: int = 0                  # calibration tokens scored (0 for the proxy)
     seconds: float = 0.0
+    mode: str = "auto"               # "manual": the encodings were forced, only measured
 
     def to_dict(self) -> dict:
-        return {"method": self.method, "budget_kl": self.budget, "cost_kl": round(self.cost, 6),
+        return {"method": self.method, "mode": self.mode, "budget_kl": self.budget,
+                "cost_kl": round(self.cost, 6),
                 "tied": self.tied, "tokens": self.tokens, "seconds": round(self.seconds, 3),
                 "costs": {p: {e: round(v, 6) for e, v in c.items()}
                           for p, c in self.costs.items()}}
@@ -56,6 +58,12 @@ class Decision:
             role = "embed" if part == "embed+head" else part
             other = ", ".join(f"{e} {v:.4f}" for e, v in self.costs[part].items())
             pick.append(f"{part} {self.chosen[role]} ({other})")
+        if self.mode == "manual":
+            over = self.cost > self.budget
+            return (f"policy manual ({self.method} estimate): {'; '.join(pick)}; estimated mean "
+                    f"KL {self.cost:.4f} nats, {'OVER' if over else 'within'} the budget "
+                    f"{self.budget:g}" + (" (the default auto policy keeps within it)"
+                                          if over else ""))
         return (f"policy auto ({self.method}): {'; '.join(pick)}; estimated mean KL "
                 f"{self.cost:.4f} nats, budget {self.budget:g}")
 
@@ -162,8 +170,13 @@ def _table(src, st):
         return f.get_tensor(st.name)
 
 
-def _candidates(shape, blocksize: int) -> tuple:
-    return tuple(e for e in CANDIDATES if e != C.ENCODING_NF4 or shape[1] % blocksize == 0)
+def _candidates(shape, blocksize: int, policy=None, role: str | None = None) -> tuple:
+    """The lossy encodings to measure for a table: NF4 where the block size divides its rows;
+    of a manual policy, only the one it forces on ``role``."""
+    out = tuple(e for e in CANDIDATES if e != C.ENCODING_NF4 or shape[1] % blocksize == 0)
+    if policy is not None and not policy.auto:
+        out = tuple(e for e in out if e == policy.forced()[role])
+    return out
 
 
 def proxy_costs(src, tensors: dict, lossy: dict, tied: bool, table, policy) -> dict:
@@ -172,30 +185,38 @@ def proxy_costs(src, tensors: dict, lossy: dict, tied: bool, table, policy) -> d
     softcap = src.config.get("final_logit_softcapping")
     costs: dict = {}
     head_name = lossy.get("embed") if tied else lossy.get("head")
-    rel_head: dict = {}
+    embed = None if tied or "embed" not in lossy else _table(src, tensors[lossy["embed"]])
+    embed_cands = () if embed is None else \
+        _candidates(tuple(embed.shape), policy.blocksize, policy, "embed")
+    per_err = None
     if head_name is not None:
         w = _table(src, tensors[head_name])
-        cands = _candidates(tuple(w.shape), policy.blocksize)
+        cands = _candidates(tuple(w.shape), policy.blocksize, policy, "embed" if tied else "head")
+        # the embedding's estimate needs the head's cost per unit of relative error: measure
+        # the head in the embedding's candidates too
+        measured = tuple(dict.fromkeys(cands + tuple(
+            c for c in embed_cands if c != C.ENCODING_NF4 or w.shape[1] % policy.blocksize == 0)))
         hidden = proxy_hidden(gamma if gamma is not None and gamma.numel() == w.shape[1]
                               else None, beta if beta is not None
                               and beta.numel() == w.shape[1] else None, w.shape[1])
-        kl, rel_head = head_proxy(w, hidden, cands, policy.blocksize, softcap,
-                                  errors=not tied and "embed" in lossy)
+        kl, rel_head = head_proxy(w, hidden, measured, policy.blocksize, softcap,
+                                  errors=embed is not None)
         del w
         if tied:
             # The table is the head and the embedding: its head cost, plus the same again for
             # the embedding (same relative error, see the module docstring).
             return {"embed+head": {e: 2 * kl[e] for e in cands}}
-        costs["head"] = kl
-    if "embed" in lossy:
-        e = _table(src, tensors[lossy["embed"]])
-        cands = _candidates(tuple(e.shape), policy.blocksize)
-        if rel_head:
-            rel = _rel_err(e, cands, policy.blocksize)
-            costs["embed"] = {c: costs["head"].get(c, max(costs["head"].values()))
-                              * rel[c] / max(rel_head.get(c, rel[c]), 1e-30) for c in cands}
-        else:
-            kl, _ = head_proxy(e, proxy_hidden(None, None, e.shape[1]), cands, policy.blocksize)
+        costs["head"] = {e: kl[e] for e in cands}
+        if measured and embed is not None:
+            worst = max(measured, key=kl.get)   # the most costly candidate: the best-measured
+            per_err = kl[worst] / max(rel_head[worst], 1e-30)
+    if embed is not None:
+        if per_err is not None:
+            rel = _rel_err(embed, embed_cands, policy.blocksize)
+            costs["embed"] = {c: per_err * rel[c] for c in embed_cands}
+        else:   # no head to borrow from: the table judged as if it were one
+            kl, _ = head_proxy(embed, proxy_hidden(None, None, embed.shape[1]), embed_cands,
+                               policy.blocksize, errors=False)
             costs["embed"] = kl
     return costs
 
@@ -242,7 +263,7 @@ def calibration_costs(src, tensors: dict, lossy: dict, tied: bool, policy) -> tu
     variants = {}
     for part, role in parts.items():
         p = params[role]
-        cands = _candidates(tuple(p.shape), policy.blocksize)
+        cands = _candidates(tuple(p.shape), policy.blocksize, policy, role)
         variants[part] = {e: roundtrip(e, p.detach(), policy.blocksize).to(p.dtype)
                           for e in cands}
     sums = {part: {e: 0.0 for e in v} for part, v in variants.items()}
@@ -316,10 +337,16 @@ def decide(src, tensors: dict, lossy: dict, tied: bool, table, policy,
         method = "calibration"
     else:
         costs, tokens, method = proxy_costs(src, tensors, lossy, tied, table, policy), 0, "proxy"
+    costs = {part: c for part, c in costs.items() if c}
     shapes, dtypes = {}, {}
     for part in costs:
         st = tensors[lossy["embed" if part == "embed+head" else part]]
         shapes[part], dtypes[part] = tuple(st.shape), st.dtype
-    chosen, cost = choose(costs, shapes, dtypes, tied, policy.budget, policy.blocksize)
+    if policy.auto:
+        chosen, cost = choose(costs, shapes, dtypes, tied, policy.budget, policy.blocksize)
+    else:
+        chosen = policy.forced()
+        cost = sum(c.get(chosen["embed" if p == "embed+head" else p], 0.0)
+                   for p, c in costs.items())
     return Decision(chosen, tied, method, policy.budget, costs, cost, tokens,
-                    time.perf_counter() - t0)
+                    time.perf_counter() - t0, "auto" if policy.auto else "manual")

@@ -144,9 +144,28 @@ def test_cli_prints_choice_and_info_shows_it(tmp_path):
     assert "policy auto (proxy): " in r.output and "head int8" in r.output
     r = CliRunner().invoke(cli, ["info", str(tmp_path / "a.lct")])
     assert "policy: auto" in r.output and "measured (proxy)" in r.output
+    assert "within the budget" in r.output
     r = CliRunner().invoke(cli, ["convert", str(src), "-o", str(tmp_path / "b.lct"), "--quiet",
                                  "--nf4", "embed,head"])
-    assert r.exit_code == 0 and "policy manual: nf4 embed,head" in r.output
+    assert r.exit_code == 0, r.output
+    assert "policy manual (proxy estimate): " in r.output and "OVER the budget" in r.output
+    assert "head nf4" in r.output and "embed nf4" in r.output
+    r = CliRunner().invoke(cli, ["info", str(tmp_path / "b.lct")])
+    assert "policy: manual" in r.output and "OVER the budget" in r.output
+    r = CliRunner().invoke(cli, ["convert", str(src), "-o", str(tmp_path / "d.lct"), "--quiet",
+                                 "--nf4", "none"])
+    assert r.exit_code == 0 and "every tensor lossless" in r.output
     r = CliRunner().invoke(cli, ["convert", str(src), "-o", str(tmp_path / "c.lct"), "--quiet",
                                  "--nf4", "head", "--int8", "head"])
     assert r.exit_code != 0 and "both name 'head'" in r.output
+
+
+def test_manual_policy_measures_only_what_it_forces(tmp_path):
+    src = _source(tmp_path, "llama", head_std=0.5)
+    rep = lct.convert(str(src), tmp_path / "a.lct", policy=Policy(nf4=("embed",)))
+    d = rep.decision
+    assert d.mode == "manual" and d.chosen == {"embed": "nf4", "head": "plain"}
+    assert list(d.costs) == ["embed"] and list(d.costs["embed"]) == ["nf4"]
+    assert d.cost == d.costs["embed"]["nf4"] > 0
+    m = json.loads((tmp_path / "a.lct" / "lct.json").read_text())
+    assert m["policy"]["measured"]["mode"] == "manual" and m["policy"]["nf4"] == ["embed"]
