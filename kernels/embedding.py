@@ -15,6 +15,27 @@ def _pad_mask(ids: torch.Tensor, pad_ids) -> torch.Tensor | None:
     return torch.isin(ids, pad_ids)
 
 
+def quantized_lookup(ids: torch.Tensor, rows: int, dim: int, pad_ids, scale, dtype,
+                     gather) -> torch.Tensor:
+    """An embedding lookup over a quantized table: ids checked as ``nn.Embedding`` checks them,
+    ``gather(selected_ids)`` dequantizes the rows of the ids that are not in ``pad_ids`` (those
+    give zeros), then the optional Gemma-style ``scale`` multiplies."""
+    flat = ids.reshape(-1)
+    if flat.numel() and (int(flat.min()) < 0 or int(flat.max()) >= rows):
+        raise IndexError(f"ids must be in [0, {rows}), got "
+                         f"{int(flat.min())}..{int(flat.max())}")  # as nn.Embedding refuses
+    mask = _pad_mask(flat, pad_ids)
+    sel = flat if mask is None else flat[~mask]
+    out = gather(sel)
+    if mask is not None:
+        full = out.new_zeros(flat.numel(), dim)
+        full[~mask] = out
+        out = full
+    if scale is not None:
+        out = out * scale.to(dtype)
+    return out.view(*ids.shape, dim)
+
+
 def padded_lookup(weight: torch.Tensor, ids: torch.Tensor, pad_ids=None) -> torch.Tensor:
     """Dense embedding lookup where ids in ``pad_ids`` give zero rows and are not gathered."""
     flat = ids.reshape(-1)
@@ -74,22 +95,12 @@ class NF4Embedding(nn.Module):
         return dequantize_rows(self.packed, self.absmax, self.blocksize, self.dtype)
 
     def forward(self, ids: torch.Tensor) -> torch.Tensor:
-        flat = ids.reshape(-1)
-        if flat.numel() and (int(flat.min()) < 0 or int(flat.max()) >= self.num_embeddings):
-            raise IndexError(f"ids must be in [0, {self.num_embeddings}), got "
-                             f"{int(flat.min())}..{int(flat.max())}")  # as nn.Embedding refuses
-        mask = _pad_mask(flat, self.pad_ids)
-        sel = flat if mask is None else flat[~mask]
+        return quantized_lookup(ids, self.num_embeddings, self.embedding_dim, self.pad_ids,
+                                self.scale, self.dtype, self._gather)
+
+    def _gather(self, sel: torch.Tensor) -> torch.Tensor:
         self.gathered_rows += sel.numel()
-        rows = dequantize_rows(self.packed[sel], self.absmax[sel], self.blocksize, self.dtype)
-        if mask is None:
-            out = rows
-        else:
-            out = rows.new_zeros(flat.numel(), self.embedding_dim)
-            out[~mask] = rows
-        if self.scale is not None:
-            out = out * self.scale.to(self.dtype)
-        return out.view(*ids.shape, self.embedding_dim)
+        return dequantize_rows(self.packed[sel], self.absmax[sel], self.blocksize, self.dtype)
 
     def extra_repr(self) -> str:
         return (f"{self.num_embeddings}, {self.embedding_dim}, nf4 blocksize={self.blocksize}, "

@@ -10,8 +10,8 @@ from torch.nn import functional as F
 
 from lct import constants as C
 
-from .embedding import _pad_mask
-from .linear import DEFAULT_CHUNK_BYTES, _FUSED_DTYPES
+from .embedding import quantized_lookup
+from .linear import DEFAULT_CHUNK_BYTES, fused_call, quantized_forward
 
 
 def dequantize_rows(q_rows: torch.Tensor, scale_rows: torch.Tensor, dtype: torch.dtype,
@@ -50,17 +50,9 @@ def fused_int8_matmul(x2: torch.Tensor, q: torch.Tensor, scale: torch.Tensor,
     from lct import native
     m, k = x2.shape
     n = q.shape[0]
-    if x2.dtype not in _FUSED_DTYPES:
-        x2 = x2.float()
-    x2 = x2.contiguous()
-    out = torch.empty(m, n, dtype=out_dtype)
-    xb, ob = x2.dtype == torch.bfloat16, out_dtype == torch.bfloat16
-    native.int8_matmul(x2.view(torch.int16).numpy() if xb else x2.numpy(), xb,
-                       q.contiguous().view(torch.uint8).numpy(),
-                       scale.float().contiguous().numpy(),
-                       out.view(torch.int16).numpy() if ob else out.numpy(), ob, (m, n, k),
-                       torch.get_num_threads())
-    return out
+    return fused_call(x2, n, out_dtype, lambda x, xb, out, ob: native.int8_matmul(
+        x, xb, q.contiguous().view(torch.uint8).numpy(), scale.float().contiguous().numpy(),
+        out, ob, (m, n, k), torch.get_num_threads()))
 
 
 class Int8Linear(nn.Module):
@@ -91,16 +83,8 @@ class Int8Linear(nn.Module):
         return dequantize_rows(self.q, self.scale, self.dtype)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        lead = x.shape[:-1]
-        x2 = x.reshape(-1, self.in_features)   # 2-D always (see FlatLinear)
-        odt = torch.result_type(x, torch.empty(0, dtype=self.dtype))
-        if not x.is_cuda and use_fused(x2.shape[0]) and odt in _FUSED_DTYPES:
-            out = fused_int8_matmul(x2, self.q, self.scale, odt)
-            if self.bias is not None:
-                out += self.bias
-        else:
-            out = self._chunked(x2, odt)
-        return out.view(*lead, self.out_features)
+        return quantized_forward(self, x, lambda rows: not x.is_cuda and use_fused(rows),
+                                 lambda x2, odt: fused_int8_matmul(x2, self.q, self.scale, odt))
 
     def _chunked(self, x2: torch.Tensor, odt: torch.dtype) -> torch.Tensor:
         """Dequantize ``chunk_rows`` rows at a time and multiply: the path for many input rows,
@@ -152,21 +136,9 @@ class Int8Embedding(nn.Module):
         return dequantize_rows(self.q, self.scale, self.dtype)
 
     def forward(self, ids: torch.Tensor) -> torch.Tensor:
-        flat = ids.reshape(-1)
-        if flat.numel() and (int(flat.min()) < 0 or int(flat.max()) >= self.num_embeddings):
-            raise IndexError(f"ids must be in [0, {self.num_embeddings}), got "
-                             f"{int(flat.min())}..{int(flat.max())}")
-        mask = _pad_mask(flat, self.pad_ids)
-        sel = flat if mask is None else flat[~mask]
-        rows = dequantize_rows(self.q[sel], self.scale[sel], self.dtype)
-        if mask is None:
-            out = rows
-        else:
-            out = rows.new_zeros(flat.numel(), self.embedding_dim)
-            out[~mask] = rows
-        if self.embed_scale is not None:
-            out = out * self.embed_scale.to(self.dtype)
-        return out.view(*ids.shape, self.embedding_dim)
+        return quantized_lookup(
+            ids, self.num_embeddings, self.embedding_dim, self.pad_ids, self.embed_scale,
+            self.dtype, lambda sel: dequantize_rows(self.q[sel], self.scale[sel], self.dtype))
 
     def extra_repr(self) -> str:
         return (f"{self.num_embeddings}, {self.embedding_dim}, int8 per row, "

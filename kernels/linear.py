@@ -22,6 +22,20 @@ def use_fused(rows: int) -> bool:
     return native.matmul_available() and 0 < rows <= C.NF4_FUSED_MAX_ROWS
 
 
+def fused_call(x2: torch.Tensor, n: int, out_dtype: torch.dtype, run) -> torch.Tensor:
+    """Prepare a compiled fused matmul's buffers and call it: ``x2`` [M, K] made contiguous in
+    bfloat16 or float32, an ``out_dtype`` [M, n] output, then ``run(x, x_bf16, out, out_bf16)``
+    with numpy views (bfloat16 as its int16 bits)."""
+    if x2.dtype not in _FUSED_DTYPES:
+        x2 = x2.float()
+    x2 = x2.contiguous()
+    out = torch.empty(x2.shape[0], n, dtype=out_dtype)
+    xb, ob = x2.dtype == torch.bfloat16, out_dtype == torch.bfloat16
+    run(x2.view(torch.int16).numpy() if xb else x2.numpy(), xb,
+        out.view(torch.int16).numpy() if ob else out.numpy(), ob)
+    return out
+
+
 def fused_nf4_matmul(x2: torch.Tensor, packed: torch.Tensor, absmax: torch.Tensor,
                      blocksize: int, out_dtype: torch.dtype) -> torch.Tensor:
     """``x2 [M, K] @ W.T`` for ``W`` [N, K] in NF4 (``packed`` [N, K/2], float32 ``absmax``
@@ -32,22 +46,33 @@ def fused_nf4_matmul(x2: torch.Tensor, packed: torch.Tensor, absmax: torch.Tenso
     from lct.nf4 import code_array
     m, k = x2.shape
     n = packed.shape[0]
-    if x2.dtype not in _FUSED_DTYPES:
-        x2 = x2.float()
-    x2 = x2.contiguous()
-    out = torch.empty(m, n, dtype=out_dtype)
-    xb, ob = x2.dtype == torch.bfloat16, out_dtype == torch.bfloat16
-    native.nf4_matmul(x2.view(torch.int16).numpy() if xb else x2.numpy(), xb,
-                      packed.contiguous().numpy(), absmax.float().contiguous().numpy(),
-                      code_array(), out.view(torch.int16).numpy() if ob else out.numpy(), ob,
-                      (m, n, k), blocksize, torch.get_num_threads())
-    return out
+    return fused_call(x2, n, out_dtype, lambda x, xb, out, ob: native.nf4_matmul(
+        x, xb, packed.contiguous().numpy(), absmax.float().contiguous().numpy(), code_array(),
+        out, ob, (m, n, k), blocksize, torch.get_num_threads()))
 
 # Dequantized rows per CPU chunk are capped by bytes: 128 MiB is 32,768 rows of a 2048-wide bf16
 # head. Fewer, larger chunks matter on the CPU: after every matmul torch's OpenMP threads spin a
 # while and slow the next chunk's dequantize (8,192 rows: 0.72 s per 256k x 2048 forward;
 # 32,768: 0.52 s).
 DEFAULT_CHUNK_BYTES = C.NF4_HEAD_CHUNK_BYTES
+
+
+def quantized_forward(mod, x: torch.Tensor, fused_ok, fused) -> torch.Tensor:
+    """The CPU forward of a quantized linear ``mod`` (``in_features``, ``out_features``,
+    ``dtype``, ``bias``, ``_chunked``): the fused kernel ``fused(x2, out_dtype)`` when
+    ``fused_ok(rows)`` and the output dtype suits it, else ``mod._chunked(x2, out_dtype)``.
+    Always on 2-D input: torch's CPU linear of a 3-D input (generate's prefill slice
+    ``hidden[:, -1:, :]`` above all) takes a path 100x slower than the same data as 2-D."""
+    lead = x.shape[:-1]
+    x2 = x.reshape(-1, mod.in_features)
+    odt = torch.result_type(x, torch.empty(0, dtype=mod.dtype))
+    if fused_ok(x2.shape[0]) and odt in _FUSED_DTYPES:
+        out = fused(x2, odt)
+        if mod.bias is not None:
+            out += mod.bias
+    else:
+        out = mod._chunked(x2, odt)
+    return out.view(*lead, mod.out_features)
 
 
 class FlatLinear(nn.Linear):
@@ -104,18 +129,8 @@ class NF4Linear(nn.Module):
                                 self.blocksize, self.dtype)
             return bnb.matmul_4bit(x.to(self.dtype), self.packed.reshape(-1, 1).t(),
                                    quant_state=state, bias=self.bias)
-        lead = x.shape[:-1]
-        # Always 2-D: torch's CPU linear of a 3-D input (generate's prefill slice
-        # hidden[:, -1:, :] above all) takes a path 100x slower than the same data as 2-D.
-        x2 = x.reshape(-1, self.in_features)
-        odt = torch.result_type(x, torch.empty(0, dtype=self.dtype))
-        if use_fused(x2.shape[0]) and odt in _FUSED_DTYPES:
-            out = fused_nf4_matmul(x2, self.packed, self.absmax, self.blocksize, odt)
-            if self.bias is not None:
-                out += self.bias
-        else:
-            out = self._chunked(x2, odt)
-        return out.view(*lead, self.out_features)
+        return quantized_forward(self, x, lambda rows: use_fused(rows), lambda x2, odt:
+                                 fused_nf4_matmul(x2, self.packed, self.absmax, self.blocksize, odt))
 
     def _chunked(self, x2: torch.Tensor, odt: torch.dtype) -> torch.Tensor:
         """Dequantize ``chunk_rows`` rows at a time into one scratch buffer and multiply (the
