@@ -33,6 +33,10 @@ class ChecksumError(LCTError, ValueError):
     """A chunk's stored bytes do not match the checksum recorded in the manifest."""
 
 
+class ManifestChecksumError(ManifestError, ChecksumError):
+    """The manifest's own checksum does not match its bytes (it was changed after writing)."""
+
+
 class ArtifactClosedError(LCTError, RuntimeError):
     """The artifact was closed while, or before, something read from it."""
 

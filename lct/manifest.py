@@ -14,7 +14,7 @@ from dataclasses import asdict, dataclass, field, replace
 
 from . import codecs
 from . import constants as C
-from .errors import ManifestError, UnsupportedVersionError
+from .errors import ManifestChecksumError, ManifestError, UnsupportedVersionError
 
 
 @dataclass(frozen=True)
@@ -30,6 +30,7 @@ class ChunkInfo:
     codec: str
     params: dict
     checksum: str
+    binding: str | None = None   # xxh3_64 of what the chunk is (FORMAT.md 6), from 1.1 on
 
 
 @dataclass(frozen=True)
@@ -110,7 +111,8 @@ class Manifest:
             "policy": self.policy,
             "files": self.files,
             "groups": self.groups,
-            "chunks": [asdict(c) for c in self.chunks],
+            "chunks": [{k: v for k, v in asdict(c).items() if k != "binding" or v is not None}
+                       for c in self.chunks],
             "tensors": [_tensor_dict(t) for t in self.tensors.values()],
             "ties": self.ties,
             "unmapped": self.unmapped,
@@ -121,7 +123,18 @@ class Manifest:
         return d
 
     def to_json(self) -> str:
-        return json.dumps(self.to_dict(), indent=1, sort_keys=False) + "\n"
+        """The manifest's text. From format 1.1 on it is sealed (FORMAT.md section 6): every
+        chunk's ``binding`` is computed from the tensors placed in it, and ``manifest_checksum``
+        covers the text."""
+        d = self.to_dict()
+        if tuple(self.format_version) >= SEALED_SINCE:
+            binds = chunk_bindings(self.chunks, self.tensors, self.ties)
+            for c in d["chunks"]:
+                c["binding"] = binds[c["id"]]
+            d.pop(CHECKSUM_KEY, None)
+            d[CHECKSUM_KEY] = _ZERO_SUM
+            return seal(json.dumps(d, indent=1, sort_keys=False) + "\n")
+        return json.dumps(d, indent=1, sort_keys=False) + "\n"
 
     @classmethod
     def from_json(cls, text: bytes | str, where: str = "lct.json") -> "Manifest":
@@ -137,7 +150,10 @@ class Manifest:
             d = json.loads(text)
         except (ValueError, UnicodeDecodeError, RecursionError) as e:
             raise ManifestError(f"{where}: not valid JSON ({e})") from e
-        return cls.from_dict(d, where)
+        manifest = cls.from_dict(d, where)
+        if tuple(manifest.format_version) >= SEALED_SINCE:
+            _check_sealed(raw, d, where)
+        return manifest
 
     @classmethod
     def from_dict(cls, d, where: str = "lct.json") -> "Manifest":
@@ -191,6 +207,76 @@ def _tensor_dict(t: TensorInfo) -> dict:
                         **({"int8": p.int8} if p.int8 else {})}
                        for p in t.pieces]
     return d
+
+
+# Sealing (FORMAT.md section 6): chunk bindings and the manifest's own checksum, from 1.1 on.
+SEALED_SINCE = (1, 1)
+CHECKSUM_KEY = "manifest_checksum"
+_ZERO_SUM = C.CHECKSUM_ALGO + ":" + "0" * 16
+_SUM_RE = re.compile(rb'"manifest_checksum": ?"(' + C.CHECKSUM_ALGO.encode()
+                     + rb':[0-9a-f]{16})"')
+
+
+def chunk_bindings(chunks: list, tensors: dict, ties: dict) -> dict:
+    """``{chunk id: binding}``: xxh3_64 of a canonical JSON of the chunk's entry (its checksum
+    included) and of every tensor or piece the manifest places in it (name, rows, shape, dtype,
+    stored dtype, encoding, role, group, offset, nbytes, scales, row order) and the ties to
+    them. Any change to what a chunk is said to hold changes its binding."""
+    import xxhash
+    held: dict = {c.id: [] for c in chunks}
+    for t in tensors.values():
+        for p in t.placements():
+            held.setdefault(p.chunk, []).append(
+                [t.name, list(p.rows) if p.rows else None, list(t.shape), t.dtype,
+                 t.stored_dtype, t.encoding, t.role, t.group, p.offset, p.nbytes, p.nf4, p.int8,
+                 t.row_order])
+    tied_to: dict = {}
+    for k, v in ties.items():
+        tied_to.setdefault(v, []).append(k)
+    out = {}
+    for c in chunks:
+        entries = sorted(held.get(c.id, []), key=lambda e: (e[8], e[0]))
+        desc = {"id": c.id, "group": c.group, "file": c.file, "offset": c.offset,
+                "stored_size": c.stored_size, "decoded_size": c.decoded_size, "codec": c.codec,
+                "params": c.params, "checksum": c.checksum, "tensors": entries,
+                "ties": sorted([e[0], k] for e in entries for k in tied_to.get(e[0], []))}
+        text = json.dumps(desc, sort_keys=True, separators=(",", ":"), allow_nan=False)
+        out[c.id] = f"{C.CHECKSUM_ALGO}:{xxhash.xxh3_64_hexdigest(text.encode())}"
+    return out
+
+
+def seal(text: str) -> str:
+    """Set the ``manifest_checksum`` of manifest ``text``: xxh3_64 of the exact bytes with that
+    value written as 16 zeros. Tools that edit a manifest call this after the edit (the chunk
+    bindings stay as they are, so an edit of what a chunk holds still fails)."""
+    import xxhash
+    raw = text.encode()
+    found = list(_SUM_RE.finditer(raw))
+    if len(found) != 1:
+        raise ManifestError(f"a manifest to seal holds {len(found)} '{CHECKSUM_KEY}' entries; "
+                            f"it needs exactly one")
+    m = found[0]
+    zeroed = raw[:m.start(1)] + _ZERO_SUM.encode() + raw[m.end(1):]
+    digest = f"{C.CHECKSUM_ALGO}:{xxhash.xxh3_64_hexdigest(zeroed)}"
+    return (raw[:m.start(1)] + digest.encode() + raw[m.end(1):]).decode()
+
+
+def _check_sealed(raw: bytes, d: dict, where: str) -> None:
+    """The manifest's own checksum must match its bytes (checked after the structure)."""
+    import xxhash
+    found = list(_SUM_RE.finditer(raw))
+    value = d.get(CHECKSUM_KEY)
+    if len(found) != 1 or value != found[0].group(1).decode():
+        _fail(where, f"the manifest must carry exactly one top-level '{CHECKSUM_KEY}' "
+                     f"('{C.CHECKSUM_ALGO}:<16 hex>'); found {len(found)}")
+    m = found[0]
+    zeroed = raw[:m.start(1)] + _ZERO_SUM.encode() + raw[m.end(1):]
+    digest = f"{C.CHECKSUM_ALGO}:{xxhash.xxh3_64_hexdigest(zeroed)}"
+    if digest != value:
+        raise ManifestChecksumError(
+            f"{where}: manifest checksum mismatch: it says {value}, its bytes give {digest}; "
+            f"the file was changed after it was written (a tool that edits it must reseal it "
+            f"with lct.manifest.seal)")
 
 
 def _fail(where: str, msg: str):
@@ -296,8 +382,17 @@ def _parse(d, where: str) -> Manifest:
     if maximus is not None:
         _check_maximus(maximus, tensors, where)
 
+    if tuple(ver) >= SEALED_SINCE:
+        binds = chunk_bindings(chunks, tensors, ties)
+        for c in chunks:
+            if c.binding != binds[c.id]:
+                _fail(where, f"chunk {c.id} ({c.group}): binding {c.binding} does not match what "
+                             f"the manifest says the chunk holds ({binds[c.id]}): its tensors' "
+                             f"names, shapes, types or places were changed after it was written")
+
     known = {"format", "format_version", "created_by", "artifact_id", "source", "architecture",
-             "policy", "files", "groups", "chunks", "tensors", "ties", "unmapped", "maximus"}
+             "policy", "files", "groups", "chunks", "tensors", "ties", "unmapped", "maximus",
+             CHECKSUM_KEY}
     return Manifest(
         format_version=tuple(ver),
         created_by=str(d.get("created_by", "")),
@@ -348,7 +443,12 @@ def _chunk(c, i: int, files: list, groups: set, where: str) -> ChunkInfo:
     checksum = _str(c.get("checksum"), where, f"chunk {i} checksum", 128)
     if not re.fullmatch(C.CHECKSUM_ALGO + r":[0-9a-f]{16}", checksum):
         _fail(where, f"chunk {i} checksum {checksum!r} is not '{C.CHECKSUM_ALGO}:<16 hex>'")
-    return ChunkInfo(i, group, fidx, offset, stored, decoded, codec_name, params, checksum)
+    binding = c.get("binding")
+    if binding is not None and (not isinstance(binding, str) or not re.fullmatch(
+            C.CHECKSUM_ALGO + r":[0-9a-f]{16}", binding)):
+        _fail(where, f"chunk {i} binding {binding!r} is not '{C.CHECKSUM_ALGO}:<16 hex>'")
+    return ChunkInfo(i, group, fidx, offset, stored, decoded, codec_name, params, checksum,
+                     binding)
 
 
 def _tensor(t, i: int, chunks: list, where: str) -> TensorInfo:

@@ -67,3 +67,30 @@ def native_mode(request, monkeypatch):
                     "the numpy fallback is still tested")
     monkeypatch.setattr(native, "_ENABLED", request.param == "native")
     return request.param
+
+
+def manifest_text(m: dict, rebind: bool = False) -> str:
+    """An edited manifest dict as text, its own checksum set again (as a tool that edits a
+    manifest would): the edit itself then meets the structural checks and the chunk bindings,
+    which is what the tests probe. With ``rebind`` the chunk bindings are computed again too
+    (an attacker who rewrites everything consistently), so that the checks behind them (codecs,
+    loader) are what the test reaches. A manifest without exactly one checksum is written as
+    is."""
+    import json
+
+    from lct.errors import ManifestError
+    from lct.manifest import Manifest, chunk_bindings, seal
+    if rebind:
+        try:
+            parsed = Manifest.from_dict(dict(m, format_version=[1, 0]))
+        except ManifestError:
+            parsed = None     # invalid anyway: the reader refuses it before any binding
+        if parsed is not None:
+            binds = chunk_bindings(parsed.chunks, parsed.tensors, parsed.ties)
+            for c in m["chunks"]:
+                c["binding"] = binds[c["id"]]
+    text = json.dumps(m)
+    try:
+        return seal(text)
+    except ManifestError:
+        return text

@@ -26,6 +26,7 @@ from lct import constants as C
 from lct.errors import (ArtifactNotFoundError, ChecksumError, CorruptChunkError, LCTError,
                         ManifestError, UnsupportedVersionError)
 from lct.manifest import Manifest
+from conftest import manifest_text
 
 # Every attack is made on both decoders: the compiled one (lct.native) and the numpy one.
 pytestmark = pytest.mark.usefixtures("native_mode")
@@ -47,14 +48,16 @@ def load(path) -> dict:
     return json.loads((path / "lct.json").read_text())
 
 
-def save(path, m: dict) -> None:
-    (path / "lct.json").write_text(json.dumps(m))
+def save(path, m: dict, rebind: bool = False) -> None:
+    (path / "lct.json").write_text(manifest_text(m, rebind))
 
 
-def edit(path, fn) -> None:
+def edit(path, fn, rebind: bool = False) -> None:
+    """Edit the manifest and set its own checksum again; with ``rebind`` also the chunk
+    bindings (a consistent rewrite, so the check behind the bindings is what is probed)."""
     m = load(path)
     fn(m)
-    save(path, m)
+    save(path, m, rebind)
 
 
 def tensor(m: dict, name: str) -> dict:
@@ -85,7 +88,7 @@ def replace_stored(path, chunk_id: int, new: bytes, *, fix_checksum: bool = True
     c["stored_size"] = len(new)
     if fix_checksum:
         c["checksum"] = "xxh3_64:" + xxhash.xxh3_64_hexdigest(new)
-    save(path, m)
+    save(path, m, rebind=True)
 
 
 def flip(path, pos: int, bit: int = 0) -> None:
@@ -283,7 +286,7 @@ def test_decoded_size_huge_but_under_cap_allocates_nothing(art):
         c = m["chunks"][1]
         c["decoded_size"] = C.MAX_CHUNK_DECODED
         c["params"]["frame_size"] = C.MAX_FRAME_SIZE
-    edit(art, lie)
+    edit(art, lie, rebind=True)
     tracemalloc.start()
     try:
         raises(CorruptChunkError, "chunk 1", "layers.0", "frame table says 1 frames, expected 1024",
@@ -612,7 +615,7 @@ def test_frame_count_mismatch_in_stored_table(art, count):
 
 def test_frame_count_mismatch_from_manifest(art):
     # The manifest's frame_size says 5 frames; the stored table (checksum intact) says 1.
-    edit(art, lambda m: m["chunks"][1]["params"].__setitem__("frame_size", 65536))
+    edit(art, lambda m: m["chunks"][1]["params"].__setitem__("frame_size", 65536), rebind=True)
     raises(CorruptChunkError, "chunk 1", "frame table says 1 frames, expected 5", path=art)
 
 
@@ -856,4 +859,26 @@ def test_side_file_linking_outside_the_artifact_is_refused(gemma_art, tmp_path, 
     (art / name).unlink(missing_ok=True)
     (art / name).symlink_to(outside)
     with pytest.raises(ManifestError, match="leaves the artifact folder"):
+        lct.open(art)
+
+
+def test_swapped_projection_names_fail_on_the_binding(art):
+    """Issue 12 item 11: two tensors of one shape exchanged by name (k_proj and v_proj), the
+    manifest resealed: before, verify said OK and the model loaded with them exchanged."""
+    def swap(m):
+        k = tensor(m, "model.layers.0.self_attn.k_proj.weight")
+        v = tensor(m, "model.layers.0.self_attn.v_proj.weight")
+        assert k["shape"] == v["shape"] and k["chunk"] == v["chunk"]
+        k["name"], v["name"] = v["name"], k["name"]
+    edit(art, swap)
+    raises(ManifestError, "binding", "layers.0", path=art)
+    with pytest.raises(ManifestError, match="binding"):
+        lct.verify(art)
+
+
+def test_unsealed_edit_is_a_manifest_checksum_error(art):
+    from lct.errors import ManifestChecksumError
+    text = (art / "lct.json").read_text()
+    (art / "lct.json").write_text(text.replace('"created_by": "lct', '"created_by": "LCT', 1))
+    with pytest.raises(ManifestChecksumError, match="manifest checksum mismatch"):
         lct.open(art)

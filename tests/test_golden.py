@@ -154,9 +154,57 @@ def _build(root, *, extra_manifest=None):
         "unmapped": [],
     }
     manifest.update(extra_manifest or {})
-    (root / "lct.json").write_text(json.dumps(manifest, indent=1))
+    text = json.dumps(manifest, indent=1)
+    if tuple(manifest["format_version"]) >= (1, 1):
+        text = _seal_by_the_spec(manifest)
+    (root / "lct.json").write_text(text)
     (root / "README.md").write_text("a file the reader must ignore\n")
     return expected, (x, packed, absmax)
+
+
+def _seal_by_the_spec(manifest: dict) -> str:
+    """FORMAT.md section 6, written out here from the text (not lct's code): each chunk's
+    binding, then the manifest checksum over the bytes with its value as 16 zeros."""
+    for c in manifest["chunks"]:
+        held = [[t["name"], None, t["shape"], t["dtype"], t["stored_dtype"], t["encoding"],
+                 t["role"], t["group"], t["offset"], t["nbytes"], t.get("nf4"), t.get("int8"),
+                 t.get("row_order")] for t in manifest["tensors"] if t["chunk"] == c["id"]]
+        held.sort(key=lambda e: (e[8], e[0]))
+        names = {e[0] for e in held}
+        desc = {k: c[k] for k in ("id", "group", "file", "offset", "stored_size",
+                                  "decoded_size", "codec", "params", "checksum")}
+        desc["tensors"] = held
+        desc["ties"] = sorted([v, k] for k, v in manifest["ties"].items() if v in names)
+        canon = json.dumps(desc, sort_keys=True, separators=(",", ":"))
+        c["binding"] = "xxh3_64:" + xxhash.xxh3_64_hexdigest(canon.encode())
+    manifest["manifest_checksum"] = "xxh3_64:" + "0" * 16
+    zeroed = json.dumps(manifest, indent=1)
+    digest = "xxh3_64:" + xxhash.xxh3_64_hexdigest(zeroed.encode())
+    return zeroed.replace("xxh3_64:" + "0" * 16, digest)
+
+
+def test_sealed_hand_built_artifact_reads_back_and_refuses_edits(tmp_path):
+    """A 1.1 manifest sealed as the spec says is read; an edit that is resealed but leaves the
+    bindings (a tensor's shape transposed, same bytes) fails on the binding, and an unsealed edit
+    on the manifest checksum."""
+    from lct.errors import ManifestChecksumError, ManifestError
+    from lct.manifest import seal
+    expected, _ = _build(tmp_path / "golden.lct", extra_manifest={"format_version": [1, 1]})
+    with lct.open(tmp_path / "golden.lct") as art:
+        assert _same(art.read_tensor("model.layers.0.w"), expected["model.layers.0.w"])
+    path = tmp_path / "golden.lct" / "lct.json"
+    good = path.read_text()
+    m = json.loads(good)
+    next(t for t in m["tensors"] if t["name"] == "model.layers.0.w")["shape"] = [5, 3]
+    path.write_text(seal(json.dumps(m, indent=1)))
+    with pytest.raises(ManifestError, match="chunk 1 .*binding"):
+        lct.open(tmp_path / "golden.lct")
+    path.write_text(good.replace('"level": 3', '"level": 4', 1))
+    with pytest.raises(ManifestChecksumError, match="manifest checksum mismatch"):
+        lct.open(tmp_path / "golden.lct")
+    path.write_text(good.replace('"manifest_checksum"', '"manifest_checksum_"'))
+    with pytest.raises(ManifestError, match="exactly one top-level 'manifest_checksum'"):
+        lct.open(tmp_path / "golden.lct")
 
 
 def _same(a: torch.Tensor, b: torch.Tensor) -> bool:

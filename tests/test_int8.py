@@ -15,6 +15,7 @@ from lct.converter import Policy
 from lct.errors import ManifestError, PolicyError
 from lct.kernels import Int8Embedding, Int8Linear
 from lct.kernels import int8 as kint8
+from conftest import manifest_text
 
 # FORMAT.md section 2.2, worked example.
 SPEC_ROW = [0.5, -1.0, 0.25, 0.0, 0.333984375, -0.75, 0.010009765625, 0.98828125]
@@ -232,7 +233,7 @@ def _rewrite_chunk_raw(path, chunk, buf):
     m["files"][chunk.file]["size"] = off + len(data)
     c = m["chunks"][chunk.id]
     c.update(offset=off, stored_size=len(data), codec="raw", params={}, checksum=checksum(data))
-    (path / "lct.json").write_text(json.dumps(m))
+    (path / "lct.json").write_text(manifest_text(m, rebind=True))
 
 
 def test_int8_export_dequantizes(int8_arts, tmp_path):
@@ -252,7 +253,7 @@ def test_int8_export_dequantizes(int8_arts, tmp_path):
 def _edit(path, fn):
     m = json.loads((path / "lct.json").read_text())
     fn(m)
-    (path / "lct.json").write_text(json.dumps(m))
+    (path / "lct.json").write_text(manifest_text(m))
 
 
 @pytest.mark.parametrize("mutate,msg", [

@@ -13,6 +13,8 @@ from lct.converter import Policy
 from lct.errors import ChecksumError, LCTError
 from lct.loader import GroupStream, LayerwiseModel, LoadStats
 from lct.loader import stream as lstream
+from conftest import manifest_text
+from lct.errors import ManifestError
 
 IDS = torch.tensor([[1, 5, 9, 200, 17, 3, 44, 100]])
 
@@ -433,7 +435,10 @@ def test_stored_shape_that_is_not_the_configs_is_a_typed_error(llama_art, tmp_pa
     m = json.loads((art / "lct.json").read_text())
     t = next(t for t in m["tensors"] if t["name"].endswith("mlp.up_proj.weight"))
     t["shape"] = t["shape"][::-1]
-    (art / "lct.json").write_text(json.dumps(m))
+    (art / "lct.json").write_text(manifest_text(m))
+    with pytest.raises(ManifestError, match="binding"):   # the chunk's binding catches it first
+        lct.load(art)
+    (art / "lct.json").write_text(manifest_text(m, rebind=True))   # and behind it, the loader
     with pytest.raises(LCTError, match=r"up_proj.weight' is stored as \[\d+, \d+\], but the "
                                        r"model built from config.json expects"):
         lct.load(art)

@@ -13,6 +13,7 @@ import lct
 from lct import nf4
 from lct.converter import Policy
 from lct.errors import ChecksumError, ManifestError, PolicyError, SourceError
+from conftest import manifest_text
 
 V = 384  # the tiny Llama's vocabulary
 
@@ -177,7 +178,7 @@ def test_corrupt_or_mismatched_state_in_artifact(mx_art, tmp_path):
         art.read_tensor("model.embed_tokens.weight")
     manifest = json.loads((bad / "lct.json").read_text())
     manifest["maximus"]["tensors"] = ["model.norm.weight"]
-    (bad / "lct.json").write_text(json.dumps(manifest))
+    (bad / "lct.json").write_text(manifest_text(manifest))
     with pytest.raises(ManifestError, match="not a frequency-ordered"):
         lct.open(bad)
 
