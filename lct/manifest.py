@@ -590,10 +590,19 @@ def _check_maximus(m, tensors: dict, where: str) -> None:
     if not isinstance(names, list) or not names:
         _fail(where, "maximus.tensors must be a non-empty list")
     for n in names:
-        info = tensors.get(n)
+        info = tensors.get(n) if isinstance(n, str) else None
         if info is None or info.row_order != C.ROW_ORDER_MAXIMUS or not info.pieces:
             _fail(where, f"maximus.tensors names {n!r}, which is not a frequency-ordered "
                          f"sharded tensor")
+    prefix = m.get("prefix", "maximus.")
+    if not isinstance(prefix, str) or not re.fullmatch(r"maximus\.([\w-]+\.)*", prefix):
+        _fail(where, f"maximus.prefix {prefix!r} must be 'maximus.' and a module path ending "
+                     f"in '.'")
+    fs = m.get("frequency_source")
+    if fs is not None and not (isinstance(fs, dict) and isinstance(fs.get("kind", ""), str)
+                               and isinstance(fs.get("tokens", 0), int)):
+        _fail(where, "maximus.frequency_source must be an object with a string 'kind' and an "
+                     "integer 'tokens'")
 
 
 def _span_in_chunk(offset: int, nbytes: int, chunk: ChunkInfo, where: str, w: str) -> None:

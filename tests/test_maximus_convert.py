@@ -204,3 +204,21 @@ def test_verify_catches_a_corrupt_maximus_state(mx_art, tmp_path, how):
     rep = lct.verify(art)
     assert not rep.ok and any(str(state) in f for f in rep.failures)
     assert lct.verify(mx_art).ok
+
+
+@pytest.mark.parametrize("key,value,msg", [
+    ("tensors", [["model.embed_tokens.weight"]], "not a frequency-ordered"),
+    ("prefix", ["maximus."], "maximus.prefix"),
+    ("prefix", "../x.", "maximus.prefix"),
+    ("frequency_source", [], "frequency_source"),
+])
+def test_maximus_entry_of_wrong_types_is_a_manifest_error(mx_art, tmp_path, key, value, msg):
+    """Found by the mutation sweep: a list where a name or the prefix belongs raised TypeError."""
+    import shutil
+    bad = tmp_path / "bad.lct"
+    shutil.copytree(mx_art, bad)
+    manifest = json.loads((bad / "lct.json").read_text())
+    manifest["maximus"][key] = value
+    (bad / "lct.json").write_text(manifest_text(manifest))
+    with pytest.raises(ManifestError, match=msg):
+        lct.open(bad)
