@@ -362,6 +362,14 @@ def _parse(d, where: str) -> Manifest:
             if aux:
                 spans.append((p.chunk, aux[0], aux[0] + aux[1], p.name + " scales"))
     _check_no_overlap(spans, where, "tensor byte ranges")
+    ends: dict = {}
+    for chunk_id, _, end, _ in spans:
+        ends[chunk_id] = max(ends.get(chunk_id, 0), end)
+    for c in chunks:
+        if c.decoded_size != ends.get(c.id, 0):
+            _fail(where, f"chunk {c.id} ({c.group}) decodes to {c.decoded_size} bytes, but what "
+                         f"the manifest places in it ends at byte {ends.get(c.id, 0)}: a chunk "
+                         f"holds its tensors and nothing after them")
 
     ties = d.get("ties", {})
     if not isinstance(ties, dict):
@@ -385,6 +393,9 @@ def _parse(d, where: str) -> Manifest:
     if tuple(ver) >= SEALED_SINCE:
         binds = chunk_bindings(chunks, tensors, ties)
         for c in chunks:
+            if c.binding is None:
+                _fail(where, f"chunk {c.id} ({c.group}) has no 'binding', which format "
+                             f"{ver[0]}.{ver[1]} requires (section 6)")
             if c.binding != binds[c.id]:
                 _fail(where, f"chunk {c.id} ({c.group}): binding {c.binding} does not match what "
                              f"the manifest says the chunk holds ({binds[c.id]}): its tensors' "

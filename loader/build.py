@@ -11,6 +11,7 @@ from __future__ import annotations
 import time
 from dataclasses import dataclass, field
 
+from lct import constants as C
 from lct.errors import LCTError
 
 NF4_MODES = ("keep", "dequantize")
@@ -36,6 +37,7 @@ class LoadStats:
     bytes_decoded: int = 0
     groups: int = 0
     max_in_flight: int = 0
+    max_held_bytes: int = 0         # decoded bytes held while the skeleton was not ready
     nf4_modules: list = field(default_factory=list)
 
 
@@ -412,13 +414,20 @@ def _load(path, prefetch, device, dtype, nf4, workers, verify, pad_ids, stats, m
     # final weights, so holding them until the skeleton exists costs no memory beyond the
     # window, and the stream never runs more than `prefetch` groups ahead of this consumer.
     builder = ThreadPoolExecutor(1, thread_name_prefix="lct-skeleton")
+    budget = held_budget(art)
     try:
         with GroupStream(art, prefetch=prefetch, dequantize=False) as stream:
             future = builder.submit(skeleton)
-            inst, held = None, []
+            inst, held, held_bytes = None, [], 0
             for group in stream:
                 held.append(group)
-                if inst is None and future.done():
+                if inst is None:
+                    held_bytes += sum(c.decoded_size
+                                      for c in art.manifest.group_chunks(group.name))
+                    stats.max_held_bytes = max(stats.max_held_bytes, held_bytes)
+                # Past the budget, wait for the skeleton: its shape checks then run before
+                # more is decoded, whatever sizes the manifest claims.
+                if inst is None and (future.done() or held_bytes > budget):
                     inst = Installer(future.result(), art, device=device, dtype=dtype, nf4=nf4,
                                      pad_ids=pad_ids)
                 if inst is not None:
@@ -443,6 +452,37 @@ def _load(path, prefetch, device, dtype, nf4, workers, verify, pad_ids, stats, m
     stats.total_s = time.perf_counter() - t0
     _generation_config(model, art.path)
     return model.eval()
+
+
+def held_budget(art) -> int:
+    """How many decoded bytes ``load`` may hold before the model's skeleton exists (it checks
+    every stored shape against the model): about 1.5x the weights that config.json describes,
+    estimated without transformers (vocabulary, hidden size, layers, MLP width, experts), plus
+    64 MiB. An estimate that falls short only makes the load wait for the skeleton sooner; a
+    config without these numbers gives the prefetch window's worth (64 MiB)."""
+    import json
+    try:
+        cfg = json.loads((art.path / "config.json").read_text())
+        cfg = {**cfg.get("text_config", {}), **cfg} if isinstance(cfg, dict) else {}
+    except (OSError, ValueError):
+        cfg = {}
+
+    def get(*keys):
+        return next((cfg[k] for k in keys if isinstance(cfg.get(k), int)
+                     and not isinstance(cfg.get(k), bool) and cfg[k] > 0), None)
+    v, h = get("vocab_size"), get("hidden_size", "n_embd", "d_model")
+    layers = get("num_hidden_layers", "n_layer", "num_layers")
+    slack = 64 << 20
+    if None in (v, h, layers):
+        return slack
+    inter = get("intermediate_size", "n_inner", "ffn_dim") or 4 * h
+    experts = get("num_local_experts", "num_experts", "n_routed_experts") or 1
+    heads, head_dim = get("num_attention_heads", "n_head") or 1, get("head_dim")
+    attn = h * max(h, heads * head_dim if head_dim else h)
+    params = 2 * v * h + layers * (4 * attn + 3 * h * inter * experts + 8 * h) + \
+        (get("max_position_embeddings", "n_positions") or 0) * h
+    width = 2 if str(cfg.get("torch_dtype", cfg.get("dtype"))) in ("bfloat16", "float16") else 4
+    return min(params * width * 3 // 2 + slack, C.MAX_CHUNK_DECODED * 16)
 
 
 def _is_cuda(device) -> bool:

@@ -280,13 +280,23 @@ def test_decoded_size_over_cap(art, size):
 
 
 def test_decoded_size_huge_but_under_cap_allocates_nothing(art):
-    """A manifest may claim up to 64 GiB for a chunk; the frame table is checked against the
-    claim before the output buffer exists, so a lie costs no memory."""
+    """A manifest may claim up to 64 GiB for a chunk. Claimed alone, the chunk decodes past what
+    it holds (a manifest error); claimed with a tensor stretched to fill it (a consistent
+    rewrite), the frame table is checked against the claim before the output buffer exists, so
+    the lie costs no memory either way."""
     def lie(m):
         c = m["chunks"][1]
         c["decoded_size"] = C.MAX_CHUNK_DECODED
         c["params"]["frame_size"] = C.MAX_FRAME_SIZE
     edit(art, lie, rebind=True)
+    raises(ManifestError, "chunk 1", "decodes to", "a chunk holds its tensors", path=art)
+
+    def stretch(m):
+        last = max((t for t in m["tensors"] if t.get("chunk") == 1), key=lambda t: t["offset"])
+        size = C.DTYPE_SIZES[last["stored_dtype"]]
+        n = (C.MAX_CHUNK_DECODED - last["offset"]) // size
+        last["shape"], last["nbytes"] = [n], n * size
+    edit(art, stretch, rebind=True)
     tracemalloc.start()
     try:
         raises(CorruptChunkError, "chunk 1", "layers.0", "frame table says 1 frames, expected 1024",

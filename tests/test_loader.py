@@ -442,3 +442,29 @@ def test_stored_shape_that_is_not_the_configs_is_a_typed_error(llama_art, tmp_pa
     with pytest.raises(LCTError, match=r"up_proj.weight' is stored as \[\d+, \d+\], but the "
                                        r"model built from config.json expects"):
         lct.load(art)
+
+
+def test_held_groups_stay_within_the_budget_until_the_skeleton_exists(llama_art, monkeypatch):
+    """Issue 12 item 14: while the skeleton is being built, load holds decoded groups only up
+    to a budget from config.json, then waits for the skeleton (whose shape checks come before
+    anything more is decoded), whatever sizes the manifest claims."""
+    import time as _time
+
+    from lct.loader import build
+    real = build.build_skeleton
+
+    def slow(art, dtype=None):
+        _time.sleep(1.0)
+        return real(art, dtype)
+    monkeypatch.setattr(build, "build_skeleton", slow)
+    with lct.open(llama_art) as a:
+        sizes = [sum(c.decoded_size for c in a.manifest.group_chunks(g)) for g in a.groups]
+        assert build.held_budget(a) > sum(sizes)          # a real model fits its budget
+    free = build.LoadStats()
+    build.load(llama_art, stats=free)
+    assert free.max_held_bytes == sum(sizes)               # all held while the skeleton built
+    monkeypatch.setattr(build, "held_budget", lambda art: 0)
+    capped = build.LoadStats()
+    model = build.load(llama_art, stats=capped)
+    assert capped.max_held_bytes == sizes[0]               # waited after the first group
+    assert model(torch.tensor([[1, 2, 3]])).logits.shape[-1] > 0
