@@ -127,3 +127,9 @@ NORM_PLUS_ONE = ("gemma", "gemma2", "gemma3", "gemma3_text", "recurrent_gemma")
 # Input rows up to which the CPU int8 head takes the fused kernel rather than dequantizing chunks
 # once for all rows (docs/BENCHMARKS.md section 11).
 INT8_FUSED_MAX_ROWS = 24
+
+# Streaming from the Hub (lct/remote.py): the slowest average a range transfer may have after its
+# timeout's grace before it is dropped and retried, and the bytes that must arrive between
+# failures for the retries to start afresh.
+STREAM_MIN_RATE = 256 * 1024
+STREAM_PROGRESS_RESET = 1024 * 1024

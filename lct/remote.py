@@ -49,17 +49,22 @@ class HttpRangeStore:
         endpoint: the Hub URL (default: ``HF_ENDPOINT``).
         sizes: known file sizes ``{name: bytes}`` (others are asked with a HEAD request).
         timeout: seconds to wait for the server on each request.
-        retries: attempts after a transient failure that made no progress.
+        retries: attempts after transient failures between which less than
+            ``C.STREAM_PROGRESS_RESET`` bytes arrived (a server that sends a few bytes and hangs
+            up every time runs out of them).
         backoff: first retry delay in seconds (doubles each time).
+        min_rate: bytes a second a transfer must average, after ``timeout`` seconds of grace:
+            a server trickling slower is dropped and retried (``C.STREAM_MIN_RATE``).
     """
 
     def __init__(self, repo_id: str, revision: str, token=None, *, endpoint: str | None = None,
                  sizes: dict | None = None, timeout: float = 60.0, retries: int = 5,
-                 backoff: float = 0.5):
+                 backoff: float = 0.5, min_rate: int = C.STREAM_MIN_RATE):
         hh = _hub()
         from huggingface_hub.utils import build_hf_headers, get_session
         self.repo_id, self.revision, self.token, self.endpoint = repo_id, revision, token, endpoint
         self.timeout, self.retries, self.backoff = timeout, retries, backoff
+        self.min_rate = min_rate
         self._hh = hh
         self._session = get_session()
         self._headers = build_hf_headers(token=token)
@@ -114,14 +119,16 @@ class HttpRangeStore:
         got = [0]                   # bytes of buf filled so far (updated while receiving)
         failures = 0
         url = self.url(name)
+        since = 0                   # bytes received since the last fresh set of retries
         while got[0] < n:
             start = offset + got[0]
             before = got[0]
             try:
                 self._fetch(url, name, start, end, buf, got)
             except _Transient as e:
-                if got[0] > before:
-                    failures = 0    # progress was made: a fresh set of retries
+                since += got[0] - before
+                if since >= C.STREAM_PROGRESS_RESET:
+                    failures, since = 0, 0   # real progress: a fresh set of retries
                 failures += 1
                 if failures > self.retries:
                     raise HubOfflineError(f"{self.describe(name)}: bytes {start}-{end - 1}: "
@@ -159,7 +166,11 @@ class HttpRangeStore:
                 if crange and not crange.startswith(f"bytes {start}-{end - 1}/"):
                     raise HubError(f"{self.describe(name)}: asked for bytes {start}-{end - 1}, "
                                    f"got {crange}")
+                deadline = time.monotonic() + self.timeout + want / max(self.min_rate, 1)
                 for block in r.iter_bytes():
+                    if time.monotonic() > deadline:
+                        raise _Transient(f"too slow: {got[0] - (len(buf) - want)} of {want} "
+                                         f"bytes in {self.timeout + want / self.min_rate:.0f} s")
                     k, at = len(block), got[0]
                     if at + k > len(buf):
                         raise HubError(f"{self.describe(name)}: the server sent more than the "

@@ -15,6 +15,8 @@ Knobs for tests:
 - ``fail_once(path, status)``: the next GET of ``path`` is answered with that status.
 - ``drop_once(path, after)``: the next GET of ``path`` sends ``after`` bytes and closes the
   connection (an interrupted download).
+- ``trickle(path, rate)``: every GET of ``path`` sends its body at ``rate`` bytes a second.
+- ``drop_always(path, after)``: every GET of ``path`` sends ``after`` bytes and hangs up.
 - ``ignore_ranges``: answer ``Range`` requests with the whole file, like a server without
   range support.
 - ``log``: every request as ``{"method", "path", "file", "range", "status", "sent", "auth"}``.
@@ -107,6 +109,8 @@ class HubServer:
         self._drops: dict = {}           # path -> bytes to send before dropping
         self._flips: dict = {}           # path -> file offset flipped in the next body sent
         self._fails: dict = {}           # path -> HTTP status answered to its next GET
+        self._trickles: dict = {}        # path -> bytes a second for every GET
+        self._always_drop: dict = {}     # path -> bytes every GET sends before hanging up
         self._lock = threading.RLock()
         self._conns: set = set()
         self._httpd = None
@@ -175,6 +179,16 @@ class HubServer:
         """The next GET of file ``path`` stops after ``after`` bytes and drops the connection."""
         with self._lock:
             self._drops[path] = after
+
+    def trickle(self, path: str, rate: int) -> None:
+        """Every GET of file ``path`` sends its body at ``rate`` bytes a second (0: normal)."""
+        with self._lock:
+            self._trickles[path] = rate
+
+    def drop_always(self, path: str, after: int) -> None:
+        """Every GET of file ``path`` sends ``after`` bytes and drops the connection."""
+        with self._lock:
+            self._always_drop[path] = after
 
     def fail_once(self, path: str, status: int = 500) -> None:
         """The next GET of file ``path`` is answered with ``status`` (a transient server fault)."""
@@ -659,7 +673,10 @@ class _Handler(BaseHTTPRequestHandler):
             return
         with self.hub._lock:
             drop = self.hub._drops.pop(path, None)
+            if drop is None:
+                drop = self.hub._always_drop.get(path)
             flip = self.hub._flips.pop(path, None)
+            rate = self.hub._trickles.get(path, 0)
         if flip is not None and start <= flip <= end:
             body = bytearray(body)
             body[flip - start] ^= 0xFF
@@ -674,6 +691,17 @@ class _Handler(BaseHTTPRequestHandler):
                 self.connection.shutdown(socket.SHUT_RDWR)
             except OSError:
                 pass
+            return
+        if rate:
+            step = max(1, rate // 10)
+            try:
+                for i in range(0, len(body), step):
+                    self.wfile.write(body[i:i + step])
+                    self.wfile.flush()
+                    time.sleep(0.1)
+            except OSError:     # the client gave up
+                pass
+            self._record(status, len(body), path)
             return
         self.wfile.write(body)
         self._record(status, len(body), path)

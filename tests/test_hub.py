@@ -505,3 +505,30 @@ def test_model_card_mentions_policy_and_sizes(gemma_art):
                    "Maximus shards", "source tensors", "stored chunks", "x of the source",
                    "import lct", 'lct.load("hf://org/name", prefetch=2)'):
         assert needle in card, needle
+
+
+def test_range_store_gives_up_on_a_trickle_and_on_endless_drops(gemma_art, hub):
+    """Issue 12 item 13: a server trickling 200 bytes a second, or one that sends a few bytes
+    and hangs up on every request, ends in a HubOfflineError after bounded retries (before,
+    the first stalled for ever and the second reset the retry count on every byte)."""
+    import time
+
+    from lct.remote import HttpRangeStore
+    lhub.push(gemma_art, "alice/g")
+    sha = hub.head("alice/g").oid
+    name = "model-00000.lct"
+    store = HttpRangeStore("alice/g", sha, backoff=0.01, retries=2, timeout=0.5,
+                           min_rate=100_000)
+    size = store.size(name)
+    hub.trickle(name, 200)
+    t = time.perf_counter()
+    with pytest.raises(HubOfflineError, match="giving up after 2 retries .too slow"):
+        store.read_range(name, 4096, 20000, size)
+    assert time.perf_counter() - t < 15
+    hub.trickle(name, 0)
+    hub.drop_always(name, 100)
+    hub.clear_log()
+    with pytest.raises(HubOfflineError, match="giving up after 2 retries"):
+        store.read_range(name, 4096, 20000, size)
+    dropped = [r for r in hub.requests_for(name, "GET") if r["sent"] == 100]
+    assert len(dropped) == 3      # the first try and two retries
