@@ -105,6 +105,10 @@ def convert_cmd(source, output, revision, nf4, int8, budget, calibration, dtype,
                       "; no --token-freq given, so the shards are in token-id order"))
     if m.ties:
         click.echo("tied: " + ", ".join(f"{k} -> {v}" for k, v in m.ties.items()))
+    if rep.skipped_files:
+        click.echo("note: not carried from the source: " + "; ".join(
+            f"{name} ({why})" for name, why in rep.skipped_files[:5])
+            + (" ..." if len(rep.skipped_files) > 5 else ""), err=True)
     if rep.unmapped:
         click.echo(f"note: {len(rep.unmapped)} tensors not in the {m.architecture.get('mapping')} "
                    f"table were kept in group 'misc': {', '.join(rep.unmapped[:5])}"

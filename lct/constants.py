@@ -84,6 +84,16 @@ ROW_ORDER_MAXIMUS = "maximus"
 MAXIMUS_FILE = "maximus.safetensors"
 DEFAULT_MAXIMUS_SHARDS = 32
 
+# Side files: every top-level regular file of the source that is not weights, an index of
+# weights, the model card or git metadata is copied next to the weights (FORMAT.md section 1),
+# named like this, up to these sizes; the ones listed in SIDECAR_FILES are the well-known ones.
+SIDE_FILE_PATTERN = r"[A-Za-z0-9][A-Za-z0-9._-]{0,127}"
+WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth", ".ckpt", ".pkl", ".pickle", ".gguf",
+                   ".h5", ".msgpack", ".onnx", ".npz", ".npy", ".ot", ".tflite", ".lct")
+NOT_SIDE_FILES = ("README.md", ".gitattributes", MANIFEST_NAME)
+MAX_SIDE_FILE_BYTES = 64 * 1024 * 1024
+MAX_SIDE_FILES_BYTES = 512 * 1024 * 1024
+
 # Files copied from the source next to the weights.
 SIDECAR_FILES = (
     "config.json",

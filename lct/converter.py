@@ -128,6 +128,7 @@ class ConvertReport:
     source_bytes: int
     unmapped: list = field(default_factory=list)
     decision: object = None     # the auto policy's ``lct.policy.Decision`` (None when forced)
+    skipped_files: list = field(default_factory=list)   # [(name, why)] side files left out
 
     @property
     def mb_per_s(self) -> float:
@@ -444,4 +445,5 @@ def convert(source: str, out, *, revision: str | None = None, policy: Policy | N
                           "mapping": table.name},
             policy=policy.to_dict(chosen, decision), ties=ties, unmapped=unmapped,
             created_by=f"lct {__version__}", maximus=maximus)
-    return ConvertReport(manifest, Path(out), time.perf_counter() - t0, total, unmapped, decision)
+    return ConvertReport(manifest, Path(out), time.perf_counter() - t0, total, unmapped, decision,
+                         src.skipped_sidecars())

@@ -18,7 +18,9 @@ from . import constants as C
 from .errors import LCTError
 from .reader import Artifact, open_artifact
 from .source import INDEX_NAME
-from .writer import OutputLock, check_output_path, foreign_entry, swap_into_place
+from .store import confined
+from .writer import (OutputLock, check_output_path, foreign_entry, recorded_side_files,
+                     swap_into_place)
 
 DEFAULT_SHARD_SIZE = C.EXPORT_SHARD_SIZE
 
@@ -27,10 +29,10 @@ def _shard_name(i: int, n: int) -> str:
     return "model.safetensors" if n == 1 else f"model-{i + 1:05d}-of-{n:05d}.safetensors"
 
 
-def _is_export_file(name: str) -> bool:
+def _is_export_file(name: str, side_files=C.SIDECAR_FILES) -> bool:
     """Whether ``name`` is a file ``export`` writes (shards as ``_shard_name`` names them, their
-    index, side files)."""
-    return (name in (_shard_name(0, 1), INDEX_NAME) or name in C.SIDECAR_FILES
+    index, and ``side_files``: the artifact's)."""
+    return (name in (_shard_name(0, 1), INDEX_NAME) or name in side_files
             or re.fullmatch(r"model-[0-9]{5}-of-[0-9]{5}\.safetensors", name) is not None)
 
 
@@ -44,13 +46,13 @@ def _check_place(out: Path, art_path: Path) -> None:
                        f"{art_path}; give a folder outside it")
 
 
-def _check_target(out: Path, overwrite: bool) -> None:
+def _check_target(out: Path, overwrite: bool, side_files=C.SIDECAR_FILES) -> None:
     """Refuse to replace an existing folder without ``overwrite``, or one holding files an
-    export does not write (run with the output lock held)."""
+    export of this artifact does not write (run with the output lock held)."""
     if out.exists() and not overwrite:
         raise LCTError(f"{out} already exists; pass --force to replace it")
     if out.exists():
-        other = foreign_entry(out, _is_export_file)
+        other = foreign_entry(out, lambda name: _is_export_file(name, side_files))
         if other is not None:
             raise LCTError(f"{out} holds {other!r}, which an export does not write; refusing to "
                            f"replace the folder (move it first)")
@@ -80,7 +82,7 @@ def export(artifact, out_dir, *, max_shard_size: int = DEFAULT_SHARD_SIZE, overw
     # Held while writing: no other LCT process writes the same folder between the checks and
     # the rename; litter of dead runs is cleaned on the way in.
     with OutputLock(out):
-        _check_target(out, overwrite)
+        _check_target(out, overwrite, recorded_side_files(art_path))
         return _export(artifact, out, max_shard_size, progress)
 
 
@@ -128,8 +130,8 @@ def _export(artifact, out: Path, max_shard_size: int, progress) -> Path:
         if len(shards) > 1:
             (tmp / INDEX_NAME).write_text(json.dumps(
                 {"metadata": {"total_size": total_size}, "weight_map": weight_map}, indent=2))
-        for name in C.SIDECAR_FILES:
-            if (art.path / name).is_file():
+        for name in art.manifest.side_files():
+            if (art.path / name).is_file() and confined(art.path / name, art.path):
                 shutil.copyfile(art.path / name, tmp / name)
         swap_into_place(tmp, out)  # an earlier export (checked) is replaced in one step
     finally:

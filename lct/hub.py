@@ -357,8 +357,9 @@ def _artifact_files(root: Path, manifest) -> list:
     names = [C.MANIFEST_NAME] + [f["name"] for f in manifest.files]
     if manifest.maximus:
         names.append(manifest.maximus["file"])
-    names += [n for n in C.SIDECAR_FILES if (root / n).is_file()]
+    names += [n for n in manifest.side_files() if (root / n).is_file()]
     names += [n for n in EXTRA_FILES if (root / n).is_file()]
+    names = list(dict.fromkeys(names))   # a LICENSE carried from the source is listed once
     for n in names:
         if not confined(root / n, root):  # it would publish whatever it points at
             raise LCTError(f"{root / n}: a symbolic link that leaves the artifact folder; "
@@ -449,12 +450,47 @@ def push(artifact, repo_id: str, revision: str | None = None, private: bool = Fa
                                  create_pr=create_pr)
         if progress:
             progress(CARD_NAME, total, total)
+        held = api.model_info(repo_id, revision=info.oid, files_metadata=True)
     except Exception as e:  # noqa: BLE001 - every Hub failure becomes one clear line
         raise hub_error(e, repo_id, revision, action="push") from e
+    _check_pushed(root, ops, held, repo_id, info.oid)
     return PushResult(repo_id=repo_id, revision=revision or "main", commit_oid=info.oid,
                       commit_url=info.commit_url, pr_url=info.pr_url,
                       files=names + [CARD_NAME], bytes=total,
                       chunks_checked=report.chunks_checked)
+
+
+def _check_pushed(root: Path, ops: list, held, repo_id: str, oid: str) -> None:
+    """After the commit: every file must be on the Hub with the size and hash that was sent
+    (LFS: its sha256; a regular file: its git blob id), or the push failed.
+
+    Raises:
+        HubError: naming the first file the Hub holds otherwise.
+    """
+    import hashlib
+    by = {s.rfilename: s for s in (held.siblings or [])}
+    for op in ops:
+        name = op.path_in_repo
+        s = by.get(name)
+        want_size, want_sha = op.upload_info.size, op.upload_info.sha256.hex()
+        lfs = getattr(s, "lfs", None) if s is not None else None
+        if s is None:
+            got = "no such file"
+        elif s.size is not None and s.size != want_size:
+            got = f"{s.size} bytes"
+        elif lfs is not None and getattr(lfs, "sha256", want_sha) != want_sha:
+            got = f"sha256 {lfs.sha256}"
+        elif lfs is None and s.blob_id is not None:
+            data = op.path_or_fileobj if isinstance(op.path_or_fileobj, bytes) else \
+                (root / name).read_bytes()
+            blob = hashlib.sha1(b"blob %d\0" % len(data) + data).hexdigest()  # noqa: S324
+            got = None if s.blob_id == blob else f"git blob {s.blob_id}"
+        else:
+            got = None
+        if got is not None:
+            raise HubError(f"{repo_id}: after the push (commit {oid[:12]}) the Hub holds "
+                           f"{name} as {got}, not the {want_size} bytes sent (sha256 "
+                           f"{want_sha[:16]}...): the upload was cut or changed; push again")
 
 
 # Pull ---------------------------------------------------------------------------------------

@@ -172,6 +172,13 @@ class Manifest:
             index.setdefault(t.group, ([], []))[1].append(t)
         return index
 
+    def side_files(self) -> list:
+        """The side files the artifact carries: the names in ``source.files`` (copied from the
+        source, with their sha256) that are side-file names, in manifest order."""
+        recorded = self.source.get("files")
+        return [n for n in recorded if is_side_file_name(n)] if isinstance(recorded, dict) \
+            else []
+
     def group_chunks(self, group: str) -> list:
         """The chunks of ``group`` in order."""
         return list(self._by_group.get(group, ((), ()))[0])
@@ -207,6 +214,15 @@ def _tensor_dict(t: TensorInfo) -> dict:
                         **({"int8": p.int8} if p.int8 else {})}
                        for p in t.pieces]
     return d
+
+
+def is_side_file_name(name) -> bool:
+    """Whether ``name`` can be a side file of an artifact (FORMAT.md section 1): a plain name
+    (``SIDE_FILE_PATTERN``), not weights or an index of weights, not the model card, not one of
+    LCT's own files."""
+    return (isinstance(name, str) and re.fullmatch(C.SIDE_FILE_PATTERN, name) is not None
+            and not name.lower().endswith(C.WEIGHT_SUFFIXES) and ".index.json" not in name
+            and name not in C.NOT_SIDE_FILES and re.fullmatch(C.DATA_FILE_PATTERN, name) is None)
 
 
 # Sealing (FORMAT.md section 6): chunk bindings and the manifest's own checksum, from 1.1 on.

@@ -112,7 +112,8 @@ class Artifact:
         self._maximus_policy: dict = {}
         self.store = store if store is not None else LocalStore(self.path)
         self._check_files()
-        for name in C.SIDECAR_FILES + (C.MAXIMUS_FILE,):  # read by us or by transformers
+        # read by us or by transformers
+        for name in (*C.SIDECAR_FILES, *self.manifest.side_files(), C.MAXIMUS_FILE):
             if not confined(self.path / name, self.path):
                 raise ManifestError(f"{self.path / name}: a symbolic link that leaves the "
                                     f"artifact folder; refusing to follow it")
@@ -121,7 +122,7 @@ class Artifact:
             if problems:
                 raise ChecksumError(problems[0])
 
-    def check_side_files(self, names=C.SIDECAR_FILES) -> list:
+    def check_side_files(self, names=None) -> list:
         """Problems with the side files ``names`` (config, tokenizer, ...): each one copied from
         the source must still equal the source's size and sha256 recorded in the manifest
         (``source.files``). Returns one message per problem (empty: all match)."""
@@ -129,7 +130,7 @@ class Artifact:
         recorded = self.manifest.source.get("files")  # untrusted: a dict only if well formed
         recorded = recorded if isinstance(recorded, dict) else {}
         problems = []
-        for name in names:
+        for name in self.manifest.side_files() if names is None else names:
             want = recorded.get(name)
             if not isinstance(want, dict):
                 continue  # not copied from the source (or an artifact that predates the rule)

@@ -42,8 +42,40 @@ class Source:
         return self.config.get("model_type")
 
     def sidecars(self) -> list:
-        """Side files (config, tokenizer) present in the source."""
-        return [self.root / n for n in C.SIDECAR_FILES if (self.root / n).is_file()]
+        """The side files the conversion carries: every top-level regular file of the source
+        that is not weights, an index, the card or git metadata, has a plain name
+        (``lct.manifest.is_side_file_name``), stays inside the source folder, and is within the
+        size caps (see ``skipped_sidecars``)."""
+        return self._side_files()[0]
+
+    def skipped_sidecars(self) -> list:
+        """``[(name, why)]`` of the files ``sidecars`` leaves out although they are not
+        weights: a name that is not plain, a link leaving the folder, over a size cap."""
+        return self._side_files()[1]
+
+    def _side_files(self) -> tuple:
+        from .manifest import is_side_file_name
+        from .store import confined
+        kept, skipped, total = [], [], 0
+        weights = set(self.files) | {INDEX_NAME}
+        for p in sorted(self.root.iterdir(), key=lambda p: p.name):
+            name = p.name
+            if name in weights or name.startswith(".") or name in C.NOT_SIDE_FILES \
+                    or name.lower().endswith(C.WEIGHT_SUFFIXES) or not p.is_file():
+                continue
+            if not is_side_file_name(name):
+                skipped.append((name, "not a plain file name"))
+            elif not confined(p, self.root):
+                skipped.append((name, "a link that leaves the model folder"))
+            elif p.stat().st_size > C.MAX_SIDE_FILE_BYTES:
+                skipped.append((name, f"over {C.MAX_SIDE_FILE_BYTES >> 20} MiB"))
+            elif total + p.stat().st_size > C.MAX_SIDE_FILES_BYTES:
+                skipped.append((name, f"side files over {C.MAX_SIDE_FILES_BYTES >> 20} MiB "
+                                      f"in all"))
+            else:
+                total += p.stat().st_size
+                kept.append(p)
+        return kept, skipped
 
 
 def sha256_file(path, block: int = 8 << 20) -> str:
@@ -122,7 +154,8 @@ def _download(repo_id: str, revision: str | None) -> Path:
         import huggingface_hub as hub
         return Path(hub.snapshot_download(
             repo_id, revision=revision,
-            allow_patterns=["*.safetensors", INDEX_NAME, *C.SIDECAR_FILES]))
+            ignore_patterns=[f"*{s}" for s in C.WEIGHT_SUFFIXES if s != ".safetensors"]
+            + ["*/*", ".gitattributes"]))
     return hub_fetch(fetch, repo_id, revision, "the model files")
 
 

@@ -241,10 +241,26 @@ def foreign_entry(folder: Path, owned) -> str | None:
     return None
 
 
-def is_artifact_file(name: str) -> bool:
-    """Whether ``name`` is a file an LCT artifact consists of (FORMAT.md section 1)."""
-    return (name in (C.MANIFEST_NAME, C.MAXIMUS_FILE) or name in C.SIDECAR_FILES
+def is_artifact_file(name: str, side_files=C.SIDECAR_FILES) -> bool:
+    """Whether ``name`` is a file an LCT artifact consists of (FORMAT.md section 1): its
+    manifest, Maximus state, data files, or one of ``side_files`` (the ones its manifest
+    records; default: the well-known names)."""
+    return (name in (C.MANIFEST_NAME, C.MAXIMUS_FILE) or name in side_files
             or re.fullmatch(C.DATA_FILE_PATTERN, name) is not None)
+
+
+def recorded_side_files(folder: Path) -> tuple:
+    """The side files an existing artifact's manifest records (its own words, untrusted: only
+    names that are side-file names), plus the well-known names; what LCT wrote there."""
+    import json
+
+    from .manifest import is_side_file_name
+    try:
+        recorded = json.loads((folder / C.MANIFEST_NAME).read_text())["source"]["files"]
+        names = [n for n in recorded if is_side_file_name(n)]
+    except (OSError, ValueError, KeyError, TypeError):
+        names = []
+    return tuple(C.SIDECAR_FILES) + tuple(names)
 
 
 class ArtifactWriter:
@@ -299,7 +315,8 @@ class ArtifactWriter:
         if not (self.target.is_dir() and ((self.target / C.MANIFEST_NAME).exists()
                                           or not any(self.target.iterdir()))):
             raise LCTError(f"{self.target} exists and is not an LCT artifact; refusing to replace it")
-        other = foreign_entry(self.target, is_artifact_file)
+        own = recorded_side_files(self.target)
+        other = foreign_entry(self.target, lambda name: is_artifact_file(name, own))
         if other is not None:
             raise LCTError(f"{self.target} holds {other!r}, which is not part of an LCT "
                            f"artifact; refusing to replace the folder (move it first)")

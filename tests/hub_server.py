@@ -17,6 +17,8 @@ Knobs for tests:
   connection (an interrupted download).
 - ``trickle(path, rate)``: every GET of ``path`` sends its body at ``rate`` bytes a second.
 - ``drop_always(path, after)``: every GET of ``path`` sends ``after`` bytes and hangs up.
+- ``truncate_lfs_uploads``: keep only the first half of every LFS upload, without complaint,
+  and commit what was kept (a storage fault the uploader is not told of).
 - ``ignore_ranges``: answer ``Range`` requests with the whole file, like a server without
   range support.
 - ``log``: every request as ``{"method", "path", "file", "range", "status", "sent", "auth"}``.
@@ -102,6 +104,7 @@ class HubServer:
         self.tokens = tokens
         self.redirect_lfs = redirect_lfs
         self.ignore_ranges = False       # answer Range requests with the whole file (200)
+        self.truncate_lfs_uploads = False
         self.repos: dict = {}
         self.lfs: dict = {}              # sha256 -> bytearray
         self.regular: dict = {}          # git oid -> bytes
@@ -531,6 +534,8 @@ class _Handler(BaseHTTPRequestHandler):
         data = self._body_bytes
         if hashlib.sha256(data).hexdigest() != oid:
             raise HubError(400, "sha256 of the uploaded object does not match its oid")
+        if self.hub.truncate_lfs_uploads:
+            data = data[: len(data) // 2]
         with self.hub._lock:
             self.hub.lfs[oid] = bytearray(data)
         self._send(200, b"")
@@ -555,6 +560,11 @@ class _Handler(BaseHTTPRequestHandler):
                 tree[v["path"]] = FileEntry(v["path"], len(data), oid)
             elif key == "lfsFile":
                 sha, size = v["oid"], int(v["size"])
+                if hub.truncate_lfs_uploads and sha in hub.lfs:
+                    kept = bytes(hub.lfs[sha])
+                    size = len(kept)
+                    sha = hashlib.sha256(kept).hexdigest()
+                    hub.lfs[sha] = bytearray(kept)
                 if sha not in hub.lfs or len(hub.lfs[sha]) != size:
                     raise HubError(422, f"LFS object {sha} of {v['path']} was not uploaded")
                 ptr = lfs_pointer(sha, size)

@@ -532,3 +532,16 @@ def test_range_store_gives_up_on_a_trickle_and_on_endless_drops(gemma_art, hub):
         store.read_range(name, 4096, 20000, size)
     dropped = [r for r in hub.requests_for(name, "GET") if r["sent"] == 100]
     assert len(dropped) == 3      # the first try and two retries
+
+
+def test_push_checks_what_the_hub_holds_after_the_commit(gemma_art, hub, run):
+    """Issue 12 item 13: a Hub that keeps a truncated LFS upload without complaint; before,
+    push exited 0."""
+    hub.truncate_lfs_uploads = True
+    res = run("push", str(gemma_art), "alice/g", "--quiet")
+    assert res.exit_code == 1
+    assert "after the push" in res.output and "model-00000.lct" in res.output
+    assert "the upload was cut or changed" in res.output
+    hub.truncate_lfs_uploads = False
+    res = run("push", str(gemma_art), "alice/g2", "--quiet")
+    assert res.exit_code == 0, res.output
