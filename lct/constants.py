@@ -143,3 +143,6 @@ INT8_FUSED_MAX_ROWS = 24
 # failures for the retries to start afresh.
 STREAM_MIN_RATE = 256 * 1024
 STREAM_PROGRESS_RESET = 1024 * 1024
+# Seconds without a byte from the Hub before a call through huggingface_hub fails
+# (LCT_HUB_TIMEOUT overrides; huggingface_hub itself waits for ever).
+HUB_TIMEOUT = 60.0

@@ -63,7 +63,49 @@ def _hub():
     except ImportError as e:  # pragma: no cover - a declared dependency
         raise MissingDependencyError("huggingface_hub is required for the Hub: "
                                      "pip install huggingface_hub") from e
+    if _TIMEOUT[0] is None:
+        use_timeout(None)
     return huggingface_hub
+
+
+_TIMEOUT: list = [None]   # seconds LCT gave huggingface_hub's HTTP client (None: not yet)
+
+
+def use_timeout(seconds: float | None = None) -> None:
+    """Give huggingface_hub's HTTP client (every Hub call LCT makes goes through it) a timeout:
+    ``seconds`` without a byte from the Hub (default: ``LCT_HUB_TIMEOUT`` or
+    ``C.HUB_TIMEOUT``) ends the call in an error instead of a hang; its own default waits for
+    ever. Left alone when the program installed a client factory of its own."""
+    import os
+
+    import httpx2
+    from huggingface_hub.utils import _http
+    if seconds is None:
+        try:
+            seconds = float(os.environ.get("LCT_HUB_TIMEOUT", C.HUB_TIMEOUT))
+        except ValueError:
+            seconds = C.HUB_TIMEOUT
+    factory = getattr(_http, "_GLOBAL_CLIENT_FACTORY", None)
+    if factory is not _http.default_client_factory and not getattr(factory, "lct", False):
+        _TIMEOUT[0] = 0.0       # the program's own client: not ours to change
+        return
+
+    limit = httpx2.Timeout(seconds, connect=min(seconds, 10.0)).as_dict()
+
+    def with_limit(request):
+        _http.hf_request_event_hook(request)
+        # huggingface_hub passes timeout=None on its API calls, which turns off the client's
+        # default: a request that would wait for ever gets the limit here instead.
+        current = request.extensions.get("timeout") or {}
+        if all(v is None for v in current.values()):
+            request.extensions["timeout"] = dict(limit)
+
+    def client():
+        return httpx2.Client(event_hooks={"request": [with_limit]}, follow_redirects=True,
+                             timeout=httpx2.Timeout(seconds, connect=min(seconds, 10.0)))
+    client.lct = True
+    _http.set_client_factory(client)
+    _TIMEOUT[0] = seconds
 
 
 # Addresses ----------------------------------------------------------------------------------
@@ -179,6 +221,11 @@ def hub_error(e: BaseException, repo_id: str, revision: str | None = None,
         return HubNotFoundError(f"{where}: not found on {_endpoint()} ({_first_line(http)})")
     if http is not None:
         return HubError(f"{where}: the Hub answered {status}: {_first_line(http)}")
+    stall = find(httpx2.TimeoutException)
+    if stall is not None and not isinstance(stall, httpx2.ConnectTimeout):
+        return HubOfflineError(f"{where}: {_endpoint()} stopped answering for {_TIMEOUT[0]:g} s "
+                               f"({type(stall).__name__}); try again, or set LCT_HUB_TIMEOUT to "
+                               f"wait longer")
     net = find(httpx2.ConnectError, httpx2.TimeoutException, httpx2.NetworkError,
                ConnectionError)
     if net is not None:

@@ -19,6 +19,7 @@ Knobs for tests:
 - ``drop_always(path, after)``: every GET of ``path`` sends ``after`` bytes and hangs up.
 - ``truncate_lfs_uploads``: keep only the first half of every LFS upload, without complaint,
   and commit what was kept (a storage fault the uploader is not told of).
+- ``stall_api``: seconds every ``/api/...`` call waits before it is answered (a stalled Hub).
 - ``ignore_ranges``: answer ``Range`` requests with the whole file, like a server without
   range support.
 - ``log``: every request as ``{"method", "path", "file", "range", "status", "sent", "auth"}``.
@@ -105,6 +106,7 @@ class HubServer:
         self.redirect_lfs = redirect_lfs
         self.ignore_ranges = False       # answer Range requests with the whole file (200)
         self.truncate_lfs_uploads = False
+        self.stall_api = 0.0
         self.repos: dict = {}
         self.lfs: dict = {}              # sha256 -> bytearray
         self.regular: dict = {}          # git oid -> bytes
@@ -354,6 +356,8 @@ class _Handler(BaseHTTPRequestHandler):
                 return self._lfs_get(segs[2], unquote(segs[3]), file)
             user = self.hub._user(self.headers.get("Authorization"))
             if segs[:1] == ["api"]:
+                if self.hub.stall_api:
+                    time.sleep(self.hub.stall_api)
                 return self._api(segs[1:], user)
             if len(segs) >= 5 and segs[-4:] == ["info", "lfs", "objects", "batch"]:
                 repo_id = unquote("/".join(segs[:-4]))

@@ -545,3 +545,24 @@ def test_push_checks_what_the_hub_holds_after_the_commit(gemma_art, hub, run):
     hub.truncate_lfs_uploads = False
     res = run("push", str(gemma_art), "alice/g2", "--quiet")
     assert res.exit_code == 0, res.output
+
+
+def test_a_stalled_hub_ends_in_the_timeout_hint(gemma_art, hub, run):
+    """Issue 12 item 13: huggingface_hub's client waits for ever by default; a Hub that stops
+    answering API calls now ends a pull (and a push) in one line naming the timeout."""
+    import time
+
+    lhub.push(gemma_art, "alice/g")
+    lhub.use_timeout(1.0)
+    try:
+        hub.stall_api = 3.0
+        t = time.perf_counter()
+        res = run("pull", "alice/g", "--quiet")
+        assert res.exit_code == 1
+        assert "stopped answering for 1 s" in res.output and "LCT_HUB_TIMEOUT" in res.output
+        res = run("push", str(gemma_art), "alice/g", "--quiet")
+        assert res.exit_code == 1 and "stopped answering" in res.output
+        assert time.perf_counter() - t < 60
+    finally:
+        hub.stall_api = 0.0
+        lhub.use_timeout(C.HUB_TIMEOUT)
