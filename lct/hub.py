@@ -655,6 +655,13 @@ def verify_download(root: Path, repo_id: str, revision: str | None = None, local
     where = _where(repo_id, revision)
     if not (root / C.MANIFEST_NAME).is_file():
         from .errors import ArtifactNotFoundError
+        others = [p.parent.name for p in root.parent.glob(f"*/{C.MANIFEST_NAME}")
+                  if p.parent != root] if root.parent.name == "snapshots" else []
+        if others:
+            raise HubError(f"{where}: the Hub's answers for the files named commit "
+                           f"{others[0][:12]} (X-Repo-Commit), not {root.name[:12]}, the commit "
+                           f"the repo is at: a proxy or the Hub served another revision; try "
+                           f"again, or pull a fixed commit (@sha)")
         raise ArtifactNotFoundError(f"{where}: not an LCT artifact (no {C.MANIFEST_NAME} in the "
                                     f"repo)")
     data_names = {n.name for n in root.glob("model-*.lct")}

@@ -48,7 +48,8 @@ class HttpRangeStore:
         token: a Hub token (default: ``HF_TOKEN`` or the stored login).
         endpoint: the Hub URL (default: ``HF_ENDPOINT``).
         sizes: known file sizes ``{name: bytes}`` (others are asked with a HEAD request).
-        timeout: seconds to wait for the server on each request.
+        timeout: seconds to wait for the server on each request (default: LCT_HUB_TIMEOUT or
+            ``C.HUB_TIMEOUT``).
         retries: attempts after transient failures between which less than
             ``C.STREAM_PROGRESS_RESET`` bytes arrived (a server that sends a few bytes and hangs
             up every time runs out of them).
@@ -58,11 +59,17 @@ class HttpRangeStore:
     """
 
     def __init__(self, repo_id: str, revision: str, token=None, *, endpoint: str | None = None,
-                 sizes: dict | None = None, timeout: float = 60.0, retries: int = 5,
+                 sizes: dict | None = None, timeout: float | None = None, retries: int = 5,
                  backoff: float = 0.5, min_rate: int = C.STREAM_MIN_RATE):
         hh = _hub()
         from huggingface_hub.utils import build_hf_headers, get_session
         self.repo_id, self.revision, self.token, self.endpoint = repo_id, revision, token, endpoint
+        if timeout is None:
+            import os
+            try:
+                timeout = float(os.environ.get("LCT_HUB_TIMEOUT", C.HUB_TIMEOUT))
+            except ValueError:
+                timeout = C.HUB_TIMEOUT
         self.timeout, self.retries, self.backoff = timeout, retries, backoff
         self.min_rate = min_rate
         self._hh = hh

@@ -19,6 +19,7 @@ Knobs for tests:
 - ``drop_always(path, after)``: every GET of ``path`` sends ``after`` bytes and hangs up.
 - ``truncate_lfs_uploads``: keep only the first half of every LFS upload, without complaint,
   and commit what was kept (a storage fault the uploader is not told of).
+- ``wrong_commit``: file answers name another commit in ``X-Repo-Commit`` (a confused proxy).
 - ``stall_api``: seconds every ``/api/...`` call waits before it is answered (a stalled Hub).
 - ``ignore_ranges``: answer ``Range`` requests with the whole file, like a server without
   range support.
@@ -107,6 +108,7 @@ class HubServer:
         self.ignore_ranges = False       # answer Range requests with the whole file (200)
         self.truncate_lfs_uploads = False
         self.stall_api = 0.0
+        self.wrong_commit = False
         self.repos: dict = {}
         self.lfs: dict = {}              # sha256 -> bytearray
         self.regular: dict = {}          # git oid -> bytes
@@ -617,7 +619,7 @@ class _Handler(BaseHTTPRequestHandler):
             if entry is None:
                 raise HubError(404, f"Entry not found: {path}", "EntryNotFound",
                                headers={"X-Repo-Commit": c.oid})
-            headers = self._file_headers(entry, c.oid)
+            headers = self._file_headers(entry, "f" * 40 if hub.wrong_commit else c.oid)
             if entry.lfs_sha256 and hub.redirect_lfs:
                 # Like the Hub: LFS files redirect to the storage URL, which serves the bytes.
                 headers["Location"] = (f"{hub.url}/__lfs/download/{entry.lfs_sha256}/{c.oid}/"

@@ -566,3 +566,60 @@ def test_a_stalled_hub_ends_in_the_timeout_hint(gemma_art, hub, run):
     finally:
         hub.stall_api = 0.0
         lhub.use_timeout(C.HUB_TIMEOUT)
+
+
+def test_a_wrong_repo_commit_header_is_named(gemma_art, hub, run):
+    """Issue 12 item 13: file answers that name another commit (X-Repo-Commit) read as "no
+    lct.json in the repo"; now the mismatch is said."""
+    lhub.push(gemma_art, "alice/g")
+    hub.wrong_commit = True
+    res = run("pull", "alice/g", "--quiet")
+    assert res.exit_code == 1
+    assert "X-Repo-Commit" in res.output and "not an LCT artifact" not in res.output
+
+
+FAULTS = {
+    "500 once on the data file": lambda hub, data: hub.fail_once(data, 500),
+    "503 once on the data file": lambda hub, data: hub.fail_once(data, 503),
+    "429 once on the data file": lambda hub, data: hub.fail_once(data, 429),
+    "502 once on lct.json": lambda hub, data: hub.fail_once("lct.json", 502),
+    "a flipped byte in the data file, once": lambda hub, data: hub.corrupt_once(data, 9000),
+    "a flipped byte in lct.json, once": lambda hub, data: hub.corrupt_once("lct.json", 40),
+    "a flipped byte in config.json, once": lambda hub, data: hub.corrupt_once("config.json", 5),
+    "the data file dropped after 5000 bytes, once": lambda hub, data: hub.drop_once(data, 5000),
+    "the data file corrupt on the Hub": lambda hub, data: hub.corrupt("alice/g", data, offset=9000, nbytes=1),
+    "config.json corrupt on the Hub": lambda hub, data: hub.corrupt("alice/g", "config.json", offset=3, nbytes=1),
+    "wrong X-Repo-Commit": lambda hub, data: setattr(hub, "wrong_commit", True),
+    "no range support": lambda hub, data: setattr(hub, "ignore_ranges", True),
+    "API calls stall": lambda hub, data: setattr(hub, "stall_api", 3.0),
+}
+
+
+@pytest.mark.parametrize("op", ["pull", "stream"])
+@pytest.mark.parametrize("fault", list(FAULTS))
+def test_hub_fault_sweep(gemma_art, hub, monkeypatch, fault, op):
+    """Issue 12 reliability suite, Hub faults: every fault kind the loopback Hub can play, under
+    a pull (then every tensor read) and under streaming: the artifact comes out identical, or
+    the call ends in a typed LCTError within the time limit; never other data."""
+    import time
+
+    lhub.push(gemma_art, "alice/g")
+    data = lct.open(gemma_art).manifest.files[0]["name"]
+    with lct.open(gemma_art) as ref:
+        want = {g: ref.read_group(g) for g in ref.groups}
+    monkeypatch.setenv("LCT_HUB_TIMEOUT", "1")
+    lhub.use_timeout(1.0)
+    FAULTS[fault](hub, data)
+    t = time.perf_counter()
+    try:
+        with lct.open("hf://alice/g", stream=(op == "stream")) as art:
+            got = {g: art.read_group(g) for g in art.groups}
+        assert set(got) == set(want)
+        for g in want:
+            for k, v in want[g].items():
+                assert torch.equal(got[g][k], v), f"{fault}/{op}: {k} differs"
+    except LCTError:
+        pass
+    finally:
+        lhub.use_timeout(C.HUB_TIMEOUT)
+    assert time.perf_counter() - t < 60
