@@ -172,6 +172,15 @@ class Manifest:
             index.setdefault(t.group, ([], []))[1].append(t)
         return index
 
+    @functools.cached_property
+    def _group_set(self) -> frozenset:
+        return frozenset(self.groups)
+
+    def has_group(self, group: str) -> bool:
+        """Whether ``group`` is one of the manifest's groups (constant time: a reader asks once
+        per group, and a manifest may list very many)."""
+        return group in self._group_set
+
     def side_files(self) -> list:
         """The side files the artifact carries: the names in ``source.files`` (copied from the
         source, with their sha256) that are side-file names, in manifest order."""

@@ -396,7 +396,7 @@ class Artifact:
 
         Tied names whose stored tensor is in this group are included under both names.
         """
-        if group not in self.manifest.groups:
+        if not self.manifest.has_group(group):
             raise KeyError(f"{self.path}: no group named {group!r}; groups: {self.groups}")
         return self.assemble_group(group, self.decode_group(group), dequantize)
 

@@ -80,7 +80,7 @@ class GroupStream:
             raise ValueError(f"prefetch must be >= 0, got {prefetch}")
         self.art = artifact
         self.names = list(groups if groups is not None else artifact.groups)
-        unknown = [g for g in self.names if g not in artifact.manifest.groups]
+        unknown = [g for g in self.names if not artifact.manifest.has_group(g)]
         if unknown:
             raise KeyError(f"{artifact.path}: no group named {unknown[0]!r}")
         self.prefetch = prefetch

@@ -892,3 +892,17 @@ def test_unsealed_edit_is_a_manifest_checksum_error(art):
     (art / "lct.json").write_text(text.replace('"created_by": "lct', '"created_by": "LCT', 1))
     with pytest.raises(ManifestChecksumError, match="manifest checksum mismatch"):
         lct.open(art)
+
+
+def test_many_empty_groups_read_in_linear_time(art):
+    """Issue 12 item 10: 200,000 empty groups took 113 s to open and read (a list membership
+    test per group); now a set. The limit below is 100x the time it takes."""
+    from test_mutations import time_limit
+
+    def many(m):
+        m["groups"] += [f"empty.{i}" for i in range(200_000)]
+    edit(art, many)
+    with time_limit(20, "200,000 empty groups"):
+        with lct.open(art) as a:
+            for g in a.groups:
+                a.read_group(g)
