@@ -19,8 +19,8 @@ from .errors import LCTError
 from .reader import Artifact, open_artifact
 from .source import INDEX_NAME
 from .store import confined
-from .writer import (OutputLock, check_output_path, foreign_entry, recorded_side_files,
-                     swap_into_place)
+from .writer import (OutputLock, check_output_path, foreign_entry, make_staging,
+                     recorded_side_files, swap_into_place)
 
 DEFAULT_SHARD_SIZE = C.EXPORT_SHARD_SIZE
 
@@ -91,7 +91,7 @@ def _export(artifact, out: Path, max_shard_size: int, progress) -> Path:
 
     art = artifact if isinstance(artifact, Artifact) else open_artifact(artifact)
     tmp = out.parent / f".{out.name}.tmp-{uuid.uuid4().hex[:12]}"
-    tmp.mkdir()
+    make_staging(tmp, out)
     try:
         shards: list[list[str]] = []
         weight_map: dict = {}

@@ -152,9 +152,17 @@ class OutputLock:
 
     def acquire(self) -> "OutputLock":
         import fcntl
-        self.target.parent.mkdir(parents=True, exist_ok=True)
+        try:
+            self.target.parent.mkdir(parents=True, exist_ok=True)
+        except OSError as e:
+            raise LCTError(f"{self.target}: cannot create {self.target.parent} "
+                           f"({e.strerror or e}); choose a writable folder") from e
         for _ in range(8):
-            fd = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o644)
+            try:
+                fd = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o644)
+            except OSError as e:
+                raise LCTError(f"{self.target}: cannot write in {self.target.parent} "
+                               f"({e.strerror or e}); choose a writable folder") from e
             try:
                 fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
             except BlockingIOError:
@@ -241,6 +249,20 @@ def foreign_entry(folder: Path, owned) -> str | None:
     return None
 
 
+def make_staging(tmp: Path, target: Path) -> None:
+    """Create the temporary folder beside ``target``; a folder LCT cannot write names the
+    user's path, not the temporary one.
+
+    Raises:
+        LCTError: the folder is not writable (or another OS error), naming ``target``.
+    """
+    try:
+        tmp.mkdir()
+    except OSError as e:
+        raise LCTError(f"{target}: cannot write in {target.parent} ({e.strerror or e}); "
+                       f"choose a writable folder") from e
+
+
 def is_artifact_file(name: str, side_files=C.SIDECAR_FILES) -> bool:
     """Whether ``name`` is a file an LCT artifact consists of (FORMAT.md section 1): its
     manifest, Maximus state, data files, or one of ``side_files`` (the ones its manifest
@@ -283,7 +305,7 @@ class ArtifactWriter:
         try:
             self._check_target()
             self.tmp = self.target.parent / f".{self.target.name}.tmp-{uuid.uuid4().hex[:12]}"
-            self.tmp.mkdir()
+            make_staging(self.tmp, self.target)
         except BaseException:
             self._lock.release()
             raise
