@@ -46,11 +46,21 @@ class LCTGroup(click.Group):
             sys.exit(130)
 
 
+def bars_disabled() -> bool:
+    """Whether progress bars are switched off for the whole environment, as huggingface_hub and
+    tqdm read it: ``HF_HUB_DISABLE_PROGRESS_BARS`` or ``TQDM_DISABLE`` set to a true value."""
+    import os
+    return any(os.environ.get(k, "").strip().lower() in ("1", "true", "yes", "on")
+               for k in ("HF_HUB_DISABLE_PROGRESS_BARS", "TQDM_DISABLE"))
+
+
 class GroupProgress:
     """A tqdm bar fed by the library's ``progress(group, done, total)`` callback (``count``:
-    show how many groups were reported, not just the last one's name)."""
+    show how many groups were reported, not just the last one's name). Off with
+    ``enabled=False`` (``--quiet``) or when ``bars_disabled()``."""
 
     def __init__(self, desc: str, unit: str = "B", enabled: bool = True, count: bool = True):
+        enabled = enabled and not bars_disabled()
         self.desc, self.unit, self.enabled, self.count = desc, unit, enabled, count
         self.bar = None
         self.groups = 0

@@ -21,7 +21,7 @@ def _parse_parts(ctx, param, value):
     return parts
 
 
-@click.command("convert")
+@click.command("convert", short_help="Convert a Hugging Face checkpoint (folder or Hub id) to an LCT artifact.")
 @click.argument("source")
 @click.option("-o", "--output", "output", required=True, type=click.Path(),
               help="Artifact directory to create (appears atomically when complete).")

@@ -7,7 +7,7 @@ import click
 from ._util import table
 
 
-@click.command("demo")
+@click.command("demo", short_help="Run the whole pipeline on a tiny model, offline.")
 @click.option("--workdir", type=click.Path(), default=None,
               help="Where to put the tiny model, the artifact and the export (default: a new "
                    "temporary folder, kept so you can inspect it).")

@@ -9,7 +9,7 @@ from lct import constants as C
 from ._util import GroupProgress
 
 
-@click.command("export")
+@click.command("export", short_help="Write an artifact back as a Hugging Face safetensors folder.")
 @click.argument("artifact", type=click.Path())
 @click.argument("out_dir", type=click.Path())
 @click.option("--max-shard-size", type=int, default=C.EXPORT_SHARD_SIZE, show_default=True,
@@ -17,9 +17,10 @@ from ._util import GroupProgress
 @click.option("--force", is_flag=True, help="Replace OUT_DIR if it exists.")
 @click.option("--quiet", is_flag=True, help="No progress bar.")
 def export_cmd(artifact, out_dir, max_shard_size, force, quiet):
-    """Write ARTIFACT as a Hugging Face folder (safetensors + config + tokenizer) that
+    """Write ARTIFACT (a folder or hf://org/name[@rev], pulled first) as a Hugging Face folder
+    (safetensors + config + tokenizer + the other side files) that
     AutoModelForCausalLM.from_pretrained loads. Lossless tensors come out bit-identical to the
-    source; NF4 tensors are dequantized exactly as bitsandbytes does."""
+    source; NF4 tensors are dequantized exactly as bitsandbytes does, int8 ones as q x scale."""
     from lct.exporter import export
 
     bar = GroupProgress("export", unit="group", enabled=not quiet)

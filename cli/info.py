@@ -9,17 +9,19 @@ import click
 from ._util import table
 
 
-@click.command("info")
+@click.command("info", short_help="Show an artifact's groups, encodings, sizes and policy.")
 @click.argument("artifact", type=click.Path())
 @click.option("--json", "as_json", is_flag=True, help="Print the manifest as JSON.")
 @click.option("--tensors", is_flag=True, help="List every tensor too.")
 def info_cmd(artifact, as_json, tensors):
-    """Show the groups, tensors, encodings and stored vs decoded sizes of ARTIFACT, and the
-    overall ratio against the source checkpoint. Reads only the manifest (no torch needed)."""
+    """Show the groups, tensors, encodings and stored vs decoded sizes of ARTIFACT (a folder or
+    hf://org/name[@rev], pulled into the Hugging Face cache first), and the overall ratio
+    against the source checkpoint. Reads only the manifest (no torch needed)."""
     from lct.info import human, summarize
     from lct.reader import open_artifact
 
-    with open_artifact(artifact) as art:
+    from lct.hub import local_artifact
+    with open_artifact(local_artifact(artifact)) as art:
         m = art.manifest
         if as_json:
             click.echo(json.dumps(m.to_dict(), indent=1))

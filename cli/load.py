@@ -21,7 +21,7 @@ def _ids(ctx, param, value):
     return ids
 
 
-@click.command("load")
+@click.command("load", short_help="Load an artifact into a transformers model and generate.")
 @click.argument("artifact", type=click.Path())
 @click.option("--prefetch", type=click.IntRange(0, 64), default=2, show_default=True,
               help="Groups decoded ahead of the one being installed (0: strictly sequential).")

@@ -23,7 +23,7 @@ def _parsed(parser_name: str):
     return callback
 
 
-@click.command("plan")
+@click.command("plan", short_help="Plan the memory a model needs for inference or training.")
 @click.argument("model")
 @click.option("--mode", type=click.Choice(MODES), default="infer", show_default=True,
               help="infer: a no-grad forward that fills a KV cache; train: forward with labels, "

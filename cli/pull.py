@@ -7,7 +7,7 @@ import click
 from ._util import GroupProgress
 
 
-@click.command("pull")
+@click.command("pull", short_help="Download an artifact from the Hub and verify it.")
 @click.argument("repo_id")
 @click.option("--revision", default=None, help="Branch, tag or commit (default: main).")
 @click.option("--local-dir", type=click.Path(file_okay=False), default=None,

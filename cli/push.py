@@ -7,7 +7,7 @@ import click
 from ._util import GroupProgress
 
 
-@click.command("push")
+@click.command("push", short_help="Verify an artifact and publish it to the Hub.")
 @click.argument("artifact", type=click.Path())
 @click.argument("repo_id")
 @click.option("--revision", default=None,

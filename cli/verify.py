@@ -9,7 +9,7 @@ import click
 from ._util import GroupProgress, table
 
 
-@click.command("verify")
+@click.command("verify", short_help="Check an artifact's checksums, tensors and quality.")
 @click.argument("artifact", type=click.Path())
 @click.option("--against", default=None,
               help="Source folder or Hub id: compare lossless tensors bit for bit, and NF4 "
@@ -32,7 +32,8 @@ from ._util import GroupProgress, table
 @click.option("--json", "as_json", is_flag=True, help="Print the --quality result as JSON.")
 @click.option("--quiet", is_flag=True, help="No progress bar.")
 def verify_cmd(artifact, against, revision, quality, text, max_tokens, layerwise, as_json, quiet):
-    """Check every chunk of ARTIFACT (checksum and decode). Exits 1 if anything is wrong.
+    """Check every chunk of ARTIFACT (a folder or hf://org/name[@rev], pulled first):
+    checksum and decode. Exits 1 if anything is wrong.
 
     With --against SOURCE, every tensor is compared with the source: lossless ones bit for bit,
     NF4 ones by quantizing the source again. With --quality, what the lossy parts cost on text."""

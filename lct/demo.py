@@ -46,6 +46,9 @@ def _dir_bytes(path: Path, suffix: str) -> int:
 def run_demo(workdir=None, log=print) -> DemoResult:
     """Run the demo in ``workdir`` (default: a new temporary folder) and return what it measured."""
     import torch
+    from transformers.utils import logging as hf_logging
+
+    hf_logging.disable_progress_bar()   # the demo prints its own report; no library bars in it
 
     from . import tiny
     from .converter import convert

@@ -63,7 +63,8 @@ def export(artifact, out_dir, *, max_shard_size: int = DEFAULT_SHARD_SIZE, overw
     """Write the artifact as a Hugging Face folder (safetensors, config, tokenizer).
 
     Args:
-        artifact: an artifact path or an open ``Artifact``.
+        artifact: an artifact path, an ``hf://org/name[@rev]`` address (pulled first), or an
+            open ``Artifact``.
         out_dir: the folder to create.
         max_shard_size: bytes per safetensors shard (an index is written when there are several).
         overwrite: replace an existing ``out_dir``.
@@ -77,6 +78,9 @@ def export(artifact, out_dir, *, max_shard_size: int = DEFAULT_SHARD_SIZE, overw
         >>> AutoModelForCausalLM.from_pretrained("gemma-hf")
     """
     out = Path(out_dir).absolute()
+    if not isinstance(artifact, Artifact):
+        from .hub import local_artifact
+        artifact = local_artifact(artifact)
     art_path = artifact.path if isinstance(artifact, Artifact) else Path(artifact)
     _check_place(out, art_path)
     # Held while writing: no other LCT process writes the same folder between the checks and

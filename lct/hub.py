@@ -150,6 +150,13 @@ def is_hf_uri(path) -> bool:
     return isinstance(path, str) and path.startswith(HF_SCHEME)
 
 
+def local_artifact(path):
+    """``path`` itself, or for an ``hf://org/name[@rev]`` address the artifact pulled into the
+    Hugging Face cache (every file checked against the Hub's hashes; the chunk checksums are
+    left to the reader, which checks them as it reads)."""
+    return pull(path, chunks=False) if is_hf_uri(path) else path
+
+
 def _where(repo_id: str, revision: str | None) -> str:
     return f"{repo_id}@{revision}" if revision else repo_id
 

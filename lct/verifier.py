@@ -79,7 +79,8 @@ def verify(artifact, *, against: str | None = None, revision: str | None = None,
     """Check every chunk of ``artifact``; with ``against``, compare every tensor with the source.
 
     Args:
-        artifact: an artifact path or an open ``Artifact``.
+        artifact: an artifact path, an ``hf://org/name[@rev]`` address (pulled first), or an
+            open ``Artifact``.
         against: the source folder or Hub id to compare with.
         revision: Hub revision of ``against``.
         progress: called as ``progress(group, done, total)`` after each group.
@@ -94,6 +95,9 @@ def verify(artifact, *, against: str | None = None, revision: str | None = None,
     """
     if quality and against is None:
         raise LCTError("a quality check needs the lossless reference: pass the source as against")
+    if not isinstance(artifact, Artifact):
+        from .hub import local_artifact
+        artifact = local_artifact(artifact)
     art = artifact if isinstance(artifact, Artifact) else open_artifact(artifact)
     report = VerifyReport()
     src_tensors, src = {}, None

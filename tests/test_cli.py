@@ -205,3 +205,31 @@ def test_python_m_lct_is_the_lct_command():
     out = subprocess.run([sys.executable, "-m", "lct", "--help"], capture_output=True, text=True,
                          timeout=120)
     assert out.returncode == 0 and "convert" in out.stdout and "load" in out.stdout
+
+
+@pytest.mark.parametrize("env", ["HF_HUB_DISABLE_PROGRESS_BARS", "TQDM_DISABLE"])
+def test_progress_bars_follow_the_environment(llama_src, tmp_path, monkeypatch, env):
+    """Issue 14: HF_HUB_DISABLE_PROGRESS_BARS (and TQDM_DISABLE) silence LCT's bars as they
+    silence huggingface_hub's; without them convert draws its bar on stderr."""
+    from click.testing import CliRunner
+
+    from lct.cli.main import cli
+    monkeypatch.delenv("HF_HUB_DISABLE_PROGRESS_BARS", raising=False)
+    monkeypatch.delenv("TQDM_DISABLE", raising=False)
+    shown = CliRunner().invoke(cli, ["convert", str(llama_src), "-o", str(tmp_path / "a.lct")])
+    assert shown.exit_code == 0 and "convert:" in shown.stderr
+    monkeypatch.setenv(env, "1")
+    quiet = CliRunner().invoke(cli, ["convert", str(llama_src), "-o", str(tmp_path / "b.lct")])
+    assert quiet.exit_code == 0 and "convert:" not in quiet.stderr
+    assert "wrote" in quiet.stdout
+
+
+def test_help_lists_every_command_with_its_whole_summary():
+    """Issue 14: each command's one-line summary shows whole (it was cut mid-sentence)."""
+    from click.testing import CliRunner
+
+    from lct.cli.main import COMMANDS, cli
+    out = CliRunner().invoke(cli, ["--help"], terminal_width=200).output
+    for name in COMMANDS:
+        line = next(ln for ln in out.splitlines() if ln.strip().startswith(name + " "))
+        assert line.rstrip().endswith(".") and "..." not in line, line

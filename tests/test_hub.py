@@ -623,3 +623,18 @@ def test_hub_fault_sweep(gemma_art, hub, monkeypatch, fault, op):
     finally:
         lhub.use_timeout(C.HUB_TIMEOUT)
     assert time.perf_counter() - t < 60
+
+
+def test_info_verify_and_export_take_hub_addresses(gemma_art, hub, run, tmp_path):
+    """Issue 14: lct info, verify and export accept hf://org/name[@rev] as load does."""
+    lhub.push(gemma_art, "alice/g")
+    res = run("info", "hf://alice/g")
+    assert res.exit_code == 0 and "policy:" in res.output, res.output
+    res = run("verify", "hf://alice/g@main", "--quiet")
+    assert res.exit_code == 0 and "OK" in res.output, res.output
+    res = run("export", "hf://alice/g", tmp_path / "hf", "--quiet")
+    assert res.exit_code == 0, res.output
+    ref = tmp_path / "ref"
+    lct.export(gemma_art, ref)
+    assert (tmp_path / "hf" / "model.safetensors").read_bytes() == \
+        (ref / "model.safetensors").read_bytes()
