@@ -49,8 +49,8 @@ def _parse_parts(ctx, param, value):
 @click.option("--codec", type=click.Choice([C.CODEC_PLANES, C.CODEC_ZSTD, C.CODEC_RAW]),
               default=C.CODEC_PLANES, show_default=True,
               help="Codec for lossless chunks: planes (exponent/mantissa split), zstd, raw.")
-@click.option("--max-file-size", type=int, default=C.DEFAULT_MAX_FILE_SIZE, show_default=True,
-              help="Start a new data file past this many bytes.")
+@click.option("--max-file-size", default="4GiB", show_default=True, metavar="SIZE",
+              help="Start a new data file past this size: 4GiB, 2GB, 500MB...")
 @click.option("--workers", type=int, default=None, help="Compression threads (default: all cores).")
 @click.option("--maximus-shards", type=click.IntRange(min=1), is_flag=False,
               flag_value=C.DEFAULT_MAXIMUS_SHARDS, default=None,
@@ -75,6 +75,8 @@ def convert_cmd(source, output, revision, nf4, int8, budget, calibration, dtype,
     """
     from lct.converter import Policy, convert
 
+    from lct.units import parse_size
+    max_file_size = parse_size(max_file_size, "--max-file-size")
     if token_freq and not maximus_shards:
         raise click.UsageError("--token-freq needs --maximus-shards")
     policy = Policy(nf4=nf4, int8=int8, budget=budget, calibration=calibration,

@@ -12,8 +12,9 @@ from ._util import GroupProgress
 @click.command("export", short_help="Write an artifact back as a Hugging Face safetensors folder.")
 @click.argument("artifact", type=click.Path())
 @click.argument("out_dir", type=click.Path())
-@click.option("--max-shard-size", type=int, default=C.EXPORT_SHARD_SIZE, show_default=True,
-              help="Bytes per safetensors shard.")
+@click.option("--max-shard-size", default=C.EXPORT_SHARD_SIZE, show_default=True, metavar="SIZE",
+              help="Largest safetensors shard, as save_pretrained takes it: 5GB, 500MB "
+                   "(decimal) or 2GiB (binary); default save_pretrained's.")
 @click.option("--force", is_flag=True, help="Replace OUT_DIR if it exists.")
 @click.option("--quiet", is_flag=True, help="No progress bar.")
 def export_cmd(artifact, out_dir, max_shard_size, force, quiet):

@@ -114,8 +114,9 @@ SIDECAR_FILES = (
 # Side files that decide what model a load builds: checked against the manifest on every open.
 MODEL_SIDE_FILES = ("config.json", "generation_config.json")
 
-# Largest safetensors shard `lct export` writes (as transformers' save_pretrained defaults).
-EXPORT_SHARD_SIZE = 2 * 1024**3
+# Largest safetensors shard `lct export` writes: save_pretrained's default in transformers 5
+# ("50GB"; 4.x used "5GB").
+EXPORT_SHARD_SIZE = "50GB"
 
 # Rows of an NF4 LM head dequantized at a time on the CPU are capped by this many bytes of
 # dequantized weight (kernels/linear.py; the planner models the same chunk).

@@ -58,7 +58,7 @@ def _check_target(out: Path, overwrite: bool, side_files=C.SIDECAR_FILES) -> Non
                            f"replace the folder (move it first)")
 
 
-def export(artifact, out_dir, *, max_shard_size: int = DEFAULT_SHARD_SIZE, overwrite: bool = False,
+def export(artifact, out_dir, *, max_shard_size=DEFAULT_SHARD_SIZE, overwrite: bool = False,
            progress=None) -> Path:
     """Write the artifact as a Hugging Face folder (safetensors, config, tokenizer).
 
@@ -66,7 +66,9 @@ def export(artifact, out_dir, *, max_shard_size: int = DEFAULT_SHARD_SIZE, overw
         artifact: an artifact path, an ``hf://org/name[@rev]`` address (pulled first), or an
             open ``Artifact``.
         out_dir: the folder to create.
-        max_shard_size: bytes per safetensors shard (an index is written when there are several).
+        max_shard_size: the largest safetensors shard, as save_pretrained takes it: bytes or
+            ``"5GB"`` / ``"500MB"`` (``lct.units.parse_size``; an index is written when there are
+            several shards). Default: save_pretrained's.
         overwrite: replace an existing ``out_dir``.
         progress: called as ``progress(group, done, total)`` after each group.
 
@@ -78,6 +80,8 @@ def export(artifact, out_dir, *, max_shard_size: int = DEFAULT_SHARD_SIZE, overw
         >>> AutoModelForCausalLM.from_pretrained("gemma-hf")
     """
     out = Path(out_dir).absolute()
+    from .units import parse_size
+    max_shard_size = parse_size(max_shard_size, "max shard size")
     if not isinstance(artifact, Artifact):
         from .hub import local_artifact
         artifact = local_artifact(artifact)

@@ -414,21 +414,15 @@ def parse_resident(text) -> tuple:
     return k, n
 
 
-_UNITS = {"": 1, "b": 1, "k": 1000, "kb": 1000, "m": 1000**2, "mb": 1000**2, "g": 1000**3,
-          "gb": 1000**3, "t": 1000**4, "tb": 1000**4, "ki": 1024, "kib": 1024, "mi": 1024**2,
-          "mib": 1024**2, "gi": 1024**3, "gib": 1024**3, "ti": 1024**4, "tib": 1024**4}
-
-
 def parse_bytes(text) -> int:
-    """``"16GiB"``, ``"24GB"``, ``"512MiB"``, ``"1.5TiB"`` or an integer -> bytes."""
-    if isinstance(text, int) and not isinstance(text, bool):
-        return text
-    m = re.fullmatch(r"\s*([0-9]+(?:\.[0-9]+)?)\s*([A-Za-z]*)\s*", str(text))
-    unit = m.group(2).lower() if m else None
-    if not m or unit not in _UNITS:
-        raise PlanError(f"memory {text!r} must be a number with a unit, like 16GiB, 24GB or "
-                        f"512MiB")
-    return int(float(m.group(1)) * _UNITS[unit])
+    """``"16GiB"``, ``"24GB"``, ``"512MiB"``, ``"1.5TiB"`` or an integer -> bytes
+    (``lct.units.parse_size``, the rule every size option follows)."""
+    from .errors import LCTError
+    from .units import parse_size
+    try:
+        return parse_size(text, "memory")
+    except LCTError as e:
+        raise PlanError(str(e)) from None
 
 
 def human_bytes(n: int) -> str:

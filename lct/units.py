@@ -1,0 +1,40 @@
+"""Sizes as users write them: one rule for every option that takes bytes.
+
+Decimal units (``KB``, ``MB``, ``GB``, ``TB``: powers of 1000) are parsed by huggingface_hub, as
+``save_pretrained(max_shard_size="5GB")`` parses them; binary units (``KiB``, ``MiB``, ``GiB``,
+``TiB``: powers of 1024) as memory is usually given. A number without a unit is refused (is
+``16`` bytes or gigabytes?); integers passed from Python are bytes.
+"""
+
+from __future__ import annotations
+
+import re
+
+from .errors import LCTError
+
+_SIZE = re.compile(r"\s*([0-9]+(?:\.[0-9]+)?)\s*([KMGT])(i?)B\s*", re.I)
+
+
+def parse_size(value, what: str = "size") -> int:
+    """Bytes from ``"5GB"``, ``"500MB"``, ``"16GiB"``, ``"1.5TiB"`` or an ``int``.
+
+    Raises:
+        LCTError: no unit, an unknown unit, or a negative number, naming ``what``.
+
+    Example:
+        >>> parse_size("5GB"), parse_size("2GiB")
+        (5000000000, 2147483648)
+    """
+    if isinstance(value, int) and not isinstance(value, bool):
+        if value < 0:
+            raise LCTError(f"{what} must not be negative, got {value}")
+        return value
+    m = _SIZE.fullmatch(str(value))
+    if not m:
+        raise LCTError(f"{what} {value!r} needs a number and a unit: 5GB or 500MB (decimal, as "
+                       f"save_pretrained takes them) or 16GiB or 512MiB (binary)")
+    number, prefix, binary = m.group(1), m.group(2).upper(), m.group(3)
+    if binary:
+        return int(float(number) * 1024 ** ("KMGT".index(prefix) + 1))
+    from huggingface_hub.serialization._base import parse_size_to_int
+    return parse_size_to_int(f"{number}{prefix}B")
