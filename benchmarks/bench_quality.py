@@ -87,7 +87,7 @@ def main() -> None:
                                   "--text", str(corpora[kind]), "--max-tokens",
                                   str(args.max_tokens), "--json", "--quiet"],
                                  capture_output=True, text=True, check=True)
-            q = json.loads(out.stdout[out.stdout.index("{"): out.stdout.rindex("}") + 1])
+            q = json.loads(out.stdout)["quality"]
             rows.append((label, kind, q, size, time.perf_counter() - t))
             print(label, kind, f"{q['delta_pct']:+.2f} %", flush=True)
     src_bytes = sum(f.stat().st_size for f in Path(src).glob("*.safetensors"))

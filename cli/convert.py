@@ -60,9 +60,12 @@ def _parse_parts(ctx, param, value):
               help="Token frequencies for --maximus-shards: a text file or folder (tokenized "
                    "with the model's tokenizer), or counts (.json list/object, .npy array).")
 @click.option("--force", is_flag=True, help="Replace OUTPUT if it is an existing artifact.")
+@click.option("--json", "as_json", is_flag=True,
+              help="Print the result as one JSON object (fields in docs/CLI.md); bars stay on "
+                   "stderr.")
 @click.option("--quiet", is_flag=True, help="No progress bar.")
 def convert_cmd(source, output, revision, nf4, int8, budget, calibration, dtype, level, blocksize,
-                codec, max_file_size, workers, maximus_shards, token_freq, force, quiet):
+                codec, max_file_size, workers, maximus_shards, token_freq, force, quiet, as_json):
     """Convert SOURCE (a local model folder with safetensors, or a Hub id such as
     google/gemma-2b or hf://google/gemma-2b@main) into an LCT artifact.
 
@@ -91,6 +94,16 @@ def convert_cmd(source, output, revision, nf4, int8, budget, calibration, dtype,
         bar.close()
     m = rep.manifest
     from lct.info import human
+    if as_json:
+        import json
+        click.echo(json.dumps({
+            "path": str(rep.path), "seconds": rep.seconds, "mb_per_s": rep.mb_per_s,
+            "source_bytes": rep.source_bytes, "stored_bytes": m.stored_bytes,
+            "ratio": m.stored_bytes / max(rep.source_bytes, 1), "groups": len(m.groups),
+            "tensors": len(m.tensors), "policy": m.policy, "ties": m.ties,
+            "skipped_files": [{"name": n, "why": w} for n, w in rep.skipped_files],
+            "unmapped": rep.unmapped}, indent=1))
+        return
     click.echo(f"wrote {rep.path}: {len(m.groups)} groups, {len(m.tensors)} tensors, "
                f"{human(m.stored_bytes)} from {human(rep.source_bytes)} of tensors "
                f"({m.stored_bytes / max(rep.source_bytes, 1):.3f}x) in {rep.seconds:.1f} s "

@@ -11,9 +11,11 @@ from ._util import table
 
 @click.command("info", short_help="Show an artifact's groups, encodings, sizes and policy.")
 @click.argument("artifact", type=click.Path())
-@click.option("--json", "as_json", is_flag=True, help="Print the manifest as JSON.")
+@click.option("--json", "as_json", is_flag=True,
+              help="Print a summary object as JSON (fields in docs/CLI.md).")
+@click.option("--manifest", "as_manifest", is_flag=True, help="Print the raw manifest as JSON.")
 @click.option("--tensors", is_flag=True, help="List every tensor too.")
-def info_cmd(artifact, as_json, tensors):
+def info_cmd(artifact, as_json, as_manifest, tensors):
     """Show the groups, tensors, encodings and stored vs decoded sizes of ARTIFACT (a folder or
     hf://org/name[@rev], pulled into the Hugging Face cache first), and the overall ratio
     against the source checkpoint. Reads only the manifest (no torch needed)."""
@@ -23,8 +25,12 @@ def info_cmd(artifact, as_json, tensors):
     from lct.hub import local_artifact
     with open_artifact(local_artifact(artifact)) as art:
         m = art.manifest
-        if as_json:
+        if as_manifest:
             click.echo(json.dumps(m.to_dict(), indent=1))
+            return
+        if as_json:
+            from lct.info import summary
+            click.echo(json.dumps(summary(m, art.path), indent=1))
             return
         rows = [(r.group, r.tensors, r.encodings, r.codecs, human(r.stored), human(r.decoded),
                  f"{r.decoded / max(r.stored, 1):.2f}") for r in summarize(m)]

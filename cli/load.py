@@ -44,8 +44,11 @@ def _ids(ctx, param, value):
 @click.option("--prompt", default=None, help="Generate from this text (needs the artifact's tokenizer).")
 @click.option("--ids", default=None, callback=_ids, help="Generate from these token ids (1,5,9).")
 @click.option("--max-new-tokens", type=click.IntRange(1, 4096), default=16, show_default=True)
+@click.option("--json", "as_json", is_flag=True,
+              help="Print the breakdown and the generated text as one JSON object (fields in "
+                   "docs/CLI.md).")
 def load_cmd(artifact, prefetch, device, dtype, nf4, workers, no_verify, layerwise, maximus,
-             stream, prompt, ids, max_new_tokens):
+             stream, prompt, ids, max_new_tokens, as_json):
     """Load ARTIFACT into a transformers model with the prefetching streaming loader and print a
     breakdown: imports, manifest, read, decode, install, time to ready, time to first token (with
     --prompt or --ids), throughput and peak RSS.
@@ -110,6 +113,11 @@ def load_cmd(artifact, prefetch, device, dtype, nf4, workers, no_verify, layerwi
                  ("stream throughput", f"{stats.bytes_decoded / 1e6 / max(ready_s, 1e-9):.0f} MB/s decoded"),
                  ("groups, max in flight", f"{stats.groups}, {stats.max_in_flight}")]
     rows.append(("load to ready", f"{ready_s:.2f} s"))
+    report = {"artifact": str(artifact), "imports_s": imports_s, "ready_s": ready_s,
+              "process_start_to_ready_s": age_ready, "layerwise": layerwise}
+    if not layerwise:
+        from dataclasses import asdict
+        report["breakdown"] = asdict(stats)
     if age_ready is not None:
         rows.append(("process start to ready", f"{age_ready:.2f} s"))
     try:
@@ -121,12 +129,19 @@ def load_cmd(artifact, prefetch, device, dtype, nf4, workers, no_verify, layerwi
             if age is not None:
                 rows.append(("process start to first token",
                              f"{age - (time.perf_counter() - res.first_token_at):.2f} s"))
+            report.update(text=res.text, new_tokens=res.new_tokens,
+                          tokenize_s=res.tokenize_s, first_token_s=res.first_token_s,
+                          tokens_per_s=res.tokens_per_s,
+                          process_start_to_first_token_s=None if age is None else
+                          age - (time.perf_counter() - res.first_token_at))
             rows += [("tokenizer load + prompt encode", f"{res.tokenize_s:.2f} s"),
                      ("first token (after the tokenizer)", f"{res.first_token_s:.2f} s"),
                      ("generation", f"{res.new_tokens} tokens, {res.tokens_per_s:.1f} tok/s")]
-            click.echo(f"output: {res.text}")
+            if not as_json:
+                click.echo(f"output: {res.text}")
         if layerwise:
             rows.append(("max resident layers", str(model.max_resident_layers)))
+            report["max_resident_layers"] = model.max_resident_layers
         if maximus is not None and not layerwise:
             emb = model.get_input_embeddings()
             rows.append(("maximus", f"{len(emb.resident)}/{emb.num_shards} shards resident, "
@@ -135,4 +150,9 @@ def load_cmd(artifact, prefetch, device, dtype, nf4, workers, no_verify, layerwi
         if layerwise:
             model.close()
     rows.append(("peak RSS", human(peak_rss())))
+    report["peak_rss_bytes"] = peak_rss()
+    if as_json:
+        import json
+        click.echo(json.dumps(report, indent=1))
+        return
     click.echo(table(rows, ["step", "value"]))

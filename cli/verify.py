@@ -29,7 +29,8 @@ from ._util import GroupProgress, table
                    "on every forward (the reference is the artifact with its lossy tensors taken "
                    "from the source), so only the embeddings, heads and two prefetch windows are "
                    "resident.")
-@click.option("--json", "as_json", is_flag=True, help="Print the --quality result as JSON.")
+@click.option("--json", "as_json", is_flag=True,
+              help="Print the whole report as JSON (fields in docs/CLI.md) instead of tables.")
 @click.option("--quiet", is_flag=True, help="No progress bar.")
 def verify_cmd(artifact, against, revision, quality, text, max_tokens, layerwise, as_json, quiet):
     """Check every chunk of ARTIFACT (a folder or hf://org/name[@rev], pulled first):
@@ -53,28 +54,37 @@ def verify_cmd(artifact, against, revision, quality, text, max_tokens, layerwise
         bar.close()
         qbar.close()
     lossy = [t for t in rep.tensors if t.encoding != "plain"]
+    lossless = [t for t in rep.tensors if t.encoding == "plain"]
+    if as_json:
+        import json
+        from dataclasses import asdict
+        click.echo(json.dumps({
+            "ok": rep.ok, "chunks_checked": rep.chunks_checked, "failures": rep.failures,
+            "lossless_tensors": len(lossless),
+            "lossless_identical": sum(t.ok for t in lossless),
+            "lossy_tensors": [asdict(t) for t in lossy],
+            "quality": rep.quality.to_dict() if rep.quality is not None else None},
+            indent=1))
+        if not rep.ok:
+            sys.exit(1)
+        return
     if lossy:
         click.echo(table([(t.name, t.encoding, "identical" if t.ok else "DIFFER",
                            f"{t.max_err:.3g}", f"{t.mean_err:.3g}", f"{t.cosine:.6f}")
                           for t in lossy],
                          ["lossy tensor", "encoding", "codes vs source re-quantized", "max err",
                           "mean err", "cosine"]))
-    lossless = [t for t in rep.tensors if t.encoding == "plain"]
     if lossless:
         click.echo(f"{sum(t.ok for t in lossless)}/{len(lossless)} lossless tensors bit-identical "
                    f"to the source")
     if rep.quality is not None:
         q = rep.quality
-        if as_json:
-            import json
-            click.echo(json.dumps(q.to_dict(), indent=1))
-        else:
-            click.echo(table([
-                ("perplexity, source / artifact", f"{q.ppl_reference:.4f} / {q.ppl:.4f}"),
-                ("perplexity change", f"{q.delta_pct:+.2f} %"),
-                ("top-1 agreement", f"{q.top1_agreement:.4f}"),
-                ("KL mean / max (nats)", f"{q.kl_mean:.5f} / {q.kl_max:.4f}"),
-                ("scored", f"{q.tokens} tokens in {q.blocks} blocks")], ["quality", "value"]))
+        click.echo(table([
+            ("perplexity, source / artifact", f"{q.ppl_reference:.4f} / {q.ppl:.4f}"),
+            ("perplexity change", f"{q.delta_pct:+.2f} %"),
+            ("top-1 agreement", f"{q.top1_agreement:.4f}"),
+            ("KL mean / max (nats)", f"{q.kl_mean:.5f} / {q.kl_max:.4f}"),
+            ("scored", f"{q.tokens} tokens in {q.blocks} blocks")], ["quality", "value"]))
     shown = 20
     for f in rep.failures[:shown]:
         click.echo(f"FAIL {f}", err=True)

@@ -36,3 +36,30 @@ def human(n: float) -> str:
             return f"{n:.0f} {unit}" if unit == "B" else f"{n:.2f} {unit}"
         n /= 1000
     return str(n)
+
+
+def summary(manifest, path) -> dict:
+    """What ``lct info --json`` prints (fields in docs/CLI.md): the artifact at a glance, not
+    its manifest (``--manifest`` prints that)."""
+    m = manifest
+    src = m.source_bytes
+    return {
+        "path": str(path),
+        "format_version": f"{m.format_version[0]}.{m.format_version[1]}",
+        "created_by": m.created_by,
+        "source": {"id": m.source.get("id"), "revision": m.source.get("revision")},
+        "policy": m.policy,
+        "groups": [{"group": r.group, "tensors": r.tensors, "stored_as": r.encodings,
+                    "codecs": r.codecs, "stored_bytes": r.stored, "decoded_bytes": r.decoded}
+                   for r in summarize(m)],
+        "tensors": len(m.tensors),
+        "stored_bytes": m.stored_bytes,
+        "decoded_bytes": m.decoded_bytes,
+        "source_bytes": src,
+        "ratio": m.stored_bytes / src if src else None,
+        "data_files": len(m.files),
+        "side_files": m.side_files(),
+        "ties": m.ties,
+        "unmapped": m.unmapped,
+        "maximus_shards": m.maximus["num_shards"] if m.maximus else None,
+    }

@@ -2,6 +2,7 @@
 
 import json
 import shutil
+from pathlib import Path
 
 import pytest
 import torch
@@ -31,8 +32,13 @@ def test_convert_info_verify_export(run, llama_src, tmp_path):
     assert res.exit_code == 0
     for word in ("embed", "layers.0", "layers.1", "norm", "head", "nf4", "bfloat16", "total"):
         assert word in res.output
-    res = run("info", out, "--json")
+    res = run("info", out, "--manifest")
     assert json.loads(res.output)["format"] == "lct"
+    summary = json.loads(run("info", out, "--json").output)
+    for key in ("path", "format_version", "source", "policy", "groups", "stored_bytes",
+                "decoded_bytes", "source_bytes", "ratio", "side_files"):
+        assert key in summary, key
+    assert summary["stored_bytes"] == sum(g["stored_bytes"] for g in summary["groups"])
     res = run("verify", out, "--against", llama_src, "--quiet")
     assert res.exit_code == 0, res.output
     assert "OK" in res.output and "lm_head.weight" in res.output and "bit-identical" in res.output
@@ -233,3 +239,39 @@ def test_help_lists_every_command_with_its_whole_summary():
     for name in COMMANDS:
         line = next(ln for ln in out.splitlines() if ln.strip().startswith(name + " "))
         assert line.rstrip().endswith(".") and "..." not in line, line
+
+
+def test_json_outputs_parse_and_carry_their_documented_fields(gemma_src, tmp_path):
+    """Issue 14: --json on convert, info, verify and load prints one JSON object on stdout
+    (progress stays on stderr) with the fields docs/CLI.md lists."""
+    import re
+
+    from click.testing import CliRunner
+
+    from lct.cli.main import cli
+    from lct import tiny
+    src = tmp_path / "src"
+    shutil.copytree(gemma_src, src)
+    tiny.save_tokenizer(src, vocab_size=256)
+    doc = (Path(__file__).parent.parent / "docs" / "CLI.md").read_text()
+    runner = CliRunner()
+
+    def fields(command):
+        section = doc.split(f"### lct {command} --json")[1].split("###")[0]
+        return re.findall(r"^\| `([a-z_0-9]+)` \|", section, re.M)
+
+    art = tmp_path / "a.lct"
+    cases = [("convert", ["convert", str(src), "-o", str(art), "--json"]),
+             ("info", ["info", str(art), "--json"]),
+             ("verify", ["verify", str(art), "--against", str(src), "--json"]),
+             ("load", ["load", str(art), "--prompt", "Hello", "--max-new-tokens", "2",
+                       "--json"])]
+    for command, args in cases:
+        res = runner.invoke(cli, args)
+        assert res.exit_code == 0, (command, res.output)
+        obj = json.loads(res.stdout)
+        want = fields(command)
+        assert want, f"docs/CLI.md documents no fields for lct {command} --json"
+        missing = [f for f in want if f not in obj]
+        assert not missing, (command, missing)
+    assert obj["text"] and obj["new_tokens"] >= 1

@@ -73,7 +73,9 @@ def test_lossless_artifact_costs_exactly_nothing(src, arts, run):
     res = run("verify", arts[1], "--against", src, "--quality", "--max-tokens", "200", "--json",
               "--quiet")
     assert res.exit_code == 0, res.output
-    q = json.loads(res.output[res.output.index("{"): res.output.rindex("}") + 1])
+    report = json.loads(res.stdout)    # the whole stdout is the JSON report
+    assert report["ok"] and report["lossless_identical"] == report["lossless_tensors"]
+    q = report["quality"]
     assert q["delta_pct"] == 0.0 and q["kl_mean"] == 0.0 and q["kl_max"] == 0.0
     assert q["top1_agreement"] == 1.0 and q["tokens"] == 200
 
