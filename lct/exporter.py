@@ -1,6 +1,8 @@
 """Export an artifact back to a Hugging Face folder that ``from_pretrained`` loads.
 
-Lossless tensors are written bit-identical to the source; NF4 tensors are dequantized exactly as
+Shards, their names and the index are what ``save_pretrained`` writes (huggingface_hub's
+``split_torch_state_dict_into_shards``; a test compares the bytes). Lossless tensors are written
+bit-identical to the source; NF4 tensors are dequantized exactly as
 bitsandbytes dequantizes them, to their source dtype. Tied tensors are written once (the config
 keeps its ``tie_word_embeddings``). The folder appears atomically.
 """
@@ -8,7 +10,6 @@ keeps its ``tie_word_embeddings``). The folder appears atomically.
 from __future__ import annotations
 
 import json
-import os
 import re
 import shutil
 import uuid
@@ -94,6 +95,27 @@ def export(artifact, out_dir, *, max_shard_size=DEFAULT_SHARD_SIZE, overwrite: b
         return _export(artifact, out, max_shard_size, progress)
 
 
+def _planned_shards(art, max_shard_size: int):
+    """huggingface_hub's shard plan (``split_torch_state_dict_into_shards``, what
+    ``save_pretrained`` uses) for the tensors the export writes, from their shapes and dtypes
+    alone (meta tensors: nothing is read), in load order; tied names are written once."""
+    import torch
+    from huggingface_hub import split_torch_state_dict_into_shards
+
+    from .reader import torch_dtype
+    meta = {}
+    for group in art.groups:
+        for t in art.manifest.group_tensors(group):
+            if t.name in art.manifest.ties:
+                continue
+            dtype = t.dtype if t.encoding != C.ENCODING_PLAIN else t.stored_dtype
+            meta[t.name] = torch.empty(t.shape, dtype=torch_dtype(dtype), device="meta")
+    # save_pretrained (transformers 5) hands the splitter its state dict sorted by name
+    meta = {n: meta[n] for n in sorted(meta)}
+    split = split_torch_state_dict_into_shards(meta, max_shard_size=max_shard_size)
+    return split, sum(t.numel() for t in meta.values())
+
+
 def _export(artifact, out: Path, max_shard_size: int, progress) -> Path:
     from safetensors.torch import save_file
 
@@ -101,43 +123,36 @@ def _export(artifact, out: Path, max_shard_size: int, progress) -> Path:
     tmp = out.parent / f".{out.name}.tmp-{uuid.uuid4().hex[:12]}"
     make_staging(tmp, out)
     try:
-        shards: list[list[str]] = []
-        weight_map: dict = {}
-        pending: dict = {}
-        pending_bytes = 0
-        total_size = 0
-
-        def flush():
-            nonlocal pending, pending_bytes
-            if pending:
-                name = f"shard-{len(shards):05d}.tmp"
-                save_file(pending, str(tmp / name), metadata={"format": "pt"})
-                shards.append([name, *pending])
-                pending, pending_bytes = {}, 0
-
+        split, parameters = _planned_shards(art, max_shard_size)
+        # A shard is written as soon as every tensor of it has been read (groups stream in load
+        # order; shards hold names in sorted order, as save_pretrained's do, so several may be
+        # filling at once: at most the model, which is what save_pretrained holds too).
+        todo = {f: set(names) for f, names in split.filename_to_tensors.items()}
+        pending: dict = {f: {} for f in todo}
         groups = art.groups
         for i, group in enumerate(groups):
             tensors = art.read_group(group, dequantize=True)
             for name, t in tensors.items():
-                if name in art.manifest.ties:
+                f = split.tensor_to_filename.get(name)
+                if f is None or name in art.manifest.ties:
                     continue
-                nbytes = t.numel() * t.element_size()
-                if pending and pending_bytes + nbytes > max_shard_size:
-                    flush()
-                pending[name] = t.contiguous()
-                pending_bytes += nbytes
-                total_size += nbytes
+                pending[f][name] = t.contiguous()
+                todo[f].discard(name)
+                if not todo[f]:
+                    # save_pretrained's call: the same names, order and metadata
+                    save_file({n: pending[f][n] for n in split.filename_to_tensors[f]},
+                              str(tmp / f), metadata={"format": "pt"})
+                    pending[f] = {}
             del tensors
             if progress:
                 progress(group, i + 1, len(groups))
-        flush()
-        for i, (tmpname, *names) in enumerate(shards):
-            final = _shard_name(i, len(shards))
-            os.replace(tmp / tmpname, tmp / final)
-            weight_map.update({n: final for n in names})
-        if len(shards) > 1:
-            (tmp / INDEX_NAME).write_text(json.dumps(
-                {"metadata": {"total_size": total_size}, "weight_map": weight_map}, indent=2))
+        left = [f for f, names in todo.items() if names]
+        if left:
+            raise LCTError(f"{art.path}: the export found no tensor for {sorted(todo[left[0]])[:3]}")
+        if split.is_sharded:
+            index = {"metadata": {"total_parameters": parameters, **split.metadata},
+                     "weight_map": split.tensor_to_filename}
+            (tmp / INDEX_NAME).write_text(json.dumps(index, indent=2, sort_keys=True) + "\n")
         for name in art.manifest.side_files():
             if (art.path / name).is_file() and confined(art.path / name, art.path):
                 shutil.copyfile(art.path / name, tmp / name)

@@ -408,3 +408,27 @@ def test_an_unwritable_folder_names_the_users_path(command, llama_src, llama_art
     with pytest.raises(LCTError, match=rf"^{out}: cannot write in {out.parent}"):
         lct.convert(str(llama_src), out) if command == "convert" else lct.export(llama_art, out)
     assert list(out.parent.iterdir()) == []
+
+
+@pytest.mark.parametrize("arch", ["llama", "gemma"])
+@pytest.mark.parametrize("shard", ["50GB", "200KB"])
+def test_export_writes_what_save_pretrained_writes(arch, shard, llama_src, gemma_src, tmp_path):
+    """Issue 14: export shards with huggingface_hub's splitter as save_pretrained does: same
+    shard names, same index layout, same bytes in every shard, for a lossless artifact."""
+    import torch
+    from transformers import AutoModelForCausalLM
+    src = llama_src if arch == "llama" else gemma_src
+    art = tmp_path / "a.lct"
+    lct.convert(str(src), art, policy=Policy(nf4=()))
+    lct.export(art, tmp_path / "lct-out", max_shard_size=shard)
+    model = AutoModelForCausalLM.from_pretrained(src, dtype=torch.bfloat16)
+    model.save_pretrained(tmp_path / "hf-out", max_shard_size=shard)
+    ours = sorted(p.name for p in (tmp_path / "lct-out").glob("*.safetensors"))
+    theirs = sorted(p.name for p in (tmp_path / "hf-out").glob("*.safetensors"))
+    assert ours == theirs and (len(ours) > 1) == (shard == "200KB")
+    for name in ours:
+        assert (tmp_path / "lct-out" / name).read_bytes() == \
+            (tmp_path / "hf-out" / name).read_bytes(), name
+    index = tmp_path / "hf-out" / "model.safetensors.index.json"
+    if index.exists():
+        assert (tmp_path / "lct-out" / index.name).read_text() == index.read_text()
