@@ -308,6 +308,8 @@ def model_card(manifest, repo_id: str, *, license: str | None = None) -> str:  #
         tags.append(str(arch["model_type"]))
     if pol.get("nf4"):
         tags.append("nf4")
+    if pol.get("int8"):
+        tags.append("int8")
     if manifest.maximus:
         tags.append("maximus")
     meta["tags"] = tags
@@ -323,9 +325,21 @@ def model_card(manifest, repo_id: str, *, license: str | None = None) -> str:  #
     else:
         origin = "a local checkpoint" + (f" (`{Path(str(src.get('id'))).name}`)"
                                          if src.get("id") else "")
-    nf4 = pol.get("nf4") or []
-    nf4_line = (f"{', '.join(nf4)} (blocksize {pol.get('blocksize')}, bitsandbytes layout)"
-                if nf4 else "none (every tensor lossless)")
+    nf4 = [str(r) for r in pol.get("nf4") or []]
+    int8 = [str(r) for r in pol.get("int8") or []]
+    lossy = []
+    if nf4:
+        lossy.append(f"{', '.join(nf4)} in NF4 (blocksize {pol.get('blocksize')}, bitsandbytes "
+                     f"layout)")
+    if int8:
+        lossy.append(f"{', '.join(int8)} in int8 with one scale per row")
+    nf4_line = "; ".join(lossy) if lossy else "none (every tensor lossless)"
+    measured = pol.get("measured") if isinstance(pol.get("measured"), dict) else {}
+    try:
+        nf4_line += (f"; chosen by the {pol.get('mode', 'manual')} policy, estimated mean KL "
+                     f"{float(measured['cost_kl']):.4f} nats ({measured['method']})")
+    except (KeyError, TypeError, ValueError):
+        pass
     codec = pol.get("codec", "?")
     codec_line = f"`{codec}`"
     if codec != C.CODEC_RAW:
@@ -349,7 +363,7 @@ def model_card(manifest, repo_id: str, *, license: str | None = None) -> str:  #
                          f"(group table `{arch.get('mapping')}`)"),
         ("lossless codec", codec_line),
         ("cast", f"`{pol['dtype']}`" if pol.get("dtype") else "none (source dtypes kept)"),
-        ("NF4 parts", nf4_line),
+        ("lossy parts", nf4_line),
         ("Maximus shards", maximus_line),
         ("groups / tensors / chunks",
          f"{len(manifest.groups)} / {len(manifest.tensors)} / {len(manifest.chunks)}"),

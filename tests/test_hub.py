@@ -501,7 +501,7 @@ def test_model_card_mentions_policy_and_sizes(gemma_art):
     meta = _front_matter(card)
     assert meta == {"library_name": "lct", "tags": meta["tags"], "license": "mit"}
     assert "base_model" not in meta   # a local source has no Hub id to point at
-    for needle in ("lossless codec", "`planes`", "zstd level", "NF4 parts", "blocksize",
+    for needle in ("lossless codec", "`planes`", "zstd level", "lossy parts", "blocksize",
                    "Maximus shards", "source tensors", "stored chunks", "x of the source",
                    "import lct", 'lct.load("hf://org/name", prefetch=2)'):
         assert needle in card, needle
@@ -638,3 +638,19 @@ def test_info_verify_and_export_take_hub_addresses(gemma_art, hub, run, tmp_path
     lct.export(gemma_art, ref)
     assert (tmp_path / "hf" / "model.safetensors").read_bytes() == \
         (ref / "model.safetensors").read_bytes()
+
+
+def test_model_card_of_an_int8_artifact_parses_with_huggingface_hub(llama_src, tmp_path):
+    """Issue 14: the card's metadata reads back through huggingface_hub's ModelCard, with the
+    tags of what is stored and the policy's measured cost in the body."""
+    from huggingface_hub import ModelCard
+
+    from lct.converter import Policy
+    art = tmp_path / "a.lct"
+    lct.convert(str(llama_src), art, policy=Policy(int8=("embed", "head")))
+    card = ModelCard(lhub.model_card(lct.open(art).manifest, "org/name", license="apache-2.0"))
+    data = card.data.to_dict()
+    assert data["library_name"] == "lct" and data["license"] == "apache-2.0"
+    assert {"lct", "int8", "llama"} <= set(data["tags"]) and "nf4" not in data["tags"]
+    assert "embed, head in int8 with one scale per row" in card.text
+    assert "estimated mean KL" in card.text
