@@ -145,6 +145,17 @@ def split_address(address: str, revision: str | None = None) -> tuple:
     return repo_id, revision or rev
 
 
+def offline_reason() -> str:
+    """Why the Hub is out of reach, as far as LCT can tell: the setting, or the network."""
+    try:
+        import huggingface_hub.constants as hc
+        if hc.HF_HUB_OFFLINE:
+            return "offline mode is on (HF_HUB_OFFLINE is set)"
+    except ImportError:  # pragma: no cover - a declared dependency
+        pass
+    return "the Hub could not be reached (no network?)"
+
+
 def is_hf_uri(path) -> bool:
     """Whether ``path`` is an ``hf://`` address (a string starting with ``hf://``)."""
     return isinstance(path, str) and path.startswith(HF_SCHEME)
@@ -196,6 +207,9 @@ def hub_error(e: BaseException, repo_id: str, revision: str | None = None,
         return next((x for x in chain if isinstance(x, types)), None)
 
     if find(herr.OfflineModeIsEnabled) is not None:
+        if action == "push":
+            return HubOfflineError(f"{where}: HF_HUB_OFFLINE is set, and a push needs the Hub; "
+                                   f"unset HF_HUB_OFFLINE to push")
         return HubOfflineError(f"{where}: offline (HF_HUB_OFFLINE is set) and not in the local "
                                f"Hugging Face cache; unset HF_HUB_OFFLINE, or pull it once while "
                                f"online")

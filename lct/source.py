@@ -141,8 +141,9 @@ def hub_fetch(fetch, repo_id: str, revision: str | None, what: str, *,
         raise not_found(f"{repo_id}: no such folder, and no such Hub repo "
                         f"(or it is private: log in or set HF_TOKEN)") from e
     except herr.LocalEntryNotFoundError as e:
-        raise offline(f"{repo_id}: {what} is not in the local Hugging Face cache and the Hub is "
-                      f"out of reach (offline: HF_HUB_OFFLINE is set, or no network)") from e
+        from .hub import offline_reason
+        raise offline(f"{repo_id}: {what} not found in the local Hugging Face cache, and "
+                      f"{offline_reason()}") from e
     except herr.EntryNotFoundError as e:
         raise not_found(f"{repo_id}: the Hub repo has no {what}") from e
     except (herr.HfHubHTTPError, OSError, ValueError) as e:

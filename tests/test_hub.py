@@ -654,3 +654,18 @@ def test_model_card_of_an_int8_artifact_parses_with_huggingface_hub(llama_src, t
     assert {"lct", "int8", "llama"} <= set(data["tags"]) and "nf4" not in data["tags"]
     assert "embed, head in int8 with one scale per row" in card.text
     assert "estimated mean KL" in card.text
+
+
+def test_offline_hints_say_what_is_true(gemma_art, hub, run, monkeypatch):
+    """Issue 14: the offline hint names HF_HUB_OFFLINE only when it is set, and push offline
+    does not advise pulling."""
+    import huggingface_hub.constants as hc
+    monkeypatch.setattr(hc, "HF_HUB_OFFLINE", True)
+    res = run("push", str(gemma_art), "alice/g", "--quiet")
+    assert res.exit_code == 1 and "HF_HUB_OFFLINE is set" in res.output
+    assert "pull" not in res.output
+    monkeypatch.setattr(hc, "HF_HUB_OFFLINE", False)
+    hub.stop()       # nothing answers at the endpoint now
+    res = run("convert", "alice/other", "-o", "unused.lct", "--quiet")
+    assert res.exit_code == 1 and "HF_HUB_OFFLINE is set" not in res.output
+    assert "could not be reached" in res.output or "cannot reach" in res.output
