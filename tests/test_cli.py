@@ -275,3 +275,24 @@ def test_json_outputs_parse_and_carry_their_documented_fields(gemma_src, tmp_pat
         missing = [f for f in want if f not in obj]
         assert not missing, (command, missing)
     assert obj["text"] and obj["new_tokens"] >= 1
+
+
+def test_readme_and_layerwise_load_agree_on_resident_layers(tmp_path):
+    """Issue 14: the README's `lct load --layerwise` line states what the command measures
+    (on a model with more layers than the window)."""
+    import re
+
+    from click.testing import CliRunner
+
+    import lct
+    from lct import tiny
+    from lct.cli.main import cli
+    src = tiny.save_tiny(tmp_path / "src", "llama", num_hidden_layers=6)
+    llama_art = tmp_path / "a.lct"
+    lct.convert(str(src), llama_art)
+    readme = (Path(__file__).parent.parent / "README.md").read_text()
+    claimed = int(re.search(r"--layerwise.*?= (\d+) layers resident", readme).group(1))
+    res = CliRunner().invoke(cli, ["load", str(llama_art), "--layerwise", "--ids", "1,2,3",
+                                   "--max-new-tokens", "2", "--json"])
+    assert res.exit_code == 0, res.output
+    assert json.loads(res.stdout)["max_resident_layers"] == claimed
