@@ -26,7 +26,9 @@ COMMANDS = {
 
 @click.group(cls=LCTGroup, lazy_commands=COMMANDS, context_settings={"help_option_names": ["-h", "--help"]})
 @click.version_option(__version__, prog_name="lct")
-def cli():
+@click.option("-v", "--verbose", count=True,
+              help="Log what LCT does on stderr (-v: steps, -vv: details).")
+def cli(verbose):
     """LCT: convert Hugging Face checkpoints to the Layer-wise Compressed Tensor format, inspect,
     verify, export and load them.
 
@@ -34,6 +36,15 @@ def cli():
     `lct load OUT --prompt "Hello"`.
     Set LCT_DEBUG=1 for full tracebacks.
     """
+    if verbose:
+        import logging
+        log = logging.getLogger("lct")
+        if not any(getattr(h, "lct_cli", False) for h in log.handlers):
+            handler = logging.StreamHandler()
+            handler.setFormatter(logging.Formatter("%(name)s: %(message)s"))
+            handler.lct_cli = True
+            log.addHandler(handler)
+        log.setLevel(logging.INFO if verbose == 1 else logging.DEBUG)
 
 
 def main():

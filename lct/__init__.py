@@ -12,6 +12,12 @@ Example:
 
 __version__ = "0.1.0"
 
+import logging as _logging
+
+# Module loggers live under "lct" and are silent unless the program configures logging (or
+# `lct -v` does), as huggingface_hub's are.
+_logging.getLogger(__name__).addHandler(_logging.NullHandler())
+
 __all__ = ["__version__", "open", "convert", "export", "verify", "load", "Policy", "NF4Weight",
            "Int8Weight"]
 

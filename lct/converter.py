@@ -7,6 +7,7 @@ buffer, encoded on all cores, written, and dropped before the next group is read
 
 from __future__ import annotations
 
+import logging
 import os
 import re
 import threading
@@ -28,6 +29,7 @@ from .source import ST_DTYPES, Source, resolve, sha256_file
 from .writer import ArtifactWriter, TensorSpec, plan_group
 
 Progress = Callable[[str, int, int], None]
+log = logging.getLogger(__name__)
 
 
 @dataclass
@@ -408,6 +410,10 @@ def convert(source: str, out, *, revision: str | None = None, policy: Policy | N
             policy.blocksize if encoding == C.ENCODING_NF4 else None))
 
     groups = M.group_order(specs)
+    log.info("%s: %d tensors in %d groups; embed/head stored as %s", src.root, len(tensors),
+             len(specs), {r: e for r, e in chosen.items() if r in lossy})
+    if decision is not None:
+        log.info("%s", decision.summary())
     total = sum(int(np.prod(tensors[s.name].shape)) * C.DTYPE_SIZES[tensors[s.name].dtype]
                 for g in specs.values() for s in g)
     hashes: dict = {}
@@ -432,6 +438,7 @@ def convert(source: str, out, *, revision: str | None = None, policy: Policy | N
                     handles.clear()
             for spec in (plan_maximus.pieced.get(group, []) if plan_maximus else []):
                 done += _write_pieces(writer, spec, plan_maximus, policy, src, tensors[spec.name])
+            log.debug("group %s written (%d of %d source bytes)", group, done, total)
             if progress:
                 progress(group, done, total)
         for p in src.sidecars():

@@ -18,6 +18,7 @@ whose cost is within the budget, the one with the fewest stored bytes wins (loss
 
 from __future__ import annotations
 
+import logging
 import time
 from dataclasses import dataclass, field
 from itertools import product
@@ -26,6 +27,7 @@ from . import constants as C
 from .errors import LCTError, PolicyError
 
 CANDIDATES = (C.ENCODING_NF4, C.ENCODING_INT8)
+log = logging.getLogger(__name__)
 ROW_STEP_BYTES = 64 << 20
 
 
@@ -338,6 +340,7 @@ def decide(src, tensors: dict, lossy: dict, tied: bool, table, policy,
     else:
         costs, tokens, method = proxy_costs(src, tensors, lossy, tied, table, policy), 0, "proxy"
     costs = {part: c for part, c in costs.items() if c}
+    log.info("%s costs (mean KL, nats): %s", method, costs)
     shapes, dtypes = {}, {}
     for part in costs:
         st = tensors[lossy["embed" if part == "embed+head" else part]]

@@ -8,11 +8,14 @@ decode in the background.
 
 from __future__ import annotations
 
+import logging
 import time
 from dataclasses import dataclass, field
 
 from lct import constants as C
 from lct.errors import LCTError
+
+log = logging.getLogger("lct.loader")
 
 NF4_MODES = ("keep", "dequantize")
 
@@ -450,6 +453,9 @@ def _load(path, prefetch, device, dtype, nf4, workers, verify, pad_ids, stats, m
     stats.groups, stats.max_in_flight = s.groups, s.max_in_flight
     stats.nf4_modules = list(inst.nf4_modules)
     stats.total_s = time.perf_counter() - t0
+    log.info("loaded %s: %d groups, %d bytes decoded in %.2f s (skeleton %.2f s beside decode, "
+             "waited %.2f s for decode)", path, stats.groups, stats.bytes_decoded, stats.total_s,
+             stats.skeleton_s, stats.wait_s)
     _generation_config(model, art.path)
     return model.eval()
 

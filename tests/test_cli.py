@@ -296,3 +296,29 @@ def test_readme_and_layerwise_load_agree_on_resident_layers(tmp_path):
                                    "--max-new-tokens", "2", "--json"])
     assert res.exit_code == 0, res.output
     assert json.loads(res.stdout)["max_resident_layers"] == claimed
+
+
+def test_verbose_logs_to_stderr_and_the_library_is_silent_by_default(llama_src, tmp_path,
+                                                                     caplog):
+    """Issue 14: -v turns on LCT's loggers (module loggers under lct.*) on stderr; without it,
+    and from Python, LCT logs nothing unless the program asks."""
+    import logging
+
+    from click.testing import CliRunner
+
+    import lct
+    from lct.cli.main import cli
+    res = CliRunner().invoke(cli, ["-v", "convert", str(llama_src), "-o", str(tmp_path / "a.lct"),
+                                   "--quiet"])
+    assert res.exit_code == 0, res.output
+    assert "lct.converter:" in res.stderr and "embed/head stored as" in res.stderr
+    assert "lct.converter" not in res.stdout
+    logging.getLogger("lct").handlers = [h for h in logging.getLogger("lct").handlers
+                                         if isinstance(h, logging.NullHandler)]
+    logging.getLogger("lct").setLevel(logging.NOTSET)
+    res = CliRunner().invoke(cli, ["convert", str(llama_src), "-o", str(tmp_path / "b.lct"),
+                                   "--quiet"])
+    assert "lct.converter:" not in res.stderr
+    with caplog.at_level(logging.INFO, logger="lct"):
+        lct.convert(str(llama_src), tmp_path / "c.lct")
+    assert any(r.name == "lct.converter" for r in caplog.records)
