@@ -374,23 +374,19 @@ def convert(source: str, out, *, revision: str | None = None, policy: Policy | N
     for n, (_, r) in placed.items():
         if r in C.LOSSY_ROLES and lossy_ok(n):
             lossy.setdefault(r, n)
+    chosen = None if policy.auto else policy.forced()
+    if chosen and ties and chosen["embed"] != chosen["head"]:
+        raise PolicyError(
+            f"{src.root}: the embedding and the LM head are one tied table, so "
+            f"{chosen['embed']} for the embedding and {chosen['head']} for the head cannot "
+            f"both be honoured: name both parts (--nf4 embed,head or --int8 embed,head) "
+            f"or neither (lossless)")
     decision = None
-    if policy.auto:
+    if chosen is None or any(chosen[r] != C.ENCODING_PLAIN for r in lossy):
+        # auto: measure to choose; a forced lossy encoding: measure what it costs, to say so
         from .policy import decide
-        decision = decide(src, tensors, lossy, bool(ties), table, policy, progress)
+        decision = decide(src, tensors, lossy, bool(ties), table, policy)
         chosen = decision.chosen
-    else:
-        chosen = policy.forced()
-        if ties and chosen["embed"] != chosen["head"]:
-            raise PolicyError(
-                f"{src.root}: the embedding and the LM head are one tied table, so "
-                f"{chosen['embed']} for the embedding and {chosen['head']} for the head cannot "
-                f"both be honoured: name both parts (--nf4 embed,head or --int8 embed,head) "
-                f"or neither (lossless)")
-        if any(chosen[r] != C.ENCODING_PLAIN for r in lossy):
-            # a forced lossy encoding: measure what it costs (the proxy), to say so
-            from .policy import decide
-            decision = decide(src, tensors, lossy, bool(ties), table, policy, progress)
 
     specs: dict = {}
     for name, (group, role) in placed.items():

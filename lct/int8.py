@@ -24,6 +24,18 @@ def row_shape(shape) -> tuple:
     return math.prod(shape[:-1]), shape[-1]
 
 
+def quantize_rows(x):
+    """The rule on float32 rows ``x`` [rows, cols]: ``(q, scale)`` with ``q`` the codes as
+    integer-valued float32 and ``scale`` float32 [rows]. ``x`` is not changed."""
+    import torch
+    am = x.abs().amax(dim=1) if x.shape[1] else x.new_zeros(x.shape[0])
+    scale = am / C.INT8_MAX
+    safe = torch.where(scale == 0, torch.ones_like(scale), scale)
+    q = torch.round(x / safe.unsqueeze(1)).clamp_(-C.INT8_MAX, C.INT8_MAX)
+    q[scale == 0] = 0
+    return q, scale
+
+
 def quantize(tensor, name: str = "tensor"):
     """Quantize ``tensor`` to int8 with one float32 scale per row (its last dimension).
 
@@ -50,16 +62,11 @@ def quantize(tensor, name: str = "tensor"):
     step = max(1, PIECE_ELEMENTS // max(cols, 1))
     for r0 in range(0, rows, step):
         r1 = min(rows, r0 + step)
-        x = x2[r0:r1].to(torch.float32)
-        am = x.abs().amax(dim=1) if cols else x.new_zeros(r1 - r0)
-        if not torch.isfinite(am).all():  # amax propagates NaN and Inf
-            bad = r0 + int((~torch.isfinite(am)).nonzero()[0])
+        v, s = quantize_rows(x2[r0:r1].to(torch.float32))
+        if not torch.isfinite(s).all():  # amax propagates NaN and Inf
+            bad = r0 + int((~torch.isfinite(s)).nonzero()[0])
             raise PolicyError(f"{name}: int8 cannot encode NaN or Inf values (row {bad})")
-        s = am / C.INT8_MAX
         scale[r0:r1] = s
-        safe = torch.where(s == 0, torch.ones_like(s), s)
-        v = torch.round(x / safe.unsqueeze(1)).clamp_(-C.INT8_MAX, C.INT8_MAX)  # x may be the input
-        v[s == 0] = 0
         q[r0:r1] = v.to(torch.int8)
     return q, scale
 

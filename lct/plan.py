@@ -30,6 +30,7 @@ from pathlib import Path
 
 from . import constants as C
 from .maximus import DEFAULT_SHARDS, default_budget, shard_bounds
+from .writer import encoded_bytes
 from .modelspec import (ConfigNotFoundError, Dims, PlanError,  # noqa: F401 (re-exported)
                         model_dims, parameter_specs, read_config)
 
@@ -58,11 +59,6 @@ BNB_QMAP_BYTES = 2 * 256 * 4
 def nf4_bytes(numel: int, blocksize: int = C.DEFAULT_BLOCKSIZE) -> int:
     """Bytes of an NF4 tensor: ceil(n/2) packed codes + 4 x ceil(n/blocksize) float32 absmax."""
     return (numel + 1) // 2 + 4 * (-(-numel // blocksize))
-
-
-def int8_bytes(shape: tuple) -> int:
-    """Bytes of an int8 tensor: one byte per element and a float32 scale per row."""
-    return math.prod(shape) + 4 * math.prod(shape[:-1])
 
 
 def lct_layout(specs: list, dtype: str, nf4_roles=C.NF4_ROLES, blocksize: int = C.DEFAULT_BLOCKSIZE,
@@ -605,8 +601,9 @@ def _plan(cfg: dict, where: str, dims: Dims, base: Dims, manifest, budget, *, mo
                 dense += s.numel * a + optimizer_state_bytes(s.shape, optimizer, state_bytes) + \
                     (4 * s.numel if precision == "mixed" else 0)
             nf4_saving += dense - (layout[s.name][1] if layout is not None and
-                                   s.name in quant_specs else nf4_bytes(s.numel, blocksize)
-                                   if q_nf4 else int8_bytes(s.shape))
+                                   s.name in quant_specs else encoded_bytes(
+                                       C.ENCODING_NF4 if q_nf4 else C.ENCODING_INT8, s.shape,
+                                       "float32", blocksize))
 
     # Maximus: the input embedding's table in host memory, K of N shards on the accelerator.
     emb = next(s for s in specs if s.role == "embed")

@@ -25,6 +25,7 @@ from itertools import product
 
 from . import constants as C
 from .errors import LCTError, PolicyError
+from .writer import encoded_bytes
 
 CANDIDATES = (C.ENCODING_NF4, C.ENCODING_INT8)
 log = logging.getLogger(__name__)
@@ -70,17 +71,6 @@ class Decision:
                 f"{self.cost:.4f} nats, budget {self.budget:g}")
 
 
-def stored_bytes(encoding: str, shape: tuple, dtype: str, blocksize: int) -> int:
-    """Bytes a 2-D table of ``shape`` takes in ``encoding`` (before zstd)."""
-    rows, cols = shape
-    n = rows * cols
-    if encoding == C.ENCODING_NF4:
-        return (n + 1) // 2 + 4 * (-(-n // blocksize))
-    if encoding == C.ENCODING_INT8:
-        return n + 4 * rows
-    return n * C.DTYPE_SIZES[dtype]
-
-
 def roundtrip(encoding: str, w, blocksize: int, wf=None):
     """``w`` quantized in ``encoding`` and dequantized again, as float32 (``wf``: ``w`` as
     float32 already, if the caller has it)."""
@@ -89,12 +79,9 @@ def roundtrip(encoding: str, w, blocksize: int, wf=None):
         from . import nf4
         packed, absmax = nf4.quantize(w, blocksize)
         return nf4.dequantize(packed, absmax, tuple(w.shape), blocksize, torch.float32)
-    # int8 per row (lct.int8's rule) without the int8 tensor: q is integer-valued in float32,
-    # so q * scale is the dequantized value exactly.
-    x = wf if wf is not None else w.float()
-    scale = x.abs().amax(dim=-1, keepdim=True) / C.INT8_MAX
-    safe = torch.where(scale == 0, torch.ones_like(scale), scale)
-    return (x / safe).round_().clamp_(-C.INT8_MAX, C.INT8_MAX).mul_(scale)
+    from . import int8
+    q, scale = int8.quantize_rows(wf if wf is not None else w.float())
+    return q.mul_(scale.unsqueeze(1))   # q * scale, the dequantized value, without int8 codes
 
 
 def _kl(ref_logits, logits) -> float:
@@ -254,9 +241,9 @@ def calibration_costs(src, tensors: dict, lossy: dict, tied: bool, policy) -> tu
                           DEFAULT_BLOCK)
     if not blocks:
         raise PolicyError(f"{policy.calibration}: the text is shorter than two tokens")
-    first = _table(src, tensors[next(iter(lossy.values()))])
-    model = AutoModelForCausalLM.from_pretrained(src.root, dtype=first.dtype).eval()
-    del first
+    from .reader import torch_dtype
+    dtype = torch_dtype(tensors[next(iter(lossy.values()))].dtype)
+    model = AutoModelForCausalLM.from_pretrained(src.root, dtype=dtype).eval()
     params = {"embed": model.get_input_embeddings().weight}
     head = model.get_output_embeddings()
     if head is not None:
@@ -288,8 +275,7 @@ def calibration_costs(src, tensors: dict, lossy: dict, tied: bool, policy) -> tu
     return {part: {e: v / n for e, v in c.items()} for part, c in sums.items()}, n
 
 
-def choose(costs: dict, shapes: dict, dtypes: dict, tied: bool, budget: float,
-           blocksize: int) -> tuple:
+def choose(costs: dict, shapes: dict, dtypes: dict, budget: float, blocksize: int) -> tuple:
     """The combination of encodings with the fewest stored bytes whose summed cost fits
     ``budget``: ``({role: encoding}, cost)``. ``shapes``/``dtypes`` are per part."""
     parts = list(costs)
@@ -299,7 +285,7 @@ def choose(costs: dict, shapes: dict, dtypes: dict, tied: bool, budget: float,
         cost = sum(c for _, c in combo)
         if cost > budget:
             continue
-        size = sum(stored_bytes(e, shapes[p], dtypes[p], blocksize)
+        size = sum(encoded_bytes(e, shapes[p], dtypes[p], blocksize)
                    for p, (e, _) in zip(parts, combo))
         if best is None or (size, cost) < best[0]:
             best = ((size, cost), combo)
@@ -312,8 +298,7 @@ def choose(costs: dict, shapes: dict, dtypes: dict, tied: bool, budget: float,
     return chosen, best[0][1]
 
 
-def decide(src, tensors: dict, lossy: dict, tied: bool, table, policy,
-           progress=None) -> Decision:
+def decide(src, tensors: dict, lossy: dict, tied: bool, table, policy) -> Decision:
     """Choose the encodings of the embedding and the head (see the module docstring).
 
     Args:
@@ -346,7 +331,7 @@ def decide(src, tensors: dict, lossy: dict, tied: bool, table, policy,
         st = tensors[lossy["embed" if part == "embed+head" else part]]
         shapes[part], dtypes[part] = tuple(st.shape), st.dtype
     if policy.auto:
-        chosen, cost = choose(costs, shapes, dtypes, tied, policy.budget, policy.blocksize)
+        chosen, cost = choose(costs, shapes, dtypes, policy.budget, policy.blocksize)
     else:
         chosen = policy.forced()
         cost = sum(c.get(chosen["embed" if p == "embed+head" else p], 0.0)

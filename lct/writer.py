@@ -82,6 +82,16 @@ class TensorSpec:
         return C.DTYPE_SIZES[self.stored_dtype]
 
 
+def encoded_bytes(encoding: str, shape: tuple, dtype: str,
+                  blocksize: int = C.DEFAULT_BLOCKSIZE) -> int:
+    """Bytes a tensor of ``shape`` takes in ``encoding`` in its decoded chunk: codes plus
+    scales (NF4 absmax, int8 row scales), alignment gaps not counted."""
+    stored = {C.ENCODING_NF4: "nf4", C.ENCODING_INT8: "int8"}.get(encoding, dtype)
+    spec = TensorSpec("", tuple(shape), dtype, stored, encoding, "", "",
+                      blocksize if encoding == C.ENCODING_NF4 else None)
+    return spec.nbytes + spec.absmax_nbytes
+
+
 @dataclass
 class ChunkPlan:
     """The layout of one chunk before its bytes exist: tensor offsets and the decoded size."""

@@ -41,16 +41,16 @@ def test_choose_smallest_within_budget():
     shapes = {"embed": (1000, 64), "head": (1000, 64)}
     dtypes = {"embed": "bfloat16", "head": "bfloat16"}
     costs = {"embed": {"nf4": 0.004, "int8": 0.0001}, "head": {"nf4": 0.2, "int8": 0.003}}
-    chosen, cost = choose(costs, shapes, dtypes, False, 0.01, 64)
+    chosen, cost = choose(costs, shapes, dtypes, 0.01, 64)
     assert chosen == {"embed": "nf4", "head": "int8"} and cost == pytest.approx(0.007)
     # a tighter budget pushes the embedding to int8 too (the NF4 embed + int8 head case)
-    chosen, _ = choose(costs, shapes, dtypes, False, 0.005, 64)
+    chosen, _ = choose(costs, shapes, dtypes, 0.005, 64)
     assert chosen == {"embed": "int8", "head": "int8"}
     # nothing lossy fits: lossless
-    chosen, cost = choose(costs, shapes, dtypes, False, 0.00001, 64)
+    chosen, cost = choose(costs, shapes, dtypes, 0.00001, 64)
     assert chosen == {"embed": "plain", "head": "plain"} and cost == 0
     tied, _ = choose({"embed+head": {"nf4": 0.3, "int8": 0.002}}, {"embed+head": (1000, 64)},
-                     {"embed+head": "bfloat16"}, True, 0.01, 64)
+                     {"embed+head": "bfloat16"}, 0.01, 64)
     assert tied == {"embed": "int8", "head": "int8"}
 
 
