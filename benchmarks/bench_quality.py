@@ -75,8 +75,8 @@ def main() -> None:
         art = args.out / f"smollm2-quality-{key}.lct"
         flags = [f.format(cal=corpora["calibration"]) for f in flags]
         t = time.perf_counter()
-        out = subprocess.run([lct_bin, "convert", str(src), "-o", str(art), *flags, "--force",
-                              "--quiet"], check=True, capture_output=True, text=True)
+        out = subprocess.run([lct_bin, "convert", str(src), "-o", str(art), *flags, "--force"],
+                             check=True, capture_output=True, text=True)
         timing[label] = time.perf_counter() - t
         decisions[label] = json.loads((art / "lct.json").read_text())["policy"]
         print(out.stdout.strip(), flush=True)

@@ -54,6 +54,50 @@ def bars_disabled() -> bool:
                for k in ("HF_HUB_DISABLE_PROGRESS_BARS", "TQDM_DISABLE"))
 
 
+def quiet_option(result: str):
+    """The ``-q/--quiet`` option every command shares: print only ``result`` on stdout, as
+    ``hf download --quiet`` prints only the path. Errors still go to stderr."""
+    return click.option("-q", "--quiet", is_flag=True,
+                        help=f"Print only {result}: no progress bars, tables, notes or library "
+                             f"logs (errors still go to stderr).")
+
+
+def go_quiet() -> None:
+    """Silence what other libraries draw or log for the rest of this command (huggingface_hub's
+    and tqdm's bars, transformers' warnings), restored when the command ends."""
+    import logging
+
+    from huggingface_hub.utils import (are_progress_bars_disabled, disable_progress_bars,
+                                       enable_progress_bars)
+    saved = {k: os.environ.get(k) for k in _QUIET_ENV}
+    os.environ.update(_QUIET_ENV)
+    bars_were_off = are_progress_bars_disabled()
+    disable_progress_bars()
+    tf_logger = logging.getLogger("transformers")
+    tf_level = tf_logger.level
+    tf_logger.setLevel(logging.ERROR)
+
+    def restore():
+        for k, v in saved.items():
+            if v is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = v
+        if not bars_were_off:
+            enable_progress_bars()
+        if tf_level != logging.NOTSET:   # a transformers imported meanwhile keeps its own
+            tf_logger.setLevel(tf_level)
+    ctx = click.get_current_context(silent=True)
+    if ctx is not None:
+        ctx.call_on_close(restore)
+
+
+# TQDM_DISABLE reaches every tqdm bar (transformers' and the tokenizer's included);
+# TRANSFORMERS_VERBOSITY a transformers imported later.
+_QUIET_ENV = {"TQDM_DISABLE": "1", "HF_HUB_DISABLE_PROGRESS_BARS": "1",
+              "TRANSFORMERS_VERBOSITY": "error"}
+
+
 class GroupProgress:
     """A tqdm bar fed by the library's ``progress(group, done, total)`` callback (``count``:
     show how many groups were reported, not just the last one's name). Off with

@@ -6,7 +6,7 @@ import click
 
 from lct import constants as C
 
-from ._util import GroupProgress
+from ._util import GroupProgress, go_quiet, quiet_option
 
 
 def _parse_parts(ctx, param, value):
@@ -63,7 +63,7 @@ def _parse_parts(ctx, param, value):
 @click.option("--json", "as_json", is_flag=True,
               help="Print the result as one JSON object (fields in docs/CLI.md); bars stay on "
                    "stderr.")
-@click.option("--quiet", is_flag=True, help="No progress bar.")
+@quiet_option("the artifact's path")
 def convert_cmd(source, output, revision, nf4, int8, budget, calibration, dtype, level, blocksize,
                 codec, max_file_size, workers, maximus_shards, token_freq, force, quiet, as_json):
     """Convert SOURCE (a local model folder with safetensors, or a Hub id such as
@@ -85,6 +85,8 @@ def convert_cmd(source, output, revision, nf4, int8, budget, calibration, dtype,
     policy = Policy(nf4=nf4, int8=int8, budget=budget, calibration=calibration,
                     blocksize=blocksize, dtype=dtype, codec=codec, level=level,
                     maximus_shards=maximus_shards)
+    if quiet:
+        go_quiet()
     bar = GroupProgress("convert", enabled=not quiet)
     try:
         rep = convert(source, output, revision=revision, policy=policy,
@@ -103,6 +105,9 @@ def convert_cmd(source, output, revision, nf4, int8, budget, calibration, dtype,
             "tensors": len(m.tensors), "policy": m.policy, "ties": m.ties,
             "skipped_files": [{"name": n, "why": w} for n, w in rep.skipped_files],
             "unmapped": rep.unmapped}, indent=1))
+        return
+    if quiet:
+        click.echo(str(rep.path))
         return
     click.echo(f"wrote {rep.path}: {len(m.groups)} groups, {len(m.tensors)} tensors, "
                f"{human(m.stored_bytes)} from {human(rep.source_bytes)} of tensors "

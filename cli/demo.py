@@ -4,21 +4,29 @@ from __future__ import annotations
 
 import click
 
-from ._util import table
+from ._util import go_quiet, quiet_option, table
 
 
 @click.command("demo", short_help="Run the whole pipeline on a tiny model, offline.")
 @click.option("--workdir", type=click.Path(), default=None,
               help="Where to put the tiny model, the artifact and the export (default: a new "
                    "temporary folder, kept so you can inspect it).")
-def demo_cmd(workdir):
+@quiet_option("the folder of the files it wrote")
+def demo_cmd(workdir, quiet):
     """Build a tiny random Gemma, convert it to LCT, verify it against the source, export it
     back to safetensors and reload it with transformers, then load it with the prefetching
     streaming loader and generate from a prompt. Prints the size table and timings."""
     from lct.demo import run_demo
     from lct.info import human
 
-    res = run_demo(workdir, log=click.echo)
+    if quiet:
+        go_quiet()
+    res = run_demo(workdir, log=(lambda *_: None) if quiet else click.echo)
+    if quiet:
+        click.echo(str(res.workdir))
+        if not (res.verify_ok and res.load_agrees):
+            raise SystemExit(1)
+        return
     click.echo(table([(g.group, g.tensors, g.encodings, human(g.stored), human(g.decoded))
                       for g in res.groups], ["group", "tensors", "stored as", "stored", "decoded"]))
     click.echo(f"safetensors {human(res.source_bytes)} -> LCT {human(res.artifact_bytes)} "

@@ -6,7 +6,7 @@ import click
 
 from lct import constants as C
 
-from ._util import GroupProgress
+from ._util import GroupProgress, go_quiet, quiet_option
 
 
 @click.command("export", short_help="Write an artifact back as a Hugging Face safetensors folder.")
@@ -16,7 +16,7 @@ from ._util import GroupProgress
               help="Largest safetensors shard, as save_pretrained takes it: 5GB, 500MB "
                    "(decimal) or 2GiB (binary); default save_pretrained's.")
 @click.option("--force", is_flag=True, help="Replace OUT_DIR if it exists.")
-@click.option("--quiet", is_flag=True, help="No progress bar.")
+@quiet_option("the output folder's path")
 def export_cmd(artifact, out_dir, max_shard_size, force, quiet):
     """Write ARTIFACT (a folder or hf://org/name[@rev], pulled first) as a Hugging Face folder
     (safetensors + config + tokenizer + the other side files) that
@@ -24,10 +24,12 @@ def export_cmd(artifact, out_dir, max_shard_size, force, quiet):
     source; NF4 tensors are dequantized exactly as bitsandbytes does, int8 ones as q x scale."""
     from lct.exporter import export
 
+    if quiet:
+        go_quiet()
     bar = GroupProgress("export", unit="group", enabled=not quiet)
     try:
         out = export(artifact, out_dir, max_shard_size=max_shard_size, overwrite=force,
                      progress=bar)
     finally:
         bar.close()
-    click.echo(f"wrote {out}")
+    click.echo(str(out) if quiet else f"wrote {out}")

@@ -6,7 +6,7 @@ import json
 
 import click
 
-from ._util import table
+from ._util import go_quiet, quiet_option, table
 
 
 @click.command("info", short_help="Show an artifact's groups, encodings, sizes and policy.")
@@ -15,7 +15,8 @@ from ._util import table
               help="Print a summary object as JSON (fields in docs/CLI.md).")
 @click.option("--manifest", "as_manifest", is_flag=True, help="Print the raw manifest as JSON.")
 @click.option("--tensors", is_flag=True, help="List every tensor too.")
-def info_cmd(artifact, as_json, as_manifest, tensors):
+@quiet_option("one line: the path, format version, groups, tensors, stored and decoded sizes")
+def info_cmd(artifact, as_json, as_manifest, tensors, quiet):
     """Show the groups, tensors, encodings and stored vs decoded sizes of ARTIFACT (a folder or
     hf://org/name[@rev], pulled into the Hugging Face cache first), and the overall ratio
     against the source checkpoint. Reads only the manifest (no torch needed)."""
@@ -23,6 +24,8 @@ def info_cmd(artifact, as_json, as_manifest, tensors):
     from lct.reader import open_artifact
 
     from lct.hub import local_artifact
+    if quiet:
+        go_quiet()
     with open_artifact(local_artifact(artifact)) as art:
         m = art.manifest
         if as_manifest:
@@ -31,6 +34,11 @@ def info_cmd(artifact, as_json, as_manifest, tensors):
         if as_json:
             from lct.info import summary
             click.echo(json.dumps(summary(m, art.path), indent=1))
+            return
+        if quiet:
+            click.echo(f"{art.path}: LCT {m.format_version[0]}.{m.format_version[1]}, "
+                       f"{len(m.groups)} groups, {len(m.tensors)} tensors, "
+                       f"{human(m.stored_bytes)} stored, {human(m.decoded_bytes)} decoded")
             return
         rows = [(r.group, r.tensors, r.encodings, r.codecs, human(r.stored), human(r.decoded),
                  f"{r.decoded / max(r.stored, 1):.2f}") for r in summarize(m)]

@@ -6,7 +6,7 @@ import time
 
 import click
 
-from ._util import table
+from ._util import go_quiet, quiet_option, table
 
 
 def _ids(ctx, param, value):
@@ -47,8 +47,9 @@ def _ids(ctx, param, value):
 @click.option("--json", "as_json", is_flag=True,
               help="Print the breakdown and the generated text as one JSON object (fields in "
                    "docs/CLI.md).")
+@quiet_option("the generated text (nothing without --prompt or --ids)")
 def load_cmd(artifact, prefetch, device, dtype, nf4, workers, no_verify, layerwise, maximus,
-             stream, prompt, ids, max_new_tokens, as_json):
+             stream, prompt, ids, max_new_tokens, as_json, quiet):
     """Load ARTIFACT into a transformers model with the prefetching streaming loader and print a
     breakdown: imports, manifest, read, decode, install, time to ready, time to first token (with
     --prompt or --ids), throughput and peak RSS.
@@ -59,6 +60,8 @@ def load_cmd(artifact, prefetch, device, dtype, nf4, workers, no_verify, layerwi
 
     if prompt is not None and ids is not None:
         raise click.UsageError("give --prompt or --ids, not both")
+    if quiet:
+        go_quiet()
 
     from lct import hub
     source = artifact
@@ -137,7 +140,9 @@ def load_cmd(artifact, prefetch, device, dtype, nf4, workers, no_verify, layerwi
             rows += [("tokenizer load + prompt encode", f"{res.tokenize_s:.2f} s"),
                      ("first token (after the tokenizer)", f"{res.first_token_s:.2f} s"),
                      ("generation", f"{res.new_tokens} tokens, {res.tokens_per_s:.1f} tok/s")]
-            if not as_json:
+            if quiet and not as_json:
+                click.echo(res.text)
+            elif not as_json:
                 click.echo(f"output: {res.text}")
         if layerwise:
             rows.append(("max resident layers", str(model.max_resident_layers)))
@@ -151,6 +156,8 @@ def load_cmd(artifact, prefetch, device, dtype, nf4, workers, no_verify, layerwi
             model.close()
     rows.append(("peak RSS", human(peak_rss())))
     report["peak_rss_bytes"] = peak_rss()
+    if quiet and not as_json:
+        return
     if as_json:
         import json
         click.echo(json.dumps(report, indent=1))

@@ -7,7 +7,7 @@ import click
 from lct.plan import (DEFAULT_LOSS_CHUNK, DEFAULT_MAXIMUS, DEFAULT_SEQ, DEVICES, FORMATS,
                       KV_DTYPES, MODES, OPTIMIZERS, PRECISIONS)
 
-from ._util import table
+from ._util import go_quiet, quiet_option, table
 
 
 def _parsed(parser_name: str):
@@ -68,9 +68,10 @@ def _parsed(parser_name: str):
 @click.option("--revision", default=None, help="Hub revision when MODEL is a Hub id.")
 @click.option("--json", "as_json", is_flag=True,
               help="Print every figure as JSON (integer parameters and bytes).")
+@quiet_option("the peak (and with --memory whether it fits)")
 def plan_cmd(model, mode, batch, seq, vocab_size, add_tokens, precision, optimizer, kv_dtype,
              fmt, nf4, int8, blocksize, maximus_resident, memory, device, loss_chunk, revision,
-             as_json):
+             as_json, quiet):
     """Plan the memory MODEL needs for inference or a training step.
 
     MODEL is a model folder, an LCT artifact or a Hub id (such as google/gemma-2b); only its
@@ -85,6 +86,8 @@ def plan_cmd(model, mode, batch, seq, vocab_size, add_tokens, precision, optimiz
     if vocab_size is not None and add_tokens is not None:
         raise click.UsageError("give --vocab-size or --add-tokens, not both")
     from .convert import _parse_parts
+    if quiet:
+        go_quiet()
     nf4, int8 = _parse_parts(None, None, nf4), _parse_parts(None, None, int8)
     p = plan(model, mode=mode, batch=batch, seq=seq, vocab_size=vocab_size,
              add_tokens=add_tokens, precision=precision, optimizer=optimizer, kv_dtype=kv_dtype,
@@ -92,6 +95,11 @@ def plan_cmd(model, mode, batch, seq, vocab_size, add_tokens, precision, optimiz
              loss_chunk=loss_chunk, nf4=nf4, blocksize=blocksize, revision=revision, int8=int8)
     if as_json:
         click.echo(p.to_json(), nl=False)
+        return
+    if quiet:
+        from lct.plan import human_bytes
+        click.echo(f"peak {human_bytes(p.total)}" + ("" if p.memory is None else
+                   f"; {'fits in' if p.fits else 'does not fit in'} {human_bytes(p.memory)}"))
         return
     click.echo("\n".join(render(p)))
 

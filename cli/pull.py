@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import click
 
-from ._util import GroupProgress
+from ._util import GroupProgress, go_quiet, quiet_option
 
 
 @click.command("pull", short_help="Download an artifact from the Hub and verify it.")
@@ -12,7 +12,7 @@ from ._util import GroupProgress
 @click.option("--revision", default=None, help="Branch, tag or commit (default: main).")
 @click.option("--local-dir", type=click.Path(file_okay=False), default=None,
               help="Put the files in this folder instead of the Hugging Face cache.")
-@click.option("--quiet", is_flag=True, help="No progress bars.")
+@quiet_option("the local path")
 def pull_cmd(repo_id, revision, local_dir, quiet):
     """Download the LCT artifact REPO_ID (org/name or hf://org/name@revision) and verify every
     checksum: each file against the Hub's hash, each chunk against its xxh3. Prints the local
@@ -25,13 +25,15 @@ def pull_cmd(repo_id, revision, local_dir, quiet):
     from lct.info import human
 
     if quiet:
-        from huggingface_hub.utils import disable_progress_bars
-        disable_progress_bars()
+        go_quiet()
     bar = GroupProgress("verify", unit="group", enabled=not quiet)
     try:
         res = hub.pull_detailed(repo_id, revision=revision, local_dir=local_dir, progress=bar)
     finally:
         bar.close()
+    if quiet:
+        click.echo(str(res.path))
+        return
     click.echo(f"pulled {res.repo_id}" + (f"@{res.revision}" if res.revision else "") +
                f": {len(res.files)} files, {human(res.bytes)}; {res.files_checked} file hashes and "
                f"{res.chunks_checked} chunk checksums OK")

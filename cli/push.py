@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import click
 
-from ._util import GroupProgress
+from ._util import GroupProgress, go_quiet, quiet_option
 
 
 @click.command("push", short_help="Verify an artifact and publish it to the Hub.")
@@ -18,7 +18,7 @@ from ._util import GroupProgress
 @click.option("--create-pr", is_flag=True, help="Open a pull request instead of committing.")
 @click.option("--license", "license_", default=None,
               help="License for the model card (default: the source's, when known).")
-@click.option("--quiet", is_flag=True, help="No progress bars.")
+@quiet_option("the commit's URL (the pull request's with --create-pr)")
 def push_cmd(artifact, repo_id, revision, private, commit_message, create_pr, license_, quiet):
     """Verify ARTIFACT and publish it to the Hub model repo REPO_ID (org/name) in one commit.
 
@@ -31,8 +31,7 @@ def push_cmd(artifact, repo_id, revision, private, commit_message, create_pr, li
     from lct.info import human
 
     if quiet:
-        from huggingface_hub.utils import disable_progress_bars
-        disable_progress_bars()
+        go_quiet()
     check = GroupProgress("verify", unit="group", enabled=not quiet)
     upload = GroupProgress("upload", enabled=not quiet, count=False)  # per file, in bytes
     try:
@@ -42,6 +41,9 @@ def push_cmd(artifact, repo_id, revision, private, commit_message, create_pr, li
     finally:
         check.close()
         upload.close()
+    if quiet:
+        click.echo(res.pr_url or res.commit_url)
+        return
     click.echo(f"pushed {artifact} to {res.repo_id}@{res.revision}: {len(res.files)} files, "
                f"{human(res.bytes)}, {res.chunks_checked} chunks verified before upload")
     click.echo(f"commit {res.commit_oid}: {res.commit_url}")

@@ -6,7 +6,7 @@ import sys
 
 import click
 
-from ._util import GroupProgress, table
+from ._util import GroupProgress, go_quiet, quiet_option, table
 
 
 @click.command("verify", short_help="Check an artifact's checksums, tensors and quality.")
@@ -31,7 +31,7 @@ from ._util import GroupProgress, table
                    "resident.")
 @click.option("--json", "as_json", is_flag=True,
               help="Print the whole report as JSON (fields in docs/CLI.md) instead of tables.")
-@click.option("--quiet", is_flag=True, help="No progress bar.")
+@quiet_option("OK or FAILED (the problems on stderr)")
 def verify_cmd(artifact, against, revision, quality, text, max_tokens, layerwise, as_json, quiet):
     """Check every chunk of ARTIFACT (a folder or hf://org/name[@rev], pulled first):
     checksum and decode. Exits 1 if anything is wrong.
@@ -44,6 +44,8 @@ def verify_cmd(artifact, against, revision, quality, text, max_tokens, layerwise
         raise click.UsageError("--layerwise goes with --quality")
     if quality and against is None:
         raise click.UsageError("--quality needs --against SOURCE (the lossless reference)")
+    if quiet:
+        go_quiet()
     bar = GroupProgress("verify", unit="group", enabled=not quiet)
     qbar = GroupProgress("quality", unit="block", enabled=not quiet)
     try:
@@ -65,6 +67,13 @@ def verify_cmd(artifact, against, revision, quality, text, max_tokens, layerwise
             "lossy_tensors": [asdict(t) for t in lossy],
             "quality": rep.quality.to_dict() if rep.quality is not None else None},
             indent=1))
+        if not rep.ok:
+            sys.exit(1)
+        return
+    if quiet:
+        for f in rep.failures:
+            click.echo(f"FAIL {f}", err=True)
+        click.echo("OK" if rep.ok else "FAILED")
         if not rep.ok:
             sys.exit(1)
         return

@@ -7,6 +7,7 @@ import pytest
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
+os.environ.setdefault("HF_HUB_DISABLE_PROGRESS_BARS", "1")  # tests read outputs, not bars
 warnings.filterwarnings("ignore", message=".*gemm_4bit.*")
 
 

@@ -744,7 +744,7 @@ def test_cli_manifest_not_json(art, cmd):
 def test_cli_verify_bit_flip(art):
     c = load(art)["chunks"][3]
     flip(art, c["offset"] + 1000, 5)
-    result = _cli(["verify", "--quiet", str(art)])
+    result = _cli(["verify", str(art)])
     assert result.exit_code == 1
     assert "Traceback" not in result.output
     assert "chunk 3" in result.output and "layers.2" in result.output
@@ -752,7 +752,7 @@ def test_cli_verify_bit_flip(art):
 
 
 def test_cli_verify_and_info_ok_on_pristine(gemma_art):
-    assert _cli(["verify", "--quiet", str(gemma_art)]).exit_code == 0
+    assert _cli(["verify", str(gemma_art)]).exit_code == 0
     assert _cli(["info", str(gemma_art)]).exit_code == 0
 
 

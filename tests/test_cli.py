@@ -1,6 +1,7 @@
 """The CLI: every command works through CliRunner, errors are one line with a non-zero exit."""
 
 import json
+import re
 import shutil
 from pathlib import Path
 
@@ -25,7 +26,7 @@ def test_help_on_every_command(run):
 
 def test_convert_info_verify_export(run, llama_src, tmp_path):
     out = tmp_path / "m.lct"
-    res = run("convert", llama_src, "-o", out, "--quiet")
+    res = run("convert", llama_src, "-o", out)
     assert res.exit_code == 0, res.output
     assert "wrote" in res.output and "groups" in res.output
     res = run("info", out)
@@ -39,10 +40,10 @@ def test_convert_info_verify_export(run, llama_src, tmp_path):
                 "decoded_bytes", "source_bytes", "ratio", "side_files"):
         assert key in summary, key
     assert summary["stored_bytes"] == sum(g["stored_bytes"] for g in summary["groups"])
-    res = run("verify", out, "--against", llama_src, "--quiet")
+    res = run("verify", out, "--against", llama_src)
     assert res.exit_code == 0, res.output
     assert "OK" in res.output and "lm_head.weight" in res.output and "bit-identical" in res.output
-    res = run("export", out, tmp_path / "hf", "--quiet")
+    res = run("export", out, tmp_path / "hf")
     assert res.exit_code == 0
     exported = load_file(tmp_path / "hf" / "model.safetensors")
     ref = load_file(llama_src / "model.safetensors")
@@ -52,7 +53,7 @@ def test_convert_info_verify_export(run, llama_src, tmp_path):
 
 def test_convert_options(run, gemma_src, tmp_path):
     res = run("convert", gemma_src, "-o", tmp_path / "a.lct", "--nf4", "none", "--dtype",
-              "float16", "--level", "3", "--quiet")
+              "float16", "--level", "3")
     assert res.exit_code == 0, res.output
     m = json.loads((tmp_path / "a.lct" / "lct.json").read_text())
     assert m["policy"]["nf4"] == [] and m["policy"]["dtype"] == "float16"
@@ -68,7 +69,7 @@ def test_verify_against_changed_source_fails(run, gemma_src, gemma_art, tmp_path
     tensors = load_file(src / "model.safetensors")
     tensors["model.layers.1.mlp.up_proj.weight"][0, 0] += 1
     save_file(tensors, src / "model.safetensors")
-    res = run("verify", gemma_art, "--against", src, "--quiet")
+    res = run("verify", gemma_art, "--against", src)
     assert res.exit_code == 1
     assert "model.layers.1.mlp.up_proj.weight" in res.output
 
@@ -84,10 +85,10 @@ def test_verify_against_source_whose_nf4_table_differs_fails(run, gemma_src, gem
     row = tensors["model.embed_tokens.weight"][7]
     row[3] = row.abs().max() * 0.5  # one value inside the block's range: absmax unchanged
     save_file(tensors, src / "model.safetensors")
-    res = run("verify", gemma_art, "--against", src, "--quiet")
+    res = run("verify", gemma_art, "--against", src)
     assert res.exit_code == 1
     assert "model.embed_tokens.weight: NF4 codes differ" in res.output
-    assert run("verify", gemma_art, "--against", gemma_src, "--quiet").exit_code == 0
+    assert run("verify", gemma_art, "--against", gemma_src).exit_code == 0
 
 
 @pytest.mark.parametrize("args,fragment", [
@@ -200,7 +201,7 @@ def test_verify_against_a_different_model_is_one_line(run, gemma_art, tmp_path):
     other = tmp_path / "other"
     other.mkdir()
     save_file({"transformer.h.0.attn.weight": torch.zeros(4, 4)}, other / "model.safetensors")
-    res = run("verify", gemma_art, "--against", other, "--quiet")
+    res = run("verify", gemma_art, "--against", other)
     assert res.exit_code == 1 and "shares no tensor name with the artifact" in res.output
     assert res.output.count("\n") == 1
 
@@ -308,17 +309,62 @@ def test_verbose_logs_to_stderr_and_the_library_is_silent_by_default(llama_src, 
 
     import lct
     from lct.cli.main import cli
-    res = CliRunner().invoke(cli, ["-v", "convert", str(llama_src), "-o", str(tmp_path / "a.lct"),
-                                   "--quiet"])
+    res = CliRunner().invoke(cli, ["-v", "convert", str(llama_src), "-o", str(tmp_path / "a.lct")])
     assert res.exit_code == 0, res.output
     assert "lct.converter:" in res.stderr and "embed/head stored as" in res.stderr
     assert "lct.converter" not in res.stdout
     logging.getLogger("lct").handlers = [h for h in logging.getLogger("lct").handlers
                                          if isinstance(h, logging.NullHandler)]
     logging.getLogger("lct").setLevel(logging.NOTSET)
-    res = CliRunner().invoke(cli, ["convert", str(llama_src), "-o", str(tmp_path / "b.lct"),
-                                   "--quiet"])
+    res = CliRunner().invoke(cli, ["convert", str(llama_src), "-o", str(tmp_path / "b.lct")])
     assert "lct.converter:" not in res.stderr
     with caplog.at_level(logging.INFO, logger="lct"):
         lct.convert(str(llama_src), tmp_path / "c.lct")
     assert any(r.name == "lct.converter" for r in caplog.records)
+
+
+def test_every_command_has_quiet_and_it_prints_only_the_result(gemma_src, tmp_path):
+    """Issue 14: -q/--quiet on every command prints nothing but the result on stdout (the path,
+    the verdict, the generated text) and nothing on stderr; push and pull are tested against
+    the loopback Hub in test_hub.py."""
+    from click.testing import CliRunner
+
+    from lct import tiny
+    from lct.cli.main import COMMANDS, cli
+    runner = CliRunner()
+    for name in COMMANDS:
+        help_text = runner.invoke(cli, [name, "--help"]).output
+        assert "-q, --quiet" in help_text, name
+    src = tmp_path / "src"
+    shutil.copytree(gemma_src, src)
+    tiny.save_tokenizer(src, vocab_size=256)
+    art = tmp_path / "a.lct"
+
+    def quiet(*args):
+        res = runner.invoke(cli, [str(a) for a in args] + ["-q"])
+        assert res.exit_code == 0, (args, res.output)
+        assert res.stderr == "", (args, res.stderr)
+        return res.stdout
+
+    assert quiet("convert", src, "-o", art) == f"{art}\n"
+    assert quiet("export", art, tmp_path / "hf") == f"{tmp_path / 'hf'}\n"
+    assert quiet("verify", art, "--against", src) == "OK\n"
+    line = quiet("info", art)
+    assert line.startswith(f"{art}: LCT 1.") and line.count("\n") == 1 and "stored" in line
+    text = quiet("load", art, "--prompt", "Hello", "--max-new-tokens", "3")
+    full = runner.invoke(cli, ["load", str(art), "--prompt", "Hello", "--max-new-tokens", "3"])
+    assert f"output: {text}" in full.stdout and text.count("\n") == 1
+    assert quiet("load", art) == ""
+    assert re.fullmatch(r"peak [\d.]+ [KMG]i?B; fits in [\d.]+ GiB\n",
+                        quiet("plan", art, "--memory", "16GiB"))
+    assert quiet("demo", "--workdir", tmp_path / "demo") == f"{tmp_path / 'demo'}\n"
+
+    # A failure still says what is wrong (stderr) and exits 1; stdout has the verdict only.
+    bad = tmp_path / "bad.lct"
+    shutil.copytree(art, bad)
+    data = next(bad.glob("*.lct"))
+    raw = bytearray(data.read_bytes())
+    raw[len(raw) // 2] ^= 0xFF
+    data.write_bytes(bytes(raw))
+    res = runner.invoke(cli, ["verify", str(bad), "-q"])
+    assert res.exit_code == 1 and res.stdout == "FAILED\n" and "FAIL " in res.stderr

@@ -136,7 +136,7 @@ def test_push_refuses_a_symlink_inside_the_artifact(gemma_art, hub, tmp_path):
 
 
 def test_cli_push_branch_and_pr_then_pull(llama_art, hub, run, tmp_path):
-    res = run("push", llama_art, "alice/llama-lct", "--revision", "dev", "--quiet",
+    res = run("push", llama_art, "alice/llama-lct", "--revision", "dev",
               "--commit-message", "first upload", "--license", "apache-2.0")
     assert res.exit_code == 0, res.output
     assert "pushed" in res.output and "hf://alice/llama-lct" in res.output
@@ -146,20 +146,19 @@ def test_cli_push_branch_and_pr_then_pull(llama_art, hub, run, tmp_path):
     assert dev.title == "first upload" and "lct.json" not in hub.head("alice/llama-lct").tree
     assert _front_matter(hub.blob("alice/llama-lct", "README.md", "dev").decode())["license"] \
         == "apache-2.0"
-    res = run("push", llama_art, "alice/llama-lct", "--create-pr", "--quiet")
+    res = run("push", llama_art, "alice/llama-lct", "--create-pr")
     assert res.exit_code == 0, res.output
     assert "pull request: " in res.output and len(repo.prs) == 1
     assert "lct.json" not in hub.head("alice/llama-lct").tree   # main unchanged by a PR
 
-    res = run("pull", "alice/llama-lct", "--revision", "dev", "--local-dir", tmp_path / "d",
-              "--quiet")
+    res = run("pull", "alice/llama-lct", "--revision", "dev", "--local-dir", tmp_path / "d")
     assert res.exit_code == 0, res.output
     assert "chunk checksums OK" in res.output
     assert res.output.strip().splitlines()[-1] == str((tmp_path / "d").resolve())
     want = _files(llama_art)
     got = _files(tmp_path / "d")
     assert all(got[n] == want[n] for n in want)
-    res = run("pull", "hf://alice/llama-lct@refs/pr/1", "--quiet")
+    res = run("pull", "hf://alice/llama-lct@refs/pr/1")
     assert res.exit_code == 0, res.output
 
 
@@ -409,7 +408,7 @@ def test_a_single_server_error_is_retried(gemma_art, hub):
 def test_corrupted_small_file_is_detected(gemma_art, hub, run):
     lhub.push(gemma_art, "alice/g")
     hub.corrupt("alice/g", "config.json", offset=3, nbytes=1)
-    res = run("pull", "alice/g", "--quiet")
+    res = run("pull", "alice/g")
     assert res.exit_code == 1
     assert res.output.startswith("error: alice/g: download is corrupt")
     assert "config.json" in res.output and len(res.output.strip().splitlines()) == 1
@@ -419,7 +418,7 @@ def test_auth_hints(gemma_art, hub, monkeypatch, run):
     monkeypatch.setenv("HF_TOKEN", "wrong-token")
     with pytest.raises(HubAuthError, match="rejected the token"):
         lhub.push(gemma_art, "alice/g")
-    res = run("pull", "alice/g", "--quiet")
+    res = run("pull", "alice/g")
     assert res.exit_code == 1 and "rejected the token" in res.output
     assert len(res.output.strip().splitlines()) == 1
     with pytest.raises(HubAuthError, match="rejected the token"):
@@ -455,7 +454,7 @@ def test_offline_without_cache(hub, monkeypatch, run):
         lhub.pull("alice/g")
     with pytest.raises(HubOfflineError, match="HF_HUB_OFFLINE"):
         lct.load("hf://alice/g", stream=True)
-    res = run("pull", "alice/g", "--quiet")
+    res = run("pull", "alice/g")
     assert res.exit_code == 1 and "offline" in res.output
     assert len(res.output.strip().splitlines()) == 1
     assert not hub.log
@@ -481,8 +480,7 @@ def test_convert_from_hf_uri_and_card_license(gemma_src, gemma_art, hub, tmp_pat
     api.upload_file(repo_id="alice/gemma-src", path_or_fileobj=tmp_path / "card" / "README.md",
                     path_in_repo="README.md")
     out = tmp_path / "from-hub.lct"
-    res = CliRunner().invoke(cli, ["convert", "hf://alice/gemma-src@main", "-o", str(out),
-                                   "--quiet"], catch_exceptions=False)
+    res = CliRunner().invoke(cli, ["convert", "hf://alice/gemma-src@main", "-o", str(out)], catch_exceptions=False)
     assert res.exit_code == 0, res.output
     art = lct.open(out)
     assert art.manifest.source["id"] == "alice/gemma-src"
@@ -538,12 +536,12 @@ def test_push_checks_what_the_hub_holds_after_the_commit(gemma_art, hub, run):
     """Issue 12 item 13: a Hub that keeps a truncated LFS upload without complaint; before,
     push exited 0."""
     hub.truncate_lfs_uploads = True
-    res = run("push", str(gemma_art), "alice/g", "--quiet")
+    res = run("push", str(gemma_art), "alice/g")
     assert res.exit_code == 1
     assert "after the push" in res.output and "model-00000.lct" in res.output
     assert "the upload was cut or changed" in res.output
     hub.truncate_lfs_uploads = False
-    res = run("push", str(gemma_art), "alice/g2", "--quiet")
+    res = run("push", str(gemma_art), "alice/g2")
     assert res.exit_code == 0, res.output
 
 
@@ -557,10 +555,10 @@ def test_a_stalled_hub_ends_in_the_timeout_hint(gemma_art, hub, run):
     try:
         hub.stall_api = 3.0
         t = time.perf_counter()
-        res = run("pull", "alice/g", "--quiet")
+        res = run("pull", "alice/g")
         assert res.exit_code == 1
         assert "stopped answering for 1 s" in res.output and "LCT_HUB_TIMEOUT" in res.output
-        res = run("push", str(gemma_art), "alice/g", "--quiet")
+        res = run("push", str(gemma_art), "alice/g")
         assert res.exit_code == 1 and "stopped answering" in res.output
         assert time.perf_counter() - t < 60
     finally:
@@ -573,7 +571,7 @@ def test_a_wrong_repo_commit_header_is_named(gemma_art, hub, run):
     lct.json in the repo"; now the mismatch is said."""
     lhub.push(gemma_art, "alice/g")
     hub.wrong_commit = True
-    res = run("pull", "alice/g", "--quiet")
+    res = run("pull", "alice/g")
     assert res.exit_code == 1
     assert "X-Repo-Commit" in res.output and "not an LCT artifact" not in res.output
 
@@ -630,9 +628,9 @@ def test_info_verify_and_export_take_hub_addresses(gemma_art, hub, run, tmp_path
     lhub.push(gemma_art, "alice/g")
     res = run("info", "hf://alice/g")
     assert res.exit_code == 0 and "policy:" in res.output, res.output
-    res = run("verify", "hf://alice/g@main", "--quiet")
+    res = run("verify", "hf://alice/g@main")
     assert res.exit_code == 0 and "OK" in res.output, res.output
-    res = run("export", "hf://alice/g", tmp_path / "hf", "--quiet")
+    res = run("export", "hf://alice/g", tmp_path / "hf")
     assert res.exit_code == 0, res.output
     ref = tmp_path / "ref"
     lct.export(gemma_art, ref)
@@ -661,11 +659,23 @@ def test_offline_hints_say_what_is_true(gemma_art, hub, run, monkeypatch):
     does not advise pulling."""
     import huggingface_hub.constants as hc
     monkeypatch.setattr(hc, "HF_HUB_OFFLINE", True)
-    res = run("push", str(gemma_art), "alice/g", "--quiet")
+    res = run("push", str(gemma_art), "alice/g")
     assert res.exit_code == 1 and "HF_HUB_OFFLINE is set" in res.output
     assert "pull" not in res.output
     monkeypatch.setattr(hc, "HF_HUB_OFFLINE", False)
     hub.stop()       # nothing answers at the endpoint now
-    res = run("convert", "alice/other", "-o", "unused.lct", "--quiet")
+    res = run("convert", "alice/other", "-o", "unused.lct")
     assert res.exit_code == 1 and "HF_HUB_OFFLINE is set" not in res.output
     assert "could not be reached" in res.output or "cannot reach" in res.output
+
+
+def test_cli_push_and_pull_quiet_print_only_the_url_and_the_path(llama_art, hub, run, tmp_path):
+    """Issue 14: -q prints what `hf upload --quiet` / `hf download --quiet` print: the commit's
+    URL, the local path; nothing else on stdout or stderr."""
+    res = run("push", llama_art, "alice/quiet", "-q")
+    assert res.exit_code == 0, res.output
+    assert res.stdout == f"{hub.url}/alice/quiet/commit/{hub.head('alice/quiet').oid}\n"
+    assert res.stderr == ""
+    res = run("pull", "alice/quiet", "--local-dir", tmp_path / "d", "--quiet")
+    assert res.exit_code == 0, res.output
+    assert res.stdout == f"{(tmp_path / 'd').resolve()}\n" and res.stderr == ""

@@ -151,7 +151,7 @@ def test_text_frequencies_with_the_model_tokenizer(tmp_path):
 
 def test_no_frequency_source_orders_by_id(llama_src, tmp_path):
     res = CliRunner().invoke(lct_cli(), ["convert", str(llama_src), "-o", str(tmp_path / "a.lct"),
-                                         "--maximus-shards", "--quiet"])
+                                         "--maximus-shards"])
     assert res.exit_code == 0, res.output
     assert "token-id order" in res.output and "32 shards" in res.output
     with lct.open(tmp_path / "a.lct") as art:

@@ -139,23 +139,23 @@ def test_cli_prints_choice_and_info_shows_it(tmp_path):
 
     from lct.cli.main import cli
     src = _source(tmp_path, "llama", head_std=0.5)
-    r = CliRunner().invoke(cli, ["convert", str(src), "-o", str(tmp_path / "a.lct"), "--quiet"])
+    r = CliRunner().invoke(cli, ["convert", str(src), "-o", str(tmp_path / "a.lct")])
     assert r.exit_code == 0, r.output
     assert "policy auto (proxy): " in r.output and "head int8" in r.output
     r = CliRunner().invoke(cli, ["info", str(tmp_path / "a.lct")])
     assert "policy: auto" in r.output and "measured (proxy)" in r.output
     assert "within the budget" in r.output
-    r = CliRunner().invoke(cli, ["convert", str(src), "-o", str(tmp_path / "b.lct"), "--quiet",
+    r = CliRunner().invoke(cli, ["convert", str(src), "-o", str(tmp_path / "b.lct"),
                                  "--nf4", "embed,head"])
     assert r.exit_code == 0, r.output
     assert "policy manual (proxy estimate): " in r.output and "OVER the budget" in r.output
     assert "head nf4" in r.output and "embed nf4" in r.output
     r = CliRunner().invoke(cli, ["info", str(tmp_path / "b.lct")])
     assert "policy: manual" in r.output and "OVER the budget" in r.output
-    r = CliRunner().invoke(cli, ["convert", str(src), "-o", str(tmp_path / "d.lct"), "--quiet",
+    r = CliRunner().invoke(cli, ["convert", str(src), "-o", str(tmp_path / "d.lct"),
                                  "--nf4", "none"])
     assert r.exit_code == 0 and "every tensor lossless" in r.output
-    r = CliRunner().invoke(cli, ["convert", str(src), "-o", str(tmp_path / "c.lct"), "--quiet",
+    r = CliRunner().invoke(cli, ["convert", str(src), "-o", str(tmp_path / "c.lct"),
                                  "--nf4", "head", "--int8", "head"])
     assert r.exit_code != 0 and "both name 'head'" in r.output
 

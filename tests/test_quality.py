@@ -70,8 +70,7 @@ def test_quality_equals_an_independent_computation(src, arts):
 
 
 def test_lossless_artifact_costs_exactly_nothing(src, arts, run):
-    res = run("verify", arts[1], "--against", src, "--quality", "--max-tokens", "200", "--json",
-              "--quiet")
+    res = run("verify", arts[1], "--against", src, "--quality", "--max-tokens", "200", "--json")
     assert res.exit_code == 0, res.output
     report = json.loads(res.stdout)    # the whole stdout is the JSON report
     assert report["ok"] and report["lossless_identical"] == report["lossless_tensors"]
@@ -83,8 +82,7 @@ def test_lossless_artifact_costs_exactly_nothing(src, arts, run):
 def test_quality_text_folder_and_errors(src, arts, run, tmp_path):
     (tmp_path / "t").mkdir()
     (tmp_path / "t" / "a.txt").write_text("Hello world, the quick brown fox. " * 20)
-    res = run("verify", arts[0], "--against", src, "--quality", "--text", tmp_path / "t",
-              "--quiet")
+    res = run("verify", arts[0], "--against", src, "--quality", "--text", tmp_path / "t")
     assert res.exit_code == 0 and "perplexity change" in res.output
     res = run("verify", arts[0], "--quality")
     assert res.exit_code != 0 and "--quality needs --against" in res.output

@@ -71,7 +71,7 @@ def test_convert_cli_names_what_it_left_out(src, tmp_path):
     from click.testing import CliRunner
 
     from lct.cli.main import cli
-    r = CliRunner().invoke(cli, ["convert", str(src), "-o", str(tmp_path / "a.lct"), "--quiet"])
+    r = CliRunner().invoke(cli, ["convert", str(src), "-o", str(tmp_path / "a.lct")])
     assert r.exit_code == 0, r.output
     assert "not carried from the source: leak.txt (a link that leaves the model folder)" in \
         r.output

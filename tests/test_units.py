@@ -23,7 +23,7 @@ def test_sizes_without_a_unit_or_malformed_are_refused(text):
 
 def test_cli_options_take_units(llama_art, llama_src, tmp_path, run):
     import json
-    res = run("export", llama_art, tmp_path / "hf", "--max-shard-size", "200KB", "--quiet")
+    res = run("export", llama_art, tmp_path / "hf", "--max-shard-size", "200KB")
     assert res.exit_code == 0, res.output
     index = json.loads((tmp_path / "hf" / "model.safetensors.index.json").read_text())
     assert len(set(index["weight_map"].values())) > 1
@@ -34,6 +34,6 @@ def test_cli_options_take_units(llama_art, llama_src, tmp_path, run):
     res = run("plan", llama_src, "--memory", "16GiB")
     assert res.exit_code == 0, res.output
     res = run("convert", llama_src, "-o", tmp_path / "a.lct", "--max-file-size", "50KB",
-              "--quiet", "--nf4", "none")
+              "--nf4", "none")
     assert res.exit_code == 0, res.output
     assert len(list((tmp_path / "a.lct").glob("model-*.lct"))) > 1
