@@ -70,11 +70,17 @@ def read_config(model, revision: str | None = None) -> tuple:
 def _download_config(repo_id: str, revision: str | None) -> Path:
     from .source import hub_fetch
 
+    # snapshot_download asks the Hub for the repo's file list first, a request that fails at
+    # once without a network (then the cached snapshot is used); hf_hub_download's HEAD would be
+    # retried with backoff for 15-25 s before giving up.
     def fetch():
-        from huggingface_hub import hf_hub_download
-        return Path(hf_hub_download(repo_id, "config.json", revision=revision))
-    return hub_fetch(fetch, repo_id, revision, "config.json", not_found=ConfigNotFoundError,
-                     error=PlanError, offline=ConfigNotFoundError)
+        from huggingface_hub import snapshot_download
+        return Path(snapshot_download(repo_id, revision=revision, allow_patterns=["config.json"]))
+    folder = hub_fetch(fetch, repo_id, revision, "config.json", not_found=ConfigNotFoundError,
+                       error=PlanError, offline=ConfigNotFoundError)
+    if not (folder / "config.json").is_file():
+        raise ConfigNotFoundError(f"{repo_id}: the Hub repo has no config.json")
+    return folder / "config.json"
 
 
 @dataclass(frozen=True)

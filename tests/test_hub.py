@@ -679,3 +679,22 @@ def test_cli_push_and_pull_quiet_print_only_the_url_and_the_path(llama_art, hub,
     res = run("pull", "alice/quiet", "--local-dir", tmp_path / "d", "--quiet")
     assert res.exit_code == 0, res.output
     assert res.stdout == f"{(tmp_path / 'd').resolve()}\n" and res.stderr == ""
+
+
+def test_plan_on_a_hub_id_uses_the_cache_and_fails_at_once_without_a_network(gemma_art, hub,
+                                                                             run, caplog):
+    """Issue 14: `lct plan ORG/NAME` reads config.json from the Hub, then from the cache when the
+    Hub cannot be reached; an uncached id fails at once with the offline hint (it used to retry
+    with backoff for 23 s)."""
+    import logging
+    lhub.push(gemma_art, "alice/g")
+    res = run("plan", "alice/g", "-q")
+    assert res.exit_code == 0 and res.stdout.startswith("peak "), res.output
+    hub.stop()       # nothing answers at the endpoint now
+    caplog.set_level(logging.DEBUG, logger="huggingface_hub")
+    again = run("plan", "alice/g", "-q")
+    assert again.exit_code == 0 and again.stdout == res.stdout, again.output
+    res = run("plan", "alice/other")
+    assert res.exit_code == 1 and "could not be reached" in res.output, res.output
+    assert "HF_HUB_OFFLINE is set" not in res.output
+    assert not [r for r in caplog.records if "Retrying" in r.getMessage()]
