@@ -216,7 +216,7 @@ def minilm_bf16() -> np.ndarray:
 def gemma_layer_bf16(seed: int = 0) -> np.ndarray:
     """One Gemma-2B-shaped decoder layer (random normal(0, 0.02) bf16, norms = 1), concatenated."""
     import torch
-    from lct.tiny import GEMMA_2B
+    from lct.demo.tiny import GEMMA_2B
     h, i = GEMMA_2B["hidden_size"], GEMMA_2B["intermediate_size"]
     q = GEMMA_2B["num_attention_heads"] * GEMMA_2B["head_dim"]
     kv = GEMMA_2B["num_key_value_heads"] * GEMMA_2B["head_dim"]
@@ -267,8 +267,8 @@ def entropy_ceiling(data: np.ndarray) -> float:
 
 
 def bench_codecs(name: str, data: np.ndarray, quick: bool, extra_levels: tuple = ()) -> dict:
-    from lct import codecs
-    from lct.constants import DEFAULT_FRAME_SIZE
+    from lct.format import codecs
+    from lct.format.constants import DEFAULT_FRAME_SIZE
     fs = DEFAULT_FRAME_SIZE
     n = data.nbytes
     min_time, reps = (0.3, 2) if quick else (1.5, 3)
@@ -368,7 +368,7 @@ def child_build(dst: str) -> None:
     """Build the Gemma-2B-shaped random bf16 model on the meta device and save it (one file)."""
     import torch
     from transformers import AutoModelForCausalLM, GemmaConfig
-    from lct.tiny import GEMMA_2B
+    from lct.demo.tiny import GEMMA_2B
     t0 = time.perf_counter()
     config = GemmaConfig(**GEMMA_2B)
     with torch.device("meta"):
@@ -399,10 +399,10 @@ def child_convert(src: str, out: str, level: str) -> None:
     import threading
     import safetensors
     import lct
-    import lct.converter as conv
-    import lct.nf4 as nf4
-    import lct.writer as writer
-    from lct import codecs
+    import lct.conversion.converter as conv
+    import lct.format.nf4 as nf4
+    import lct.io.writer as writer
+    from lct.format import codecs
 
     phases: dict = {}
     lock = threading.Lock()

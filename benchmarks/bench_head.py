@@ -33,7 +33,7 @@ def main() -> None:
     ap.add_argument("--repeats", type=int, default=5)
     ap.add_argument("--rows", default="1,2,4,8,16,24,32,48,64")
     args = ap.parse_args()
-    from lct import int8, native, nf4
+    from lct.format import int8, native, nf4
     from lct.kernels import FlatLinear, Int8Linear, NF4Linear
     from lct.kernels import int8 as kint8
     from lct.kernels import linear as klin

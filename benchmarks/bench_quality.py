@@ -2,7 +2,7 @@
 
 For every policy, converts the model with ``lct convert`` (the user's command, timed), then runs
 ``lct verify ART --against SRC --quality --json`` on two texts: English prose (the public-domain
-sample shipped in ``lct/sample_text.py`` plus LCT's own docs) and Python source (modules of the
+sample shipped in ``lct/conversion/sample_text.py`` plus LCT's own docs) and Python source (modules of the
 standard library). Reports perplexity of source and artifact, its change, top-1 agreement and
 mean KL, and the artifact's size. Policies: the default (auto, text-free proxy), auto with
 ``--calibration`` on other standard-library modules, the seed's all-NF4, all-int8, lossless.
@@ -38,7 +38,7 @@ POLICIES = {
 def texts(out: Path) -> dict:
     """Write the two corpora to ``out`` and return ``{kind: folder}``."""
     import lct
-    from lct import sample_text
+    from lct.conversion import sample_text
     root = Path(lct.__file__).parent.parent
     prose = out / "quality-prose"
     code = out / "quality-code"

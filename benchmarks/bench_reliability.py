@@ -46,8 +46,8 @@ def main() -> None:
     import lct
     from hypothesis import HealthCheck, given, settings
     from hypothesis import strategies as st
-    from lct import tiny
-    from lct.converter import Policy
+    from lct.demo import tiny
+    from lct.conversion.converter import Policy
     import test_file_damage as fd
     import test_mutations as tm
 

@@ -4,9 +4,9 @@ from __future__ import annotations
 
 import click
 
-from lct import constants as C
+from lct.format import constants as C
 
-from ._util import GroupProgress, go_quiet, quiet_option
+from lct.cli._util import GroupProgress, go_quiet, quiet_option
 
 
 def _parse_parts(ctx, param, value):
@@ -76,7 +76,7 @@ def convert_cmd(source, output, revision, nf4, int8, budget, calibration, dtype,
     choice. Pickle checkpoints (.bin) are refused. HF_HUB_OFFLINE=1 uses only the local Hugging
     Face cache.
     """
-    from lct.converter import Policy, convert
+    from lct.conversion.converter import Policy, convert
 
     from lct.units import parse_size
     max_file_size = parse_size(max_file_size, "--max-file-size")
@@ -95,7 +95,7 @@ def convert_cmd(source, output, revision, nf4, int8, budget, calibration, dtype,
     finally:
         bar.close()
     m = rep.manifest
-    from lct.info import human
+    from lct.io.info import human
     if as_json:
         import json
         click.echo(json.dumps({

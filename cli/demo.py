@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import click
 
-from ._util import go_quiet, quiet_option, table
+from lct.cli._util import go_quiet, quiet_option, table
 
 
 @click.command("demo", short_help="Run the whole pipeline on a tiny model, offline.")
@@ -16,8 +16,8 @@ def demo_cmd(workdir, quiet):
     """Build a tiny random Gemma, convert it to LCT, verify it against the source, export it
     back to safetensors and reload it with transformers, then load it with the prefetching
     streaming loader and generate from a prompt. Prints the size table and timings."""
-    from lct.demo import run_demo
-    from lct.info import human
+    from lct.demo.run import run_demo
+    from lct.io.info import human
 
     if quiet:
         go_quiet()

@@ -4,9 +4,9 @@ from __future__ import annotations
 
 import click
 
-from lct import constants as C
+from lct.format import constants as C
 
-from ._util import GroupProgress, go_quiet, quiet_option
+from lct.cli._util import GroupProgress, go_quiet, quiet_option
 
 
 @click.command("export", short_help="Write an artifact back as a Hugging Face safetensors folder.")
@@ -22,7 +22,7 @@ def export_cmd(artifact, out_dir, max_shard_size, force, quiet):
     (safetensors + config + tokenizer + the other side files) that
     AutoModelForCausalLM.from_pretrained loads. Lossless tensors come out bit-identical to the
     source; NF4 tensors are dequantized exactly as bitsandbytes does, int8 ones as q x scale."""
-    from lct.exporter import export
+    from lct.conversion.exporter import export
 
     if quiet:
         go_quiet()

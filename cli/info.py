@@ -6,7 +6,7 @@ import json
 
 import click
 
-from ._util import go_quiet, quiet_option, table
+from lct.cli._util import go_quiet, quiet_option, table
 
 
 @click.command("info", short_help="Show an artifact's groups, encodings, sizes and policy.")
@@ -20,8 +20,8 @@ def info_cmd(artifact, as_json, as_manifest, tensors, quiet):
     """Show the groups, tensors, encodings and stored vs decoded sizes of ARTIFACT (a folder or
     hf://org/name[@rev], pulled into the Hugging Face cache first), and the overall ratio
     against the source checkpoint. Reads only the manifest (no torch needed)."""
-    from lct.info import human, summarize
-    from lct.reader import open_artifact
+    from lct.io.info import human, summarize
+    from lct.io.reader import open_artifact
 
     from lct.hub import local_artifact
     if quiet:
@@ -32,7 +32,7 @@ def info_cmd(artifact, as_json, as_manifest, tensors, quiet):
             click.echo(json.dumps(m.to_dict(), indent=1))
             return
         if as_json:
-            from lct.info import summary
+            from lct.io.info import summary
             click.echo(json.dumps(summary(m, art.path), indent=1))
             return
         if quiet:

@@ -6,7 +6,7 @@ import time
 
 import click
 
-from ._util import go_quiet, quiet_option, table
+from lct.cli._util import go_quiet, quiet_option, table
 
 
 def _ids(ctx, param, value):
@@ -66,7 +66,7 @@ def load_cmd(artifact, prefetch, device, dtype, nf4, workers, no_verify, layerwi
     from lct import hub
     source = artifact
     if hub.is_hf_uri(artifact) and stream:
-        from lct import remote
+        from lct.hub import remote
         # The local folder of the small files (config, tokenizer); the loader then streams the
         # chunks from the same commit, whatever the branch does meanwhile.
         local, sha, _ = remote.fetch_small(artifact)
@@ -79,7 +79,7 @@ def load_cmd(artifact, prefetch, device, dtype, nf4, workers, no_verify, layerwi
 
     t0 = time.perf_counter()
     import lct.loader as loader
-    from lct.info import human
+    from lct.io.info import human
     tdtype = None
     if layerwise or dtype:
         import torch  # timed: the import cost is part of a cold start

@@ -6,7 +6,7 @@ import click
 
 from lct import __version__
 
-from ._util import LCTGroup
+from lct.cli._util import LCTGroup
 
 # Each command's module is imported only when that command runs (or when help lists them): a
 # `lct load` start-up then pays for click and lct.cli.load alone, which matters in a cold start,

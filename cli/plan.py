@@ -4,18 +4,18 @@ from __future__ import annotations
 
 import click
 
-from lct.plan import (DEFAULT_LOSS_CHUNK, DEFAULT_MAXIMUS, DEFAULT_SEQ, DEVICES, FORMATS,
-                      KV_DTYPES, MODES, OPTIMIZERS, PRECISIONS)
+from lct.plan.memory import (DEFAULT_LOSS_CHUNK, DEFAULT_MAXIMUS, DEFAULT_SEQ, DEVICES, FORMATS,
+                             KV_DTYPES, MODES, OPTIMIZERS, PRECISIONS)
 
-from ._util import go_quiet, quiet_option, table
+from lct.cli._util import go_quiet, quiet_option, table
 
 
 def _parsed(parser_name: str):
-    """A click callback that parses a value with ``lct.plan.<parser_name>`` (None stays None)."""
+    """A click callback that parses a value with ``lct.plan.memory.<parser_name>`` (None stays None)."""
     def callback(ctx, param, value):
         if value is None:
             return None
-        import lct.plan as lp
+        import lct.plan.memory as lp
         try:
             return getattr(lp, parser_name)(value)
         except lp.PlanError as e:
@@ -82,10 +82,10 @@ def plan_cmd(model, mode, batch, seq, vocab_size, add_tokens, precision, optimiz
     weight, optimizer and KV-cache bytes are exact; activations and the peak are estimates
     (docs/PLAN.md; benchmarks/bench_plan.py measures them).
     """
-    from lct.plan import plan
+    from lct.plan.memory import plan
     if vocab_size is not None and add_tokens is not None:
         raise click.UsageError("give --vocab-size or --add-tokens, not both")
-    from .convert import _parse_parts
+    from lct.cli.convert import _parse_parts
     if quiet:
         go_quiet()
     nf4, int8 = _parse_parts(None, None, nf4), _parse_parts(None, None, int8)
@@ -97,7 +97,7 @@ def plan_cmd(model, mode, batch, seq, vocab_size, add_tokens, precision, optimiz
         click.echo(p.to_json(), nl=False)
         return
     if quiet:
-        from lct.plan import human_bytes
+        from lct.plan.memory import human_bytes
         click.echo(f"peak {human_bytes(p.total)}" + ("" if p.memory is None else
                    f"; {'fits in' if p.fits else 'does not fit in'} {human_bytes(p.memory)}"))
         return
@@ -106,7 +106,7 @@ def plan_cmd(model, mode, batch, seq, vocab_size, add_tokens, precision, optimiz
 
 def render(p) -> list:
     """The human report of a ``Plan``, as lines."""
-    from lct.plan import human_bytes as hb
+    from lct.plan.memory import human_bytes as hb
     train = p.mode == "train"
     what = f"{p.mode}, batch {p.batch} x seq {p.seq}, {p.precision}"
     what += f", {p.optimizer}" if train else f", KV {p.kv_dtype}"

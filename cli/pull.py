@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import click
 
-from ._util import GroupProgress, go_quiet, quiet_option
+from lct.cli._util import GroupProgress, go_quiet, quiet_option
 
 
 @click.command("pull", short_help="Download an artifact from the Hub and verify it.")
@@ -22,7 +22,7 @@ def pull_cmd(repo_id, revision, local_dir, quiet):
     need `hf auth login` or HF_TOKEN.
     """
     from lct import hub
-    from lct.info import human
+    from lct.io.info import human
 
     if quiet:
         go_quiet()

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import click
 
-from ._util import GroupProgress, go_quiet, quiet_option
+from lct.cli._util import GroupProgress, go_quiet, quiet_option
 
 
 @click.command("push", short_help="Verify an artifact and publish it to the Hub.")
@@ -28,7 +28,7 @@ def push_cmd(artifact, repo_id, revision, private, commit_message, create_pr, li
     refused. Log in with `hf auth login` or set HF_TOKEN (a write token).
     """
     from lct import hub
-    from lct.info import human
+    from lct.io.info import human
 
     if quiet:
         go_quiet()

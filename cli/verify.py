@@ -6,7 +6,7 @@ import sys
 
 import click
 
-from ._util import GroupProgress, go_quiet, quiet_option, table
+from lct.cli._util import GroupProgress, go_quiet, quiet_option, table
 
 
 @click.command("verify", short_help="Check an artifact's checksums, tensors and quality.")
@@ -38,7 +38,7 @@ def verify_cmd(artifact, against, revision, quality, text, max_tokens, layerwise
 
     With --against SOURCE, every tensor is compared with the source: lossless ones bit for bit,
     NF4 ones by quantizing the source again. With --quality, what the lossy parts cost on text."""
-    from lct.verifier import verify
+    from lct.conversion.verifier import verify
 
     if layerwise and not quality:
         raise click.UsageError("--layerwise goes with --quality")

@@ -1,11 +1,11 @@
 """Runtime kernels: NF4 and int8 dequantization, NF4, int8 and padding-aware embedding lookups,
 the NF4 and int8 LM heads."""
 
-from .embedding import NF4Embedding, PaddedEmbedding, padded_lookup
-from .int8 import Int8Embedding, Int8Linear
-from .linear import FlatLinear, NF4Linear, flatten_head
-from .maximus import MaximusEmbedding, MaximusStats
-from .nf4 import dequantize, dequantize_rows
+from lct.kernels.embedding import NF4Embedding, PaddedEmbedding, padded_lookup
+from lct.kernels.int8 import Int8Embedding, Int8Linear
+from lct.kernels.linear import FlatLinear, NF4Linear, flatten_head
+from lct.kernels.maximus import MaximusEmbedding, MaximusStats
+from lct.kernels.nf4 import dequantize, dequantize_rows
 
 __all__ = ["FlatLinear", "Int8Embedding", "Int8Linear", "flatten_head", "MaximusEmbedding", "MaximusStats", "NF4Embedding", "NF4Linear", "PaddedEmbedding", "padded_lookup", "dequantize",
            "dequantize_rows"]

@@ -6,7 +6,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from .nf4 import dequantize_rows
+from lct.kernels.nf4 import dequantize_rows
 
 
 def _pad_mask(ids: torch.Tensor, pad_ids) -> torch.Tensor | None:

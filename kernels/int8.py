@@ -1,4 +1,4 @@
-"""Kernels over int8 weights with one float32 scale per row (``lct.int8``): the LM head's matmul
+"""Kernels over int8 weights with one float32 scale per row (``lct.format.int8``): the LM head's matmul
 (fused in the C extension on the CPU for short inputs, chunked dequantize-and-matmul otherwise and
 on a GPU) and the embedding's row gather."""
 
@@ -8,10 +8,10 @@ import torch
 from torch import nn
 from torch.nn import functional as F
 
-from lct import constants as C
+from lct.format import constants as C
 
-from .embedding import quantized_lookup
-from .linear import DEFAULT_CHUNK_BYTES, fused_call, quantized_forward
+from lct.kernels.embedding import quantized_lookup
+from lct.kernels.linear import DEFAULT_CHUNK_BYTES, fused_call, quantized_forward
 
 
 def dequantize_rows(q_rows: torch.Tensor, scale_rows: torch.Tensor, dtype: torch.dtype,
@@ -38,7 +38,7 @@ def dequantize_rows(q_rows: torch.Tensor, scale_rows: torch.Tensor, dtype: torch
 def use_fused(rows: int) -> bool:
     """Whether a CPU int8 matmul over ``rows`` input rows takes the fused kernel (built, and
     few enough rows that reading codes per row beats one dequantize for all)."""
-    from lct import native
+    from lct.format import native
     return native.int8_matmul_available() and 0 < rows <= C.INT8_FUSED_MAX_ROWS
 
 
@@ -47,7 +47,7 @@ def fused_int8_matmul(x2: torch.Tensor, q: torch.Tensor, scale: torch.Tensor,
     """``x2 [M, K] @ (q * scale).T`` through the compiled kernel: codes widened to float32 in
     registers, float32 sums, each row's scale applied once, ``out_dtype`` (bfloat16 or float32)
     written once. Uses torch's intra-op thread count."""
-    from lct import native
+    from lct.format import native
     m, k = x2.shape
     n = q.shape[0]
     return fused_call(x2, n, out_dtype, lambda x, xb, out, ob: native.int8_matmul(

@@ -7,9 +7,9 @@ import torch
 from torch import nn
 from torch.nn import functional as F
 
-from lct import constants as C
+from lct.format import constants as C
 
-from .nf4 import dequantize_rows, dequantize_rows_into, quant_state
+from lct.kernels.nf4 import dequantize_rows, dequantize_rows_into, quant_state
 
 _FUSED_DTYPES = (torch.bfloat16, torch.float32)
 
@@ -18,7 +18,7 @@ def use_fused(rows: int) -> bool:
     """Whether a CPU NF4 matmul over ``rows`` input rows takes the fused kernel: it is built,
     and the input is short enough that reading 4-bit codes per row beats dequantizing once
     (``C.NF4_FUSED_MAX_ROWS``, measured in docs/BENCHMARKS.md)."""
-    from lct import native
+    from lct.format import native
     return native.matmul_available() and 0 < rows <= C.NF4_FUSED_MAX_ROWS
 
 
@@ -42,8 +42,8 @@ def fused_nf4_matmul(x2: torch.Tensor, packed: torch.Tensor, absmax: torch.Tenso
     [N, K/blocksize]) through the compiled fused kernel: 4-bit codes are read straight from
     ``packed`` and turned into float32 in registers, products are summed in float32, and
     ``out_dtype`` (bfloat16 or float32) is written once. Uses torch's intra-op thread count."""
-    from lct import native
-    from lct.nf4 import code_array
+    from lct.format import native
+    from lct.format.nf4 import code_array
     m, k = x2.shape
     n = packed.shape[0]
     return fused_call(x2, n, out_dtype, lambda x, xb, out, ob: native.nf4_matmul(

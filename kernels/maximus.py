@@ -25,9 +25,9 @@ from dataclasses import dataclass, fields
 import torch
 from torch import nn
 
-from lct.maximus import (DEFAULT_POLICY, DEFAULT_SHARDS, STATS_FIELDS, default_budget,
-                         frequency_order, invert_permutation, shard_offsets,
-                         validate_permutation)
+from lct.format.maximus import (DEFAULT_POLICY, DEFAULT_SHARDS, STATS_FIELDS, default_budget,
+                                frequency_order, invert_permutation, shard_offsets,
+                                validate_permutation)
 
 @dataclass
 class MaximusStats:
@@ -201,7 +201,7 @@ class MaximusEmbedding(nn.Module):
     def _take(self, source, rows: torch.Tensor) -> torch.Tensor:
         if self.nf4 is None:
             return source[rows]
-        from .nf4 import dequantize_rows
+        from lct.kernels.nf4 import dequantize_rows
         return dequantize_rows(source[0][rows], source[1][rows], self.nf4[2], self.weight.dtype)
 
     # Residency ------------------------------------------------------------------------------
@@ -360,7 +360,7 @@ class MaximusEmbedding(nn.Module):
     def id_ordered_weight(self) -> torch.Tensor:
         """The table in token-id order (what ``nn.Embedding.weight`` would hold)."""
         if self.nf4 is not None:
-            from .nf4 import dequantize_rows
+            from lct.kernels.nf4 import dequantize_rows
             packed, absmax, bs = self.nf4
             return dequantize_rows(packed[self.id_to_row], absmax[self.id_to_row], bs,
                                    self.weight.dtype)
@@ -475,13 +475,13 @@ class MaximusEmbedding(nn.Module):
             self.stats.shard_loads -= 1
 
     def save_maximus_state(self, path, **kw):
-        """Save this module's shard state (see ``lct.maximus.save_maximus_state``)."""
-        from lct.maximus import save_maximus_state
+        """Save this module's shard state (see ``lct.format.maximus.save_maximus_state``)."""
+        from lct.format.maximus import save_maximus_state
         return save_maximus_state(self, path, **kw)
 
     def load_maximus_state(self, path) -> None:
         """Restore shard state saved by ``save_maximus_state`` (validated first)."""
-        from lct.maximus import load_maximus_state
+        from lct.format.maximus import load_maximus_state
         load_maximus_state(self, path)
 
     def extra_repr(self) -> str:

@@ -1,11 +1,11 @@
 """NF4 dequantization for the runtime: bitsandbytes' CUDA kernels on a GPU, the bit-exact torch
-reference (``lct.nf4``) on the CPU."""
+reference (``lct.format.nf4``) on the CPU."""
 
 from __future__ import annotations
 
 import torch
 
-from lct import nf4 as ref
+from lct.format import nf4 as ref
 
 
 def quant_state(absmax, shape, blocksize: int, dtype: torch.dtype):
@@ -61,7 +61,7 @@ def dequantize_rows_into(packed_rows, absmax_rows, blocksize: int, dtype: torch.
                          out: torch.Tensor) -> torch.Tensor:
     """``dequantize_rows`` into ``out`` on the CPU, the rows split over torch's intra-op thread
     count when the compiled loop is in use (bit-identical: rows are independent)."""
-    from lct import native
+    from lct.format import native
     k, half = packed_rows.shape
     parts = min(torch.get_num_threads(), max(1, k // 256)) if native.available() else 1
     if parts <= 1:

@@ -24,26 +24,26 @@ __all__ = ["__version__", "open", "convert", "export", "verify", "load", "Policy
 
 def open(path, *, verify: bool = True, workers=None, stream: bool = False):  # noqa: A001
     """Open an LCT artifact (a folder, or ``hf://org/name[@revision]``, pulled and verified or
-    with ``stream=True`` read by HTTP range requests); see ``lct.reader.open_artifact``."""
-    from .loader.build import open_source
+    with ``stream=True`` read by HTTP range requests); see ``lct.io.reader.open_artifact``."""
+    from lct.loader.build import open_source
     return open_source(path, verify=verify, workers=workers, stream=stream)
 
 
 def convert(source, out, **kwargs):
-    """Convert a Hugging Face checkpoint; see ``lct.converter.convert``."""
-    from .converter import convert as _convert
+    """Convert a Hugging Face checkpoint; see ``lct.conversion.converter.convert``."""
+    from lct.conversion.converter import convert as _convert
     return _convert(source, out, **kwargs)
 
 
 def export(artifact, out_dir, **kwargs):
-    """Export an artifact to a Hugging Face folder; see ``lct.exporter.export``."""
-    from .exporter import export as _export
+    """Export an artifact to a Hugging Face folder; see ``lct.conversion.exporter.export``."""
+    from lct.conversion.exporter import export as _export
     return _export(artifact, out_dir, **kwargs)
 
 
 def verify(artifact, **kwargs):
-    """Verify an artifact's checksums (and against its source); see ``lct.verifier.verify``."""
-    from .verifier import verify as _verify
+    """Verify an artifact's checksums (and against its source); see ``lct.conversion.verifier.verify``."""
+    from lct.conversion.verifier import verify as _verify
     return _verify(artifact, **kwargs)
 
 
@@ -55,16 +55,16 @@ def load(path, prefetch: int = 2, device="cpu", dtype=None, nf4: str = "keep", w
     ``stream=True`` its chunks are fetched by HTTP range requests as they load.
     ``maximus=True`` (or a budget in shards) installs a ``MaximusEmbedding`` from the artifact's
     shard state."""
-    from .loader import load as _load
+    from lct.loader import load as _load
     return _load(path, prefetch=prefetch, device=device, dtype=dtype, nf4=nf4, workers=workers,
                  stream=stream, **kwargs)
 
 
 def __getattr__(name):
     if name == "Policy":
-        from .converter import Policy
+        from lct.conversion.converter import Policy
         return Policy
     if name in ("NF4Weight", "Int8Weight"):
-        from . import reader
+        from lct.io import reader
         return getattr(reader, name)
     raise AttributeError(f"module 'lct' has no attribute {name!r}")

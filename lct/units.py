@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import re
 
-from .errors import LCTError
+from lct.errors import LCTError
 
 _SIZE = re.compile(r"\s*([0-9]+(?:\.[0-9]+)?)\s*([KMGT])(i?)B\s*", re.I)
 

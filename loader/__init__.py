@@ -1,7 +1,7 @@
 """The streaming loader: prefetching group stream, ``lct.load`` and the layer-wise executor."""
 
-from .build import LoadStats, load
-from .layerwise import LayerwiseModel
-from .stream import Group, GroupStream, StreamStats
+from lct.loader.build import LoadStats, load
+from lct.loader.layerwise import LayerwiseModel
+from lct.io.stream import Group, GroupStream, StreamStats
 
 __all__ = ["load", "LayerwiseModel", "LoadStats", "GroupStream", "Group", "StreamStats"]

@@ -12,7 +12,7 @@ import logging
 import time
 from dataclasses import dataclass, field
 
-from lct import constants as C
+from lct.format import constants as C
 from lct.errors import LCTError
 
 log = logging.getLogger("lct.loader")
@@ -133,7 +133,7 @@ class Installer:
 
     def install(self, group) -> None:
         """Install every tensor of a decoded group."""
-        from lct.reader import QUANTIZED
+        from lct.io.reader import QUANTIZED
         self._done: set = set()
         for name, t in group.tensors.items():
             full = _param_name(self.model, name, self.names)
@@ -163,7 +163,7 @@ class Installer:
         self._done.add(full)
 
     def _install_quantized(self, full: str, w) -> None:
-        from lct.reader import NF4Weight
+        from lct.io.reader import NF4Weight
         dtype = self.dtype or _dtype(w.dtype)
         if isinstance(w, NF4Weight):
             codes, scales = self._to_device(w.packed), self._to_device(w.absmax)
@@ -182,7 +182,7 @@ class Installer:
         import torch
 
         from lct.kernels import Int8Embedding, Int8Linear, NF4Embedding, NF4Linear
-        from lct.reader import NF4Weight
+        from lct.io.reader import NF4Weight
         mod_path = full.rpartition(".")[0]
         parent_path, _, leaf = mod_path.rpartition(".")
         parent = self.model.get_submodule(parent_path) if parent_path else self.model
@@ -233,7 +233,7 @@ class Installer:
 
 
 def _dtype(name: str):
-    from lct.reader import torch_dtype
+    from lct.io.reader import torch_dtype
     return torch_dtype(name)
 
 
@@ -265,10 +265,10 @@ def open_source(path, *, verify: bool = True, workers: int | None = None, stream
     are fetched by HTTP range requests from one pinned commit.
     """
     from lct.hub import is_hf_uri
-    from lct.reader import open_artifact
+    from lct.io.reader import open_artifact
     if is_hf_uri(path):
         if stream:
-            from lct.remote import open_remote
+            from lct.hub.remote import open_remote
             return open_remote(path, verify=verify, workers=workers, pin_memory=pin_memory)
         from lct.hub import pull
         path = pull(path, chunks=not verify)
@@ -285,7 +285,7 @@ def install_maximus(model, art, budget=None, device="cpu"):
     import torch
 
     from lct.kernels import Int8Embedding, MaximusEmbedding, NF4Embedding
-    from lct.maximus import DEFAULT_POLICY
+    from lct.format.maximus import DEFAULT_POLICY
     m = art.manifest.maximus
     if m is None:
         raise LCTError(f"{art.path}: no Maximus shard state; convert with --maximus-shards N")
@@ -396,7 +396,7 @@ def _load(path, prefetch, device, dtype, nf4, workers, verify, pad_ids, stats, m
     from concurrent.futures import ThreadPoolExecutor
     check_device(device)
 
-    from .stream import GroupStream
+    from lct.io.stream import GroupStream
     stats = stats if stats is not None else LoadStats()
     t0 = time.perf_counter()
     # torch is not imported here: the skeleton thread imports it (with transformers) while

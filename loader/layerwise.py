@@ -10,12 +10,12 @@ model, because the weights are the same bytes.
 
 from __future__ import annotations
 
-from lct import constants as C
+from lct.format import constants as C
 from lct.errors import LCTError
 
-from .build import (Installer, _is_cuda, _param_name, build_skeleton, check_device,
-                    open_source)
-from .stream import GroupStream
+from lct.loader.build import (Installer, _is_cuda, _param_name, build_skeleton, check_device,
+                              open_source)
+from lct.io.stream import GroupStream
 
 
 def _common_module(names: list) -> str:

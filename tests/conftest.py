@@ -12,7 +12,7 @@ warnings.filterwarnings("ignore", message=".*gemm_4bit.*")
 
 
 def _save(tmp_path_factory, arch, **kw):
-    from lct import tiny
+    from lct.demo import tiny
     return tiny.save_tiny(tmp_path_factory.mktemp(f"src-{arch}") / "model", arch, **kw)
 
 
@@ -61,10 +61,10 @@ def run():
 
 @pytest.fixture(params=["native", "numpy"])
 def native_mode(request, monkeypatch):
-    """Run a test once with the compiled loops (lct.native) and once with the numpy fallback."""
-    from lct import native
+    """Run a test once with the compiled loops (lct.format.native) and once with the numpy fallback."""
+    from lct.format import native
     if request.param == "native" and native._native is None:
-        pytest.fail("lct._native was not built (pip install needs a C compiler); "
+        pytest.fail("lct.format._native was not built (pip install needs a C compiler); "
                     "the numpy fallback is still tested")
     monkeypatch.setattr(native, "_ENABLED", request.param == "native")
     return request.param
@@ -80,7 +80,7 @@ def manifest_text(m: dict, rebind: bool = False) -> str:
     import json
 
     from lct.errors import ManifestError
-    from lct.manifest import Manifest, chunk_bindings, seal
+    from lct.format.manifest import Manifest, chunk_bindings, seal
     if rebind:
         try:
             parsed = Manifest.from_dict(dict(m, format_version=[1, 0]))

@@ -22,13 +22,13 @@ import xxhash
 import zstandard
 
 import lct
-from lct import constants as C
+from lct.format import constants as C
 from lct.errors import (ArtifactNotFoundError, ChecksumError, CorruptChunkError, LCTError,
                         ManifestError, UnsupportedVersionError)
-from lct.manifest import Manifest
+from lct.format.manifest import Manifest
 from conftest import manifest_text
 
-# Every attack is made on both decoders: the compiled one (lct.native) and the numpy one.
+# Every attack is made on both decoders: the compiled one (lct.format.native) and the numpy one.
 pytestmark = pytest.mark.usefixtures("native_mode")
 
 DATA = "model-00000.lct"
@@ -593,7 +593,7 @@ def test_planes_hi_frame_declaring_wrong_content_size(art):
 def test_zstd_frame_without_content_size(art):
     c = load(art)["chunks"][0]
     dec = np.empty(c["decoded_size"], np.uint8)
-    lct.codecs.get_codec("zstd").decode(stored_bytes(art, c), dec, c["params"])
+    lct.format.codecs.get_codec("zstd").decode(stored_bytes(art, c), dec, c["params"])
     frame = zstandard.ZstdCompressor(write_content_size=False).compress(dec.tobytes())
     replace_stored(art, 0, struct.pack("<II", 1, len(frame)) + frame)
     raises(CorruptChunkError, "chunk 0", "declares", path=art)
@@ -800,7 +800,7 @@ def test_edited_config_is_caught_by_open_load_and_verify(gemma_art, tmp_path, ed
 
 def test_edited_tokenizer_fails_verify_but_opens(tmp_path):
     import lct
-    from lct import tiny
+    from lct.demo import tiny
     src = tiny.save_tiny(tmp_path / "src", "llama")
     tiny.save_tokenizer(src, vocab_size=256)
     art = tmp_path / "a.lct"
@@ -817,7 +817,7 @@ def test_a_chunk_too_large_to_allocate_is_a_typed_error(gemma_art, monkeypatch):
     cannot be allocated the reader raises CorruptChunkError naming the chunk, not MemoryError."""
     import lct
     from lct.errors import CorruptChunkError
-    from lct.reader import Artifact
+    from lct.io.reader import Artifact
 
     def no_memory(self, size):
         raise MemoryError
@@ -834,7 +834,7 @@ def test_manifest_of_tiny_containers_is_refused_before_it_amplifies(junk):
     import tracemalloc
 
     from lct.errors import ManifestError
-    from lct.manifest import Manifest
+    from lct.format.manifest import Manifest
     text = b'{"format": "lct", "junk": [' + b",".join([junk] * 500_000) + b"]}"
     tracemalloc.start()
     try:
@@ -847,7 +847,7 @@ def test_manifest_of_tiny_containers_is_refused_before_it_amplifies(junk):
 
 
 def test_real_manifests_are_far_from_the_container_cap(gemma_art, llama_art):
-    from lct import constants as C
+    from lct.format import constants as C
     for art in (gemma_art, llama_art):
         raw = (art / "lct.json").read_bytes()
         per = len(raw) / (raw.count(b"{") + raw.count(b"["))

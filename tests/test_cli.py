@@ -250,7 +250,7 @@ def test_json_outputs_parse_and_carry_their_documented_fields(gemma_src, tmp_pat
     from click.testing import CliRunner
 
     from lct.cli.main import cli
-    from lct import tiny
+    from lct.demo import tiny
     src = tmp_path / "src"
     shutil.copytree(gemma_src, src)
     tiny.save_tokenizer(src, vocab_size=256)
@@ -286,7 +286,7 @@ def test_readme_and_layerwise_load_agree_on_resident_layers(tmp_path):
     from click.testing import CliRunner
 
     import lct
-    from lct import tiny
+    from lct.demo import tiny
     from lct.cli.main import cli
     src = tiny.save_tiny(tmp_path / "src", "llama", num_hidden_layers=6)
     llama_art = tmp_path / "a.lct"
@@ -311,16 +311,16 @@ def test_verbose_logs_to_stderr_and_the_library_is_silent_by_default(llama_src, 
     from lct.cli.main import cli
     res = CliRunner().invoke(cli, ["-v", "convert", str(llama_src), "-o", str(tmp_path / "a.lct")])
     assert res.exit_code == 0, res.output
-    assert "lct.converter:" in res.stderr and "embed/head stored as" in res.stderr
-    assert "lct.converter" not in res.stdout
+    assert "lct.conversion.converter:" in res.stderr and "embed/head stored as" in res.stderr
+    assert "lct.conversion.converter" not in res.stdout
     logging.getLogger("lct").handlers = [h for h in logging.getLogger("lct").handlers
                                          if isinstance(h, logging.NullHandler)]
     logging.getLogger("lct").setLevel(logging.NOTSET)
     res = CliRunner().invoke(cli, ["convert", str(llama_src), "-o", str(tmp_path / "b.lct")])
-    assert "lct.converter:" not in res.stderr
+    assert "lct.conversion.converter:" not in res.stderr
     with caplog.at_level(logging.INFO, logger="lct"):
         lct.convert(str(llama_src), tmp_path / "c.lct")
-    assert any(r.name == "lct.converter" for r in caplog.records)
+    assert any(r.name == "lct.conversion.converter" for r in caplog.records)
 
 
 def test_every_command_has_quiet_and_it_prints_only_the_result(gemma_src, tmp_path):
@@ -329,7 +329,7 @@ def test_every_command_has_quiet_and_it_prints_only_the_result(gemma_src, tmp_pa
     the loopback Hub in test_hub.py."""
     from click.testing import CliRunner
 
-    from lct import tiny
+    from lct.demo import tiny
     from lct.cli.main import COMMANDS, cli
     runner = CliRunner()
     for name in COMMANDS:

@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 import torch
 
-from lct import codecs
+from lct.format import codecs
 from lct.errors import CorruptChunkError, UnsupportedVersionError
 
 
@@ -60,9 +60,9 @@ def test_nan_payloads_survive_planes(native_mode):
 def test_native_join_equals_numpy_on_every_byte_pattern(width):
     """The compiled planes join and the numpy passes agree on all 2**16 hi/lo byte pairs (and
     random 32-bit patterns), so the two decoders can never disagree on an artifact."""
-    from lct import native
+    from lct.format import native
     if not native.available():
-        pytest.fail("lct._native was not built")
+        pytest.fail("lct.format._native was not built")
     rng = np.random.default_rng(width)
     if width == 2:
         hi = np.repeat(np.arange(256, dtype=np.uint8), 256)
@@ -92,9 +92,9 @@ def test_native_join_equals_numpy_on_every_byte_pattern(width):
 
 
 def test_native_join_checks_lengths():
-    from lct import native
+    from lct.format import native
     if native._native is None:
-        pytest.fail("lct._native was not built")
+        pytest.fail("lct.format._native was not built")
     hi = np.zeros(8, np.uint8)
     with pytest.raises(ValueError, match="mantissa bytes"):
         native._native.join_planes(hi, np.zeros(7, np.uint8), np.zeros(8, np.uint16), 2)
@@ -106,9 +106,9 @@ def test_native_join_checks_lengths():
 
 @pytest.mark.parametrize("width", [0, 2])
 def test_native_decode_frames_checks_every_row_before_decoding(width):
-    from lct import native
+    from lct.format import native
     if not native.frames_available():
-        pytest.fail("lct._native was not built or libzstd was not found")
+        pytest.fail("lct.format._native was not built or libzstd was not found")
     data = (torch.randn(8192) * 0.02).to(torch.bfloat16).view(torch.uint8).numpy().copy()
     name = "planes" if width else "zstd"
     params = {"level": 1, "frame_size": 4096, **({"width": 2} if width else {})}

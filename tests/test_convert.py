@@ -9,8 +9,8 @@ import torch
 from safetensors.torch import load_file, save_file
 
 import lct
-from lct import constants as C
-from lct.converter import Policy
+from lct.format import constants as C
+from lct.conversion.converter import Policy
 from lct.errors import LCTError, PolicyError, SourceError, SourceNotFoundError
 
 
@@ -43,8 +43,8 @@ def test_lossless_tensors_bit_exact_and_nf4_equals_reference(fixture, request):
             if info.encoding == "plain":
                 assert got.dtype == t.dtype and torch.equal(got, t), name
             else:
-                packed, absmax = lct.nf4.quantize(t, 64)
-                assert torch.equal(got, lct.nf4.dequantize(packed, absmax, t.shape, 64, t.dtype))
+                packed, absmax = lct.format.nf4.quantize(t, 64)
+                assert torch.equal(got, lct.format.nf4.dequantize(packed, absmax, t.shape, 64, t.dtype))
         assert set(ref) <= set(art.tensor_names)
 
 
@@ -124,7 +124,7 @@ def test_export_with_nf4_equals_bnb_dequantized_reference(llama_src, llama_art, 
 
 
 def test_sharded_source_and_several_data_files(tmp_path):
-    from lct import tiny
+    from lct.demo import tiny
     config = tiny.config_for("llama")
     model = tiny.build_model(config, dtype=torch.bfloat16)
     src = tmp_path / "src"
@@ -193,7 +193,7 @@ def test_bad_blocksize_names_tensor(gemma_src, tmp_path):
 
 
 def test_failure_midway_leaves_no_artifact(gemma_src, tmp_path, monkeypatch):
-    from lct import writer
+    from lct.io import writer
     calls = []
     real = writer.ArtifactWriter.write_chunk
 
@@ -268,7 +268,7 @@ def test_hub_id_offline_uses_cache_or_says_offline(gemma_src, tmp_path, monkeypa
 
 
 def test_gpt2_naming(tmp_path):
-    from lct import tiny
+    from lct.demo import tiny
     src = tiny.save_tiny(tmp_path / "src", "gpt2")
     rep = lct.convert(str(src), tmp_path / "a.lct")
     m = rep.manifest
@@ -296,7 +296,7 @@ def test_chat_template_survives_convert_and_export(tmp_path):
     """A chat model's template (chat_template.jinja) is carried into the artifact and back out."""
     from transformers import AutoTokenizer
 
-    from lct import tiny
+    from lct.demo import tiny
     src = tiny.save_tiny(tmp_path / "src", "llama")
     tiny.save_tokenizer(src, vocab_size=256)
     tok = AutoTokenizer.from_pretrained(src)
@@ -317,7 +317,7 @@ def test_a_second_writer_of_the_same_output_fails_and_dead_runs_litter_is_cleane
     """Two LCT processes writing one output: the second fails naming the lock, instead of both
     exiting 0 and one silently replacing the other (issue 12 item 3); temporary folders of a run
     that died are removed by the next run (item 14)."""
-    from lct.writer import OutputLock
+    from lct.io.writer import OutputLock
 
     out = tmp_path / "out"
     # (an .old-* beside a missing target is put back instead: see the replacement test below)
@@ -348,7 +348,7 @@ def test_replacement_is_one_step_and_a_run_killed_midway_gets_the_old_artifact_b
     """--force swaps the new artifact in atomically (renameat2 exchange); where that is not
     possible and a run dies between moving the old one aside and renaming the new one in, the
     next run puts the old one back (issue 12 item 4)."""
-    from lct import writer
+    from lct.io import writer
     out = tmp_path / "a.lct"
     lct.convert(str(llama_src), out)
     first = json.loads((out / "lct.json").read_text())["artifact_id"]

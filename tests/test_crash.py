@@ -79,7 +79,7 @@ def test_sigkill_inside_the_replacement_window(llama_src, tmp_path):
     old = _id(out)
     code = f"""
 import os, signal
-from lct import writer
+from lct.io import writer
 writer._exchange = lambda a, b: False
 real = writer.os.replace
 def replace(a, b):

@@ -17,7 +17,7 @@ import pytest
 import torch
 
 import lct
-from lct.converter import Policy
+from lct.conversion.converter import Policy
 from lct.errors import LCTError
 from test_mutations import IDS, _logits, _read_all, time_limit
 
@@ -27,7 +27,7 @@ CASES = int(os.environ.get("LCT_DAMAGE_CASES", "12"))
 @pytest.fixture(scope="module")
 def subject(gemma_src, tmp_path_factory):
     """The tiny Gemma with a tokenizer and Maximus shards, converted; its data and logits."""
-    from lct import tiny
+    from lct.demo import tiny
     src = tmp_path_factory.mktemp("dmg-src") / "m"
     shutil.copytree(gemma_src, src)
     tiny.save_tokenizer(src, vocab_size=256)

@@ -19,16 +19,16 @@ import xxhash
 import zstandard
 
 import lct
-from lct import constants as C
-from lct import nf4
-from lct.codecs import get_codec
+from lct.format import constants as C
+from lct.format import nf4
+from lct.format.codecs import get_codec
 
 ARTIFACT_ID = "0123456789abcdef0123456789abcdef"
 NF4_TABLE = np.array(C.NF4_CODE, dtype=np.float32)
 MIDPOINTS = (NF4_TABLE[:-1] + NF4_TABLE[1:]) / np.float32(2)  # float32, as bitsandbytes
 
 
-# Hand encoders (spec section 5), written from the text, not from lct.codecs ------------------
+# Hand encoders (spec section 5), written from the text, not from lct.format.codecs ------------------
 def _zstd(data: bytes) -> bytes:
     return zstandard.ZstdCompressor(level=3, write_content_size=True).compress(data)
 
@@ -188,7 +188,7 @@ def test_sealed_hand_built_artifact_reads_back_and_refuses_edits(tmp_path):
     bindings (a tensor's shape transposed, same bytes) fails on the binding, and an unsealed edit
     on the manifest checksum."""
     from lct.errors import ManifestChecksumError, ManifestError
-    from lct.manifest import seal
+    from lct.format.manifest import seal
     expected, _ = _build(tmp_path / "golden.lct", extra_manifest={"format_version": [1, 1]})
     with lct.open(tmp_path / "golden.lct") as art:
         assert _same(art.read_tensor("model.layers.0.w"), expected["model.layers.0.w"])
@@ -358,7 +358,7 @@ def test_zstd_golden_frame_table():
 
 
 def test_checksum_is_xxh3_64_of_stored_bytes():
-    from lct.writer import checksum
+    from lct.io.writer import checksum
     assert checksum(b"lct") == "xxh3_64:" + xxhash.xxh3_64_hexdigest(b"lct")
     assert checksum(b"") == "xxh3_64:2d06800538d394c2"    # xxh3_64 of the empty string
 

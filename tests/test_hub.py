@@ -10,7 +10,7 @@ import torch
 from click.testing import CliRunner
 
 import lct
-from lct import constants as C
+from lct.format import constants as C
 from lct import hub as lhub
 from lct.cli.main import cli
 from lct.errors import ArtifactNotFoundError, ChecksumError, LCTError
@@ -173,8 +173,8 @@ def test_pull_refuses_a_repo_without_manifest(gemma_src, hub):
 
 
 def test_maximus_artifact_round_trip(llama_src, hub, tmp_path):
-    from lct.converter import Policy
-    from lct.remote import open_remote
+    from lct.conversion.converter import Policy
+    from lct.hub.remote import open_remote
     art = tmp_path / "mx.lct"
     lct.convert(str(llama_src), art, policy=Policy(maximus_shards=3))
     lhub.push(art, "alice/mx")
@@ -272,7 +272,7 @@ def test_streamed_load_equals_local_and_fetches_only_chunks(gemma_art, hub):
 
 
 def test_stream_one_group_fetches_only_its_chunks(llama_art, hub):
-    from lct.remote import HttpRangeStore, open_remote
+    from lct.hub.remote import HttpRangeStore, open_remote
     lhub.push(llama_art, "alice/llama-lct")
     hub.clear_log()
     with open_remote("alice/llama-lct") as art:
@@ -321,7 +321,7 @@ def test_open_hf_address(llama_art, hub):
 
 
 def test_range_store_resumes_and_refuses_whole_files(gemma_art, hub):
-    from lct.remote import HttpRangeStore
+    from lct.hub.remote import HttpRangeStore
     lhub.push(gemma_art, "alice/g")
     sha = hub.head("alice/g").oid
     store = HttpRangeStore("alice/g", sha, backoff=0.01)
@@ -511,7 +511,7 @@ def test_range_store_gives_up_on_a_trickle_and_on_endless_drops(gemma_art, hub):
     the first stalled for ever and the second reset the retry count on every byte)."""
     import time
 
-    from lct.remote import HttpRangeStore
+    from lct.hub.remote import HttpRangeStore
     lhub.push(gemma_art, "alice/g")
     sha = hub.head("alice/g").oid
     name = "model-00000.lct"
@@ -643,7 +643,7 @@ def test_model_card_of_an_int8_artifact_parses_with_huggingface_hub(llama_src, t
     tags of what is stored and the policy's measured cost in the body."""
     from huggingface_hub import ModelCard
 
-    from lct.converter import Policy
+    from lct.conversion.converter import Policy
     art = tmp_path / "a.lct"
     lct.convert(str(llama_src), art, policy=Policy(int8=("embed", "head")))
     card = ModelCard(lhub.model_card(lct.open(art).manifest, "org/name", license="apache-2.0"))

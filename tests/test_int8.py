@@ -10,8 +10,8 @@ import torch
 from torch.nn import functional as F
 
 import lct
-from lct import int8, native
-from lct.converter import Policy
+from lct.format import int8, native
+from lct.conversion.converter import Policy
 from lct.errors import ManifestError, PolicyError
 from lct.kernels import Int8Embedding, Int8Linear
 from lct.kernels import int8 as kint8
@@ -207,7 +207,7 @@ def test_int8_verify_and_detects_changed_code(int8_arts, tmp_path):
     shutil.copytree(art, bad)
     # flip one code of the head in its decoded chunk and re-encode the artifact's chunk: use the
     # writer-free route, a raw chunk rewritten with a fresh checksum
-    from lct.reader import open_artifact
+    from lct.io.reader import open_artifact
     with open_artifact(bad) as a:
         info = a.tensor_info("lm_head.weight")
         chunk = a.manifest.chunks[info.chunk]
@@ -221,7 +221,7 @@ def test_int8_verify_and_detects_changed_code(int8_arts, tmp_path):
 
 def _rewrite_chunk_raw(path, chunk, buf):
     """Store ``buf`` as chunk ``chunk`` with the raw codec at the end of its data file."""
-    from lct.codecs import checksum
+    from lct.format.codecs import checksum
     m = json.loads((path / "lct.json").read_text())
     f = path / m["files"][chunk.file]["name"]
     size = f.stat().st_size

@@ -4,7 +4,7 @@ import pytest
 import torch
 from torch.nn import functional as F
 
-from lct import nf4
+from lct.format import nf4
 from lct.kernels import NF4Embedding, NF4Linear, PaddedEmbedding, dequantize, padded_lookup
 from lct.kernels import embedding as kemb
 from lct.kernels import linear as klin
@@ -101,7 +101,7 @@ def test_parallel_row_dequantize_is_exact(table, threads, monkeypatch):
 @pytest.mark.parametrize("fused", [True, False])
 def test_nf4_linear_bias(table, fused, monkeypatch):
     _, packed, absmax, full = table
-    from lct import native
+    from lct.format import native
     if fused and not native.matmul_available():
         pytest.skip("the compiled extension is not built")
     monkeypatch.setattr(klin, "use_fused", lambda rows: fused)

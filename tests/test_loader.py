@@ -9,10 +9,10 @@ import torch
 from click.testing import CliRunner
 
 import lct
-from lct.converter import Policy
+from lct.conversion.converter import Policy
 from lct.errors import ChecksumError, LCTError
 from lct.loader import GroupStream, LayerwiseModel, LoadStats
-from lct.loader import stream as lstream
+from lct.io import stream as lstream
 from conftest import manifest_text
 from lct.errors import ManifestError
 
@@ -244,7 +244,7 @@ def test_load_pauses_the_cyclic_gc_and_restores_it(llama_art, monkeypatch, enabl
 
 @pytest.mark.parametrize("prefetch", [0, 2])
 def test_stream_asks_for_each_group_once_one_ahead(llama_art, monkeypatch, prefetch):
-    from lct.reader import Artifact
+    from lct.io.reader import Artifact
     advised, taken = [], []
     real = Artifact.will_need
 
@@ -263,7 +263,7 @@ def test_stream_asks_for_each_group_once_one_ahead(llama_art, monkeypatch, prefe
 
 
 def test_local_store_will_need_reads_ahead_without_errors(llama_art, tmp_path):
-    from lct.store import LocalStore
+    from lct.io.store import LocalStore
     with lct.open(llama_art) as art:
         name = art.manifest.files[0]["name"]
         art.store.will_need(name, 0, art.manifest.files[0]["size"])  # whole file, 2 MiB steps
@@ -355,7 +355,7 @@ def test_pad_id_is_skipped_only_when_it_is_padding_and_nothing_else(tmp_path, ze
     token's trained row, as transformers does; a pad id whose row is zero is still skipped."""
     from safetensors.torch import load_file, save_file
 
-    from lct import tiny
+    from lct.demo import tiny
     src = tiny.save_tiny(tmp_path / "src", "llama", pad_token_id=5)
     weights = load_file(src / "model.safetensors")
     if zero_row:
@@ -410,7 +410,7 @@ def test_interrupt_during_decode_is_not_masked_by_a_buffer_error(llama_art, monk
     """Issue 12 item 14: Ctrl-C while decode threads still hold the chunk's stored bytes (the C
     decoder keeps a buffer export during its GIL-free run) used to surface as 'BufferError:
     memoryview has 2 exported buffers' instead of the interrupt."""
-    from lct.reader import Artifact
+    from lct.io.reader import Artifact
 
     class Exported:  # a stored view whose release fails as one with live exports does
         def release(self):

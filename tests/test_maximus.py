@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from lct.kernels import MaximusEmbedding
-from lct.maximus import MaximusStateError, load_maximus_state, save_maximus_state
+from lct.format.maximus import MaximusStateError, load_maximus_state, save_maximus_state
 
 V, H = 1000, 16
 
@@ -111,7 +111,7 @@ def test_zipf_hot_shards_hit(gen):
 
 
 def test_nf4_shards_equal_gather_then_dequantize(gen):
-    from lct import nf4
+    from lct.format import nf4
     w = (torch.randn(V, 64, generator=gen) * 0.02).to(torch.bfloat16)
     packed, absmax = nf4.quantize(w, 64)
     full = nf4.dequantize(packed, absmax, (V, 64), 64, torch.bfloat16)
@@ -128,7 +128,7 @@ def test_nf4_shards_equal_gather_then_dequantize(gen):
 def test_nf4_state_with_another_order_moves_the_rows(gen):
     """Restoring a state whose frequency order differs re-orders an NF4 table too: the
     vocabulary (id -> row values) is never scrambled."""
-    from lct import nf4
+    from lct.format import nf4
     w = (torch.randn(V, 64, generator=gen) * 0.02).to(torch.bfloat16)
     packed, absmax = nf4.quantize(w, 64)
     full = nf4.dequantize(packed, absmax, (V, 64), 64, torch.bfloat16)
@@ -157,7 +157,7 @@ def test_state_dict_is_id_ordered(gen):
 
 
 def _tiny_model(seed=0):
-    from lct import tiny
+    from lct.demo import tiny
     config = tiny.config_for("llama", vocab_size=V, tie_word_embeddings=False)
     return tiny.build_model(config, seed=seed, dtype=torch.float32).train()
 

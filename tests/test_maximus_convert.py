@@ -10,8 +10,8 @@ from click.testing import CliRunner
 from safetensors.torch import load_file
 
 import lct
-from lct import nf4
-from lct.converter import Policy
+from lct.format import nf4
+from lct.conversion.converter import Policy
 from lct.errors import ChecksumError, ManifestError, PolicyError, SourceError
 from conftest import manifest_text
 
@@ -131,7 +131,7 @@ def test_text_frequencies_need_a_tokenizer(llama_src, tmp_path):
 
 
 def test_text_frequencies_with_the_model_tokenizer(tmp_path):
-    from lct import tiny
+    from lct.demo import tiny
     src = tiny.save_tiny(tmp_path / "src", "llama", vocab_size=512)
     tiny.save_tokenizer(src, vocab_size=512)
     (tmp_path / "corpus.txt").write_text("the quick brown fox " * 50)

@@ -3,7 +3,7 @@
 import pytest
 import torch
 
-from lct import nf4
+from lct.format import nf4
 from lct.errors import PolicyError
 
 F = pytest.importorskip("bitsandbytes.functional")
@@ -48,9 +48,9 @@ def test_dequantize_odd_length_and_out_buffer(native_mode):
 
 
 def test_native_dequant_refuses_short_buffers():
-    from lct import native
+    from lct.format import native
     if native._native is None:
-        pytest.fail("lct._native was not built")
+        pytest.fail("lct.format._native was not built")
     import numpy as np
     code = np.asarray(nf4.code_table().numpy(), np.float32)
     with pytest.raises(ValueError, match="packed bytes"):

@@ -6,7 +6,7 @@ import pytest
 import torch
 from torch.nn import functional as F
 
-from lct import native, nf4
+from lct.format import native, nf4
 from lct.kernels import FlatLinear, NF4Linear, flatten_head
 from lct.kernels import linear as klin
 

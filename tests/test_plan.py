@@ -10,11 +10,11 @@ import torch
 from transformers import AutoConfig, AutoModelForCausalLM
 
 import lct
-from lct import tiny
-from lct.converter import Policy
-from lct.manifest import Manifest
-from lct.plan import (ConfigNotFoundError, PlanError, kv_cache_bytes, model_dims, nf4_bytes,
-                      parameter_specs, parse_bytes, parse_resident, plan, train_activations)
+from lct.demo import tiny
+from lct.conversion.converter import Policy
+from lct.format.manifest import Manifest
+from lct.plan.memory import (ConfigNotFoundError, PlanError, kv_cache_bytes, model_dims, nf4_bytes,
+                             parameter_specs, parse_bytes, parse_resident, plan, train_activations)
 
 SMALL = dict(vocab_size=100, hidden_size=64, intermediate_size=96, num_hidden_layers=2,
              num_attention_heads=4, num_key_value_heads=2, head_dim=16, pad_token_id=0,
@@ -215,7 +215,7 @@ def test_lct_weights_equal_manifest(tmp_path, arch, kw, policy):
 
 
 def test_nf4_bytes_match_quantizer():
-    from lct import nf4
+    from lct.format import nf4
     for shape, bs in (((384, 128), 64), ((250, 40), 8), ((3, 64), 32)):
         packed, absmax = nf4.quantize(torch.randn(shape), bs)
         n = math.prod(shape)
@@ -326,7 +326,7 @@ def test_training_phases_and_chunked_loss():
 
 def test_maximus_resident_bytes_equal_module(llama_src):
     from lct.kernels import MaximusEmbedding
-    from lct.maximus import initial_state
+    from lct.format.maximus import initial_state
     V, H = 384, 128
     p = plan(llama_src, mode="infer", seq=16, maximus_resident="3/5")
     counts = torch.arange(V, 0, -1)

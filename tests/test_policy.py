@@ -9,11 +9,11 @@ import torch
 from safetensors.torch import load_file, save_file
 
 import lct
-from lct import constants as C
-from lct import tiny
-from lct.converter import Policy
+from lct.format import constants as C
+from lct.demo import tiny
+from lct.conversion.converter import Policy
 from lct.errors import PolicyError
-from lct.policy import choose, head_proxy, proxy_hidden
+from lct.conversion.policy import choose, head_proxy, proxy_hidden
 
 
 def _source(tmp_path, arch, head_std=None, seed=0, tokenizer=False):
@@ -104,7 +104,7 @@ def test_tied_table_decided_once(tmp_path):
 def test_calibration_measures_on_text(tmp_path):
     src = _source(tmp_path, "llama", head_std=0.5, tokenizer=True)
     text = tmp_path / "t.txt"
-    from lct import sample_text
+    from lct.conversion import sample_text
     text.write_text(sample_text.PROSE[:4000])
     rep = lct.convert(str(src), tmp_path / "c.lct",
                       policy=Policy(calibration=str(text), max_calibration_tokens=256))
@@ -113,8 +113,8 @@ def test_calibration_measures_on_text(tmp_path):
     assert set(d.costs) == {"embed", "head"}
     assert d.costs["head"]["nf4"] > d.costs["head"]["int8"] > 0
     # the calibration cost of the head equals an independent computation on the same tokens
-    from lct.policy import roundtrip
-    from lct.quality import read_texts, token_blocks
+    from lct.conversion.policy import roundtrip
+    from lct.conversion.quality import read_texts, token_blocks
     from transformers import AutoModelForCausalLM, AutoTokenizer
     model = AutoModelForCausalLM.from_pretrained(src, dtype=torch.bfloat16).eval()
     blocks = token_blocks(AutoTokenizer.from_pretrained(src), read_texts(text), 256, 512)

@@ -9,13 +9,13 @@ import torch
 from torch.nn import functional as F
 
 import lct
-from lct.converter import Policy
-from lct.quality import measure_quality, token_blocks
+from lct.conversion.converter import Policy
+from lct.conversion.quality import measure_quality, token_blocks
 
 
 @pytest.fixture(scope="module")
 def src(tmp_path_factory):
-    from lct import tiny
+    from lct.demo import tiny
     out = tiny.save_tiny(tmp_path_factory.mktemp("q") / "src", "llama")
     tiny.save_tokenizer(out, vocab_size=256)
     return out
@@ -34,7 +34,7 @@ def test_quality_equals_an_independent_computation(src, arts):
     art = arts[0]
     q = measure_quality(art, str(src), max_tokens=300, block=64)
     tok = AutoTokenizer.from_pretrained(art)
-    from lct import sample_text
+    from lct.conversion import sample_text
     ids = tok(sample_text.PROSE).input_ids  # the prose comes first and is long enough
     blocks, scored = [], 0  # non-overlapping 64-token blocks until 300 positions are scored
     for i in range(0, len(ids), 64):
@@ -113,7 +113,7 @@ def test_layerwise_needs_quality(src, arts, run):
 def test_layerwise_quality_on_a_tied_table(tmp_path):
     """A tied table (one stored tensor, two parameters when loaded dequantized): the reference
     must take the source's table under both names."""
-    from lct import tiny
+    from lct.demo import tiny
     src = tiny.save_tiny(tmp_path / "src", "gemma")
     tiny.save_tokenizer(src, vocab_size=256)
     art = tmp_path / "g.lct"

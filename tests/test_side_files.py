@@ -9,7 +9,7 @@ import shutil
 import pytest
 
 import lct
-from lct import constants as C
+from lct.format import constants as C
 from lct.errors import LCTError
 
 

@@ -8,7 +8,7 @@ against its checksum like a local read, with the loader's prefetch window decidi
 in flight. No data file is downloaded whole.
 
 Example:
-    >>> with lct.remote.open_remote("me/gemma-2b-lct") as art:
+    >>> with lct.hub.remote.open_remote("me/gemma-2b-lct") as art:
     ...     layer0 = art.read_group("layers.0")      # fetches only that group's chunks
 """
 
@@ -17,10 +17,10 @@ from __future__ import annotations
 import threading
 import time
 
-from . import constants as C
-from .errors import ArtifactNotFoundError, LCTError
-from .hub import (HubError, HubOfflineError, _hub, _where, check_files, hub_error, parse_hf_uri,
-                  raise_corrupt, split_address)
+from lct.format import constants as C
+from lct.errors import ArtifactNotFoundError, LCTError
+from lct.hub import (HubError, HubOfflineError, _hub, _where, check_files, hub_error, parse_hf_uri,
+                     raise_corrupt, split_address)
 
 # Statuses worth retrying (the request may succeed a moment later).
 RETRY_STATUS = (408, 429, 500, 502, 503, 504)
@@ -33,7 +33,7 @@ class _Transient(Exception):
 class HttpRangeStore:
     """Data files of a Hub repo at one commit, read by HTTP range requests.
 
-    The same interface as ``lct.store.LocalStore`` (``describe``, ``size``, ``read_range``,
+    The same interface as ``lct.io.store.LocalStore`` (``describe``, ``size``, ``read_range``,
     ``release``, ``close``); thread-safe. Requests go through ``huggingface_hub``'s HTTP session
     (its proxy settings and ``HF_HUB_OFFLINE`` apply) with the caller's token; redirects to the
     storage host are followed (the token is not sent off the Hub). Transient failures (connection
@@ -260,7 +260,7 @@ def open_remote(repo_id: str, revision: str | None = None, token=None, *, verify
         repo_id: ``org/name`` or ``hf://org/name@revision``.
         revision: branch, tag or commit; resolved once to a commit sha.
         token: a Hub token (default: ``HF_TOKEN`` or the stored login).
-        verify, workers, pin_memory: as for ``lct.reader.open_artifact``.
+        verify, workers, pin_memory: as for ``lct.io.reader.open_artifact``.
         endpoint: the Hub URL (default: ``HF_ENDPOINT``).
 
     Returns:
@@ -270,7 +270,7 @@ def open_remote(repo_id: str, revision: str | None = None, token=None, *, verify
         HubAuthError, HubNotFoundError, HubOfflineError, HubError: with a one-line hint.
         ManifestError: the manifest disagrees with the data files on the Hub.
     """
-    from .reader import open_artifact
+    from lct.io.reader import open_artifact
     local, sha, sizes = fetch_small(repo_id, revision, token, endpoint=endpoint)
     repo_id = parse_hf_uri(repo_id)[0]
     store = HttpRangeStore(repo_id, sha, token, endpoint=endpoint, sizes=sizes)

@@ -12,9 +12,9 @@ import math
 import re
 from dataclasses import asdict, dataclass, field, replace
 
-from . import codecs
-from . import constants as C
-from .errors import ManifestChecksumError, ManifestError, UnsupportedVersionError
+from lct.format import codecs
+from lct.format import constants as C
+from lct.errors import ManifestChecksumError, ManifestError, UnsupportedVersionError
 
 
 @dataclass(frozen=True)
@@ -301,7 +301,7 @@ def _check_sealed(raw: bytes, d: dict, where: str) -> None:
         raise ManifestChecksumError(
             f"{where}: manifest checksum mismatch: it says {value}, its bytes give {digest}; "
             f"the file was changed after it was written (a tool that edits it must reseal it "
-            f"with lct.manifest.seal)")
+            f"with lct.format.manifest.seal)")
 
 
 def _fail(where: str, msg: str):

@@ -14,7 +14,7 @@ import os
 import uuid
 from pathlib import Path
 
-from .errors import LCTError
+from lct.errors import LCTError
 
 STATE_FILE = "maximus.safetensors"
 STATE_FORMAT = "lct-maximus"

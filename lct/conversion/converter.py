@@ -19,14 +19,14 @@ from typing import Callable
 
 import numpy as np
 
-from . import __version__
-from . import constants as C
-from . import mapping as M
-from .codecs import choose_codec
-from .errors import PolicyError, SourceError
-from .manifest import Manifest
-from .source import ST_DTYPES, Source, resolve, sha256_file
-from .writer import ArtifactWriter, TensorSpec, plan_group
+from lct import __version__
+from lct.format import constants as C
+from lct.conversion import mapping as M
+from lct.format.codecs import choose_codec
+from lct.errors import PolicyError, SourceError
+from lct.format.manifest import Manifest
+from lct.conversion.source import ST_DTYPES, Source, resolve, sha256_file
+from lct.io.writer import ArtifactWriter, TensorSpec, plan_group
 
 Progress = Callable[[str, int, int], None]
 log = logging.getLogger(__name__)
@@ -38,7 +38,7 @@ class Policy:
 
     The embedding and the LM head are the lossy candidates. With neither ``nf4`` nor ``int8``
     given the policy is **auto**: for each of them (a tied table once) the converter measures
-    what NF4 and int8 would cost (``lct.policy``) and keeps the smallest encoding whose cost
+    what NF4 and int8 would cost (``lct.conversion.policy``) and keeps the smallest encoding whose cost
     fits ``budget`` (mean KL of the next-token distribution, nats, for the whole artifact).
     ``nf4``/``int8`` name the parts forced to that encoding instead (``nf4=()`` and ``int8=()``:
     all lossless); the rest are then lossless.
@@ -129,7 +129,7 @@ class ConvertReport:
     seconds: float
     source_bytes: int
     unmapped: list = field(default_factory=list)
-    decision: object = None     # the auto policy's ``lct.policy.Decision`` (None when forced)
+    decision: object = None     # the auto policy's ``lct.conversion.policy.Decision`` (None when forced)
     skipped_files: list = field(default_factory=list)   # [(name, why)] side files left out
 
     @property
@@ -207,10 +207,10 @@ def _write_plan(writer, plan, policy: Policy, src: Source, get) -> int:
         if s.encoding in (C.ENCODING_NF4, C.ENCODING_INT8):
             where = f"{path}: tensor {s.piece_of or s.name!r}"
             if s.encoding == C.ENCODING_NF4:
-                from .nf4 import quantize
+                from lct.format.nf4 import quantize
                 codes, scales = quantize(t, s.blocksize, where)
             else:
-                from .int8 import quantize
+                from lct.format.int8 import quantize
                 codes, scales = quantize(t, where)
             buf[off: off + s.nbytes] = codes.reshape(-1).view(torch.uint8).numpy()
             a = plan.absmax_offsets[s.name]
@@ -242,7 +242,7 @@ class MaximusPlan:
 
     def write(self, folder: Path) -> dict:
         """Write the state file into ``folder``; return the manifest's ``maximus`` entry."""
-        from .maximus import write_state_file
+        from lct.format.maximus import write_state_file
         path = write_state_file({self.module_path: (self.state, self.meta)},
                                 folder / C.MAXIMUS_FILE)
         return {"file": C.MAXIMUS_FILE, "sha256": sha256_file(path),
@@ -252,7 +252,7 @@ class MaximusPlan:
 
 
 def _maximus_plan(src: Source, specs: dict, policy: Policy, token_freq) -> MaximusPlan:
-    from .maximus import DEFAULT_POLICY, default_budget, initial_state
+    from lct.format.maximus import DEFAULT_POLICY, default_budget, initial_state
     embed = next((s for s in specs.get(C.GROUP_EMBED, []) if s.role == "embed"), None)
     if embed is None or len(embed.shape) != 2:
         raise PolicyError(f"{src.root}: --maximus-shards needs a 2-D token embedding; none found")
@@ -261,7 +261,7 @@ def _maximus_plan(src: Source, specs: dict, policy: Policy, token_freq) -> Maxim
     if not 1 <= n <= rows:
         raise PolicyError(f"--maximus-shards {n} must be in 1..{rows} (the vocabulary size)")
     if token_freq is not None:
-        from .freq import token_counts
+        from lct.conversion.freq import token_counts
         counts, freq_source = token_counts(token_freq, rows, src.root)
     else:
         import torch
@@ -384,7 +384,7 @@ def convert(source: str, out, *, revision: str | None = None, policy: Policy | N
     decision = None
     if chosen is None or any(chosen[r] != C.ENCODING_PLAIN for r in lossy):
         # auto: measure to choose; a forced lossy encoding: measure what it costs, to say so
-        from .policy import decide
+        from lct.conversion.policy import decide
         decision = decide(src, tensors, lossy, bool(ties), table, policy)
         chosen = decision.chosen
 
@@ -394,7 +394,7 @@ def convert(source: str, out, *, revision: str | None = None, policy: Policy | N
         encoding = chosen.get(role, C.ENCODING_PLAIN) if lossy_ok(name) else C.ENCODING_PLAIN
         stored = st.dtype
         if encoding == C.ENCODING_NF4:
-            from .nf4 import check_blocksize
+            from lct.format.nf4 import check_blocksize
             check_blocksize(st.shape, policy.blocksize, f"{src.root / st.file}: tensor {name!r}")
             stored = "nf4"
         elif encoding == C.ENCODING_INT8:

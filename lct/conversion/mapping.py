@@ -9,7 +9,7 @@ from __future__ import annotations
 import re
 from dataclasses import dataclass
 
-from . import constants as C
+from lct.format import constants as C
 
 
 @dataclass(frozen=True)

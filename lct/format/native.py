@@ -1,4 +1,4 @@
-"""The optional compiled inner loops (``lct/_native.c``), with a pure numpy fallback.
+"""The optional compiled inner loops (``lct/format/_native.c``), with a pure numpy fallback.
 
 The extension is built by ``pip install`` where a C compiler is present; without one the package
 still installs and every function here gives the same bytes through numpy, only slower. Set
@@ -13,7 +13,7 @@ import threading
 import numpy as np
 
 try:
-    from . import _native
+    from lct.format import _native
 except ImportError:  # pragma: no cover - exercised where no compiler was available at install
     _native = None
 
@@ -32,7 +32,7 @@ def frames_available() -> bool:
 
 
 def decode_frames(stored, out: np.ndarray, rows: np.ndarray, width: int):
-    """Decode a run of frames with the GIL released throughout (see ``lct/_native.c``).
+    """Decode a run of frames with the GIL released throughout (see ``lct/format/_native.c``).
 
     ``rows`` is an int64 array [k, 6] of (start, n, at, hi_len, lo_len, mode); ``width`` is 0
     for plain zstd frames, 2 or 4 for planes. Returns None, or ``(row, message)`` for the
@@ -75,7 +75,7 @@ def join_planes32(hi: np.ndarray, lo: np.ndarray, out: np.ndarray) -> None:
 def nf4_quantize(x: np.ndarray, bf16: bool, mids: np.ndarray, packed: np.ndarray,
                  absmax: np.ndarray, blocksize: int) -> int:
     """NF4-quantize ``x`` (float32, or bfloat16 bits as int16 when ``bf16``) into ``packed`` and
-    ``absmax`` (lct/nf4.py's rule). Returns the first block holding a NaN/Inf, or -1. Only call
+    ``absmax`` (lct/format/nf4.py's rule). Returns the first block holding a NaN/Inf, or -1. Only call
     when ``available()``."""
     return _native.nf4_quantize(x, 1 if bf16 else 0, mids, packed, absmax, blocksize)
 

@@ -15,13 +15,13 @@ from pathlib import Path
 
 import numpy as np
 
-from . import codecs
-from .codecs import checksum
-from . import constants as C
-from .errors import (ArtifactClosedError, ArtifactNotFoundError, ChecksumError,
-                     CorruptChunkError, ManifestError)
-from .manifest import ChunkInfo, Manifest, TensorInfo
-from .store import LocalStore, confined
+from lct.format import codecs
+from lct.format.codecs import checksum
+from lct.format import constants as C
+from lct.errors import (ArtifactClosedError, ArtifactNotFoundError, ChecksumError,
+                        CorruptChunkError, ManifestError)
+from lct.format.manifest import ChunkInfo, Manifest, TensorInfo
+from lct.io.store import LocalStore, confined
 
 _TORCH_DTYPES = {
     "float64": "float64", "float32": "float32", "float16": "float16", "bfloat16": "bfloat16",
@@ -49,13 +49,13 @@ class NF4Weight:
 
     def dequantize(self, dtype=None):
         """Dequantize to ``dtype`` (default: the source dtype), exactly as bitsandbytes does."""
-        from . import nf4
+        from lct.format import nf4
         return nf4.dequantize(self.packed, self.absmax, self.shape, self.blocksize,
                               dtype or torch_dtype(self.dtype))
 
     def bnb_state_dict(self, prefix: str) -> dict:
         """bitsandbytes state-dict keys for module path ``prefix`` (``prefix.weight...``)."""
-        from . import nf4
+        from lct.format import nf4
         return nf4.bnb_state_dict(prefix, self.packed, self.absmax, self.shape,
                                   self.blocksize, self.dtype)
 
@@ -73,7 +73,7 @@ class Int8Weight:
 
     def dequantize(self, dtype=None):
         """Dequantize to ``dtype`` (default: the source dtype): ``q * scale`` in float32."""
-        from . import int8
+        from lct.format import int8
         return int8.dequantize(self.q, self.scale, self.shape, dtype or torch_dtype(self.dtype))
 
 
@@ -126,7 +126,7 @@ class Artifact:
         """Problems with the side files ``names`` (config, tokenizer, ...): each one copied from
         the source must still equal the source's size and sha256 recorded in the manifest
         (``source.files``). Returns one message per problem (empty: all match)."""
-        from .source import sha256_file
+        from lct.conversion.source import sha256_file
         recorded = self.manifest.source.get("files")  # untrusted: a dict only if well formed
         recorded = recorded if isinstance(recorded, dict) else {}
         problems = []
@@ -167,7 +167,7 @@ class Artifact:
         if self._closed:
             raise ArtifactClosedError(f"{self.path}: the artifact is closed")
         if self._pool is None:
-            from .proc import lower_thread_priority
+            from lct.proc import lower_thread_priority
             self._pool = ThreadPoolExecutor(self.workers, thread_name_prefix="lct-decode",
                                             initializer=lower_thread_priority,
                                             initargs=(self.thread_nice,))
@@ -307,7 +307,7 @@ class Artifact:
             w = NF4Weight(info.name, raw, absmax, info.shape, info.nf4["blocksize"], info.dtype)
             return w.dequantize() if dequantize else w
         if info.encoding == C.ENCODING_INT8:
-            from .int8 import row_shape
+            from lct.format.int8 import row_shape
             a, n = info.int8["scale_offset"], info.int8["scale_nbytes"]
             scale = torch.from_numpy(buf[a: a + n]).view(torch.float32)
             w = Int8Weight(info.name, raw.view(torch.int8).view(row_shape(info.shape)), scale,
@@ -360,8 +360,8 @@ class Artifact:
             m = self.manifest.maximus
             if m is None:
                 raise ManifestError(f"{self.path}: the artifact has no Maximus shard state")
-            from .maximus import MaximusStateError, read_state_file, validate_permutation
-            from .source import sha256_file
+            from lct.format.maximus import MaximusStateError, read_state_file, validate_permutation
+            from lct.conversion.source import sha256_file
             path = self.path / m["file"]
             if not path.is_file():
                 raise ArtifactNotFoundError(f"{path}: Maximus state file missing")
@@ -418,7 +418,7 @@ class Artifact:
             ...     for group in art.stream(prefetch=2):
             ...         print(group.name, len(group.tensors))
         """
-        from .loader.stream import GroupStream
+        from lct.io.stream import GroupStream
         return GroupStream(self, groups, prefetch=prefetch, dequantize=dequantize)
 
     def read_tensor(self, name: str, dequantize: bool = True):

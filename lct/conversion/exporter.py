@@ -15,13 +15,13 @@ import shutil
 import uuid
 from pathlib import Path
 
-from . import constants as C
-from .errors import LCTError
-from .reader import Artifact, open_artifact
-from .source import INDEX_NAME
-from .store import confined
-from .writer import (OutputLock, check_output_path, foreign_entry, make_staging,
-                     recorded_side_files, swap_into_place)
+from lct.format import constants as C
+from lct.errors import LCTError
+from lct.io.reader import Artifact, open_artifact
+from lct.conversion.source import INDEX_NAME
+from lct.io.store import confined
+from lct.io.writer import (OutputLock, check_output_path, foreign_entry, make_staging,
+                           recorded_side_files, swap_into_place)
 
 DEFAULT_SHARD_SIZE = C.EXPORT_SHARD_SIZE
 
@@ -81,10 +81,10 @@ def export(artifact, out_dir, *, max_shard_size=DEFAULT_SHARD_SIZE, overwrite: b
         >>> AutoModelForCausalLM.from_pretrained("gemma-hf")
     """
     out = Path(out_dir).absolute()
-    from .units import parse_size
+    from lct.units import parse_size
     max_shard_size = parse_size(max_shard_size, "max shard size")
     if not isinstance(artifact, Artifact):
-        from .hub import local_artifact
+        from lct.hub import local_artifact
         artifact = local_artifact(artifact)
     art_path = artifact.path if isinstance(artifact, Artifact) else Path(artifact)
     _check_place(out, art_path)
@@ -102,7 +102,7 @@ def _planned_shards(art, max_shard_size: int):
     import torch
     from huggingface_hub import split_torch_state_dict_into_shards
 
-    from .reader import torch_dtype
+    from lct.io.reader import torch_dtype
     meta = {}
     for group in art.groups:
         for t in art.manifest.group_tensors(group):

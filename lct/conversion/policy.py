@@ -23,9 +23,9 @@ import time
 from dataclasses import dataclass, field
 from itertools import product
 
-from . import constants as C
-from .errors import LCTError, PolicyError
-from .writer import encoded_bytes
+from lct.format import constants as C
+from lct.errors import LCTError, PolicyError
+from lct.io.writer import encoded_bytes
 
 CANDIDATES = (C.ENCODING_NF4, C.ENCODING_INT8)
 log = logging.getLogger(__name__)
@@ -76,10 +76,10 @@ def roundtrip(encoding: str, w, blocksize: int, wf=None):
     float32 already, if the caller has it)."""
     import torch
     if encoding == C.ENCODING_NF4:
-        from . import nf4
+        from lct.format import nf4
         packed, absmax = nf4.quantize(w, blocksize)
         return nf4.dequantize(packed, absmax, tuple(w.shape), blocksize, torch.float32)
-    from . import int8
+    from lct.format import int8
     q, scale = int8.quantize_rows(wf if wf is not None else w.float())
     return q.mul_(scale.unsqueeze(1))   # q * scale, the dequantized value, without int8 codes
 
@@ -232,7 +232,7 @@ def calibration_costs(src, tensors: dict, lossy: dict, tied: bool, policy) -> tu
     from torch.nn import functional as F
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    from .quality import DEFAULT_BLOCK, read_texts, token_blocks
+    from lct.conversion.quality import DEFAULT_BLOCK, read_texts, token_blocks
     if not any((src.root / n).is_file() for n in ("tokenizer.json", "tokenizer.model")):
         raise PolicyError(f"{src.root}: --calibration needs the model's tokenizer, and the "
                           f"source has none")
@@ -241,7 +241,7 @@ def calibration_costs(src, tensors: dict, lossy: dict, tied: bool, policy) -> tu
                           DEFAULT_BLOCK)
     if not blocks:
         raise PolicyError(f"{policy.calibration}: the text is shorter than two tokens")
-    from .reader import torch_dtype
+    from lct.io.reader import torch_dtype
     dtype = torch_dtype(tensors[next(iter(lossy.values()))].dtype)
     model = AutoModelForCausalLM.from_pretrained(src.root, dtype=dtype).eval()
     params = {"embed": model.get_input_embeddings().weight}

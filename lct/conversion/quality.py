@@ -12,7 +12,7 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
-from .errors import LCTError
+from lct.errors import LCTError
 
 DEFAULT_MAX_TOKENS = 4096
 DEFAULT_BLOCK = 512
@@ -104,7 +104,7 @@ def measure_quality(artifact, against: str, *, revision: str | None = None, text
                     progress=None, layerwise: bool = False) -> QualityReport:
     """Score the loaded ``artifact`` (as ``lct.load`` gives it: lossy parts kept) against the
     source ``against`` loaded with ``from_pretrained``, on ``text`` (a file or folder; default:
-    the sample in ``lct.sample_text``).
+    the sample in ``lct.conversion.sample_text``).
 
     With ``layerwise`` neither model is ever whole in memory: the artifact runs as a
     ``LayerwiseModel`` (layers streamed on every forward), and so does the reference, which is
@@ -117,9 +117,9 @@ def measure_quality(artifact, against: str, *, revision: str | None = None, text
     """
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    from .loader import load
-    from .source import resolve
-    from . import sample_text
+    from lct.loader import load
+    from lct.conversion.source import resolve
+    from lct.conversion import sample_text
     path = Path(artifact)
     if not any((path / n).is_file() for n in ("tokenizer.json", "tokenizer.model")):
         raise LCTError(f"{path}: the artifact has no tokenizer to cut the text into tokens")
@@ -127,7 +127,7 @@ def measure_quality(artifact, against: str, *, revision: str | None = None, text
     tokenizer = AutoTokenizer.from_pretrained(path)
     src = resolve(against, revision)
     if layerwise:
-        from .loader.layerwise import LayerwiseModel
+        from lct.loader.layerwise import LayerwiseModel
         with LayerwiseModel(path) as model, LayerwiseModel(path, nf4="dequantize") as reference:
             _take_lossy_from_source(reference, src)
             return compare(model, reference, tokenizer, texts, max_tokens=max_tokens,
@@ -166,9 +166,9 @@ def _take_lossy_from_source(reference, src) -> None:
     source's tensor of that name, so that it is the lossless model."""
     from safetensors import safe_open
 
-    from .converter import scan
-    from .loader.build import _param_name
-    from . import constants as C
+    from lct.conversion.converter import scan
+    from lct.loader.build import _param_name
+    from lct.format import constants as C
     manifest = reference.art.manifest
     lossy = [t.name for t in manifest.tensors.values() if t.encoding != C.ENCODING_PLAIN]
     found = scan(src)

@@ -11,8 +11,8 @@ import re
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from . import constants as C
-from .errors import MissingDependencyError, SourceError, SourceNotFoundError
+from lct.format import constants as C
+from lct.errors import MissingDependencyError, SourceError, SourceNotFoundError
 
 PICKLE_SUFFIXES = (".bin", ".pt", ".pth", ".ckpt", ".pkl")
 INDEX_NAME = "model.safetensors.index.json"
@@ -44,7 +44,7 @@ class Source:
     def sidecars(self) -> list:
         """The side files the conversion carries: every top-level regular file of the source
         that is not weights, an index, the card or git metadata, has a plain name
-        (``lct.manifest.is_side_file_name``), stays inside the source folder, and is within the
+        (``lct.format.manifest.is_side_file_name``), stays inside the source folder, and is within the
         size caps (see ``skipped_sidecars``)."""
         return self._side_files()[0]
 
@@ -54,8 +54,8 @@ class Source:
         return self._side_files()[1]
 
     def _side_files(self) -> tuple:
-        from .manifest import is_side_file_name
-        from .store import confined
+        from lct.format.manifest import is_side_file_name
+        from lct.io.store import confined
         kept, skipped, total = [], [], 0
         weights = set(self.files) | {INDEX_NAME}
         for p in sorted(self.root.iterdir(), key=lambda p: p.name):
@@ -95,10 +95,10 @@ def resolve(source: str, revision: str | None = None) -> Source:
         SourceNotFoundError: no such folder, and not a Hub id (or no such repo).
         SourceError: the folder holds no safetensors, only pickle checkpoints, or a broken index.
     """
-    from .hub import is_hf_uri
+    from lct.hub import is_hf_uri
     hub_only = is_hf_uri(source)
     if hub_only:
-        from .hub import HubURIError, parse_hf_uri
+        from lct.hub import HubURIError, parse_hf_uri
         try:
             source, rev = parse_hf_uri(source)
         except HubURIError as e:
@@ -141,7 +141,7 @@ def hub_fetch(fetch, repo_id: str, revision: str | None, what: str, *,
         raise not_found(f"{repo_id}: no such folder, and no such Hub repo "
                         f"(or it is private: log in or set HF_TOKEN)") from e
     except herr.LocalEntryNotFoundError as e:
-        from .hub import offline_reason
+        from lct.hub import offline_reason
         raise offline(f"{repo_id}: {what} not found in the local Hugging Face cache, and "
                       f"{offline_reason()}") from e
     except herr.EntryNotFoundError as e:

@@ -15,7 +15,7 @@ training step, which is the largest of five moments
 than a sum of everything: gradients and activations do not peak together.
 
 Example:
-    >>> from lct.plan import plan
+    >>> from lct.plan.memory import plan
     >>> p = plan("google/gemma-2b", mode="train", batch=4, seq=2048, precision="mixed")
     >>> p.params, p.total, p.fits
 """
@@ -28,11 +28,11 @@ import re
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
-from . import constants as C
-from .maximus import DEFAULT_SHARDS, default_budget, shard_bounds
-from .writer import encoded_bytes
-from .modelspec import (ConfigNotFoundError, Dims, PlanError,  # noqa: F401 (re-exported)
-                        model_dims, parameter_specs, read_config)
+from lct.format import constants as C
+from lct.format.maximus import DEFAULT_SHARDS, default_budget, shard_bounds
+from lct.io.writer import encoded_bytes
+from lct.plan.modelspec import (ConfigNotFoundError, Dims, PlanError, model_dims, parameter_specs,
+                                read_config)
 
 MODES = ("infer", "train")
 PRECISIONS = ("bf16", "fp16", "fp32", "mixed")
@@ -73,7 +73,7 @@ def lct_layout(specs: list, dtype: str, nf4_roles=C.NF4_ROLES, blocksize: int = 
     Raises:
         PlanError: the NF4 block size does not divide a row (the converter would refuse it).
     """
-    from .writer import TensorSpec, plan_group
+    from lct.io.writer import TensorSpec, plan_group
 
     by_group: dict = {}
     pieced = []
@@ -248,18 +248,18 @@ def nf4_head_transient(vocab: int, hidden: int, tokens: int, a: int, blocksize: 
     CPU, up to ``NF4_FUSED_MAX_ROWS`` tokens with the compiled loops: the fused kernel reads the
     codes in place and only copies the input. CPU otherwise: LCT's ``NF4Linear`` dequantizes ``NF4_HEAD_CHUNK_BYTES`` of rows at a time into one
     scratch buffer, besides the rows' slice of the output; without the compiled loops
-    (``lct.native``) each piece of ``lct.nf4.PIECE_ELEMENTS`` also needs the int64 code, the
+    (``lct.format.native``) each piece of ``lct.format.nf4.PIECE_ELEMENTS`` also needs the int64 code, the
     float32 scale, the table lookup and the product (20 bytes an element).
     """
     if device == "cuda":
         return vocab * hidden * a
-    from . import native
+    from lct.format import native
     if native.matmul_available() and 0 < tokens <= C.NF4_FUSED_MAX_ROWS:
         return tokens * hidden * (4 + a)  # the fused kernel: x split into float32, x made contiguous
     rows = min(vocab, max(1, C.NF4_HEAD_CHUNK_BYTES // (hidden * a)))
     temporaries = tokens * rows * a
     if not native.available():
-        from .nf4 import PIECE_ELEMENTS
+        from lct.format.nf4 import PIECE_ELEMENTS
         piece = min(rows * hidden, max(1, PIECE_ELEMENTS // blocksize) * blocksize)
         temporaries = max(20 * piece, temporaries)
     return rows * hidden * a + temporaries
@@ -270,7 +270,7 @@ def int8_head_transient(vocab: int, hidden: int, tokens: int, a: int) -> int:
     output): on the CPU up to ``INT8_FUSED_MAX_ROWS`` tokens the fused kernel reads the codes in
     place and copies the input as float32; otherwise (and on CUDA) ``NF4_HEAD_CHUNK_BYTES`` of
     rows are dequantized at a time, through a float32 product, beside the rows' output slice."""
-    from . import native
+    from lct.format import native
     if native.int8_matmul_available() and 0 < tokens <= C.INT8_FUSED_MAX_ROWS:
         return tokens * hidden * (4 + a)
     rows = min(vocab, max(1, C.NF4_HEAD_CHUNK_BYTES // (hidden * a)))
@@ -413,8 +413,8 @@ def parse_resident(text) -> tuple:
 def parse_bytes(text) -> int:
     """``"16GiB"``, ``"24GB"``, ``"512MiB"``, ``"1.5TiB"`` or an integer -> bytes
     (``lct.units.parse_size``, the rule every size option follows)."""
-    from .errors import LCTError
-    from .units import parse_size
+    from lct.errors import LCTError
+    from lct.units import parse_size
     try:
         return parse_size(text, "memory")
     except LCTError as e:
@@ -769,7 +769,7 @@ def _step_temp(optimizer: str, device: str, precision: str, trainable: int, larg
 
 
 def _manifest(artifact: Path):
-    from .manifest import Manifest
+    from lct.format.manifest import Manifest
     path = artifact / C.MANIFEST_NAME
     return Manifest.from_json(path.read_bytes(), str(path))
 

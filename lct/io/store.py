@@ -1,5 +1,5 @@
 """Where an artifact's data files are read from. ``LocalStore`` maps local files; a remote store
-(``lct.remote``) serves the same calls with HTTP range requests. The reader only ever asks for a
+(``lct.hub.remote``) serves the same calls with HTTP range requests. The reader only ever asks for a
 file's size and for byte ranges, which is what lets a chunk stream from a URL.
 """
 
@@ -10,7 +10,7 @@ import os
 import threading
 from pathlib import Path
 
-from .errors import ArtifactNotFoundError, ManifestError
+from lct.errors import ArtifactNotFoundError, ManifestError
 
 # Linux's posix_fadvise(WILLNEED) reads at most one readahead window (max of read_ahead_kb and
 # the device's io size) per call and ignores the rest of the range: ask in 2 MiB pieces.

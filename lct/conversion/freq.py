@@ -6,7 +6,7 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from .errors import SourceError
+from lct.errors import SourceError
 
 TEXT_SUFFIXES = (".txt", ".md", ".text", ".jsonl", ".json", ".csv", ".tsv", ".rst", ".html")
 MAX_TEXT_BYTES = 4 * 1024**3

@@ -4,7 +4,7 @@
 files through LFS or Xet, as the Hub chooses); ``pull`` downloads a snapshot through the Hugging
 Face cache (resumable, ``HF_HUB_OFFLINE`` respected) and verifies every checksum before handing
 out its path; ``parse_hf_uri`` reads ``hf://org/name@revision``. Streaming chunks straight from
-the Hub, without downloading whole files, is ``lct.remote.open_remote``.
+the Hub, without downloading whole files, is ``lct.hub.remote.open_remote``.
 
 Authentication is ``HF_TOKEN`` or the stored login (``hf auth login``), or an explicit
 ``token=``. Hub failures become one-line ``HubError`` subclasses that say what to do.
@@ -23,10 +23,10 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from . import constants as C
-from .errors import ChecksumError, CorruptChunkError, LCTError, MissingDependencyError
-from .info import human
-from .store import confined
+from lct.format import constants as C
+from lct.errors import ChecksumError, CorruptChunkError, LCTError, MissingDependencyError
+from lct.io.info import human
+from lct.io.store import confined
 
 HF_SCHEME = "hf://"
 _REPO_ID = re.compile(r"[A-Za-z0-9][\w.\-]*(/[A-Za-z0-9][\w.\-]*)?")
@@ -483,8 +483,8 @@ def push(artifact, repo_id: str, revision: str | None = None, private: bool = Fa
             verified; nothing is uploaded.
         HubAuthError, HubNotFoundError, HubOfflineError, HubError: the Hub refused or failed.
     """
-    from .reader import open_artifact
-    from .verifier import verify
+    from lct.io.reader import open_artifact
+    from lct.conversion.verifier import verify
 
     repo_id, revision = split_address(repo_id, revision)
     root = Path(artifact)
@@ -695,10 +695,10 @@ def verify_download(root: Path, repo_id: str, revision: str | None = None, local
         ChecksumError: a file or chunk does not match (naming it); the files were discarded.
         ManifestError / ArtifactNotFoundError: the repo does not hold a valid LCT artifact.
     """
-    from .reader import open_artifact
+    from lct.io.reader import open_artifact
     where = _where(repo_id, revision)
     if not (root / C.MANIFEST_NAME).is_file():
-        from .errors import ArtifactNotFoundError
+        from lct.errors import ArtifactNotFoundError
         others = [p.parent.name for p in root.parent.glob(f"*/{C.MANIFEST_NAME}")
                   if p.parent != root] if root.parent.name == "snapshots" else []
         if others:
@@ -806,7 +806,7 @@ def _check_is_artifact(hh, repo_id: str, revision, token, endpoint) -> None:
         return
     names = {s.rfilename for s in (info.siblings or [])}
     if info.siblings is not None and C.MANIFEST_NAME not in names:
-        from .errors import ArtifactNotFoundError
+        from lct.errors import ArtifactNotFoundError
         raise ArtifactNotFoundError(f"{_where(repo_id, revision)}: not an LCT artifact (no "
                                     f"{C.MANIFEST_NAME} in the repo); to convert a checkpoint, "
                                     f"run lct convert {repo_id} -o OUT")

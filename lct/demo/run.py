@@ -36,7 +36,7 @@ class DemoResult:
     output: str = ""
     load_agrees: bool = False        # same next token as the exported model at every position
     load_max_diff: float = 0.0       # largest |logit difference| (a kept head sums in float32)
-    quality: object = None           # lct.quality.QualityReport of the artifact against the source
+    quality: object = None           # lct.conversion.quality.QualityReport of the artifact against the source
 
 
 def _dir_bytes(path: Path, suffix: str) -> int:
@@ -50,11 +50,11 @@ def run_demo(workdir=None, log=print) -> DemoResult:
 
     hf_logging.disable_progress_bar()   # the demo prints its own report; no library bars in it
 
-    from . import tiny
-    from .converter import convert
-    from .exporter import export
-    from .info import summarize
-    from .verifier import verify
+    from lct.demo import tiny
+    from lct.conversion.converter import convert
+    from lct.conversion.exporter import export
+    from lct.io.info import summarize
+    from lct.conversion.verifier import verify
 
     work = Path(workdir or tempfile.mkdtemp(prefix="lct-demo-"))
     work.mkdir(parents=True, exist_ok=True)
@@ -102,8 +102,8 @@ def run_demo(workdir=None, log=print) -> DemoResult:
         a, b = ref(ids).logits.float().reshape(-1), back(ids).logits.float().reshape(-1)
     res.logits_cosine = torch.nn.functional.cosine_similarity(a, b, dim=0).item()
 
-    from .loader import load
-    from .loader.generate import generate_timed
+    from lct.loader import load
+    from lct.loader.generate import generate_timed
     t = time.perf_counter()
     loaded = load(work / "model.lct", prefetch=2)
     res.timings["lct.load(prefetch=2)"] = time.perf_counter() - t
@@ -118,8 +118,8 @@ def run_demo(workdir=None, log=print) -> DemoResult:
 
     from transformers import AutoTokenizer
 
-    from . import sample_text
-    from .quality import compare
+    from lct.conversion import sample_text
+    from lct.conversion.quality import compare
     t = time.perf_counter()  # the models already loaded above: the artifact's and the source's
     res.quality = compare(loaded, ref, AutoTokenizer.from_pretrained(work / "model.lct"),
                           sample_text.samples(), max_tokens=512, block=256)

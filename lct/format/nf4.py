@@ -13,8 +13,8 @@ import functools
 import json
 import math
 
-from . import constants as C
-from .errors import PolicyError
+from lct.format import constants as C
+from lct.errors import PolicyError
 
 PIECE_ELEMENTS = 1 << 22
 
@@ -146,7 +146,7 @@ def dequantize(packed, absmax, shape, blocksize: int, dtype=None, out=None):
 
     Bit-identical to bitsandbytes' ``dequantize_4bit``: ``code_table[nibble] * absmax[block]``
     in float32. Works in pieces so the float32 intermediate never exceeds one piece (one
-    compiled pass, lct.native, for float32 and bfloat16 output on the CPU). ``out``, if given,
+    compiled pass, lct.format.native, for float32 and bfloat16 output on the CPU). ``out``, if given,
     is a contiguous tensor of ``shape``'s size and ``dtype`` to write into.
     """
     torch = _torch()
@@ -176,10 +176,10 @@ def dequantize(packed, absmax, shape, blocksize: int, dtype=None, out=None):
 
 
 def _quantize_native(flat, packed, absmax, blocksize: int, name: str) -> bool:
-    """The compiled quantizer (lct.native) on the CPU; False if it does not apply. Same rule and
+    """The compiled quantizer (lct.format.native) on the CPU; False if it does not apply. Same rule and
     bytes as the torch code below (tests/test_nf4.py checks both against bitsandbytes)."""
     torch = _torch()
-    from . import native
+    from lct.format import native
     if not native.available() or flat.device.type != "cpu":
         return False
     n = flat.numel()
@@ -218,9 +218,9 @@ def _empty(n: int, dtype):
 
 
 def _dequantize_native(packed, absmax, out, blocksize: int) -> bool:
-    """The compiled loop (lct.native) for float32/bfloat16 CPU output; False if it does not apply."""
+    """The compiled loop (lct.format.native) for float32/bfloat16 CPU output; False if it does not apply."""
     torch = _torch()
-    from . import native
+    from lct.format import native
     if not native.available() or out.dtype not in (torch.float32, torch.bfloat16) \
             or packed.device.type != "cpu" or absmax.dtype != torch.float32:
         return False

@@ -18,11 +18,11 @@ from pathlib import Path
 
 import numpy as np
 
-from . import codecs
-from .codecs import checksum
-from . import constants as C
-from .errors import LCTError
-from .manifest import ChunkInfo, Manifest, TensorInfo
+from lct.format import codecs
+from lct.format.codecs import checksum
+from lct.format import constants as C
+from lct.errors import LCTError
+from lct.format.manifest import ChunkInfo, Manifest, TensorInfo
 
 
 SYNC_EVERY = 256 * 1024 * 1024
@@ -69,7 +69,7 @@ class TensorSpec:
         if self.encoding == C.ENCODING_NF4:
             return 4 * (-(-self.numel // self.blocksize))
         if self.encoding == C.ENCODING_INT8:
-            from .int8 import row_shape
+            from lct.format.int8 import row_shape
             return 4 * row_shape(self.shape)[0]
         return 0
 
@@ -286,7 +286,7 @@ def recorded_side_files(folder: Path) -> tuple:
     names that are side-file names), plus the well-known names; what LCT wrote there."""
     import json
 
-    from .manifest import is_side_file_name
+    from lct.format.manifest import is_side_file_name
     try:
         recorded = json.loads((folder / C.MANIFEST_NAME).read_text())["source"]["files"]
         names = [n for n in recorded if is_side_file_name(n)]

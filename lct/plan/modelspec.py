@@ -10,9 +10,9 @@ import math
 from dataclasses import dataclass
 from pathlib import Path
 
-from . import constants as C
-from .errors import LCTError, MissingDependencyError
-from .source import REPO_ID
+from lct.format import constants as C
+from lct.errors import LCTError, MissingDependencyError
+from lct.conversion.source import REPO_ID
 
 FAMILIES = ("llama", "mistral", "qwen2", "qwen3", "gemma", "gemma2", "gemma3_text", "phi3", "gpt2")
 
@@ -68,7 +68,7 @@ def read_config(model, revision: str | None = None) -> tuple:
 
 
 def _download_config(repo_id: str, revision: str | None) -> Path:
-    from .source import hub_fetch
+    from lct.conversion.source import hub_fetch
 
     # snapshot_download asks the Hub for the repo's file list first, a request that fails at
     # once without a network (then the cached snapshot is used); hf_hub_download's HEAD would be
@@ -169,7 +169,7 @@ class ParamSpec:
 
     name: str
     shape: tuple
-    role: str          # embed, pos_embed, layer, norm, head (as lct.mapping classifies it)
+    role: str          # embed, pos_embed, layer, norm, head (as lct.conversion.mapping classifies it)
     group: str         # the LCT group
 
     @property

@@ -6,9 +6,9 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from . import constants as C
-from .errors import LCTError
-from .reader import Artifact, open_artifact
+from lct.format import constants as C
+from lct.errors import LCTError
+from lct.io.reader import Artifact, open_artifact
 
 
 @dataclass
@@ -31,7 +31,7 @@ class VerifyReport:
     chunks_checked: int = 0
     failures: list = field(default_factory=list)
     tensors: list = field(default_factory=list)
-    quality: object = None      # a lct.quality.QualityReport when asked for
+    quality: object = None      # a lct.conversion.quality.QualityReport when asked for
 
     @property
     def ok(self) -> bool:
@@ -50,11 +50,11 @@ def _compare(name, info, got, ref) -> TensorCheck:
             return TensorCheck(name, kind, False, note=f"shape {tuple(got.shape)} differs from "
                                                        f"the source's {tuple(ref.shape)}")
         if kind == C.ENCODING_NF4:
-            from .nf4 import quantize
+            from lct.format.nf4 import quantize
             codes, scales = quantize(ref, got.blocksize, name)
             stored = (got.packed, got.absmax)
         else:
-            from .int8 import quantize
+            from lct.format.int8 import quantize
             codes, scales = quantize(ref, name)
             stored = (got.q, got.scale)
         same = torch.equal(codes.reshape(-1), stored[0].reshape(-1)) and torch.equal(
@@ -85,8 +85,8 @@ def verify(artifact, *, against: str | None = None, revision: str | None = None,
         revision: Hub revision of ``against``.
         progress: called as ``progress(group, done, total)`` after each group.
         quality: also load the artifact and score it against ``against`` on real text
-            (``lct.quality.measure_quality``: perplexity of both, top-1 agreement, KL), from
-            ``text`` (a file or folder; default: the sample shipped in ``lct.sample_text``), at
+            (``lct.conversion.quality.measure_quality``: perplexity of both, top-1 agreement, KL), from
+            ``text`` (a file or folder; default: the sample shipped in ``lct.conversion.sample_text``), at
             most ``max_tokens`` scored tokens; ``quality_progress`` is called per block;
             ``layerwise`` streams the layers of both models (for models larger than memory).
 
@@ -96,14 +96,14 @@ def verify(artifact, *, against: str | None = None, revision: str | None = None,
     if quality and against is None:
         raise LCTError("a quality check needs the lossless reference: pass the source as against")
     if not isinstance(artifact, Artifact):
-        from .hub import local_artifact
+        from lct.hub import local_artifact
         artifact = local_artifact(artifact)
     art = artifact if isinstance(artifact, Artifact) else open_artifact(artifact)
     report = VerifyReport()
     src_tensors, src = {}, None
     if against is not None:
-        from .converter import scan
-        from .source import resolve
+        from lct.conversion.converter import scan
+        from lct.conversion.source import resolve
         src = resolve(against, revision)
         src_tensors = scan(src)
         stored = set(art.manifest.tensors) | set(art.manifest.ties)
@@ -138,7 +138,7 @@ def verify(artifact, *, against: str | None = None, revision: str | None = None,
         if art is not artifact:
             art.close()
     if quality:
-        from .quality import DEFAULT_MAX_TOKENS, measure_quality
+        from lct.conversion.quality import DEFAULT_MAX_TOKENS, measure_quality
         report.quality = measure_quality(art.path, against, revision=revision, text=text,
                                          max_tokens=max_tokens or DEFAULT_MAX_TOKENS,
                                          progress=quality_progress, layerwise=layerwise)

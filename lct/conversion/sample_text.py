@@ -4,7 +4,7 @@ and Python source shipped in this package.
 - Prose: the Preamble of the United States Constitution (1787), the opening of the Declaration
   of Independence (1776) and the Gettysburg Address (1863, Bliss copy). Works of the United
   States government of that era: public domain.
-- Code: LCT's own modules ``lct/converter.py`` and ``lct/manifest.py`` as installed (Apache-2.0,
+- Code: LCT's own modules ``lct/conversion/converter.py`` and ``lct/format/manifest.py`` as installed (Apache-2.0,
   this package's licence), read from the package at run time.
 """
 
@@ -57,12 +57,12 @@ died in vain -- that this nation, under God, shall have a new birth of freedom -
 government of the people, by the people, for the people, shall not perish from the earth.
 """
 
-CODE_MODULES = ("converter.py", "manifest.py")
+CODE_MODULES = ("conversion/converter.py", "format/manifest.py")   # under lct/
 
 
 def samples() -> list:
     """``[(name, text)]``: the prose, then each code module."""
-    here = Path(__file__).parent
+    here = Path(__file__).parent.parent
     return [("public-domain prose (Constitution, Declaration, Gettysburg Address)", PROSE)] + [
         (f"lct/{name} (Apache-2.0)", (here / name).read_text(encoding="utf-8"))
         for name in CODE_MODULES]

@@ -16,9 +16,9 @@ from typing import Callable, Iterable
 
 import numpy as np
 
-from . import constants as C
-from . import native
-from .errors import CorruptChunkError, ManifestError, UnsupportedVersionError
+from lct.format import constants as C
+from lct.format import native
+from lct.errors import CorruptChunkError, ManifestError, UnsupportedVersionError
 
 MapFn = Callable[..., Iterable]
 
@@ -60,7 +60,7 @@ def _zstd():
     try:
         import zstandard
     except ImportError as e:  # pragma: no cover - zstandard is a hard dependency
-        from .errors import MissingDependencyError
+        from lct.errors import MissingDependencyError
         raise MissingDependencyError("zstandard is required: pip install zstandard") from e
     return zstandard
 

@@ -125,7 +125,7 @@ NF4_HEAD_CHUNK_BYTES = 128 << 20
 # than dequantizing chunks once for all rows; measured crossover in docs/BENCHMARKS.md.
 NF4_FUSED_MAX_ROWS = 24
 
-# The auto policy (lct/policy.py): the whole artifact's budget for its lossy parts, as a mean KL
+# The auto policy (lct/conversion/policy.py): the whole artifact's budget for its lossy parts, as a mean KL
 # divergence of the next-token distribution in nats (0.01 nats is about +1 % perplexity), and
 # how much it measures.
 DEFAULT_BUDGET_KL = 0.01
@@ -139,7 +139,7 @@ NORM_PLUS_ONE = ("gemma", "gemma2", "gemma3", "gemma3_text", "recurrent_gemma")
 # once for all rows (docs/BENCHMARKS.md section 11).
 INT8_FUSED_MAX_ROWS = 24
 
-# Streaming from the Hub (lct/remote.py): the slowest average a range transfer may have after its
+# Streaming from the Hub (lct/hub/remote.py): the slowest average a range transfer may have after its
 # timeout's grace before it is dropped and retried, and the bytes that must arrive between
 # failures for the retries to start afresh.
 STREAM_MIN_RATE = 256 * 1024

@@ -1,0 +1,5 @@
+"""The memory planner: what a model needs for inference or a training step, from its
+``config.json`` alone (``modelspec``: the model's facts; ``memory``: the arithmetic).
+
+May import: ``lct.hub`` (a Hub id's config), ``lct.io``, ``lct.format`` and the leaves.
+"""
