@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import click
 
-from lct import __version__
+from lct._version import __version__
 
 from lct.cli._util import LCTGroup
 

@@ -1,5 +1,9 @@
-"""Runtime kernels: NF4 and int8 dequantization, NF4, int8 and padding-aware embedding lookups,
-the NF4 and int8 LM heads."""
+"""Runtime kernels: the torch modules that compute on LCT's encodings. NF4 and int8
+dequantization, NF4, int8 and padding-aware embedding lookups, the NF4 and int8 LM heads, and
+``MaximusEmbedding`` (with saving and restoring its shard state).
+
+May import: ``lct.format`` (the codecs, the native loops, the Maximus state file) and the leaves.
+"""
 
 from lct.kernels.embedding import NF4Embedding, PaddedEmbedding, padded_lookup
 from lct.kernels.int8 import Int8Embedding, Int8Linear
@@ -7,5 +11,6 @@ from lct.kernels.linear import FlatLinear, NF4Linear, flatten_head
 from lct.kernels.maximus import MaximusEmbedding, MaximusStats
 from lct.kernels.nf4 import dequantize, dequantize_rows
 
-__all__ = ["FlatLinear", "Int8Embedding", "Int8Linear", "flatten_head", "MaximusEmbedding", "MaximusStats", "NF4Embedding", "NF4Linear", "PaddedEmbedding", "padded_lookup", "dequantize",
-           "dequantize_rows"]
+__all__ = ["FlatLinear", "Int8Embedding", "Int8Linear", "flatten_head", "MaximusEmbedding",
+           "MaximusStats", "NF4Embedding", "NF4Linear", "PaddedEmbedding", "padded_lookup",
+           "dequantize", "dequantize_rows"]

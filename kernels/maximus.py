@@ -21,13 +21,16 @@ summed over the same steps. Pad ids are never gathered, yield zeros and get zero
 from __future__ import annotations
 
 from dataclasses import dataclass, fields
+from pathlib import Path
 
 import torch
 from torch import nn
 
-from lct.format.maximus import (DEFAULT_POLICY, DEFAULT_SHARDS, STATS_FIELDS, default_budget,
-                                frequency_order, invert_permutation, shard_offsets,
-                                validate_permutation)
+from lct.errors import MaximusStateError
+from lct.format.maximus import (DEFAULT_POLICY, DEFAULT_SHARDS, STATE_FILE, STATS_FIELDS,
+                                default_budget, frequency_order, invert_permutation,
+                                read_state_file, shard_offsets, state_key, validate_permutation,
+                                write_state_file)
 
 @dataclass
 class MaximusStats:
@@ -476,15 +479,69 @@ class MaximusEmbedding(nn.Module):
 
     def save_maximus_state(self, path, **kw):
         """Save this module's shard state (see ``lct.format.maximus.save_maximus_state``)."""
-        from lct.format.maximus import save_maximus_state
         return save_maximus_state(self, path, **kw)
 
     def load_maximus_state(self, path) -> None:
         """Restore shard state saved by ``save_maximus_state`` (validated first)."""
-        from lct.format.maximus import load_maximus_state
         load_maximus_state(self, path)
 
     def extra_repr(self) -> str:
         return (f"{self.num_embeddings}, {self.embedding_dim}, shards={self.num_shards}, "
                 f"budget={self.budget_shards}, bucket_size={self.bucket_size}, "
                 f"sparse={self.sparse}")
+
+
+# Saving and restoring the shard state of a model's MaximusEmbedding modules --------------
+def _modules(model) -> dict:
+    if isinstance(model, MaximusEmbedding):
+        return {"": model}
+    return {name: m for name, m in model.named_modules() if isinstance(m, MaximusEmbedding)}
+
+
+def save_maximus_state(model, path, *, frequency_source: str | None = None) -> Path:
+    """Write the shard state of every ``MaximusEmbedding`` in ``model`` (or of one module).
+
+    Pending gradient buckets are flushed first. ``path`` is a file, or a folder that receives
+    ``maximus.safetensors``. Atomic: written under a temporary name and renamed into place.
+
+    Returns:
+        The file written.
+    """
+    mods = _modules(model)
+    if not mods:
+        raise MaximusStateError("the model has no MaximusEmbedding; nothing to save")
+    path = Path(path)
+    if path.is_dir() or not path.suffix:
+        path.mkdir(parents=True, exist_ok=True)
+        path = path / STATE_FILE
+    return write_state_file(
+        {mp: (m.state_tensors(), {"policy": m.policy(), "frequency_source":
+                                  frequency_source or getattr(m, "frequency_source", None)})
+         for mp, m in mods.items()}, path)
+
+
+def load_maximus_state(model, path) -> None:
+    """Restore the shard state saved by ``save_maximus_state`` into ``model`` (or one module).
+
+    Raises:
+        MaximusStateError: missing/corrupt file, or a state that does not fit the model
+            (vocabulary, shard count, permutation); nothing is changed in that case.
+    """
+    tensors, modules, path = read_state_file(path)
+    mods = _modules(model)
+    if set(mods) != set(modules):
+        raise MaximusStateError(f"{path}: state for modules {sorted(modules)}, the model has "
+                                f"MaximusEmbedding at {sorted(mods)}")
+    for mp, m in mods.items():
+        pol = modules[mp].get("policy", {})
+        for k in ("num_embeddings", "embedding_dim", "num_shards"):
+            if pol.get(k) != m.policy()[k]:
+                raise MaximusStateError(f"{path}: {mp or 'module'}: {k} is {pol.get(k)} in the "
+                                        f"state, {m.policy()[k]} in the model")
+        prefix = state_key(mp, "maximus.")
+        own = {"maximus." + k[len(prefix):]: v for k, v in tensors.items() if k.startswith(prefix)}
+        try:
+            m.load_state_tensors(own, where=f"{path}: {mp or 'module'}")
+        except ValueError as e:
+            raise MaximusStateError(str(e)) from e
+        m.frequency_source = modules[mp].get("frequency_source")

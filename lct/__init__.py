@@ -3,6 +3,27 @@
 Reading a manifest needs only the standard library, numpy, zstandard and xxhash; torch,
 safetensors and huggingface_hub are imported where they are needed.
 
+Layers, bottom to top. A module imports only its own layer and those below, and nothing imports
+in a cycle; tests/test_layers.py walks every import (those inside functions too) to keep it so:
+
+    leaves      lct.errors, lct.units, lct.proc, lct.hashing, lct._version
+    format      lct.format
+    io          lct.io
+    kernels     lct.kernels
+    hub         lct.hub
+    loader      lct.loader
+    conversion  lct.conversion
+    plan        lct.plan
+    demo        lct.demo
+    cli         lct.cli, lct.__main__
+    api         lct
+
+``format`` is what an artifact is byte for byte; ``io`` reads and writes artifacts; ``kernels``
+are the torch modules that compute on LCT's encodings; ``hub`` speaks to the Hugging Face Hub
+(addresses, pull, push, model cards, range reads); ``loader`` builds ready models; ``conversion``
+turns checkpoints into artifacts and back and measures what that costs; ``plan`` is the memory
+planner; ``demo`` builds tiny models; ``cli`` is the ``lct`` command; ``lct`` itself is the API.
+
 Example:
     >>> import lct
     >>> lct.convert("google/gemma-2b", "gemma-2b.lct")
@@ -10,7 +31,7 @@ Example:
     ...     print(art.groups)
 """
 
-__version__ = "0.1.0"
+from lct._version import __version__
 
 import logging as _logging
 

@@ -55,3 +55,35 @@ class VerifyError(LCTError, ValueError):
 
 class MissingDependencyError(LCTError, ImportError):
     """An optional heavy dependency is needed for this operation and is not installed."""
+
+
+class HubError(LCTError, OSError):
+    """A Hub request failed (server error, incomplete download, refused upload)."""
+
+
+class HubAuthError(HubError, PermissionError):
+    """Not logged in, a rejected token, or no access to the repository (401/403, gated)."""
+
+
+class HubNotFoundError(HubError, FileNotFoundError):
+    """No such repository, revision or file on the Hub (or a private one you cannot see)."""
+
+
+class HubOfflineError(HubError, ConnectionError):
+    """The Hub cannot be reached (offline mode, network down) and the cache does not help."""
+
+
+class HubURIError(LCTError, ValueError):
+    """Not a valid ``hf://org/name[@revision]`` address or Hub repo id."""
+
+
+class MaximusStateError(LCTError, ValueError):
+    """A Maximus state file is missing, corrupt, or does not fit the model."""
+
+
+class PlanError(LCTError, ValueError):
+    """The planner cannot plan this model or these options (unknown family, bad option)."""
+
+
+class ConfigNotFoundError(PlanError, FileNotFoundError):
+    """No ``config.json`` where MODEL points (folder, artifact, file or Hub repo)."""

@@ -1,4 +1,10 @@
-"""The streaming loader: prefetching group stream, ``lct.load`` and the layer-wise executor."""
+"""The runtime: an artifact to a ready transformers model (``build``: ``lct.load``, streamed
+group by group with decoding ``prefetch`` groups ahead), the layer-wise executor for models
+larger than memory (``layerwise``), and timed generation (``generate``).
+
+May import: ``lct.hub`` (hf:// sources), ``lct.kernels``, ``lct.io``, ``lct.format`` and the
+leaves.
+"""
 
 from lct.loader.build import LoadStats, load
 from lct.loader.layerwise import LayerwiseModel

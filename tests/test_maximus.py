@@ -7,7 +7,8 @@ import pytest
 import torch
 
 from lct.kernels import MaximusEmbedding
-from lct.format.maximus import MaximusStateError, load_maximus_state, save_maximus_state
+from lct.errors import MaximusStateError
+from lct.kernels.maximus import load_maximus_state, save_maximus_state
 
 V, H = 1000, 16
 

@@ -13,8 +13,9 @@ import lct
 from lct.demo import tiny
 from lct.conversion.converter import Policy
 from lct.format.manifest import Manifest
-from lct.plan.memory import (ConfigNotFoundError, PlanError, kv_cache_bytes, model_dims, nf4_bytes,
-                             parameter_specs, parse_bytes, parse_resident, plan, train_activations)
+from lct.errors import ConfigNotFoundError, PlanError
+from lct.plan.memory import (kv_cache_bytes, model_dims, nf4_bytes, parameter_specs, parse_bytes,
+                             parse_resident, plan, train_activations)
 
 SMALL = dict(vocab_size=100, hidden_size=64, intermediate_size=96, num_hidden_layers=2,
              num_attention_heads=4, num_key_value_heads=2, head_dim=16, pad_token_id=0,

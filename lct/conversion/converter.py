@@ -19,13 +19,14 @@ from typing import Callable
 
 import numpy as np
 
-from lct import __version__
+from lct._version import __version__
 from lct.format import constants as C
 from lct.conversion import mapping as M
 from lct.format.codecs import choose_codec
-from lct.errors import PolicyError, SourceError
+from lct.errors import PolicyError
 from lct.format.manifest import Manifest
-from lct.conversion.source import ST_DTYPES, Source, resolve, sha256_file
+from lct.conversion.source import Source, resolve, scan
+from lct.hashing import sha256_file
 from lct.io.writer import ArtifactWriter, TensorSpec, plan_group
 
 Progress = Callable[[str, int, int], None]
@@ -113,14 +114,6 @@ class Policy:
 
 
 @dataclass
-class SourceTensor:
-    name: str
-    file: str
-    dtype: str
-    shape: tuple
-
-
-@dataclass
 class ConvertReport:
     """What ``convert`` did: the manifest plus timings."""
 
@@ -135,33 +128,6 @@ class ConvertReport:
     @property
     def mb_per_s(self) -> float:
         return self.source_bytes / 1e6 / max(self.seconds, 1e-9)
-
-
-def scan(src: Source) -> dict:
-    """Read the safetensors headers of ``src``: ``{name: SourceTensor}``; no tensor data is read."""
-    from safetensors import safe_open
-    found: dict = {}
-    for fname in src.files:
-        path = src.root / fname
-        try:
-            with safe_open(str(path), framework="pt") as f:
-                for name in f.keys():
-                    sl = f.get_slice(name)
-                    st = sl.get_dtype()
-                    if st not in ST_DTYPES:
-                        raise PolicyError(f"{path}: tensor {name!r} has dtype {st}, which LCT does "
-                                          f"not store; supported: {sorted(ST_DTYPES)}")
-                    if name in found:
-                        raise SourceError(f"{path}: tensor {name!r} also appears in "
-                                          f"{found[name].file}")
-                    found[name] = SourceTensor(name, fname, ST_DTYPES[st], tuple(sl.get_shape()))
-        except (OSError, RuntimeError, ValueError) as e:
-            if isinstance(e, (PolicyError, SourceError)):
-                raise
-            raise SourceError(f"{path}: not a readable safetensors file ({e})") from e
-    if not found:
-        raise SourceError(f"{src.root}: the safetensors files hold no tensors")
-    return found
 
 
 def _tensor_bytes(t) -> np.ndarray:

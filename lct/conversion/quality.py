@@ -166,7 +166,7 @@ def _take_lossy_from_source(reference, src) -> None:
     source's tensor of that name, so that it is the lossless model."""
     from safetensors import safe_open
 
-    from lct.conversion.converter import scan
+    from lct.conversion.source import scan
     from lct.loader.build import _param_name
     from lct.format import constants as C
     manifest = reference.art.manifest

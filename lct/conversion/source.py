@@ -5,19 +5,15 @@ Pickle checkpoints (``.bin``, ``.pt``, ``.pth``, ``.ckpt``) are refused: LCT nev
 
 from __future__ import annotations
 
-import hashlib
 import json
-import re
 from dataclasses import dataclass, field
 from pathlib import Path
 
 from lct.format import constants as C
-from lct.errors import MissingDependencyError, SourceError, SourceNotFoundError
+from lct.errors import PolicyError, SourceError, SourceNotFoundError
 
 PICKLE_SUFFIXES = (".bin", ".pt", ".pth", ".ckpt", ".pkl")
 INDEX_NAME = "model.safetensors.index.json"
-REPO_ID = re.compile(  # a Hub repo id: name or org/name
-    r"[A-Za-z0-9][\w.\-]*(/[\w.\-]+)?")
 
 # safetensors dtype strings -> LCT dtype names.
 ST_DTYPES = {
@@ -78,15 +74,6 @@ class Source:
         return kept, skipped
 
 
-def sha256_file(path, block: int = 8 << 20) -> str:
-    """Hex sha256 of a file, read in blocks."""
-    h = hashlib.sha256()
-    with open(path, "rb") as f:
-        while chunk := f.read(block):
-            h.update(chunk)
-    return h.hexdigest()
-
-
 def resolve(source: str, revision: str | None = None) -> Source:
     """Resolve ``source`` (local folder, Hub repo id, or ``hf://org/name[@revision]``) to its
     safetensors files.
@@ -112,42 +99,10 @@ def resolve(source: str, revision: str | None = None) -> Source:
         if not path.is_dir():
             raise SourceError(f"{path}: is a file; pass the model folder that contains it")
         return _local(path, str(path.absolute()), "local", revision)
-    if source.startswith(("/", ".", "~")) or not REPO_ID.fullmatch(source):
+    from lct.hub.address import is_repo_id
+    if not is_repo_id(source):
         raise SourceNotFoundError(f"{source}: no such folder (and not a Hub repo id like org/name)")
     return _local(_download(source, revision), source, "hub", revision)
-
-
-def hub_fetch(fetch, repo_id: str, revision: str | None, what: str, *,
-              not_found=SourceNotFoundError, error=SourceError, offline=SourceError):
-    """Run ``fetch()`` (a huggingface_hub download) and turn its errors into one-line LCT errors.
-
-    ``what`` names what was being fetched; ``not_found``, ``error`` and ``offline`` are the
-    ``LCTError`` classes the caller raises for a missing repo/revision/file, any other failure,
-    and a cache miss while offline.
-    """
-    try:
-        from huggingface_hub import errors as herr
-    except ImportError as e:  # pragma: no cover
-        raise MissingDependencyError("huggingface_hub is required for Hub ids: "
-                                     "pip install huggingface_hub") from e
-    try:
-        return fetch()
-    except herr.RevisionNotFoundError as e:
-        raise not_found(f"{repo_id}: no revision {revision!r} on the Hub") from e
-    except herr.GatedRepoError as e:
-        raise error(f"{repo_id}: gated repo; accept its license on the Hub and log in "
-                    f"(hf auth login or HF_TOKEN)") from e
-    except herr.RepositoryNotFoundError as e:
-        raise not_found(f"{repo_id}: no such folder, and no such Hub repo "
-                        f"(or it is private: log in or set HF_TOKEN)") from e
-    except herr.LocalEntryNotFoundError as e:
-        from lct.hub import offline_reason
-        raise offline(f"{repo_id}: {what} not found in the local Hugging Face cache, and "
-                      f"{offline_reason()}") from e
-    except herr.EntryNotFoundError as e:
-        raise not_found(f"{repo_id}: the Hub repo has no {what}") from e
-    except (herr.HfHubHTTPError, OSError, ValueError) as e:
-        raise error(f"{repo_id}: downloading {what} failed: {e}") from e
 
 
 def _download(repo_id: str, revision: str | None) -> Path:
@@ -157,7 +112,9 @@ def _download(repo_id: str, revision: str | None) -> Path:
             repo_id, revision=revision,
             ignore_patterns=[f"*{s}" for s in C.WEIGHT_SUFFIXES if s != ".safetensors"]
             + ["*/*", ".gitattributes"]))
-    return hub_fetch(fetch, repo_id, revision, "the model files")
+    from lct.hub.client import hub_fetch
+    return hub_fetch(fetch, repo_id, revision, not_found=SourceNotFoundError, error=SourceError,
+                     offline=SourceError)
 
 
 def _local(root: Path, sid: str, kind: str, revision: str | None) -> Source:
@@ -190,3 +147,40 @@ def _local(root: Path, sid: str, kind: str, revision: str | None) -> Source:
                 f"Re-save the model as safetensors first (model.save_pretrained(dir) in transformers)")
         raise SourceError(f"{root}: not a model folder (no *.safetensors files)")
     return Source(root=root, id=sid, kind=kind, revision=revision, files=files, config=config)
+
+
+@dataclass
+class SourceTensor:
+    """One tensor of a source checkpoint, from its safetensors header."""
+
+    name: str
+    file: str
+    dtype: str
+    shape: tuple
+
+
+def scan(src: Source) -> dict:
+    """Read the safetensors headers of ``src``: ``{name: SourceTensor}``; no tensor data is read."""
+    from safetensors import safe_open
+    found: dict = {}
+    for fname in src.files:
+        path = src.root / fname
+        try:
+            with safe_open(str(path), framework="pt") as f:
+                for name in f.keys():
+                    sl = f.get_slice(name)
+                    st = sl.get_dtype()
+                    if st not in ST_DTYPES:
+                        raise PolicyError(f"{path}: tensor {name!r} has dtype {st}, which LCT does "
+                                          f"not store; supported: {sorted(ST_DTYPES)}")
+                    if name in found:
+                        raise SourceError(f"{path}: tensor {name!r} also appears in "
+                                          f"{found[name].file}")
+                    found[name] = SourceTensor(name, fname, ST_DTYPES[st], tuple(sl.get_shape()))
+        except (OSError, RuntimeError, ValueError) as e:
+            if isinstance(e, (PolicyError, SourceError)):
+                raise
+            raise SourceError(f"{path}: not a readable safetensors file ({e})") from e
+    if not found:
+        raise SourceError(f"{src.root}: the safetensors files hold no tensors")
+    return found

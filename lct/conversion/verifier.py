@@ -8,6 +8,7 @@ from dataclasses import dataclass, field
 
 from lct.format import constants as C
 from lct.errors import LCTError
+from lct.io.check import check_artifact
 from lct.io.reader import Artifact, open_artifact
 
 
@@ -102,7 +103,7 @@ def verify(artifact, *, against: str | None = None, revision: str | None = None,
     report = VerifyReport()
     src_tensors, src = {}, None
     if against is not None:
-        from lct.conversion.converter import scan
+        from lct.conversion.source import scan
         from lct.conversion.source import resolve
         src = resolve(against, revision)
         src_tensors = scan(src)
@@ -114,29 +115,15 @@ def verify(artifact, *, against: str | None = None, revision: str | None = None,
                            f"(a different model?)")
         for name in sorted(set(src_tensors) - stored):
             report.failures.append(f"{name}: in the source but not in the artifact")
+    missing = len(report.failures)
     try:
-        if art.manifest.maximus is not None:
-            try:
-                art.maximus_state()  # its sha256 and permutation, as a load would check them
-            except LCTError as e:
-                report.failures.append(str(e))
-        report.failures += art.check_side_files()
-        groups = art.groups
-        for i, group in enumerate(groups):
-            bufs = {}
-            for chunk in art.manifest.group_chunks(group):
-                report.chunks_checked += 1
-                try:
-                    bufs[chunk.id] = art.read_chunk(chunk.id)
-                except LCTError as e:
-                    report.failures.append(str(e))
-            if src is not None:
-                _check_group(art, group, bufs, src, src_tensors, report)
-            if progress:
-                progress(group, i + 1, len(groups))
+        checked = check_artifact(art, progress=progress, on_group=None if src is None else (
+            lambda group, bufs: _check_group(art, group, bufs, src, src_tensors, report)))
     finally:
         if art is not artifact:
             art.close()
+    report.chunks_checked = checked.chunks_checked
+    report.failures[missing:missing] = checked.failures
     if quality:
         from lct.conversion.quality import DEFAULT_MAX_TOKENS, measure_quality
         report.quality = measure_quality(art.path, against, revision=revision, text=text,

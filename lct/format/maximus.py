@@ -14,7 +14,7 @@ import os
 import uuid
 from pathlib import Path
 
-from lct.errors import LCTError
+from lct.errors import MaximusStateError
 
 STATE_FILE = "maximus.safetensors"
 STATE_FORMAT = "lct-maximus"
@@ -82,13 +82,19 @@ def initial_state(counts, num_shards: int, pad_ids=()) -> dict:
     }
 
 
+def state_key(module_path: str, name: str) -> str:
+    """The state file's key of tensor ``name`` of the module at ``module_path``:
+    "maximus.id_to_row" for a bare module, "maximus.model.embed_tokens.id_to_row" in a model."""
+    return name if not module_path else name.replace("maximus.", f"maximus.{module_path}.", 1)
+
+
 def write_state_file(per_module: dict, path) -> Path:
     """Write ``{module_path: (tensors, meta)}`` as one state file, atomically."""
     from safetensors.torch import save_file
     tensors, meta = {}, {}
     for mp, (t, m) in per_module.items():
         for k, v in t.items():
-            tensors[_key(mp, k)] = v.contiguous()
+            tensors[state_key(mp, k)] = v.contiguous()
         meta[mp] = m
     path = Path(path)
     tmp = path.with_name(f".{path.name}.tmp-{uuid.uuid4().hex[:8]}")
@@ -100,44 +106,6 @@ def write_state_file(per_module: dict, path) -> Path:
         if tmp.exists():
             tmp.unlink()
     return path
-
-
-class MaximusStateError(LCTError, ValueError):
-    """A Maximus state file is missing, corrupt, or does not fit the model."""
-
-
-def _modules(model) -> dict:
-    from lct.kernels.maximus import MaximusEmbedding
-    if isinstance(model, MaximusEmbedding):
-        return {"": model}
-    return {name: m for name, m in model.named_modules() if isinstance(m, MaximusEmbedding)}
-
-
-def _key(module_path: str, name: str) -> str:
-    # "maximus.id_to_row" for a bare module, "maximus.model.embed_tokens.id_to_row" in a model.
-    return name if not module_path else name.replace("maximus.", f"maximus.{module_path}.", 1)
-
-
-def save_maximus_state(model, path, *, frequency_source: str | None = None) -> Path:
-    """Write the shard state of every ``MaximusEmbedding`` in ``model`` (or of one module).
-
-    Pending gradient buckets are flushed first. ``path`` is a file, or a folder that receives
-    ``maximus.safetensors``. Atomic: written under a temporary name and renamed into place.
-
-    Returns:
-        The file written.
-    """
-    mods = _modules(model)
-    if not mods:
-        raise MaximusStateError("the model has no MaximusEmbedding; nothing to save")
-    path = Path(path)
-    if path.is_dir() or not path.suffix:
-        path.mkdir(parents=True, exist_ok=True)
-        path = path / STATE_FILE
-    return write_state_file(
-        {mp: (m.state_tensors(), {"policy": m.policy(), "frequency_source":
-                                  frequency_source or getattr(m, "frequency_source", None)})
-         for mp, m in mods.items()}, path)
 
 
 def read_state_file(path) -> tuple:
@@ -184,30 +152,3 @@ def validate_permutation(t: dict, rows: int, where: str) -> None:
             not torch.equal(row_to_id[id_to_row], torch.arange(rows)):
         raise MaximusStateError(f"{where}: id_to_row/row_to_id are not inverse permutations of "
                                 f"0..{rows - 1}; refusing to scramble the vocabulary")
-
-
-def load_maximus_state(model, path) -> None:
-    """Restore the shard state saved by ``save_maximus_state`` into ``model`` (or one module).
-
-    Raises:
-        MaximusStateError: missing/corrupt file, or a state that does not fit the model
-            (vocabulary, shard count, permutation); nothing is changed in that case.
-    """
-    tensors, modules, path = read_state_file(path)
-    mods = _modules(model)
-    if set(mods) != set(modules):
-        raise MaximusStateError(f"{path}: state for modules {sorted(modules)}, the model has "
-                                f"MaximusEmbedding at {sorted(mods)}")
-    for mp, m in mods.items():
-        pol = modules[mp].get("policy", {})
-        for k in ("num_embeddings", "embedding_dim", "num_shards"):
-            if pol.get(k) != m.policy()[k]:
-                raise MaximusStateError(f"{path}: {mp or 'module'}: {k} is {pol.get(k)} in the "
-                                        f"state, {m.policy()[k]} in the model")
-        prefix = _key(mp, "maximus.")
-        own = {"maximus." + k[len(prefix):]: v for k, v in tensors.items() if k.startswith(prefix)}
-        try:
-            m.load_state_tensors(own, where=f"{path}: {mp or 'module'}")
-        except ValueError as e:
-            raise MaximusStateError(str(e)) from e
-        m.frequency_source = modules[mp].get("frequency_source")

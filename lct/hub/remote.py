@@ -19,8 +19,10 @@ import time
 
 from lct.format import constants as C
 from lct.errors import ArtifactNotFoundError, LCTError
-from lct.hub import (HubError, HubOfflineError, _hub, _where, check_files, hub_error, parse_hf_uri,
-                     raise_corrupt, split_address)
+from lct.errors import HubError, HubOfflineError
+from lct.hub.address import parse_hf_uri, split_address, where
+from lct.hub.client import _hub, hub_error
+from lct.hub.pull import check_files, raise_corrupt
 
 # Statuses worth retrying (the request may succeed a moment later).
 RETRY_STATUS = (408, 429, 500, 502, 503, 504)
@@ -223,9 +225,9 @@ def fetch_small(repo_id: str, revision: str | None = None, token=None, *,
 
     repo_id, revision = split_address(repo_id, revision)
     hh = _hub()
-    where = _where(repo_id, revision)
+    at = where(repo_id, revision)
     if hh.constants.is_offline_mode():
-        raise HubOfflineError(f"{where}: HF_HUB_OFFLINE is set, and streaming reads the chunks "
+        raise HubOfflineError(f"{at}: HF_HUB_OFFLINE is set, and streaming reads the chunks "
                               f"from the Hub; load it without stream=True (from the cache), or "
                               f"unset HF_HUB_OFFLINE")
     api = hh.HfApi(token=token, endpoint=endpoint)
@@ -236,7 +238,7 @@ def fetch_small(repo_id: str, revision: str | None = None, token=None, *,
     sha = info.sha
     siblings = {s.rfilename: s for s in (info.siblings or [])}
     if C.MANIFEST_NAME not in siblings:
-        raise ArtifactNotFoundError(f"{where}: not an LCT artifact (no {C.MANIFEST_NAME} in the "
+        raise ArtifactNotFoundError(f"{at}: not an LCT artifact (no {C.MANIFEST_NAME} in the "
                                     f"repo)")
     sizes = {n: s.size for n, s in siblings.items() if n.endswith(".lct") and s.size is not None}
     try:
@@ -246,7 +248,7 @@ def fetch_small(repo_id: str, revision: str | None = None, token=None, *,
         raise hub_error(e, repo_id, revision) from e
     _, problems = check_files(local, repo_id, sha)
     if problems:
-        raise_corrupt(local, where, problems)
+        raise_corrupt(local, at, problems)
     return local, sha, sizes
 
 

@@ -126,7 +126,7 @@ class Artifact:
         """Problems with the side files ``names`` (config, tokenizer, ...): each one copied from
         the source must still equal the source's size and sha256 recorded in the manifest
         (``source.files``). Returns one message per problem (empty: all match)."""
-        from lct.conversion.source import sha256_file
+        from lct.hashing import sha256_file
         recorded = self.manifest.source.get("files")  # untrusted: a dict only if well formed
         recorded = recorded if isinstance(recorded, dict) else {}
         problems = []
@@ -361,7 +361,7 @@ class Artifact:
             if m is None:
                 raise ManifestError(f"{self.path}: the artifact has no Maximus shard state")
             from lct.format.maximus import MaximusStateError, read_state_file, validate_permutation
-            from lct.conversion.source import sha256_file
+            from lct.hashing import sha256_file
             path = self.path / m["file"]
             if not path.is_file():
                 raise ArtifactNotFoundError(f"{path}: Maximus state file missing")

@@ -31,8 +31,8 @@ from pathlib import Path
 from lct.format import constants as C
 from lct.format.maximus import DEFAULT_SHARDS, default_budget, shard_bounds
 from lct.io.writer import encoded_bytes
-from lct.plan.modelspec import (ConfigNotFoundError, Dims, PlanError, model_dims, parameter_specs,
-                                read_config)
+from lct.errors import PlanError
+from lct.plan.modelspec import Dims, model_dims, parameter_specs, read_config
 
 MODES = ("infer", "train")
 PRECISIONS = ("bf16", "fp16", "fp32", "mixed")

@@ -11,18 +11,9 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from lct.format import constants as C
-from lct.errors import LCTError, MissingDependencyError
-from lct.conversion.source import REPO_ID
+from lct.errors import ConfigNotFoundError, MissingDependencyError, PlanError
 
 FAMILIES = ("llama", "mistral", "qwen2", "qwen3", "gemma", "gemma2", "gemma3_text", "phi3", "gpt2")
-
-
-class PlanError(LCTError, ValueError):
-    """The planner cannot plan this model or these options (unknown family, bad option)."""
-
-
-class ConfigNotFoundError(PlanError, FileNotFoundError):
-    """No ``config.json`` where MODEL points (folder, artifact, file or Hub repo)."""
 
 
 # --------------------------------------------------------------------------------------------
@@ -54,7 +45,8 @@ def read_config(model, revision: str | None = None) -> tuple:
             raise ConfigNotFoundError(f"{path.parent}: no config.json (the planner reads only "
                                       f"config.json; an LCT artifact copies it from its source)")
     elif not path.is_file():
-        if text.startswith(("/", ".", "~")) or not REPO_ID.fullmatch(text):
+        from lct.hub.address import is_repo_id
+        if not is_repo_id(text):
             raise ConfigNotFoundError(f"{text}: no such folder or file (and not a Hub repo id "
                                       f"like org/name)")
         path = _download_config(text, revision)
@@ -68,7 +60,7 @@ def read_config(model, revision: str | None = None) -> tuple:
 
 
 def _download_config(repo_id: str, revision: str | None) -> Path:
-    from lct.conversion.source import hub_fetch
+    from lct.hub.client import hub_fetch
 
     # snapshot_download asks the Hub for the repo's file list first, a request that fails at
     # once without a network (then the cached snapshot is used); hf_hub_download's HEAD would be
@@ -76,8 +68,8 @@ def _download_config(repo_id: str, revision: str | None) -> Path:
     def fetch():
         from huggingface_hub import snapshot_download
         return Path(snapshot_download(repo_id, revision=revision, allow_patterns=["config.json"]))
-    folder = hub_fetch(fetch, repo_id, revision, "config.json", not_found=ConfigNotFoundError,
-                       error=PlanError, offline=ConfigNotFoundError)
+    folder = hub_fetch(fetch, repo_id, revision, not_found=ConfigNotFoundError, error=PlanError,
+                       offline=ConfigNotFoundError)
     if not (folder / "config.json").is_file():
         raise ConfigNotFoundError(f"{repo_id}: the Hub repo has no config.json")
     return folder / "config.json"

@@ -1,0 +1,184 @@
+"""LCT's use of huggingface_hub: importing it, the HTTP timeout every Hub call gets, and the
+mapping of its errors to one-line LCT errors that say what to do."""
+
+from __future__ import annotations
+
+from lct.errors import (HubAuthError, HubError, HubNotFoundError, HubOfflineError, HubURIError,
+                        LCTError, MissingDependencyError)
+from lct.format import constants as C
+from lct.hub.address import where
+
+
+def _hub():
+    try:
+        import huggingface_hub
+        import huggingface_hub.constants  # noqa: F401  (a submodule: not an attribute until imported)
+    except ImportError as e:  # pragma: no cover - a declared dependency
+        raise MissingDependencyError("huggingface_hub is required for the Hub: "
+                                     "pip install huggingface_hub") from e
+    if _TIMEOUT[0] is None:
+        use_timeout(None)
+    return huggingface_hub
+
+
+_TIMEOUT: list = [None]   # seconds LCT gave huggingface_hub's HTTP client (None: not yet)
+
+
+def use_timeout(seconds: float | None = None) -> None:
+    """Give huggingface_hub's HTTP client (every Hub call LCT makes goes through it) a timeout:
+    ``seconds`` without a byte from the Hub (default: ``LCT_HUB_TIMEOUT`` or
+    ``C.HUB_TIMEOUT``) ends the call in an error instead of a hang; its own default waits for
+    ever. Left alone when the program installed a client factory of its own."""
+    import os
+
+    import httpx2
+    from huggingface_hub.utils import _http
+    if seconds is None:
+        try:
+            seconds = float(os.environ.get("LCT_HUB_TIMEOUT", C.HUB_TIMEOUT))
+        except ValueError:
+            seconds = C.HUB_TIMEOUT
+    factory = getattr(_http, "_GLOBAL_CLIENT_FACTORY", None)
+    if factory is not _http.default_client_factory and not getattr(factory, "lct", False):
+        _TIMEOUT[0] = 0.0       # the program's own client: not ours to change
+        return
+
+    limit = httpx2.Timeout(seconds, connect=min(seconds, 10.0)).as_dict()
+
+    def with_limit(request):
+        _http.hf_request_event_hook(request)
+        # huggingface_hub passes timeout=None on its API calls, which turns off the client's
+        # default: a request that would wait for ever gets the limit here instead.
+        current = request.extensions.get("timeout") or {}
+        if all(v is None for v in current.values()):
+            request.extensions["timeout"] = dict(limit)
+
+    def client():
+        return httpx2.Client(event_hooks={"request": [with_limit]}, follow_redirects=True,
+                             timeout=httpx2.Timeout(seconds, connect=min(seconds, 10.0)))
+    client.lct = True
+    _http.set_client_factory(client)
+    _TIMEOUT[0] = seconds
+
+
+def offline_reason() -> str:
+    """Why the Hub is out of reach, as far as LCT can tell: the setting, or the network."""
+    try:
+        import huggingface_hub.constants as hc
+        if hc.HF_HUB_OFFLINE:
+            return "offline mode is on (HF_HUB_OFFLINE is set)"
+    except ImportError:  # pragma: no cover - a declared dependency
+        pass
+    return "the Hub could not be reached (no network?)"
+
+
+def _chain(e: BaseException):
+    seen = set()
+    while e is not None and id(e) not in seen:
+        seen.add(id(e))
+        yield e
+        e = e.__cause__ or e.__context__
+
+
+def _endpoint() -> str:
+    try:
+        return _hub().constants.ENDPOINT
+    except Exception:  # noqa: BLE001
+        return "the Hub"
+
+
+def hub_error(e: BaseException, repo_id: str, revision: str | None = None,
+              action: str = "download") -> LCTError:
+    """The ``LCTError`` (with a one-line hint) for an exception raised by ``huggingface_hub``.
+
+    ``action`` (``"download"`` or ``"push"``) picks the hint. An ``LCTError`` is returned as is;
+    anything unknown becomes a ``HubError`` carrying the original message's first line.
+    """
+    if isinstance(e, LCTError):
+        return e
+    from huggingface_hub import errors as herr
+    import httpx2
+    at = where(repo_id, revision)
+    login = "log in with `hf auth login` or set HF_TOKEN"
+    chain = list(_chain(e))
+
+    def find(*types):
+        return next((x for x in chain if isinstance(x, types)), None)
+
+    if find(herr.OfflineModeIsEnabled) is not None:
+        if action == "push":
+            return HubOfflineError(f"{at}: HF_HUB_OFFLINE is set, and a push needs the Hub; "
+                                   f"unset HF_HUB_OFFLINE to push")
+        return HubOfflineError(f"{at}: offline (HF_HUB_OFFLINE is set) and not in the local "
+                               f"Hugging Face cache; unset HF_HUB_OFFLINE, or pull it once while "
+                               f"online")
+    if isinstance(e, herr.LocalTokenNotFoundError):
+        return HubAuthError(f"{at}: not logged in; {login}")
+    http = find(herr.HfHubHTTPError)
+    if isinstance(http, herr.RevisionNotFoundError):
+        return HubNotFoundError(f"{repo_id}: no revision {revision!r} in this repo "
+                                f"(a branch, tag or commit)")
+    if isinstance(http, herr.GatedRepoError):
+        return HubAuthError(f"{at}: gated repo; accept its conditions on the Hub, then {login}")
+    if isinstance(http, herr.RemoteEntryNotFoundError):
+        return HubNotFoundError(f"{at}: a file is missing from the repo ({_first_line(http)})")
+    status = getattr(getattr(http, "response", None), "status_code", None)
+    if http is not None and status == 401 and not isinstance(http, herr.RepositoryNotFoundError):
+        return HubAuthError(f"{at}: the Hub rejected the token (401): HF_TOKEN or the stored "
+                            f"login is invalid or expired; {login}")
+    if isinstance(http, herr.RepositoryNotFoundError):
+        if action == "push":
+            return HubAuthError(f"{at}: cannot write to this repo: it does not exist and could "
+                                f"not be created, or you have no access; {login} with a "
+                                f"write token")
+        return HubNotFoundError(f"{at}: no such repo on {_endpoint()}, or it is private and "
+                                f"you are not logged in ({login})")
+    if http is not None and status == 403:
+        what = "write access to this repo or namespace" if action == "push" else "access"
+        return HubAuthError(f"{at}: no access (403): your token does not grant {what}; "
+                            f"check its permissions or {login}")
+    if http is not None and status == 404:
+        return HubNotFoundError(f"{at}: not found on {_endpoint()} ({_first_line(http)})")
+    if http is not None:
+        return HubError(f"{at}: the Hub answered {status}: {_first_line(http)}")
+    stall = find(httpx2.TimeoutException)
+    if stall is not None and not isinstance(stall, httpx2.ConnectTimeout):
+        return HubOfflineError(f"{at}: {_endpoint()} stopped answering for {_TIMEOUT[0]:g} s "
+                               f"({type(stall).__name__}); try again, or set LCT_HUB_TIMEOUT to "
+                               f"wait longer")
+    net = find(httpx2.ConnectError, httpx2.TimeoutException, httpx2.NetworkError,
+               ConnectionError)
+    if net is not None:
+        cached = " and it is not in the local cache" if action == "download" else ""
+        return HubOfflineError(f"{at}: cannot reach {_endpoint()} ({type(net).__name__}: "
+                               f"{_first_line(net)}){cached}; check the network, or set "
+                               f"HF_HUB_OFFLINE=1 to use only the cache")
+    if isinstance(e, herr.LocalEntryNotFoundError):
+        return HubOfflineError(f"{at}: not in the local Hugging Face cache and the Hub could "
+                               f"not be reached")
+    if isinstance(e, (herr.HFValidationError, ValueError)) and "repo" in str(e).lower() \
+            and "id" in str(e).lower():
+        return HubURIError(f"{repo_id}: not a valid Hub repo id ({_first_line(e)})")
+    return HubError(f"{at}: {action} failed: {type(e).__name__}: {_first_line(e)}")
+
+
+def _first_line(e: BaseException) -> str:
+    text = str(e).strip()
+    lines = [ln.strip() for ln in text.splitlines() if ln.strip()]
+    return lines[0] if lines else type(e).__name__
+
+
+def hub_fetch(fetch, repo_id: str, revision: str | None, *, not_found, error, offline):
+    """Run ``fetch()`` (a huggingface_hub download for a pipeline: a source checkpoint, a
+    config) and raise its failure as the caller's error class, with ``hub_error``'s message:
+    ``not_found`` for a missing repo, revision or file, ``offline`` when the Hub cannot be
+    reached and the cache does not help, ``error`` for anything else."""
+    try:
+        return fetch()
+    except Exception as e:  # noqa: BLE001 - every Hub failure becomes one clear line
+        mapped = hub_error(e, repo_id, revision, action="download")
+        if isinstance(mapped, HubNotFoundError):
+            raise not_found(str(mapped)) from e
+        if isinstance(mapped, HubOfflineError):
+            raise offline(str(mapped)) from e
+        raise error(str(mapped)) from e

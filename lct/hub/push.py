@@ -1,0 +1,170 @@
+"""``lct push``: verify an artifact and publish it to the Hub in one commit."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from lct.errors import ChecksumError, HubError, LCTError
+from lct.format import constants as C
+from lct.hub.address import split_address
+from lct.hub.card import CARD_NAME, _source_license, model_card
+from lct.hub.client import _hub, hub_error
+from lct.io.info import human
+from lct.io.store import confined
+
+# Other files worth publishing with an artifact when they are in its folder.
+EXTRA_FILES = ("LICENSE", "LICENSE.txt", "LICENSE.md", "NOTICE", "USE_POLICY.md")
+
+
+@dataclass
+class PushResult:
+    """What ``push`` published."""
+
+    repo_id: str
+    revision: str
+    commit_oid: str
+    commit_url: str
+    pr_url: str | None
+    files: list = field(default_factory=list)
+    bytes: int = 0
+    chunks_checked: int = 0
+
+
+def _artifact_files(root: Path, manifest) -> list:
+    names = [C.MANIFEST_NAME] + [f["name"] for f in manifest.files]
+    if manifest.maximus:
+        names.append(manifest.maximus["file"])
+    names += [n for n in manifest.side_files() if (root / n).is_file()]
+    names += [n for n in EXTRA_FILES if (root / n).is_file()]
+    names = list(dict.fromkeys(names))   # a LICENSE carried from the source is listed once
+    for n in names:
+        if not confined(root / n, root):  # it would publish whatever it points at
+            raise LCTError(f"{root / n}: a symbolic link that leaves the artifact folder; "
+                           f"refusing to push")
+        if not (root / n).is_file():
+            raise LCTError(f"{root / n}: missing; refusing to push an incomplete artifact")
+    return names
+
+
+def push(artifact, repo_id: str, revision: str | None = None, private: bool = False,
+         commit_message: str | None = None, create_pr: bool = False, token=None,
+         progress=None, *, verify_progress=None, license: str | None = None,  # noqa: A002
+         endpoint: str | None = None) -> PushResult:
+    """Verify ``artifact`` and publish it to the Hub model repo ``repo_id`` in one commit.
+
+    The repo is created if needed (``private`` applies to a new repo only). The upload holds the
+    manifest, the data files, the Maximus state, the source's config/tokenizer files, and a
+    generated model card ``README.md`` (the artifact folder itself is not modified).
+
+    Args:
+        artifact: the artifact directory.
+        repo_id: ``org/name`` (``hf://org/name`` is accepted too).
+        revision: the branch to commit to (created from the default branch if missing); with
+            ``create_pr``, the branch the pull request targets.
+        private: create a new repo as private.
+        commit_message: the commit title (default: says what was uploaded).
+        create_pr: open a pull request instead of committing to the branch.
+        token: a Hub token (default: ``HF_TOKEN`` or the stored login).
+        progress: called as ``progress(file, bytes_done, bytes_total)`` as files are uploaded.
+        verify_progress: called as ``progress(group, done, total)`` while verifying.
+        license: the card's license (default: the source's, when it can be found).
+        endpoint: the Hub URL (default: ``HF_ENDPOINT`` or huggingface.co).
+
+    Returns:
+        A ``PushResult`` with the commit oid and URL (and the pull request URL).
+
+    Raises:
+        ChecksumError / ManifestError / ArtifactNotFoundError: the artifact is not valid and
+            verified; nothing is uploaded.
+        HubAuthError, HubNotFoundError, HubOfflineError, HubError: the Hub refused or failed.
+    """
+    from lct.io.reader import open_artifact
+    from lct.io.check import check_artifact
+
+    repo_id, revision = split_address(repo_id, revision)
+    root = Path(artifact)
+    try:
+        with open_artifact(root) as art:
+            report = check_artifact(art, progress=verify_progress)  # Maximus state included
+            manifest = art.manifest
+    except LCTError as e:
+        raise type(e)(f"refusing to push: {e}") from e
+    if not report.ok:
+        raise ChecksumError(f"{root}: refusing to push an artifact that fails verification "
+                            f"({len(report.failures)} problem(s)); first: {report.failures[0]}")
+    names = _artifact_files(root, manifest)
+    card = model_card(manifest, repo_id,
+                      license=license or _source_license(manifest, token, endpoint))
+    hh = _hub()
+    api = hh.HfApi(token=token, endpoint=endpoint)
+    big = {f["name"] for f in manifest.files}
+    if manifest.maximus:
+        big.add(manifest.maximus["file"])
+    src = manifest.source or {}
+    message = commit_message or (f"Upload LCT artifact of {src['id']}" if src.get("kind") == "hub"
+                                 else "Upload LCT artifact")
+    description = (f"{len(manifest.groups)} groups, {len(manifest.chunks)} chunks, "
+                   f"{human(manifest.stored_bytes)} stored; verified before upload "
+                   f"({report.chunks_checked} chunk checksums).")
+    try:
+        api.create_repo(repo_id, private=True if private else None, exist_ok=True)
+        if revision and not create_pr and not revision.startswith("refs/pr/"):
+            api.create_branch(repo_id, branch=revision, exist_ok=True)
+        ops = [hh.CommitOperationAdd(path_in_repo=n, path_or_fileobj=str(root / n)) for n in names]
+        ops.append(hh.CommitOperationAdd(path_in_repo=CARD_NAME, path_or_fileobj=card.encode()))
+        total = sum(op.upload_info.size for op in ops)
+        done = 0
+        # Large files one by one (so that progress is per file), the rest with the commit.
+        for op in sorted((op for op in ops if op.path_in_repo in big),
+                         key=lambda o: o.path_in_repo):
+            api.preupload_lfs_files(repo_id, additions=[op], revision=revision,
+                                    create_pr=create_pr)
+            done += op.upload_info.size
+            if progress:
+                progress(op.path_in_repo, done, total)
+        info = api.create_commit(repo_id, ops, commit_message=message,
+                                 commit_description=description, revision=revision,
+                                 create_pr=create_pr)
+        if progress:
+            progress(CARD_NAME, total, total)
+        held = api.model_info(repo_id, revision=info.oid, files_metadata=True)
+    except Exception as e:  # noqa: BLE001 - every Hub failure becomes one clear line
+        raise hub_error(e, repo_id, revision, action="push") from e
+    _check_pushed(root, ops, held, repo_id, info.oid)
+    return PushResult(repo_id=repo_id, revision=revision or "main", commit_oid=info.oid,
+                      commit_url=info.commit_url, pr_url=info.pr_url,
+                      files=names + [CARD_NAME], bytes=total,
+                      chunks_checked=report.chunks_checked)
+
+
+def _check_pushed(root: Path, ops: list, held, repo_id: str, oid: str) -> None:
+    """After the commit: every file must be on the Hub with the size and hash that was sent
+    (LFS: its sha256; a regular file: its git blob id), or the push failed.
+
+    Raises:
+        HubError: naming the first file the Hub holds otherwise.
+    """
+    from huggingface_hub.utils.sha import git_hash
+    by = {s.rfilename: s for s in (held.siblings or [])}
+    for op in ops:
+        name = op.path_in_repo
+        s = by.get(name)
+        want_size, want_sha = op.upload_info.size, op.upload_info.sha256.hex()
+        lfs = getattr(s, "lfs", None) if s is not None else None
+        if s is None:
+            got = "no such file"
+        elif s.size is not None and s.size != want_size:
+            got = f"{s.size} bytes"
+        elif lfs is not None and getattr(lfs, "sha256", want_sha) != want_sha:
+            got = f"sha256 {lfs.sha256}"
+        elif lfs is None and s.blob_id is not None:
+            data = op.path_or_fileobj if isinstance(op.path_or_fileobj, bytes) else \
+                (root / name).read_bytes()
+            got = None if s.blob_id == git_hash(data) else f"git blob {s.blob_id}"
+        else:
+            got = None
+        if got is not None:
+            raise HubError(f"{repo_id}: after the push (commit {oid[:12]}) the Hub holds "
+                           f"{name} as {got}, not the {want_size} bytes sent (sha256 "
+                           f"{want_sha[:16]}...): the upload was cut or changed; push again")
