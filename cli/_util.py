@@ -39,11 +39,34 @@ class LCTGroup(click.Group):
             if os.environ.get("LCT_DEBUG"):
                 traceback.print_exc()
             msg = e.args[0] if isinstance(e, KeyError) and e.args else e
-            click.echo(f"error: {msg}", err=True)
+            option = getattr(e, "option", None)
+            hint = f" ({hint_for(option)})" if option else ""
+            click.echo(f"error: {msg}{hint}", err=True)
             sys.exit(1)
         except KeyboardInterrupt:
             click.echo("interrupted; nothing was left half-written", err=True)
             sys.exit(130)
+
+
+# What to do about a library error that names a parameter (``LCTError.option``), in the CLI's
+# words; any other parameter is shown as its flag.
+OPTION_HINTS = {
+    "overwrite": "pass --force to replace it",
+    "ids": "pass token ids with --ids 1,5,9",
+    "maximus_shards": "lct convert --maximus-shards N",
+}
+
+
+def hint_for(option: str) -> str:
+    """The CLI's hint for a library error about parameter ``option``."""
+    return OPTION_HINTS.get(option) or "--" + option.replace("_", "-")
+
+
+def as_flags(text: str) -> str:
+    """A planner label that leads with ``name=value`` (``kv_dtype=fp8 ...``), as the flag that
+    sets it (``--kv-dtype fp8 ...``)."""
+    import re
+    return re.sub(r"^(\w+)=(\S+)", lambda m: f"--{m[1].replace('_', '-')} {m[2]}", text)
 
 
 def bars_disabled() -> bool:

@@ -42,7 +42,7 @@ def _parse_parts(ctx, param, value):
 @click.option("--dtype", type=click.Choice(C.CAST_TARGETS), default=None,
               help="Cast the lossless floating-point tensors (refused if a value overflows). "
                    "Default: keep each tensor's source dtype.")
-@click.option("--level", type=click.IntRange(-7, 22), default=C.DEFAULT_LEVEL, show_default=True,
+@click.option("--level", type=click.IntRange(*C.ZSTD_LEVELS), default=C.DEFAULT_LEVEL, show_default=True,
               help="zstd level for the lossless planes (see docs/BENCHMARKS.md for the trade-off).")
 @click.option("--blocksize", type=int, default=C.DEFAULT_BLOCKSIZE, show_default=True,
               help="NF4 block size; must divide the hidden size.")
@@ -95,7 +95,7 @@ def convert_cmd(source, output, revision, nf4, int8, budget, calibration, dtype,
     finally:
         bar.close()
     m = rep.manifest
-    from lct.io.info import human
+    from lct.units import human
     if as_json:
         import json
         click.echo(json.dumps({

@@ -17,7 +17,7 @@ def demo_cmd(workdir, quiet):
     back to safetensors and reload it with transformers, then load it with the prefetching
     streaming loader and generate from a prompt. Prints the size table and timings."""
     from lct.demo.run import run_demo
-    from lct.io.info import human
+    from lct.units import human
 
     if quiet:
         go_quiet()

@@ -20,7 +20,8 @@ def info_cmd(artifact, as_json, as_manifest, tensors, quiet):
     """Show the groups, tensors, encodings and stored vs decoded sizes of ARTIFACT (a folder or
     hf://org/name[@rev], pulled into the Hugging Face cache first), and the overall ratio
     against the source checkpoint. Reads only the manifest (no torch needed)."""
-    from lct.io.info import human, summarize
+    from lct.io.info import summarize
+    from lct.units import human
     from lct.io.reader import open_artifact
 
     from lct.hub import local_artifact

@@ -79,7 +79,7 @@ def load_cmd(artifact, prefetch, device, dtype, nf4, workers, no_verify, layerwi
 
     t0 = time.perf_counter()
     import lct.loader as loader
-    from lct.io.info import human
+    from lct.units import human
     tdtype = None
     if layerwise or dtype:
         import torch  # timed: the import cost is part of a cold start

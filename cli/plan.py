@@ -7,7 +7,7 @@ import click
 from lct.plan.memory import (DEFAULT_LOSS_CHUNK, DEFAULT_MAXIMUS, DEFAULT_SEQ, DEVICES, FORMATS,
                              KV_DTYPES, MODES, OPTIMIZERS, PRECISIONS)
 
-from lct.cli._util import go_quiet, quiet_option, table
+from lct.cli._util import as_flags, go_quiet, quiet_option, table
 
 
 def _parsed(parser_name: str):
@@ -97,16 +97,20 @@ def plan_cmd(model, mode, batch, seq, vocab_size, add_tokens, precision, optimiz
         click.echo(p.to_json(), nl=False)
         return
     if quiet:
-        from lct.plan.memory import human_bytes
-        click.echo(f"peak {human_bytes(p.total)}" + ("" if p.memory is None else
-                   f"; {'fits in' if p.fits else 'does not fit in'} {human_bytes(p.memory)}"))
+        from lct.units import human
+        click.echo(f"peak {human(p.total, binary=True)}" + ("" if p.memory is None else
+                   f"; {'fits in' if p.fits else 'does not fit in'} "
+                   f"{human(p.memory, binary=True)}"))
         return
     click.echo("\n".join(render(p)))
 
 
 def render(p) -> list:
     """The human report of a ``Plan``, as lines."""
-    from lct.plan.memory import human_bytes as hb
+    from functools import partial
+
+    from lct.units import human
+    hb = partial(human, binary=True)
     train = p.mode == "train"
     what = f"{p.mode}, batch {p.batch} x seq {p.seq}, {p.precision}"
     what += f", {p.optimizer}" if train else f", KV {p.kv_dtype}"
@@ -174,7 +178,8 @@ def render(p) -> list:
     items = list(p.items().items())[:3]
     lines.append("largest items: " + ", ".join(f"{k} {hb(v)}" for k, v in items))
     if p.remedies and (p.memory is None or not p.fits):
-        lines.append("to cut: " + "; ".join(f"{k} (-{hb(v)})" for k, v in p.remedies[:4]))
+        lines.append("to cut: " + "; ".join(f"{as_flags(k)} (-{hb(v)})"
+                                            for k, v in p.remedies[:4]))
     if p.vocab_delta:
         dv = p.vocab_size - p.base_vocab_size
         lines.append(f"vocabulary {dv:+,} tokens: "
@@ -182,5 +187,5 @@ def render(p) -> list:
                                  for m, v in p.vocab_delta.items()))
     if p.stored is not None:
         lines.append(f"artifact: {hb(p.stored)} stored, {hb(p.decoded)} decoded")
-    lines += [f"note: {n}" for n in p.notes]
+    lines += [f"note: {as_flags(n)}" for n in p.notes]
     return lines

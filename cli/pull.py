@@ -22,7 +22,7 @@ def pull_cmd(repo_id, revision, local_dir, quiet):
     need `hf auth login` or HF_TOKEN.
     """
     from lct import hub
-    from lct.io.info import human
+    from lct.units import human
 
     if quiet:
         go_quiet()

@@ -28,7 +28,7 @@ def push_cmd(artifact, repo_id, revision, private, commit_message, create_pr, li
     refused. Log in with `hf auth login` or set HF_TOKEN (a write token).
     """
     from lct import hub
-    from lct.io.info import human
+    from lct.units import human
 
     if quiet:
         go_quiet()

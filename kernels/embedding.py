@@ -9,43 +9,33 @@ from torch import nn
 from lct.kernels.nf4 import dequantize_rows
 
 
-def _pad_mask(ids: torch.Tensor, pad_ids) -> torch.Tensor | None:
-    if pad_ids is None or pad_ids.numel() == 0:
-        return None
-    return torch.isin(ids, pad_ids)
+def masked_gather(ids: torch.Tensor, rows: int, dim: int, pad_ids, gather,
+                  scale=None) -> torch.Tensor:
+    """The lookup every LCT embedding shares: ``ids`` checked as ``nn.Embedding`` checks them,
+    ``gather(kept_ids)`` gives the rows of the ids not in ``pad_ids`` (a pad id gives a zero
+    row and is never gathered), then the optional Gemma-style ``scale`` multiplies.
 
-
-def quantized_lookup(ids: torch.Tensor, rows: int, dim: int, pad_ids, scale, dtype,
-                     gather) -> torch.Tensor:
-    """An embedding lookup over a quantized table: ids checked as ``nn.Embedding`` checks them,
-    ``gather(selected_ids)`` dequantizes the rows of the ids that are not in ``pad_ids`` (those
-    give zeros), then the optional Gemma-style ``scale`` multiplies."""
+    Returns:
+        ``[*ids.shape, dim]``, on the device and in the dtype ``gather`` returns.
+    """
     flat = ids.reshape(-1)
     if flat.numel() and (int(flat.min()) < 0 or int(flat.max()) >= rows):
         raise IndexError(f"ids must be in [0, {rows}), got "
                          f"{int(flat.min())}..{int(flat.max())}")  # as nn.Embedding refuses
-    mask = _pad_mask(flat, pad_ids)
-    sel = flat if mask is None else flat[~mask]
-    out = gather(sel)
-    if mask is not None:
-        full = out.new_zeros(flat.numel(), dim)
-        full[~mask] = out
-        out = full
+    keep = None if pad_ids is None or pad_ids.numel() == 0 else ~torch.isin(flat, pad_ids)
+    out = gather(flat if keep is None else flat[keep])
+    if keep is not None and not bool(keep.all()):
+        # index_put, not an in-place write: the gathered rows may carry a gradient.
+        out = out.new_zeros(flat.numel(), dim).index_put(
+            (keep.nonzero().squeeze(1).to(out.device),), out)
     if scale is not None:
-        out = out * scale.to(dtype)
+        out = out * scale.to(out.dtype)
     return out.view(*ids.shape, dim)
 
 
 def padded_lookup(weight: torch.Tensor, ids: torch.Tensor, pad_ids=None) -> torch.Tensor:
     """Dense embedding lookup where ids in ``pad_ids`` give zero rows and are not gathered."""
-    flat = ids.reshape(-1)
-    mask = _pad_mask(flat, pad_ids)
-    if mask is None:
-        return weight[flat].view(*ids.shape, weight.shape[1])
-    out = weight.new_zeros(flat.numel(), weight.shape[1])
-    keep = ~mask
-    out[keep] = weight[flat[keep]]
-    return out.view(*ids.shape, weight.shape[1])
+    return masked_gather(ids, weight.shape[0], weight.shape[1], pad_ids, lambda sel: weight[sel])
 
 
 class PaddedEmbedding(nn.Embedding):
@@ -95,8 +85,8 @@ class NF4Embedding(nn.Module):
         return dequantize_rows(self.packed, self.absmax, self.blocksize, self.dtype)
 
     def forward(self, ids: torch.Tensor) -> torch.Tensor:
-        return quantized_lookup(ids, self.num_embeddings, self.embedding_dim, self.pad_ids,
-                                self.scale, self.dtype, self._gather)
+        return masked_gather(ids, self.num_embeddings, self.embedding_dim, self.pad_ids,
+                             self._gather, self.scale)
 
     def _gather(self, sel: torch.Tensor) -> torch.Tensor:
         self.gathered_rows += sel.numel()

@@ -10,7 +10,7 @@ from torch.nn import functional as F
 
 from lct.format import constants as C
 
-from lct.kernels.embedding import quantized_lookup
+from lct.kernels.embedding import masked_gather
 from lct.kernels.linear import DEFAULT_CHUNK_BYTES, fused_call, quantized_forward
 
 
@@ -136,9 +136,9 @@ class Int8Embedding(nn.Module):
         return dequantize_rows(self.q, self.scale, self.dtype)
 
     def forward(self, ids: torch.Tensor) -> torch.Tensor:
-        return quantized_lookup(
-            ids, self.num_embeddings, self.embedding_dim, self.pad_ids, self.embed_scale,
-            self.dtype, lambda sel: dequantize_rows(self.q[sel], self.scale[sel], self.dtype))
+        return masked_gather(
+            ids, self.num_embeddings, self.embedding_dim, self.pad_ids,
+            lambda sel: dequantize_rows(self.q[sel], self.scale[sel], self.dtype), self.embed_scale)
 
     def extra_repr(self) -> str:
         return (f"{self.num_embeddings}, {self.embedding_dim}, int8 per row, "

@@ -27,8 +27,10 @@ import torch
 from torch import nn
 
 from lct.errors import MaximusStateError
-from lct.format.maximus import (DEFAULT_POLICY, DEFAULT_SHARDS, STATE_FILE, STATS_FIELDS,
-                                default_budget, frequency_order, invert_permutation,
+from lct.format import constants as C
+from lct.format.nf4 import encoded_size
+from lct.kernels.embedding import masked_gather
+from lct.format.maximus import (STATS_FIELDS, default_budget, module_tensors, frequency_order, invert_permutation,
                                 read_state_file, shard_offsets, state_key, validate_permutation,
                                 write_state_file)
 
@@ -93,12 +95,12 @@ class MaximusEmbedding(nn.Module):
     """
 
     def __init__(self, num_embeddings: int, embedding_dim: int, padding_idx: int | None = None,
-                 max_shards: int = DEFAULT_SHARDS, bucket_size: int = DEFAULT_POLICY["bucket_size"],
+                 max_shards: int = C.DEFAULT_MAXIMUS_SHARDS, bucket_size: int = C.DEFAULT_MAXIMUS_POLICY["bucket_size"],
                  *, budget_shards: int | None = None, budget_bytes: int | None = None, pad_ids=(),
-                 sparse: bool = DEFAULT_POLICY["sparse"], device=None,
-                 load_rate: float = DEFAULT_POLICY["load_rate"],
-                 evict_rate: float = DEFAULT_POLICY["evict_rate"],
-                 decay: float = DEFAULT_POLICY["decay"],
+                 sparse: bool = C.DEFAULT_MAXIMUS_POLICY["sparse"], device=None,
+                 load_rate: float = C.DEFAULT_MAXIMUS_POLICY["load_rate"],
+                 evict_rate: float = C.DEFAULT_MAXIMUS_POLICY["evict_rate"],
+                 decay: float = C.DEFAULT_MAXIMUS_POLICY["decay"],
                  weight: torch.Tensor | None = None, counts=None, dtype=None, nf4=None,
                  row_to_id: torch.Tensor | None = None, ordered: bool = False,
                  scale: torch.Tensor | None = None):
@@ -171,7 +173,7 @@ class MaximusEmbedding(nn.Module):
             self.weight = nn.Parameter(w.clone() if ordered else w)
 
         shard_bytes = self.rows_per_shard * (
-            embedding_dim // 2 + 4 * embedding_dim // self.nf4[2] if self.nf4 is not None
+            encoded_size(embedding_dim, self.nf4[2]) if self.nf4 is not None
             else embedding_dim * self.weight.element_size())
         if budget_shards is None and budget_bytes is None:
             budget_shards = default_budget(self.num_shards)
@@ -291,27 +293,20 @@ class MaximusEmbedding(nn.Module):
         return out
 
     def forward(self, ids: torch.Tensor) -> torch.Tensor:
-        flat = ids.reshape(-1).to(self.id_to_row.device)
-        if flat.numel() and (int(flat.min()) < 0 or int(flat.max()) >= self.num_embeddings):
-            raise IndexError(f"ids must be in [0, {self.num_embeddings}), got "
-                             f"[{int(flat.min())}, {int(flat.max())}]")
-        keep = ~torch.isin(flat, self.pad_ids) if self.pad_ids.numel() else \
-            torch.ones_like(flat, dtype=torch.bool)
-        rows = self.id_to_row[flat[keep]]
-        self.stats.lookups += flat.numel()
-        self.stats.pad_lookups += int((~keep).sum())
+        ids = ids.to(self.id_to_row.device)
+        self.stats.lookups += ids.numel()
+        return masked_gather(ids, self.num_embeddings, self.embedding_dim, self.pad_ids,
+                             lambda sel: self._lookup(sel, ids.numel()), self.scale)
+
+    def _lookup(self, ids: torch.Tensor, asked: int) -> torch.Tensor:
+        """The rows of ``ids`` (no pad id among them), counted and gathered from the resident
+        shards or host memory; ``asked`` ids were looked up in all."""
+        rows = self.id_to_row[ids]
+        self.stats.pad_lookups += asked - ids.numel()
         self._observe(rows)
         self._refresh_dirty()
-        gathered = _Lookup.apply(self.weight, rows, self) if torch.is_grad_enabled() and \
+        return _Lookup.apply(self.weight, rows, self) if torch.is_grad_enabled() and \
             self.weight.requires_grad and self.nf4 is None else self._gather(rows)
-        if bool(keep.all()):
-            out = gathered
-        else:
-            out = gathered.new_zeros(flat.numel(), self.embedding_dim)
-            out = out.index_put((keep.nonzero().squeeze(1).to(out.device),), gathered)
-        if self.scale is not None:
-            out = out * self.scale.to(out.dtype)
-        return out.view(*ids.shape, self.embedding_dim)
 
     def _observe(self, rows: torch.Tensor) -> None:
         """Count this step's accesses, decay the rates, decide residency."""
@@ -513,7 +508,7 @@ def save_maximus_state(model, path, *, frequency_source: str | None = None) -> P
     path = Path(path)
     if path.is_dir() or not path.suffix:
         path.mkdir(parents=True, exist_ok=True)
-        path = path / STATE_FILE
+        path = path / C.MAXIMUS_FILE
     return write_state_file(
         {mp: (m.state_tensors(), {"policy": m.policy(), "frequency_source":
                                   frequency_source or getattr(m, "frequency_source", None)})
@@ -538,8 +533,7 @@ def load_maximus_state(model, path) -> None:
             if pol.get(k) != m.policy()[k]:
                 raise MaximusStateError(f"{path}: {mp or 'module'}: {k} is {pol.get(k)} in the "
                                         f"state, {m.policy()[k]} in the model")
-        prefix = state_key(mp, "maximus.")
-        own = {"maximus." + k[len(prefix):]: v for k, v in tensors.items() if k.startswith(prefix)}
+        own = module_tensors(tensors, state_key(mp, "maximus."))
         try:
             m.load_state_tensors(own, where=f"{path}: {mp or 'module'}")
         except ValueError as e:

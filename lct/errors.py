@@ -6,7 +6,15 @@ resembles, so callers can catch either (``except FileNotFoundError`` still works
 
 
 class LCTError(Exception):
-    """Base class of every LCT error."""
+    """Base class of every LCT error.
+
+    The message describes the problem in the library's words; ``option`` names the parameter it
+    is about (``"overwrite"``, ``"blocksize"``), from which the CLI adds its own hint (the flag
+    to pass), as huggingface_hub's CLI does over its errors."""
+
+    def __init__(self, *args, option: str | None = None):
+        super().__init__(*args)
+        self.option = option
 
 
 class SourceError(LCTError, ValueError):

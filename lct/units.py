@@ -1,4 +1,5 @@
-"""Sizes as users write them: one rule for every option that takes bytes.
+"""Sizes as users write them and as LCT prints them: one rule for every option that takes
+bytes, one formatter for every size shown.
 
 Decimal units (``KB``, ``MB``, ``GB``, ``TB``: powers of 1000) are parsed by huggingface_hub, as
 ``save_pretrained(max_shard_size="5GB")`` parses them; binary units (``KiB``, ``MiB``, ``GiB``,
@@ -38,3 +39,16 @@ def parse_size(value, what: str = "size") -> int:
         return int(float(number) * 1024 ** ("KMGT".index(prefix) + 1))
     from huggingface_hub.serialization._base import parse_size_to_int
     return parse_size_to_int(f"{number}{prefix}B")
+
+
+def human(n: float, binary: bool = False) -> str:
+    """Bytes as a short string: decimal units for file sizes (``1.50 MB``), binary ones for
+    memory (``binary=True``: ``1.50 GiB``)."""
+    base, units = (1024, ("B", "KiB", "MiB", "GiB", "TiB")) if binary else \
+        (1000, ("B", "KB", "MB", "GB", "TB"))
+    sign, x = ("-" if n < 0 else ""), float(abs(n))
+    for unit in units:
+        if x < base or unit == units[-1]:
+            return f"{sign}{x:.0f} B" if unit == "B" else f"{sign}{x:.2f} {unit}"
+        x /= base
+    raise AssertionError("unreachable")  # pragma: no cover

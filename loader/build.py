@@ -285,10 +285,10 @@ def install_maximus(model, art, budget=None, device="cpu"):
     import torch
 
     from lct.kernels import Int8Embedding, MaximusEmbedding, NF4Embedding
-    from lct.format.maximus import DEFAULT_POLICY
     m = art.manifest.maximus
     if m is None:
-        raise LCTError(f"{art.path}: no Maximus shard state; convert with --maximus-shards N")
+        raise LCTError(f"{art.path}: no Maximus shard state (converted without Maximus shards)",
+                       option="maximus_shards")
     state = art.maximus_state()
     module_path = m["prefix"][len("maximus."):-1]
     policy = art.maximus_policy()
@@ -298,7 +298,7 @@ def install_maximus(model, art, budget=None, device="cpu"):
     kw = dict(max_shards=policy.get("num_shards", m["num_shards"]),
               budget_shards=budget if isinstance(budget, int) and not isinstance(budget, bool)
               else policy.get("budget_shards"),
-              **{k: policy.get(k, DEFAULT_POLICY[k])
+              **{k: policy.get(k, C.DEFAULT_MAXIMUS_POLICY[k])
                  for k in ("load_rate", "evict_rate", "decay")},
               device=device,
               row_to_id=state["maximus.row_to_id"], counts=state["maximus.token_freq"])

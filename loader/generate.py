@@ -63,7 +63,8 @@ def generate_timed(model, path, prompt: str | None = None, ids=None,
     tok = load_tokenizer(path)
     if prompt is not None:
         if tok is None:
-            raise LCTError(f"{path}: the artifact has no tokenizer; pass token ids with --ids")
+            raise LCTError(f"{path}: the artifact has no tokenizer to encode a prompt; give token "
+                           f"ids instead", option="ids")
         input_ids = tok(prompt, return_tensors="pt").input_ids
     else:
         ids = list(ids)

@@ -162,7 +162,7 @@ def test_no_frequency_source_orders_by_id(llama_src, tmp_path):
 
 
 def test_too_many_shards(llama_src, tmp_path):
-    with pytest.raises(PolicyError, match="maximus-shards 999"):
+    with pytest.raises(PolicyError, match="maximus_shards 999"):
         lct.convert(str(llama_src), tmp_path / "a.lct", policy=Policy(maximus_shards=999))
 
 

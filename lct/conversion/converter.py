@@ -71,31 +71,37 @@ class Policy:
 
     def check(self) -> None:
         """Raise ``PolicyError`` for options that cannot work."""
-        for flag, parts in (("--nf4", self.nf4), ("--int8", self.int8)):
+        for option, parts in (("nf4", self.nf4), ("int8", self.int8)):
             bad = [r for r in parts or () if r not in C.LOSSY_ROLES]
             if bad:
-                raise PolicyError(f"{flag}: unknown part {bad[0]!r}; use none, embed, head or "
-                                  f"embed,head")
+                raise PolicyError(f"{option}: unknown part {bad[0]!r}; use none, embed, head or "
+                                  f"embed,head", option=option)
         both = set(self.nf4 or ()) & set(self.int8 or ())
         if both:
-            raise PolicyError(f"--nf4 and --int8 both name {sorted(both)[0]!r}; give each part "
-                              f"one encoding")
+            raise PolicyError(f"nf4 and int8 both name {sorted(both)[0]!r}; give each part "
+                              f"one encoding", option="nf4")
         if not self.auto and self.calibration:
-            raise PolicyError("--calibration chooses the encodings, so it cannot go with "
-                              "--nf4/--int8 (which force them)")
+            raise PolicyError("calibration text chooses the encodings, so it cannot go with "
+                              "forced nf4/int8 parts", option="calibration")
         if not 0 < self.budget < 10:
-            raise PolicyError(f"--budget {self.budget} must be a mean KL in nats, above 0 and "
-                              f"below 10 (default {C.DEFAULT_BUDGET_KL}, about +1 % perplexity)")
+            raise PolicyError(f"budget {self.budget} must be a mean KL in nats, above 0 and "
+                              f"below 10 (default {C.DEFAULT_BUDGET_KL}, about +1 % perplexity)",
+                              option="budget")
         if self.dtype is not None and self.dtype not in C.CAST_TARGETS:
-            raise PolicyError(f"--dtype: {self.dtype!r} is not one of {C.CAST_TARGETS}")
+            raise PolicyError(f"dtype {self.dtype!r} is not one of {C.CAST_TARGETS}",
+                              option="dtype")
         if self.codec not in (C.CODEC_RAW, C.CODEC_ZSTD, C.CODEC_PLANES):
-            raise PolicyError(f"codec {self.codec!r} is not one of raw, zstd, planes")
-        if not -7 <= self.level <= 22:
-            raise PolicyError(f"--level {self.level} must be in -7..22")
+            raise PolicyError(f"codec {self.codec!r} is not one of raw, zstd, planes",
+                              option="codec")
+        lo, hi = C.ZSTD_LEVELS
+        if not lo <= self.level <= hi:
+            raise PolicyError(f"level {self.level} must be in {lo}..{hi}", option="level")
         if self.blocksize <= 0 or self.blocksize % 2:
-            raise PolicyError(f"--blocksize {self.blocksize} must be a positive even number")
+            raise PolicyError(f"blocksize {self.blocksize} must be a positive even number",
+                              option="blocksize")
         if self.maximus_shards is not None and self.maximus_shards < 1:
-            raise PolicyError(f"--maximus-shards {self.maximus_shards} must be >= 1")
+            raise PolicyError(f"maximus_shards {self.maximus_shards} must be >= 1",
+                              option="maximus_shards")
         if not 4096 <= self.frame_size <= C.MAX_FRAME_SIZE or self.frame_size % 4096:
             raise PolicyError(f"frame size {self.frame_size} must be a multiple of 4096 "
                               f"up to {C.MAX_FRAME_SIZE}")
@@ -218,14 +224,16 @@ class MaximusPlan:
 
 
 def _maximus_plan(src: Source, specs: dict, policy: Policy, token_freq) -> MaximusPlan:
-    from lct.format.maximus import DEFAULT_POLICY, default_budget, initial_state
+    from lct.format.maximus import default_budget, initial_state
     embed = next((s for s in specs.get(C.GROUP_EMBED, []) if s.role == "embed"), None)
     if embed is None or len(embed.shape) != 2:
-        raise PolicyError(f"{src.root}: --maximus-shards needs a 2-D token embedding; none found")
+        raise PolicyError(f"{src.root}: Maximus shards need a 2-D token embedding; none found",
+                          option="maximus_shards")
     rows, dim = embed.shape
     n = policy.maximus_shards
     if not 1 <= n <= rows:
-        raise PolicyError(f"--maximus-shards {n} must be in 1..{rows} (the vocabulary size)")
+        raise PolicyError(f"maximus_shards {n} must be in 1..{rows} (the vocabulary size)",
+                          option="maximus_shards")
     if token_freq is not None:
         from lct.conversion.freq import token_counts
         counts, freq_source = token_counts(token_freq, rows, src.root)
@@ -248,7 +256,7 @@ def _maximus_plan(src: Source, specs: dict, policy: Policy, token_freq) -> Maxim
     meta = {"policy": {"num_embeddings": rows, "embedding_dim": dim,
                        "num_shards": int(state["maximus.shard_offsets"].numel() - 1),
                        "budget_shards": default_budget(n), "padding_idx": pads[0] if pads else None,
-                       **DEFAULT_POLICY},
+                       **C.DEFAULT_MAXIMUS_POLICY},
             "frequency_source": freq_source}
     return MaximusPlan(state, meta, embed.name.rpartition(".")[0], pieced, names)
 

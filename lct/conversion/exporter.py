@@ -51,7 +51,7 @@ def _check_target(out: Path, overwrite: bool, side_files=C.SIDECAR_FILES) -> Non
     """Refuse to replace an existing folder without ``overwrite``, or one holding files an
     export of this artifact does not write (run with the output lock held)."""
     if out.exists() and not overwrite:
-        raise LCTError(f"{out} already exists; pass --force to replace it")
+        raise LCTError(f"{out} already exists", option="overwrite")
     if out.exists():
         other = foreign_entry(out, lambda name: _is_export_file(name, side_files))
         if other is not None:

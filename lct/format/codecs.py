@@ -145,8 +145,9 @@ def _check_table_fits(decoded_size: int, frame_size: int, entry_size: int, store
 
 def _check_level(params: dict) -> int:
     level = params.get("level")
-    if not isinstance(level, int) or isinstance(level, bool) or not -7 <= level <= 22:
-        raise ManifestError(f"zstd level {level!r} must be an int in -7..22")
+    lo, hi = C.ZSTD_LEVELS
+    if not isinstance(level, int) or isinstance(level, bool) or not lo <= level <= hi:
+        raise ManifestError(f"zstd level {level!r} must be an int in {lo}..{hi}")
     return level
 
 

@@ -33,6 +33,7 @@ CHECKSUM_ALGO = "xxh3_64"
 
 # Writer defaults (chosen from docs/BENCHMARKS.md).
 DEFAULT_LEVEL = 1
+ZSTD_LEVELS = (-7, 22)                  # the zstd levels a chunk may be written with
 DEFAULT_FRAME_SIZE = 1024 * 1024
 DEFAULT_BLOCKSIZE = 64
 DEFAULT_MAX_FILE_SIZE = 4 * 1024**3
@@ -82,7 +83,12 @@ NF4_ZERO_CODE = 7
 # Maximus: frequency-ordered vocabulary shards.
 ROW_ORDER_MAXIMUS = "maximus"
 MAXIMUS_FILE = "maximus.safetensors"
+MAXIMUS_STATE_FORMAT = "lct-maximus"     # the state file's metadata "format" and "version"
+MAXIMUS_STATE_VERSION = "1"
 DEFAULT_MAXIMUS_SHARDS = 32
+# MaximusEmbedding's shard policy unless told otherwise (docs/FORMAT.md section 9).
+DEFAULT_MAXIMUS_POLICY = {"load_rate": 0.3, "evict_rate": 0.05, "decay": 0.9, "bucket_size": 1,
+                          "sparse": True}
 
 # Side files: every top-level regular file of the source that is not weights, an index of
 # weights, the model card or git metadata is copied next to the weights (FORMAT.md section 1),

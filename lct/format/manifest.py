@@ -14,6 +14,7 @@ from dataclasses import asdict, dataclass, field, replace
 
 from lct.format import codecs
 from lct.format import constants as C
+from lct.format.nf4 import absmax_count, packed_size
 from lct.errors import ManifestChecksumError, ManifestError, UnsupportedVersionError
 
 
@@ -573,12 +574,12 @@ def _placement(t: dict, name: str, shape: tuple, dtype: str, chunks: list,
         bs = _int(nf4.get("blocksize"), where, f"{w} blocksize", 2, 1 << 20)
         if bs % 2 or not shape or shape[-1] % bs:
             _fail(where, f"{w}: blocksize {bs} must be even and divide the row length")
-        if nbytes != (n + 1) // 2:
-            _fail(where, f"{w}: nf4 nbytes {nbytes} != {(n + 1) // 2}")
+        if nbytes != packed_size(n):
+            _fail(where, f"{w}: nf4 nbytes {nbytes} != {packed_size(n)}")
         a_off = _int(nf4.get("absmax_offset"), where, f"{w} absmax_offset")
         a_n = _int(nf4.get("absmax_nbytes"), where, f"{w} absmax_nbytes")
-        if a_n != 4 * (-(-n // bs)):
-            _fail(where, f"{w}: absmax_nbytes {a_n} != {4 * (-(-n // bs))}")
+        if a_n != 4 * absmax_count(n, bs):
+            _fail(where, f"{w}: absmax_nbytes {a_n} != {4 * absmax_count(n, bs)}")
         _span_in_chunk(offset, nbytes, chunk, where, w)
         _span_in_chunk(a_off, a_n, chunk, where, w + " absmax")
         nf4 = {"blocksize": bs, "absmax_offset": a_off, "absmax_nbytes": a_n}

@@ -15,15 +15,10 @@ import uuid
 from pathlib import Path
 
 from lct.errors import MaximusStateError
+from lct.format import constants as C
 
-STATE_FILE = "maximus.safetensors"
-STATE_FORMAT = "lct-maximus"
-STATE_VERSION = "1"
 STATS_FIELDS = ("lookups", "hits", "misses", "shard_loads", "shard_evictions", "bytes_moved",
                 "steps", "pad_lookups")
-DEFAULT_POLICY = {"load_rate": 0.3, "evict_rate": 0.05, "decay": 0.9, "bucket_size": 1,
-                  "sparse": True}
-DEFAULT_SHARDS = 32
 
 
 def default_budget(num_shards: int) -> int:
@@ -88,6 +83,12 @@ def state_key(module_path: str, name: str) -> str:
     return name if not module_path else name.replace("maximus.", f"maximus.{module_path}.", 1)
 
 
+def module_tensors(tensors: dict, prefix: str) -> dict:
+    """One module's ``maximus.*`` tensors out of a state file's, whose keys carry the module's
+    ``prefix`` (``state_key(module_path, "maximus.")``)."""
+    return {"maximus." + k[len(prefix):]: v for k, v in tensors.items() if k.startswith(prefix)}
+
+
 def write_state_file(per_module: dict, path) -> Path:
     """Write ``{module_path: (tensors, meta)}`` as one state file, atomically."""
     from safetensors.torch import save_file
@@ -99,7 +100,7 @@ def write_state_file(per_module: dict, path) -> Path:
     path = Path(path)
     tmp = path.with_name(f".{path.name}.tmp-{uuid.uuid4().hex[:8]}")
     try:
-        save_file(tensors, str(tmp), metadata={"format": STATE_FORMAT, "version": STATE_VERSION,
+        save_file(tensors, str(tmp), metadata={"format": C.MAXIMUS_STATE_FORMAT, "version": C.MAXIMUS_STATE_VERSION,
                                                "modules": json.dumps(meta)})
         os.replace(tmp, path)
     finally:
@@ -113,7 +114,7 @@ def read_state_file(path) -> tuple:
     from safetensors import SafetensorError, safe_open
     path = Path(path)
     if path.is_dir():
-        path = path / STATE_FILE
+        path = path / C.MAXIMUS_FILE
     if not path.is_file():
         raise MaximusStateError(f"{path}: no Maximus state file")
     try:
@@ -122,11 +123,11 @@ def read_state_file(path) -> tuple:
             tensors = {k: f.get_tensor(k) for k in f.keys()}
     except (SafetensorError, OSError, ValueError, RuntimeError) as e:
         raise MaximusStateError(f"{path}: not a readable Maximus state file ({e})") from e
-    if meta.get("format") != STATE_FORMAT:
-        raise MaximusStateError(f"{path}: format {meta.get('format')!r}, expected {STATE_FORMAT!r}")
-    if meta.get("version") != STATE_VERSION:
+    if meta.get("format") != C.MAXIMUS_STATE_FORMAT:
+        raise MaximusStateError(f"{path}: format {meta.get('format')!r}, expected {C.MAXIMUS_STATE_FORMAT!r}")
+    if meta.get("version") != C.MAXIMUS_STATE_VERSION:
         raise MaximusStateError(f"{path}: state version {meta.get('version')!r}, this LCT reads "
-                                f"{STATE_VERSION!r}")
+                                f"{C.MAXIMUS_STATE_VERSION!r}")
     bad = [k for k in tensors if not k.startswith("maximus.") or ".weight." in k]
     if bad:
         raise MaximusStateError(f"{path}: tensor {bad[0]!r} is outside the maximus.* namespace")

@@ -76,15 +76,31 @@ def _codes(scaled):
     return codes.view(scaled.shape)
 
 
+def packed_size(numel: int) -> int:
+    """Bytes of ``numel`` NF4 codes: two to a byte, high nibble first (docs/FORMAT.md 2.2)."""
+    return (numel + 1) // 2
+
+
+def absmax_count(numel: int, blocksize: int) -> int:
+    """float32 absmax scales of ``numel`` elements: one per block, the last block partial."""
+    return -(-numel // blocksize)
+
+
+def encoded_size(numel: int, blocksize: int = C.DEFAULT_BLOCKSIZE) -> int:
+    """Bytes of an NF4 tensor: its packed codes and 4-byte absmax scales."""
+    return packed_size(numel) + 4 * absmax_count(numel, blocksize)
+
+
 def check_blocksize(shape, blocksize: int, name: str = "tensor") -> None:
     """Raise ``PolicyError`` unless ``blocksize`` is even, positive and divides the last dimension."""
     if blocksize <= 0 or blocksize % 2:
-        raise PolicyError(f"{name}: NF4 blocksize must be a positive even number, got {blocksize}")
+        raise PolicyError(f"{name}: NF4 blocksize must be a positive even number, got {blocksize}",
+                          option="blocksize")
     if not shape or shape[-1] % blocksize:
         raise PolicyError(
             f"{name}: NF4 blocksize {blocksize} must divide the row length "
-            f"{shape[-1] if shape else '(scalar)'} so that no block spans two rows; "
-            f"choose a divisor with --blocksize")
+            f"{shape[-1] if shape else '(scalar)'} so that no block spans two rows",
+            option="blocksize")
 
 
 def quantize(tensor, blocksize: int = C.DEFAULT_BLOCKSIZE, name: str = "tensor"):
@@ -111,8 +127,8 @@ def quantize(tensor, blocksize: int = C.DEFAULT_BLOCKSIZE, name: str = "tensor")
         raise PolicyError(f"{name}: NF4 needs a floating-point tensor, got {tensor.dtype}")
     flat = tensor.reshape(-1)
     n = flat.numel()
-    nblocks = -(-n // blocksize)
-    packed = torch.empty((n + 1) // 2, dtype=torch.uint8)
+    nblocks = absmax_count(n, blocksize)
+    packed = torch.empty(packed_size(n), dtype=torch.uint8)
     absmax = torch.empty(nblocks, dtype=torch.float32)
     if _quantize_native(flat, packed, absmax, blocksize, name):
         return packed, absmax
@@ -225,9 +241,9 @@ def _dequantize_native(packed, absmax, out, blocksize: int) -> bool:
             or packed.device.type != "cpu" or absmax.dtype != torch.float32:
         return False
     n = out.numel()
-    flat = packed.reshape(-1)[: (n + 1) // 2].contiguous()
-    am = absmax.reshape(-1)[: -(-n // blocksize)].contiguous()
-    if flat.numel() != (n + 1) // 2 or am.numel() != -(-n // blocksize):
+    flat = packed.reshape(-1)[: packed_size(n)].contiguous()
+    am = absmax.reshape(-1)[: absmax_count(n, blocksize)].contiguous()
+    if flat.numel() != packed_size(n) or am.numel() != absmax_count(n, blocksize):
         raise ValueError(f"NF4 data too short for {n} elements: {flat.numel()} packed bytes, "
                          f"{am.numel()} absmax values (blocksize {blocksize})")
     bf16 = out.dtype == torch.bfloat16

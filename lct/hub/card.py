@@ -7,7 +7,7 @@ from pathlib import Path
 
 from lct.format import constants as C
 from lct.hub.client import _hub
-from lct.io.info import human
+from lct.units import human
 
 CARD_NAME = "README.md"
 

@@ -10,7 +10,7 @@ from lct.format import constants as C
 from lct.hub.address import split_address
 from lct.hub.card import CARD_NAME, _source_license, model_card
 from lct.hub.client import _hub, hub_error
-from lct.io.info import human
+from lct.units import human
 from lct.io.store import confined
 
 # Other files worth publishing with an artifact when they are in its folder.

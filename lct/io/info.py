@@ -29,15 +29,6 @@ def summarize(manifest) -> list:
     return rows
 
 
-def human(n: float) -> str:
-    """Bytes as a short human string (1.5 MB)."""
-    for unit in ("B", "KB", "MB", "GB", "TB"):
-        if abs(n) < 1000 or unit == "TB":
-            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.2f} {unit}"
-        n /= 1000
-    return str(n)
-
-
 def summary(manifest, path) -> dict:
     """What ``lct info --json`` prints (fields in docs/CLI.md): the artifact at a glance, not
     its manifest (``--manifest`` prints that)."""

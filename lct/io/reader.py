@@ -360,7 +360,8 @@ class Artifact:
             m = self.manifest.maximus
             if m is None:
                 raise ManifestError(f"{self.path}: the artifact has no Maximus shard state")
-            from lct.format.maximus import MaximusStateError, read_state_file, validate_permutation
+            from lct.errors import MaximusStateError
+            from lct.format.maximus import module_tensors, read_state_file, validate_permutation
             from lct.hashing import sha256_file
             path = self.path / m["file"]
             if not path.is_file():
@@ -369,9 +370,7 @@ class Artifact:
                 raise ChecksumError(f"{path}: sha256 does not match the manifest")
             try:
                 tensors, modules, _ = read_state_file(path)
-                prefix = m.get("prefix", "maximus.")
-                own = {"maximus." + k[len(prefix):]: v for k, v in tensors.items()
-                       if k.startswith(prefix)}
+                own = module_tensors(tensors, m.get("prefix", "maximus."))
                 rows = self.manifest.tensors[m["tensors"][0]].shape[0]
                 validate_permutation(own, rows, str(path))
             except MaximusStateError as e:

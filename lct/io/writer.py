@@ -23,6 +23,7 @@ from lct.format.codecs import checksum
 from lct.format import constants as C
 from lct.errors import LCTError
 from lct.format.manifest import ChunkInfo, Manifest, TensorInfo
+from lct.format.nf4 import absmax_count, packed_size
 
 
 SYNC_EVERY = 256 * 1024 * 1024
@@ -57,7 +58,7 @@ class TensorSpec:
     @property
     def nbytes(self) -> int:
         if self.encoding == C.ENCODING_NF4:
-            return (self.numel + 1) // 2
+            return packed_size(self.numel)
         if self.encoding == C.ENCODING_INT8:
             return self.numel
         return self.numel * C.DTYPE_SIZES[self.stored_dtype]
@@ -67,7 +68,7 @@ class TensorSpec:
         """Bytes of the float32 scales after the codes: NF4's absmax per block, int8's scale
         per row; 0 for plain tensors."""
         if self.encoding == C.ENCODING_NF4:
-            return 4 * (-(-self.numel // self.blocksize))
+            return 4 * absmax_count(self.numel, self.blocksize)
         if self.encoding == C.ENCODING_INT8:
             from lct.format.int8 import row_shape
             return 4 * row_shape(self.shape)[0]
@@ -343,7 +344,7 @@ class ArtifactWriter:
         if not self.target.exists():
             return
         if not self.overwrite:
-            raise LCTError(f"{self.target} already exists; pass --force to replace it")
+            raise LCTError(f"{self.target} already exists", option="overwrite")
         if not (self.target.is_dir() and ((self.target / C.MANIFEST_NAME).exists()
                                           or not any(self.target.iterdir()))):
             raise LCTError(f"{self.target} exists and is not an LCT artifact; refusing to replace it")

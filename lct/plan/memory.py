@@ -29,8 +29,10 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 from lct.format import constants as C
-from lct.format.maximus import DEFAULT_SHARDS, default_budget, shard_bounds
+from lct.format.maximus import default_budget, shard_bounds
+from lct.format.nf4 import encoded_size
 from lct.io.writer import encoded_bytes
+from lct.units import human
 from lct.errors import PlanError
 from lct.plan.modelspec import Dims, model_dims, parameter_specs, read_config
 
@@ -48,7 +50,7 @@ ROLE_PART = {"embed": "embedding", "pos_embed": "pos_embedding", "layer": "layer
 DEFAULT_SEQ = 2048
 DEFAULT_LOSS_CHUNK = 1024          # tokens per chunk in the chunked-loss figure
 # MaximusEmbedding's default: a quarter of 32 shards resident (K, N).
-DEFAULT_MAXIMUS = (default_budget(DEFAULT_SHARDS), DEFAULT_SHARDS)
+DEFAULT_MAXIMUS = (default_budget(C.DEFAULT_MAXIMUS_SHARDS), C.DEFAULT_MAXIMUS_SHARDS)
 # bitsandbytes 8-bit optimizers: tensors under 4096 elements keep fp32 states; blockwise absmax
 # per 256 elements; two 256-entry float32 quantization maps shared by all tensors.
 BNB_MIN_8BIT_SIZE = 4096
@@ -56,9 +58,7 @@ BNB_BLOCKSIZE = 256
 BNB_QMAP_BYTES = 2 * 256 * 4
 
 
-def nf4_bytes(numel: int, blocksize: int = C.DEFAULT_BLOCKSIZE) -> int:
-    """Bytes of an NF4 tensor: ceil(n/2) packed codes + 4 x ceil(n/blocksize) float32 absmax."""
-    return (numel + 1) // 2 + 4 * (-(-numel // blocksize))
+nf4_bytes = encoded_size     # bytes of an NF4 tensor (lct.format.nf4 holds the formula)
 
 
 def lct_layout(specs: list, dtype: str, nf4_roles=C.NF4_ROLES, blocksize: int = C.DEFAULT_BLOCKSIZE,
@@ -421,16 +421,6 @@ def parse_bytes(text) -> int:
         raise PlanError(str(e)) from None
 
 
-def human_bytes(n: int) -> str:
-    """Bytes in binary units: ``1.50 GiB``."""
-    sign, x = ("-" if n < 0 else ""), float(abs(n))
-    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
-        if x < 1024 or unit == "TiB":
-            return f"{sign}{int(x)} B" if unit == "B" else f"{sign}{x:.2f} {unit}"
-        x /= 1024
-    return str(n)  # pragma: no cover
-
-
 def plan(model, *, mode: str = "infer", batch: int = 1, seq: int = DEFAULT_SEQ,
          vocab_size: int | None = None, add_tokens: int | None = None,
          precision: str | None = None, optimizer: str = "adamw", kv_dtype: str | None = None,
@@ -588,7 +578,7 @@ def _plan(cfg: dict, where: str, dims: Dims, base: Dims, manifest, budget, *, mo
     if dims.tied:
         parts["head"].note = "tied to the embedding"
     if train and quant_specs:
-        notes.append("--format lct: the NF4/int8 embedding/head are frozen in training (no "
+        notes.append("format=lct: the NF4/int8 embedding/head are frozen in training (no "
                      "gradients or optimizer states)")
 
     # What the quantized tables save against dense ones, in this mode (frozen when training).
@@ -610,8 +600,9 @@ def _plan(cfg: dict, where: str, dims: Dims, base: Dims, manifest, budget, *, mo
     rows, width = emb.shape
     k, n = mx if mx is not None else (DEFAULT_MAXIMUS[0], min(DEFAULT_MAXIMUS[1], rows))
     resident_rows = min(k * -(-rows // n), rows)
-    row_bytes = width // 2 + 4 * (width // blocksize) if emb.name in nf4_specs else \
-        width + 4 if emb.name in int8_specs else width * a
+    row_bytes = encoded_bytes(C.ENCODING_NF4, (1, width), "float32", blocksize) \
+        if emb.name in nf4_specs else encoded_bytes(C.ENCODING_INT8, (1, width), "float32") \
+        if emb.name in int8_specs else width * a
     e, h = parts["embedding"], parts["head"]
     resident = resident_rows * row_bytes
     maximus_saving = (0 if dims.tied else e.on_device) - resident
@@ -669,7 +660,7 @@ def _plan(cfg: dict, where: str, dims: Dims, base: Dims, manifest, budget, *, mo
         activations, kv, kv_window = saved, 0, 0
         logits_saving = max(phases.values()) - chunked_total
         notes.append(f"training forwards should pass use_cache=False; otherwise they also build "
-                     f"a KV cache of {human_bytes(kv_held)}")
+                     f"a KV cache of {human(kv_held, binary=True)}")
     else:
         activations = infer_transient(dims, batch, seq, a)
         head_nf4 = bool(nf4_specs & {"lm_head.weight"}) or (dims.tied and emb.name in nf4_specs)
@@ -712,21 +703,21 @@ def _remedies(p: Plan, cfg, where, dims, base, manifest, **opts) -> list:
     """Plan each remedy again and keep those that lower the peak."""
     tries = []
     if opts["format"] == "hf":
-        tries.append(("--format lct (quantized embedding/head)", dict(format="lct")))
+        tries.append(("format=lct (quantized embedding/head)", dict(format="lct")))
     if opts["mx"] is None and not dims.tied:
-        tries.append((f"--maximus-resident {DEFAULT_MAXIMUS[0]}/{DEFAULT_MAXIMUS[1]}",
+        tries.append((f"maximus_resident={DEFAULT_MAXIMUS[0]}/{DEFAULT_MAXIMUS[1]}",
                       dict(mx=(DEFAULT_MAXIMUS[0], min(DEFAULT_MAXIMUS[1], dims.vocab)))))
     if opts["mode"] == "train":
         if opts["optimizer"] != "adamw-8bit":
-            tries.append(("--optimizer adamw-8bit", dict(optimizer="adamw-8bit")))
+            tries.append(("optimizer=adamw-8bit", dict(optimizer="adamw-8bit")))
         if opts["precision"] in ("fp32", "mixed"):
-            tries.append(("--precision bf16", dict(precision="bf16")))
+            tries.append(("precision=bf16", dict(precision="bf16")))
     elif opts["kv_dtype"] != "fp8":
-        tries.append(("--kv-dtype fp8", dict(kv_dtype="fp8")))
+        tries.append(("kv_dtype=fp8", dict(kv_dtype="fp8")))
     if opts["batch"] > 1:
-        tries.append((f"--batch {opts['batch'] // 2}", dict(batch=opts["batch"] // 2)))
+        tries.append((f"batch={opts['batch'] // 2}", dict(batch=opts["batch"] // 2)))
     if opts["seq"] > 1:
-        tries.append((f"--seq {opts['seq'] // 2}", dict(seq=opts["seq"] // 2)))
+        tries.append((f"seq={opts['seq'] // 2}", dict(seq=opts["seq"] // 2)))
     out = []
     for label, change in tries:
         try:
