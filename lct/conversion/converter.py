@@ -27,7 +27,8 @@ from lct.errors import PolicyError
 from lct.format.manifest import Manifest
 from lct.conversion.source import Source, resolve, scan
 from lct.hashing import sha256_file
-from lct.io.writer import ArtifactWriter, TensorSpec, plan_group
+from lct.format.layout import TensorSpec, layout_group
+from lct.io.writer import ArtifactWriter
 
 Progress = Callable[[str, int, int], None]
 log = logging.getLogger(__name__)
@@ -165,17 +166,17 @@ def _sha_all(src: Source, out: dict) -> None:
         out[fname] = {"sha256": digest, "size": p.stat().st_size}
 
 
-def _write_plan(writer, plan, policy: Policy, src: Source, get) -> int:
+def _write_chunk(writer, layout, policy: Policy, src: Source, get) -> int:
     """Fill one chunk from the source tensors (``get(spec) -> (tensor, path)``), encode, write.
 
     Returns the number of source bytes consumed.
     """
     import torch
-    buf = plan.allocate()
+    buf = layout.allocate()
     done = 0
-    for s in plan.specs:
+    for s in layout.specs:
         t, path = get(s)
-        off = plan.offsets[s.name]
+        off = layout.offsets[s.name]
         if s.encoding in (C.ENCODING_NF4, C.ENCODING_INT8):
             where = f"{path}: tensor {s.piece_of or s.name!r}"
             if s.encoding == C.ENCODING_NF4:
@@ -185,7 +186,7 @@ def _write_plan(writer, plan, policy: Policy, src: Source, get) -> int:
                 from lct.format.int8 import quantize
                 codes, scales = quantize(t, where)
             buf[off: off + s.nbytes] = codes.reshape(-1).view(torch.uint8).numpy()
-            a = plan.absmax_offsets[s.name]
+            a = layout.absmax_offsets[s.name]
             buf[a: a + s.absmax_nbytes] = scales.view(torch.uint8).numpy()
         else:
             if s.stored_dtype != s.dtype:
@@ -193,17 +194,17 @@ def _write_plan(writer, plan, policy: Policy, src: Source, get) -> int:
             buf[off: off + s.nbytes] = _tensor_bytes(t)
         done += t.numel() * C.DTYPE_SIZES[s.dtype]
         del t
-    width = plan.width_class if isinstance(plan.width_class, int) else None
-    is_float = all(s.stored_dtype in C.FLOAT_DTYPES for s in plan.specs)
+    width = layout.width_class if isinstance(layout.width_class, int) else None
+    is_float = all(s.stored_dtype in C.FLOAT_DTYPES for s in layout.specs)
     codec, params = choose_codec(width if is_float else None, policy.codec)
     if codec != C.CODEC_RAW:
         params.update(level=policy.level, frame_size=policy.frame_size)
-    writer.write_chunk(plan, buf, codec, params)
+    writer.write_chunk(layout, buf, codec, params)
     return done
 
 
 @dataclass
-class MaximusPlan:
+class MaximusLayout:
     """How the vocabulary tables are sharded: the state to store and the tensors to split."""
 
     state: dict
@@ -223,7 +224,7 @@ class MaximusPlan:
                 "frequency_source": self.meta["frequency_source"]}
 
 
-def _maximus_plan(src: Source, specs: dict, policy: Policy, token_freq) -> MaximusPlan:
+def _maximus_layout(src: Source, specs: dict, policy: Policy, token_freq) -> MaximusLayout:
     from lct.format.maximus import default_budget, initial_state
     embed = next((s for s in specs.get(C.GROUP_EMBED, []) if s.role == "embed"), None)
     if embed is None or len(embed.shape) != 2:
@@ -258,24 +259,24 @@ def _maximus_plan(src: Source, specs: dict, policy: Policy, token_freq) -> Maxim
                        "budget_shards": default_budget(n), "padding_idx": pads[0] if pads else None,
                        **C.DEFAULT_MAXIMUS_POLICY},
             "frequency_source": freq_source}
-    return MaximusPlan(state, meta, embed.name.rpartition(".")[0], pieced, names)
+    return MaximusLayout(state, meta, embed.name.rpartition(".")[0], pieced, names)
 
 
-def _write_pieces(writer, spec, plan: MaximusPlan, policy: Policy, src: Source, st) -> int:
+def _write_pieces(writer, spec, mx: MaximusLayout, policy: Policy, src: Source, st) -> int:
     """Write a vocabulary table as one chunk per shard, rows in frequency order."""
     from dataclasses import replace
 
     from safetensors import safe_open
     path = src.root / st.file
     with safe_open(str(path), framework="pt") as f:
-        table = f.get_tensor(spec.name)[plan.state["maximus.row_to_id"]]
+        table = f.get_tensor(spec.name)[mx.state["maximus.row_to_id"]]
     writer.add_pieced(spec, C.ROW_ORDER_MAXIMUS)
-    offsets = plan.state["maximus.shard_offsets"].tolist()
+    offsets = mx.state["maximus.shard_offsets"].tolist()
     done = 0
     for r0, r1 in zip(offsets, offsets[1:]):
         piece = replace(spec, name=f"{spec.name}[{r0}:{r1}]", shape=(r1 - r0, spec.shape[1]),
                         piece_of=spec.name, rows=(r0, r1))
-        done += _write_plan(writer, plan_group(spec.group, [piece])[0], policy, src,
+        done += _write_chunk(writer, layout_group(spec.group, [piece])[0], policy, src,
                             lambda s: (table[r0:r1], path))
     return done
 
@@ -390,30 +391,30 @@ def convert(source: str, out, *, revision: str | None = None, policy: Policy | N
     hasher = threading.Thread(target=_sha_all, args=(src, hashes), daemon=True)
     hasher.start()
 
-    plan_maximus = _maximus_plan(src, specs, policy, token_freq) if policy.maximus_shards else None
+    maximus_layout = _maximus_layout(src, specs, policy, token_freq) if policy.maximus_shards else None
     done = 0
     nworkers = workers or os.cpu_count() or 1
     with ThreadPoolExecutor(nworkers, thread_name_prefix="lct-encode") as pool, \
             ArtifactWriter(out, max_file_size=max_file_size, overwrite=overwrite,
                            map_fn=pool.map) as writer:
         for group in groups:
-            for plan in plan_group(group, specs[group]):
-                files = {tensors[s.name].file for s in plan.specs}
+            for layout in layout_group(group, specs[group]):
+                files = {tensors[s.name].file for s in layout.specs}
                 handles = {f: safe_open(str(src.root / f), framework="pt") for f in files}
                 try:
-                    done += _write_plan(writer, plan, policy, src, lambda s: (
+                    done += _write_chunk(writer, layout, policy, src, lambda s: (
                         handles[tensors[s.name].file].get_tensor(s.name),
                         src.root / tensors[s.name].file))
                 finally:
                     handles.clear()
-            for spec in (plan_maximus.pieced.get(group, []) if plan_maximus else []):
-                done += _write_pieces(writer, spec, plan_maximus, policy, src, tensors[spec.name])
+            for spec in (maximus_layout.pieced.get(group, []) if maximus_layout else []):
+                done += _write_pieces(writer, spec, maximus_layout, policy, src, tensors[spec.name])
             log.debug("group %s written (%d of %d source bytes)", group, done, total)
             if progress:
                 progress(group, done, total)
         for p in src.sidecars():
             writer.copy_file(p)
-        maximus = plan_maximus.write(writer.staging) if plan_maximus else None
+        maximus = maximus_layout.write(writer.staging) if maximus_layout else None
         hasher.join()
         manifest = writer.finish(
             groups=groups,

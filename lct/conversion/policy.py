@@ -25,7 +25,7 @@ from itertools import product
 
 from lct.format import constants as C
 from lct.errors import LCTError, PolicyError
-from lct.io.writer import encoded_bytes
+from lct.format.layout import encoded_bytes
 
 CANDIDATES = (C.ENCODING_NF4, C.ENCODING_INT8)
 log = logging.getLogger(__name__)

@@ -13,7 +13,6 @@ import shutil
 import struct
 import uuid
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass, field
 from pathlib import Path
 
 import numpy as np
@@ -23,107 +22,10 @@ from lct.format.codecs import checksum
 from lct.format import constants as C
 from lct.errors import LCTError
 from lct.format.manifest import ChunkInfo, Manifest, TensorInfo
-from lct.format.nf4 import absmax_count, packed_size
+from lct.format.layout import ChunkLayout, TensorSpec, align
 
 
 SYNC_EVERY = 256 * 1024 * 1024
-
-
-def _align(n: int, a: int) -> int:
-    return -(-n // a) * a
-
-
-@dataclass
-class TensorSpec:
-    """A tensor to place in a chunk: what the manifest will say, minus the chunk and offsets."""
-
-    name: str
-    shape: tuple
-    dtype: str
-    stored_dtype: str
-    encoding: str
-    role: str
-    group: str
-    blocksize: int | None = None
-    piece_of: str | None = None     # the sharded tensor this spec is a row-range piece of
-    rows: tuple | None = None       # (r0, r1) of that piece
-
-    @property
-    def numel(self) -> int:
-        n = 1
-        for s in self.shape:
-            n *= s
-        return n
-
-    @property
-    def nbytes(self) -> int:
-        if self.encoding == C.ENCODING_NF4:
-            return packed_size(self.numel)
-        if self.encoding == C.ENCODING_INT8:
-            return self.numel
-        return self.numel * C.DTYPE_SIZES[self.stored_dtype]
-
-    @property
-    def absmax_nbytes(self) -> int:
-        """Bytes of the float32 scales after the codes: NF4's absmax per block, int8's scale
-        per row; 0 for plain tensors."""
-        if self.encoding == C.ENCODING_NF4:
-            return 4 * absmax_count(self.numel, self.blocksize)
-        if self.encoding == C.ENCODING_INT8:
-            from lct.format.int8 import row_shape
-            return 4 * row_shape(self.shape)[0]
-        return 0
-
-    @property
-    def width_class(self):
-        """Tensors of one class share a chunk: each lossy encoding apart, plain tensors by
-        element width."""
-        if self.encoding in (C.ENCODING_NF4, C.ENCODING_INT8):
-            return self.encoding
-        return C.DTYPE_SIZES[self.stored_dtype]
-
-
-def encoded_bytes(encoding: str, shape: tuple, dtype: str,
-                  blocksize: int = C.DEFAULT_BLOCKSIZE) -> int:
-    """Bytes a tensor of ``shape`` takes in ``encoding`` in its decoded chunk: codes plus
-    scales (NF4 absmax, int8 row scales), alignment gaps not counted."""
-    stored = {C.ENCODING_NF4: "nf4", C.ENCODING_INT8: "int8"}.get(encoding, dtype)
-    spec = TensorSpec("", tuple(shape), dtype, stored, encoding, "", "",
-                      blocksize if encoding == C.ENCODING_NF4 else None)
-    return spec.nbytes + spec.absmax_nbytes
-
-
-@dataclass
-class ChunkPlan:
-    """The layout of one chunk before its bytes exist: tensor offsets and the decoded size."""
-
-    group: str
-    width_class: object
-    specs: list = field(default_factory=list)
-    offsets: dict = field(default_factory=dict)        # name -> offset
-    absmax_offsets: dict = field(default_factory=dict)  # name -> offset of its scales (lossy)
-    decoded_size: int = 0
-
-    def allocate(self) -> np.ndarray:
-        """A zeroed decoded buffer for this chunk."""
-        return np.zeros(self.decoded_size, dtype=np.uint8)
-
-
-def plan_group(group: str, specs: list) -> list:
-    """Split a group's tensors into chunks by width class and place them 64-byte aligned."""
-    plans: dict = {}
-    for spec in specs:
-        plan = plans.setdefault(spec.width_class, ChunkPlan(group, spec.width_class))
-        pos = _align(plan.decoded_size, C.TENSOR_ALIGNMENT)
-        plan.offsets[spec.name] = pos
-        pos += spec.nbytes
-        if spec.absmax_nbytes:
-            pos = _align(pos, C.TENSOR_ALIGNMENT)
-            plan.absmax_offsets[spec.name] = pos
-            pos += spec.absmax_nbytes
-        plan.decoded_size = pos
-        plan.specs.append(spec)
-    return list(plans.values())
 
 
 def check_output_path(target: Path) -> None:
@@ -301,7 +203,7 @@ class ArtifactWriter:
 
     Example:
         >>> with ArtifactWriter("out.lct") as w:
-        ...     w.write_chunk(plan, buffer, "planes", {"level": 1, "frame_size": 1 << 20})
+        ...     w.write_chunk(layout, buffer, "planes", {"level": 1, "frame_size": 1 << 20})
         ...     w.finish(manifest_fields)
     """
 
@@ -382,7 +284,7 @@ class ArtifactWriter:
             self._fh = None
 
     def _place(self, stored_size: int) -> tuple:
-        start = _align(self._pos, C.CHUNK_ALIGNMENT)
+        start = align(self._pos, C.CHUNK_ALIGNMENT)
         if self._fh is None or (start + stored_size > self.max_file_size
                                 and self._pos > C.DATA_HEADER_SIZE):
             self._new_file()
@@ -392,21 +294,22 @@ class ArtifactWriter:
         return len(self.files) - 1, start
 
     # Chunks -----------------------------------------------------------------------------------
-    def write_chunk(self, plan: ChunkPlan, buffer: np.ndarray, codec: str, params: dict) -> None:
-        """Encode ``buffer`` (the decoded bytes laid out as ``plan`` says) and append it.
+    def write_chunk(self, layout: ChunkLayout, buffer: np.ndarray, codec: str, params: dict) -> None:
+        """Encode ``buffer`` (the decoded bytes laid out as ``layout`` says) and append it.
 
         The encoded bytes are written (and checksummed) by a background thread while the caller
         prepares the next chunk; at most one write is pending, and its error surfaces on the
         next call or in ``finish``.
         """
         self._require_open()
-        if buffer.nbytes != plan.decoded_size:
-            raise ValueError(f"buffer has {buffer.nbytes} bytes, plan says {plan.decoded_size}")
+        if buffer.nbytes != layout.decoded_size:
+            raise ValueError(f"buffer has {buffer.nbytes} bytes, the layout says "
+                             f"{layout.decoded_size}")
         stored = codecs.get_codec(codec).encode(buffer, params, self.map_fn)
         if codec != C.CODEC_RAW and len(stored) >= buffer.nbytes:
             codec, params, stored = C.CODEC_RAW, {}, buffer.tobytes()
         self._drain()
-        self._pending = self._io.submit(self.write_stored, plan, stored, codec, params)
+        self._pending = self._io.submit(self.write_stored, layout, stored, codec, params)
 
     def _drain(self) -> None:
         """Wait for the pending background write (re-raising its error)."""
@@ -414,8 +317,8 @@ class ArtifactWriter:
             pending, self._pending = self._pending, None
             pending.result()
 
-    def write_stored(self, plan: ChunkPlan, stored: bytes, codec: str, params: dict) -> ChunkInfo:
-        """Append already-encoded chunk bytes for ``plan``."""
+    def write_stored(self, layout: ChunkLayout, stored: bytes, codec: str, params: dict) -> ChunkInfo:
+        """Append already-encoded chunk bytes for ``layout``."""
         self._require_open()
         fidx, offset = self._place(len(stored))
         self._fh.write(stored)
@@ -428,20 +331,20 @@ class ArtifactWriter:
             self._fh.flush()
             os.fdatasync(self._fh.fileno())
             self._unsynced = 0
-        info = ChunkInfo(len(self.chunks), plan.group, fidx, offset, len(stored),
-                         plan.decoded_size, codec, dict(params), checksum(stored))
+        info = ChunkInfo(len(self.chunks), layout.group, fidx, offset, len(stored),
+                         layout.decoded_size, codec, dict(params), checksum(stored))
         self.chunks.append(info)
-        for spec in plan.specs:
+        for spec in layout.specs:
             nf4 = int8 = None
             if spec.encoding == C.ENCODING_NF4:
-                nf4 = {"blocksize": spec.blocksize, "absmax_offset": plan.absmax_offsets[spec.name],
+                nf4 = {"blocksize": spec.blocksize, "absmax_offset": layout.absmax_offsets[spec.name],
                        "absmax_nbytes": spec.absmax_nbytes}
             elif spec.encoding == C.ENCODING_INT8:
-                int8 = {"scale_offset": plan.absmax_offsets[spec.name],
+                int8 = {"scale_offset": layout.absmax_offsets[spec.name],
                         "scale_nbytes": spec.absmax_nbytes}
             entry = TensorInfo(spec.name, tuple(spec.shape), spec.dtype, spec.stored_dtype,
                                spec.encoding, spec.role, spec.group, info.id,
-                               plan.offsets[spec.name], spec.nbytes, nf4, rows=spec.rows,
+                               layout.offsets[spec.name], spec.nbytes, nf4, rows=spec.rows,
                                int8=int8)
             if spec.piece_of is not None:
                 self.pieced[spec.piece_of][2].append(entry)

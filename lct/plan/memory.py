@@ -3,7 +3,7 @@
 
 Exact figures (tested against the real thing): parameter counts (``sum(p.numel())`` of the
 transformers model built from the same config), weight bytes in every precision, LCT's decoded
-bytes (NF4 codes + absmax + 64-byte alignment, laid out by the writer's own ``plan_group``),
+bytes (NF4 codes + absmax + 64-byte alignment, laid out by the format's own ``layout_group``),
 optimizer states of torch AdamW / SGD, transformers' Adafactor and bitsandbytes' AdamW8bit,
 gradients, master weights, the KV cache that transformers' ``DynamicCache`` holds after a forward
 of S tokens, and the activations a training forward saves for backward (on CPU kernels).
@@ -31,7 +31,7 @@ from pathlib import Path
 from lct.format import constants as C
 from lct.format.maximus import default_budget, shard_bounds
 from lct.format.nf4 import encoded_size
-from lct.io.writer import encoded_bytes
+from lct.format.layout import encoded_bytes
 from lct.units import human
 from lct.errors import PlanError
 from lct.plan.modelspec import Dims, model_dims, parameter_specs, read_config
@@ -67,13 +67,13 @@ def lct_layout(specs: list, dtype: str, nf4_roles=C.NF4_ROLES, blocksize: int = 
 
     ``decoded_bytes`` is the tensor's span in its decoded chunk (codes, absmax and the 64-byte
     alignment gaps up to the next tensor), so the spans of a group add up to its chunks'
-    ``decoded_size`` exactly; it comes from the writer's own ``plan_group`` over the tensors in the
+    ``decoded_size`` exactly; it comes from the format's own ``layout_group`` over the tensors in the
     order the converter meets them (safetensors keys are sorted). Plain tensors are in ``dtype``.
 
     Raises:
         PlanError: the NF4 block size does not divide a row (the converter would refuse it).
     """
-    from lct.io.writer import TensorSpec, plan_group
+    from lct.format.layout import TensorSpec, layout_group
 
     by_group: dict = {}
     pieced = []
@@ -92,7 +92,7 @@ def lct_layout(specs: list, dtype: str, nf4_roles=C.NF4_ROLES, blocksize: int = 
             pieced.append(spec)
         else:
             by_group.setdefault(s.group, []).append(spec)
-    plans = [p for g, group_specs in by_group.items() for p in plan_group(g, group_specs)]
+    layouts = [p for g, group_specs in by_group.items() for p in layout_group(g, group_specs)]
     for spec in pieced:
         bounds = shard_bounds(spec.shape[0], min(maximus_shards, spec.shape[0]))
         for r0, r1 in zip(bounds, bounds[1:]):
@@ -100,12 +100,12 @@ def lct_layout(specs: list, dtype: str, nf4_roles=C.NF4_ROLES, blocksize: int = 
                 continue  # an empty trailing shard holds no bytes
             piece = TensorSpec(spec.name, (r1 - r0, spec.shape[1]), spec.dtype, spec.stored_dtype,
                                spec.encoding, spec.role, spec.group, spec.blocksize)
-            plans += plan_group(spec.group, [piece])
+            layouts += layout_group(spec.group, [piece])
     out: dict = {}
-    for plan in plans:
-        starts = sorted((off, s) for s, off in ((s, plan.offsets[s.name]) for s in plan.specs))
+    for layout in layouts:
+        starts = sorted((off, s) for s, off in ((s, layout.offsets[s.name]) for s in layout.specs))
         for k, (off, s) in enumerate(starts):
-            end = starts[k + 1][0] if k + 1 < len(starts) else plan.decoded_size
+            end = starts[k + 1][0] if k + 1 < len(starts) else layout.decoded_size
             t, dec = out.get(s.name, (0, 0))
             out[s.name] = (t + s.nbytes + s.absmax_nbytes, dec + end - off)
     return out

@@ -1,0 +1,112 @@
+"""The layout of a group's chunks before their bytes exist (docs/FORMAT.md sections 2 and 4):
+which tensors share a chunk, where each starts (64-byte aligned), how many bytes each encoding
+takes, and the decoded size of every chunk. The writer follows it; the planner and the policy
+count with it."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from lct.format import constants as C
+from lct.format.nf4 import absmax_count, packed_size
+
+
+def align(n: int, a: int) -> int:
+    """``n`` rounded up to a multiple of ``a``."""
+    return -(-n // a) * a
+
+
+@dataclass
+class TensorSpec:
+    """A tensor to place in a chunk: what the manifest will say, minus the chunk and offsets."""
+
+    name: str
+    shape: tuple
+    dtype: str
+    stored_dtype: str
+    encoding: str
+    role: str
+    group: str
+    blocksize: int | None = None
+    piece_of: str | None = None     # the sharded tensor this spec is a row-range piece of
+    rows: tuple | None = None       # (r0, r1) of that piece
+
+    @property
+    def numel(self) -> int:
+        n = 1
+        for s in self.shape:
+            n *= s
+        return n
+
+    @property
+    def nbytes(self) -> int:
+        if self.encoding == C.ENCODING_NF4:
+            return packed_size(self.numel)
+        if self.encoding == C.ENCODING_INT8:
+            return self.numel
+        return self.numel * C.DTYPE_SIZES[self.stored_dtype]
+
+    @property
+    def absmax_nbytes(self) -> int:
+        """Bytes of the float32 scales after the codes: NF4's absmax per block, int8's scale
+        per row; 0 for plain tensors."""
+        if self.encoding == C.ENCODING_NF4:
+            return 4 * absmax_count(self.numel, self.blocksize)
+        if self.encoding == C.ENCODING_INT8:
+            from lct.format.int8 import row_shape
+            return 4 * row_shape(self.shape)[0]
+        return 0
+
+    @property
+    def width_class(self):
+        """Tensors of one class share a chunk: each lossy encoding apart, plain tensors by
+        element width."""
+        if self.encoding in (C.ENCODING_NF4, C.ENCODING_INT8):
+            return self.encoding
+        return C.DTYPE_SIZES[self.stored_dtype]
+
+
+def encoded_bytes(encoding: str, shape: tuple, dtype: str,
+                  blocksize: int = C.DEFAULT_BLOCKSIZE) -> int:
+    """Bytes a tensor of ``shape`` takes in ``encoding`` in its decoded chunk: codes plus
+    scales (NF4 absmax, int8 row scales), alignment gaps not counted."""
+    stored = {C.ENCODING_NF4: "nf4", C.ENCODING_INT8: "int8"}.get(encoding, dtype)
+    spec = TensorSpec("", tuple(shape), dtype, stored, encoding, "", "",
+                      blocksize if encoding == C.ENCODING_NF4 else None)
+    return spec.nbytes + spec.absmax_nbytes
+
+
+@dataclass
+class ChunkLayout:
+    """The layout of one chunk before its bytes exist: tensor offsets and the decoded size."""
+
+    group: str
+    width_class: object
+    specs: list = field(default_factory=list)
+    offsets: dict = field(default_factory=dict)        # name -> offset
+    absmax_offsets: dict = field(default_factory=dict)  # name -> offset of its scales (lossy)
+    decoded_size: int = 0
+
+    def allocate(self) -> np.ndarray:
+        """A zeroed decoded buffer for this chunk."""
+        return np.zeros(self.decoded_size, dtype=np.uint8)
+
+
+def layout_group(group: str, specs: list) -> list:
+    """Split a group's tensors into chunks by width class and place them 64-byte aligned:
+    ``[ChunkLayout]``."""
+    layouts: dict = {}
+    for spec in specs:
+        lay = layouts.setdefault(spec.width_class, ChunkLayout(group, spec.width_class))
+        pos = align(lay.decoded_size, C.TENSOR_ALIGNMENT)
+        lay.offsets[spec.name] = pos
+        pos += spec.nbytes
+        if spec.absmax_nbytes:
+            pos = align(pos, C.TENSOR_ALIGNMENT)
+            lay.absmax_offsets[spec.name] = pos
+            pos += spec.absmax_nbytes
+        lay.decoded_size = pos
+        lay.specs.append(spec)
+    return list(layouts.values())
