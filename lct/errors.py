@@ -57,10 +57,6 @@ class PolicyError(LCTError, ValueError):
     """A conversion option cannot be applied (bad blocksize, overflowing cast, unknown dtype)."""
 
 
-class VerifyError(LCTError, ValueError):
-    """``lct verify --against`` found a tensor that differs from the source."""
-
-
 class MissingDependencyError(LCTError, ImportError):
     """An optional heavy dependency is needed for this operation and is not installed."""
 

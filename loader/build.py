@@ -305,15 +305,17 @@ def install_maximus(model, art, budget=None, device="cpu"):
     scale = getattr(old, "scale", None) if isinstance(old, NF4Embedding) else \
         getattr(old, "embed_scale", None)
     pads = state.get("maximus.pad_ids", torch.zeros(0, dtype=torch.int64)).tolist()
+    # The table itself lives in host memory (pinned on a GPU): the model may already sit on
+    # the accelerator, so its table is brought back first.
     if isinstance(old, NF4Embedding):
         new = MaximusEmbedding(old.num_embeddings, old.embedding_dim, pad_ids=pads,
-                               nf4=(old.packed, old.absmax, old.blocksize), dtype=old.dtype,
-                               scale=scale, **kw)
+                               nf4=(old.packed.cpu(), old.absmax.cpu(), old.blocksize),
+                               dtype=old.dtype, scale=scale, **kw)
     elif isinstance(old, (torch.nn.Embedding, Int8Embedding)):
         # An int8 table is held dequantized: Maximus shards rows of a dense or NF4 table.
         new = MaximusEmbedding(old.num_embeddings, old.embedding_dim, pad_ids=pads,
-                               weight=old.weight.detach(), dtype=old.weight.dtype, scale=scale,
-                               **kw)
+                               weight=old.weight.detach().cpu(), dtype=old.weight.dtype,
+                               scale=scale, **kw)
         new.weight.requires_grad_(False)
     else:
         raise LCTError(f"{art.path}: {module_path} is a {type(old).__name__}, not an embedding")

@@ -45,11 +45,6 @@ def get_codec(name: str) -> "Codec":
             f"unknown codec {name!r}; this reader knows {sorted(_REGISTRY)}") from None
 
 
-def codec_names() -> list[str]:
-    """Names of all registered codecs."""
-    return sorted(_REGISTRY)
-
-
 def checksum(data) -> str:
     """The manifest checksum string of a chunk's stored bytes (xxh3_64)."""
     import xxhash

@@ -72,7 +72,7 @@ def encoded_bytes(encoding: str, shape: tuple, dtype: str,
                   blocksize: int = C.DEFAULT_BLOCKSIZE) -> int:
     """Bytes a tensor of ``shape`` takes in ``encoding`` in its decoded chunk: codes plus
     scales (NF4 absmax, int8 row scales), alignment gaps not counted."""
-    stored = {C.ENCODING_NF4: "nf4", C.ENCODING_INT8: "int8"}.get(encoding, dtype)
+    stored = encoding if encoding in (C.ENCODING_NF4, C.ENCODING_INT8) else dtype  # its name
     spec = TensorSpec("", tuple(shape), dtype, stored, encoding, "", "",
                       blocksize if encoding == C.ENCODING_NF4 else None)
     return spec.nbytes + spec.absmax_nbytes

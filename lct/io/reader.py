@@ -23,17 +23,12 @@ from lct.errors import (ArtifactClosedError, ArtifactNotFoundError, ChecksumErro
 from lct.format.manifest import ChunkInfo, Manifest, TensorInfo
 from lct.io.store import LocalStore, confined
 
-_TORCH_DTYPES = {
-    "float64": "float64", "float32": "float32", "float16": "float16", "bfloat16": "bfloat16",
-    "int64": "int64", "int32": "int32", "int16": "int16", "int8": "int8", "uint8": "uint8",
-    "bool": "bool",
-}
-
-
 def torch_dtype(name: str):
-    """The torch dtype for an LCT dtype name."""
+    """The torch dtype for an LCT dtype name (LCT's names are torch's)."""
     import torch
-    return getattr(torch, _TORCH_DTYPES[name])
+    if name not in C.DTYPE_SIZES:
+        raise KeyError(name)
+    return getattr(torch, name)
 
 
 @dataclass

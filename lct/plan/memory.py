@@ -378,14 +378,6 @@ class Plan:
     def to_json(self) -> str:
         return json.dumps(self.to_dict(), indent=1) + "\n"
 
-    def to_rows(self) -> list:
-        """``(part, params, weights, grads, optimizer, master, host)`` per part, then the total."""
-        rows = [(p.name, p.params, p.weights, p.grads, p.optimizer, p.master, p.host)
-                for p in self.parts]
-        rows.append(("total", self.params, self.weights, self.grads, self.optimizer_states,
-                     self.master, self.host))
-        return rows
-
     def items(self) -> dict:
         """What the accelerator holds, by item, largest first (``{name: bytes}``)."""
         items = {"weights": self.weights, "gradients": self.grads,
@@ -503,7 +495,7 @@ def plan(model, *, mode: str = "infer", batch: int = 1, seq: int = DEFAULT_SEQ,
     if precision is None:
         stored = (manifest.policy.get("dtype") if manifest else None) or base.dtype
         precision = DTYPE_PRECISION.get(stored or "", "bf16")
-    kv_dtype = kv_dtype or {"fp32": "fp32", "fp16": "fp16"}.get(precision, "bf16")
+    kv_dtype = kv_dtype or (precision if precision in ("fp32", "fp16") else "bf16")
     options = dict(mode=mode, batch=batch, seq=seq, precision=precision, optimizer=optimizer,
                    kv_dtype=kv_dtype, format=format, mx=mx, device=device, loss_chunk=loss_chunk,
                    nf4=None if nf4 is None else tuple(nf4), blocksize=blocksize,
