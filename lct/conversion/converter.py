@@ -291,8 +291,9 @@ def convert(source: str, out, *, revision: str | None = None, policy: Policy | N
         source: a local model folder (single or sharded safetensors) or a Hub repo id.
         out: the artifact directory to create (atomically).
         revision: Hub revision (branch, tag or commit).
-        policy: NF4 parts, cast dtype, codec and level (default: NF4 embedding and head,
-            everything else lossless in its source dtype).
+        policy: the encodings of the embedding and the head, cast dtype, codec and level
+            (default: ``Policy()``, the auto policy: the smallest encoding of each within the
+            quality budget; everything else lossless in its source dtype).
         max_file_size: start a new data file past this many bytes.
         workers: compression threads (default: all cores).
         overwrite: replace an existing artifact at ``out``.
@@ -310,9 +311,6 @@ def convert(source: str, out, *, revision: str | None = None, policy: Policy | N
     Example:
         >>> convert("google/gemma-2b", "gemma-2b.lct")
     """
-    import torch
-    from safetensors import safe_open
-
     t0 = time.perf_counter()
     policy = policy or Policy()
     policy.check()
@@ -320,13 +318,49 @@ def convert(source: str, out, *, revision: str | None = None, policy: Policy | N
     tensors = scan(src)
     table = M.mapping_for(src.model_type)
     tie_flag = bool(src.config.get("tie_word_embeddings", True))
+    placed = {name: M.classify(name, table) for name in tensors}
+    unmapped = [n for n, (g, _) in placed.items() if g == C.GROUP_MISC]
+    ties = _find_ties(src, tensors, placed, table, tie_flag)
+    lossy, chosen, decision = _choose(src, tensors, placed, ties, table, policy)
+    specs = _specs(src, tensors, placed, lossy, chosen, policy)
+    log.info("%s: %d tensors in %d groups; embed/head stored as %s", src.root, len(tensors),
+             len(specs), {r: e for r, e in chosen.items() if r in lossy})
+    if decision is not None:
+        log.info("%s", decision.summary())
+    total = sum(int(np.prod(tensors[s.name].shape)) * C.DTYPE_SIZES[tensors[s.name].dtype]
+                for g in specs.values() for s in g)
+    hashes: dict = {}
+    hasher = threading.Thread(target=_sha_all, args=(src, hashes), daemon=True)
+    hasher.start()
+    maximus_layout = _maximus_layout(src, specs, policy, token_freq) \
+        if policy.maximus_shards else None
+    groups = M.group_order(specs)
+    with ThreadPoolExecutor(workers or os.cpu_count() or 1, thread_name_prefix="lct-encode") \
+            as pool, ArtifactWriter(out, max_file_size=max_file_size, overwrite=overwrite,
+                                    map_fn=pool.map) as writer:
+        _write_groups(writer, groups, specs, tensors, src, policy, maximus_layout, total,
+                      progress)
+        for p in src.sidecars():
+            writer.copy_file(p)
+        maximus = maximus_layout.write(writer.staging) if maximus_layout else None
+        hasher.join()
+        manifest = writer.finish(
+            groups=groups,
+            source={"id": src.id, "kind": src.kind, "revision": src.revision, "files": hashes},
+            architecture={"model_type": src.model_type, "tie_word_embeddings": tie_flag,
+                          "mapping": table.name},
+            policy=policy.to_dict(chosen, decision), ties=ties, unmapped=unmapped,
+            created_by=f"lct {__version__}", maximus=maximus)
+    return ConvertReport(manifest, Path(out), time.perf_counter() - t0, total, unmapped, decision,
+                         src.skipped_sidecars())
 
-    unmapped = []
-    placed = {}
-    for name in tensors:
-        placed[name] = M.classify(name, table)
-        if placed[name][0] == C.GROUP_MISC:
-            unmapped.append(name)
+
+def _find_ties(src: Source, tensors: dict, placed: dict, table, tie_flag: bool) -> dict:
+    """``{head name: embedding name}`` when the head is the embedding: absent from the
+    checkpoint with ``tie_word_embeddings``, or stored twice with equal contents (then the copy
+    leaves ``placed``)."""
+    import torch
+    from safetensors import safe_open
     embed_name = next((n for n, (g, r) in placed.items() if g == C.GROUP_EMBED and r == "embed"),
                       None)
     head_names = [n for n, (g, _) in placed.items() if g == C.GROUP_HEAD]
@@ -341,32 +375,45 @@ def convert(source: str, out, *, revision: str | None = None, policy: Policy | N
                 if torch.equal(fe.get_tensor(e.name), fh.get_tensor(h.name)):
                     ties[h.name] = e.name
                     del placed[h.name]
-    # The lossy candidates: 2-D float tables in the embed and head roles (the first of each is
-    # the one the auto policy measures).
-    def lossy_ok(n):
-        return tensors[n].dtype in C.FLOAT_DTYPES and len(tensors[n].shape) == 2
+    return ties
+
+
+def _lossy_ok(st) -> bool:
+    """Whether a source tensor may be stored lossy: a 2-D float table."""
+    return st.dtype in C.FLOAT_DTYPES and len(st.shape) == 2
+
+
+def _choose(src: Source, tensors: dict, placed: dict, ties: dict, table, policy: Policy) -> tuple:
+    """``(lossy, chosen, decision)``: the lossy candidates (``{role: first tensor name}``), the
+    encoding of each role, and the auto policy's measurement (None when nothing lossy is asked
+    for and nothing needs measuring)."""
     lossy: dict = {}
     for n, (_, r) in placed.items():
-        if r in C.LOSSY_ROLES and lossy_ok(n):
+        if r in C.LOSSY_ROLES and _lossy_ok(tensors[n]):
             lossy.setdefault(r, n)
     chosen = None if policy.auto else policy.forced()
     if chosen and ties and chosen["embed"] != chosen["head"]:
         raise PolicyError(
             f"{src.root}: the embedding and the LM head are one tied table, so "
             f"{chosen['embed']} for the embedding and {chosen['head']} for the head cannot "
-            f"both be honoured: name both parts (--nf4 embed,head or --int8 embed,head) "
-            f"or neither (lossless)")
+            f"both be honoured: give both parts one encoding, or neither (lossless)",
+            option="nf4")
     decision = None
     if chosen is None or any(chosen[r] != C.ENCODING_PLAIN for r in lossy):
         # auto: measure to choose; a forced lossy encoding: measure what it costs, to say so
         from lct.conversion.policy import decide
         decision = decide(src, tensors, lossy, bool(ties), table, policy)
         chosen = decision.chosen
+    return lossy, chosen, decision
 
+
+def _specs(src: Source, tensors: dict, placed: dict, lossy: dict, chosen: dict,
+           policy: Policy) -> dict:
+    """``{group: [TensorSpec]}``: every kept tensor with its stored dtype and encoding."""
     specs: dict = {}
     for name, (group, role) in placed.items():
         st = tensors[name]
-        encoding = chosen.get(role, C.ENCODING_PLAIN) if lossy_ok(name) else C.ENCODING_PLAIN
+        encoding = chosen.get(role, C.ENCODING_PLAIN) if _lossy_ok(st) else C.ENCODING_PLAIN
         stored = st.dtype
         if encoding == C.ENCODING_NF4:
             from lct.format.nf4 import check_blocksize
@@ -379,49 +426,27 @@ def convert(source: str, out, *, revision: str | None = None, policy: Policy | N
         specs.setdefault(group, []).append(TensorSpec(
             name, st.shape, st.dtype, stored, encoding, role, group,
             policy.blocksize if encoding == C.ENCODING_NF4 else None))
+    return specs
 
-    groups = M.group_order(specs)
-    log.info("%s: %d tensors in %d groups; embed/head stored as %s", src.root, len(tensors),
-             len(specs), {r: e for r, e in chosen.items() if r in lossy})
-    if decision is not None:
-        log.info("%s", decision.summary())
-    total = sum(int(np.prod(tensors[s.name].shape)) * C.DTYPE_SIZES[tensors[s.name].dtype]
-                for g in specs.values() for s in g)
-    hashes: dict = {}
-    hasher = threading.Thread(target=_sha_all, args=(src, hashes), daemon=True)
-    hasher.start()
 
-    maximus_layout = _maximus_layout(src, specs, policy, token_freq) if policy.maximus_shards else None
+def _write_groups(writer, groups: list, specs: dict, tensors: dict, src: Source, policy: Policy,
+                  maximus_layout, total: int, progress) -> None:
+    """Encode and write every group's chunks in order (Maximus pieces after their group's other
+    chunks), reporting ``progress(group, bytes_done, total)``."""
+    from safetensors import safe_open
     done = 0
-    nworkers = workers or os.cpu_count() or 1
-    with ThreadPoolExecutor(nworkers, thread_name_prefix="lct-encode") as pool, \
-            ArtifactWriter(out, max_file_size=max_file_size, overwrite=overwrite,
-                           map_fn=pool.map) as writer:
-        for group in groups:
-            for layout in layout_group(group, specs[group]):
-                files = {tensors[s.name].file for s in layout.specs}
-                handles = {f: safe_open(str(src.root / f), framework="pt") for f in files}
-                try:
-                    done += _write_chunk(writer, layout, policy, src, lambda s: (
-                        handles[tensors[s.name].file].get_tensor(s.name),
-                        src.root / tensors[s.name].file))
-                finally:
-                    handles.clear()
-            for spec in (maximus_layout.pieced.get(group, []) if maximus_layout else []):
-                done += _write_pieces(writer, spec, maximus_layout, policy, src, tensors[spec.name])
-            log.debug("group %s written (%d of %d source bytes)", group, done, total)
-            if progress:
-                progress(group, done, total)
-        for p in src.sidecars():
-            writer.copy_file(p)
-        maximus = maximus_layout.write(writer.staging) if maximus_layout else None
-        hasher.join()
-        manifest = writer.finish(
-            groups=groups,
-            source={"id": src.id, "kind": src.kind, "revision": src.revision, "files": hashes},
-            architecture={"model_type": src.model_type, "tie_word_embeddings": tie_flag,
-                          "mapping": table.name},
-            policy=policy.to_dict(chosen, decision), ties=ties, unmapped=unmapped,
-            created_by=f"lct {__version__}", maximus=maximus)
-    return ConvertReport(manifest, Path(out), time.perf_counter() - t0, total, unmapped, decision,
-                         src.skipped_sidecars())
+    for group in groups:
+        for layout in layout_group(group, specs[group]):
+            files = {tensors[s.name].file for s in layout.specs}
+            handles = {f: safe_open(str(src.root / f), framework="pt") for f in files}
+            try:
+                done += _write_chunk(writer, layout, policy, src, lambda s: (
+                    handles[tensors[s.name].file].get_tensor(s.name),
+                    src.root / tensors[s.name].file))
+            finally:
+                handles.clear()
+        for spec in (maximus_layout.pieced.get(group, []) if maximus_layout else []):
+            done += _write_pieces(writer, spec, maximus_layout, policy, src, tensors[spec.name])
+        log.debug("group %s written (%d of %d source bytes)", group, done, total)
+        if progress:
+            progress(group, done, total)

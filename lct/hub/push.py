@@ -79,34 +79,23 @@ def push(artifact, repo_id: str, revision: str | None = None, private: bool = Fa
             verified; nothing is uploaded.
         HubAuthError, HubNotFoundError, HubOfflineError, HubError: the Hub refused or failed.
     """
-    from lct.io.reader import open_artifact
-    from lct.io.check import check_artifact
-
     repo_id, revision = split_address(repo_id, revision)
     root = Path(artifact)
-    try:
-        with open_artifact(root) as art:
-            report = check_artifact(art, progress=verify_progress)  # Maximus state included
-            manifest = art.manifest
-    except LCTError as e:
-        raise type(e)(f"refusing to push: {e}") from e
-    if not report.ok:
-        raise ChecksumError(f"{root}: refusing to push an artifact that fails verification "
-                            f"({len(report.failures)} problem(s)); first: {report.failures[0]}")
+    manifest, report = _verified(root, verify_progress)
     names = _artifact_files(root, manifest)
     card = model_card(manifest, repo_id,
                       license=license or _source_license(manifest, token, endpoint))
-    hh = _hub()
-    api = hh.HfApi(token=token, endpoint=endpoint)
-    big = {f["name"] for f in manifest.files}
-    if manifest.maximus:
-        big.add(manifest.maximus["file"])
     src = manifest.source or {}
     message = commit_message or (f"Upload LCT artifact of {src['id']}" if src.get("kind") == "hub"
                                  else "Upload LCT artifact")
     description = (f"{len(manifest.groups)} groups, {len(manifest.chunks)} chunks, "
                    f"{human(manifest.stored_bytes)} stored; verified before upload "
                    f"({report.chunks_checked} chunk checksums).")
+    big = {f["name"] for f in manifest.files}
+    if manifest.maximus:
+        big.add(manifest.maximus["file"])
+    hh = _hub()
+    api = hh.HfApi(token=token, endpoint=endpoint)
     try:
         api.create_repo(repo_id, private=True if private else None, exist_ok=True)
         if revision and not create_pr and not revision.startswith("refs/pr/"):
@@ -114,15 +103,8 @@ def push(artifact, repo_id: str, revision: str | None = None, private: bool = Fa
         ops = [hh.CommitOperationAdd(path_in_repo=n, path_or_fileobj=str(root / n)) for n in names]
         ops.append(hh.CommitOperationAdd(path_in_repo=CARD_NAME, path_or_fileobj=card.encode()))
         total = sum(op.upload_info.size for op in ops)
-        done = 0
-        # Large files one by one (so that progress is per file), the rest with the commit.
-        for op in sorted((op for op in ops if op.path_in_repo in big),
-                         key=lambda o: o.path_in_repo):
-            api.preupload_lfs_files(repo_id, additions=[op], revision=revision,
-                                    create_pr=create_pr)
-            done += op.upload_info.size
-            if progress:
-                progress(op.path_in_repo, done, total)
+        _upload_large(api, repo_id, [op for op in ops if op.path_in_repo in big], revision,
+                      create_pr, total, progress)
         info = api.create_commit(repo_id, ops, commit_message=message,
                                  commit_description=description, revision=revision,
                                  create_pr=create_pr)
@@ -136,6 +118,35 @@ def push(artifact, repo_id: str, revision: str | None = None, private: bool = Fa
                       commit_url=info.commit_url, pr_url=info.pr_url,
                       files=names + [CARD_NAME], bytes=total,
                       chunks_checked=report.chunks_checked)
+
+
+def _verified(root: Path, progress) -> tuple:
+    """``(manifest, check report)`` of the artifact at ``root``, every chunk and the Maximus
+    state checked; refuses (raises) an artifact that does not open or fails a check."""
+    from lct.io.check import check_artifact
+    from lct.io.reader import open_artifact
+    try:
+        with open_artifact(root) as art:
+            report = check_artifact(art, progress=progress)
+            manifest = art.manifest
+    except LCTError as e:
+        raise type(e)(f"refusing to push: {e}") from e
+    if not report.ok:
+        raise ChecksumError(f"{root}: refusing to push an artifact that fails verification "
+                            f"({len(report.failures)} problem(s)); first: {report.failures[0]}")
+    return manifest, report
+
+
+def _upload_large(api, repo_id: str, ops: list, revision, create_pr: bool, total: int,
+                  progress) -> None:
+    """Upload the large files (through LFS or Xet) one by one before the commit, so that
+    progress is reported per file."""
+    done = 0
+    for op in sorted(ops, key=lambda o: o.path_in_repo):
+        api.preupload_lfs_files(repo_id, additions=[op], revision=revision, create_pr=create_pr)
+        done += op.upload_info.size
+        if progress:
+            progress(op.path_in_repo, done, total)
 
 
 def _check_pushed(root: Path, ops: list, held, repo_id: str, oid: str) -> None:

@@ -517,17 +517,12 @@ def plan(model, *, mode: str = "infer", batch: int = 1, seq: int = DEFAULT_SEQ,
 def _plan(cfg: dict, where: str, dims: Dims, base: Dims, manifest, budget, *, mode, batch, seq,
           precision, optimizer, kv_dtype, format, mx, device, loss_chunk, nf4,  # noqa: A002
           blocksize, int8=None, remedies: bool = True) -> Plan:
+    """One plan: the parameters by part, what the quantized tables and Maximus change, then the
+    peak of each phase (training or inference) against ``budget``."""
     train = mode == "train"
     a = 4 if precision == "fp32" else 2                  # weight, gradient and activation bytes
     state_bytes = 4 if precision in ("fp32", "mixed") else 2
-    policy = manifest.policy if manifest else {}
-    if nf4 is not None or int8 is not None:
-        nf4_roles, int8_roles = tuple(nf4 or ()), tuple(int8 or ())
-    elif manifest is not None:
-        nf4_roles, int8_roles = tuple(policy.get("nf4") or ()), tuple(policy.get("int8") or ())
-    else:
-        nf4_roles, int8_roles = (), C.LOSSY_ROLES
-    blocksize = blocksize or int(policy.get("blocksize", C.DEFAULT_BLOCKSIZE))
+    nf4_roles, int8_roles, blocksize = _lossy_roles(manifest, nf4, int8, blocksize)
     shards = (manifest.maximus or {}).get("num_shards") if manifest else None
     if mx is not None:
         if mx[1] > dims.vocab:
@@ -543,8 +538,92 @@ def _plan(cfg: dict, where: str, dims: Dims, base: Dims, manifest, budget, *, mo
     int8_specs = {s.name for s in specs if layout is not None and s.role in int8_roles
                   and len(s.shape) == 2 and s.name not in nf4_specs}
     quant_specs = nf4_specs | int8_specs
-    parts = {name: Part(name) for name in PARTS}
     notes: list = []
+    parts, trainable, largest = _parts(specs, layout, quant_specs, train, a, optimizer,
+                                       state_bytes, precision)
+    if dims.tied:
+        parts["head"].note = "tied to the embedding"
+    if train and quant_specs:
+        notes.append("format=lct: the NF4/int8 embedding/head are frozen in training (no "
+                     "gradients or optimizer states)")
+    nf4_saving = _quantized_saving(specs, layout, quant_specs, nf4_roles, int8_roles, blocksize,
+                                   train, a, optimizer, state_bytes, precision)
+    emb = next(s for s in specs if s.role == "embed")
+    row_encoding = C.ENCODING_NF4 if emb.name in nf4_specs else \
+        C.ENCODING_INT8 if emb.name in int8_specs else None
+    maximus_saving = _maximus(parts, emb, mx, dims, row_encoding, blocksize, a, batch, seq,
+                              notes)
+    if manifest is not None:
+        _manifest_sizes(manifest, parts)
+        if dims.vocab != base.vocab:
+            notes.append("the artifact's stored and decoded sizes are for its own vocabulary")
+
+    plist = [p for p in parts.values()
+             if p.params or p.name in ("embedding", "layers", "norm", "head")]
+    total_of = lambda attr: sum(getattr(p, attr) for p in plist)  # noqa: E731
+    weights, grads, opt, master = (total_of(x) for x in ("weights", "grads", "optimizer",
+                                                         "master"))
+    t = batch * seq
+    logits = a * t * dims.vocab
+    kv_held, kv_window = kv_cache_bytes(dims, batch, seq, KV_DTYPES[kv_dtype])
+    chunk = min(loss_chunk, t)
+    if train:
+        f = _train_figures(dims, parts, batch, seq, a, device, weights, master, opt, grads,
+                           optimizer, precision, trainable, largest, state_bytes, chunk)
+        f.update(kv=0, kv_window=0)
+        notes.append(f"training forwards should pass use_cache=False; otherwise they also build "
+                     f"a KV cache of {human(kv_held, binary=True)}")
+    else:
+        head_rows = {"lm_head.weight"} | ({emb.name} if dims.tied else set())
+        head = C.ENCODING_NF4 if nf4_specs & head_rows else \
+            C.ENCODING_INT8 if int8_specs & head_rows else None
+        f = _infer_figures(dims, batch, seq, a, device, blocksize, weights, kv_held, logits,
+                           head)
+        f.update(kv=kv_held, kv_window=kv_window)
+    if dims.attn == "eager":
+        notes.append(f"{dims.family} runs eager attention in transformers by default: its "
+                     f"seq x seq scores are planned")
+    phases = f["phases"]
+    total = max(phases.values())
+    result = Plan(
+        model=where, model_type=dims.family, mode=mode, device=device, batch=batch, seq=seq,
+        vocab_size=dims.vocab, base_vocab_size=base.vocab, precision=precision,
+        optimizer=optimizer if train else None, kv_dtype=kv_dtype, format=format, maximus=mx,
+        memory=budget, parts=plist, params=total_of("params"), trainable_params=trainable,
+        weights=weights, grads=grads, optimizer_states=opt, master=master,
+        activations=f["activations"], logits=logits, loss=f["loss"],
+        loss_chunked=f["loss_chunked"], loss_chunk=chunk, logits_saving=f["logits_saving"],
+        kv_cache=f["kv"], kv_cache_window=f["kv_window"], step_temp=f["step"],
+        nf4_saving=nf4_saving, maximus_saving=maximus_saving, host=total_of("host"),
+        phases=phases, total=total, fits=None if budget is None else total <= budget,
+        stored=manifest.stored_bytes if manifest else None,
+        decoded=manifest.decoded_bytes if manifest else None, notes=notes)
+    if remedies:
+        result.remedies = _remedies(result, cfg, where, dims, base, manifest, mode=mode,
+                                    batch=batch, seq=seq, precision=precision,
+                                    optimizer=optimizer, kv_dtype=kv_dtype, format=format, mx=mx,
+                                    device=device, loss_chunk=loss_chunk, nf4=nf4,
+                                    blocksize=blocksize, int8=int8)
+    return result
+
+
+def _lossy_roles(manifest, nf4, int8, blocksize) -> tuple:
+    """``(nf4 roles, int8 roles, blocksize)``: as asked, else as the artifact stores them, else
+    what the auto policy picks for trained models (int8 embedding and head)."""
+    policy = manifest.policy if manifest else {}
+    if nf4 is not None or int8 is not None:
+        nf4_roles, int8_roles = tuple(nf4 or ()), tuple(int8 or ())
+    elif manifest is not None:
+        nf4_roles, int8_roles = tuple(policy.get("nf4") or ()), tuple(policy.get("int8") or ())
+    else:
+        nf4_roles, int8_roles = (), C.LOSSY_ROLES
+    return nf4_roles, int8_roles, blocksize or int(policy.get("blocksize", C.DEFAULT_BLOCKSIZE))
+
+
+def _parts(specs, layout, quant_specs, train, a, optimizer, state_bytes, precision) -> tuple:
+    """``(parts, trainable, largest)``: parameters, weights (the artifact's layout when given)
+    and, in training, gradients, optimizer states and master weights of each part."""
+    parts = {name: Part(name) for name in PARTS}
     trainable = largest = 0
     any_8bit = False
     for s in specs:
@@ -567,14 +646,14 @@ def _plan(cfg: dict, where: str, dims: Dims, base: Dims, manifest, budget, *, mo
             largest = max(largest, s.numel)
     if any_8bit:
         parts["layers"].optimizer += BNB_QMAP_BYTES
-    if dims.tied:
-        parts["head"].note = "tied to the embedding"
-    if train and quant_specs:
-        notes.append("format=lct: the NF4/int8 embedding/head are frozen in training (no "
-                     "gradients or optimizer states)")
+    return parts, trainable, largest
 
-    # What the quantized tables save against dense ones, in this mode (frozen when training).
-    nf4_saving = 0
+
+def _quantized_saving(specs, layout, quant_specs, nf4_roles, int8_roles, blocksize, train, a,
+                      optimizer, state_bytes, precision) -> int:
+    """What the quantized tables save against dense ones, in this mode (frozen when
+    training)."""
+    saving = 0
     for s in specs:
         q_nf4 = s.role in nf4_roles and s.shape[-1] % blocksize == 0
         if len(s.shape) == 2 and (q_nf4 or s.role in int8_roles):
@@ -582,22 +661,25 @@ def _plan(cfg: dict, where: str, dims: Dims, base: Dims, manifest, budget, *, mo
             if train:
                 dense += s.numel * a + optimizer_state_bytes(s.shape, optimizer, state_bytes) + \
                     (4 * s.numel if precision == "mixed" else 0)
-            nf4_saving += dense - (layout[s.name][1] if layout is not None and
-                                   s.name in quant_specs else encoded_bytes(
-                                       C.ENCODING_NF4 if q_nf4 else C.ENCODING_INT8, s.shape,
-                                       "float32", blocksize))
+            saving += dense - (layout[s.name][1] if layout is not None and
+                               s.name in quant_specs else encoded_bytes(
+                                   C.ENCODING_NF4 if q_nf4 else C.ENCODING_INT8, s.shape,
+                                   "float32", blocksize))
+    return saving
 
-    # Maximus: the input embedding's table in host memory, K of N shards on the accelerator.
-    emb = next(s for s in specs if s.role == "embed")
+
+def _maximus(parts, emb, mx, dims, row_encoding, blocksize, a, batch, seq, notes) -> int:
+    """Maximus: the input embedding's table in host memory, K of N shards on the accelerator
+    (``mx``; or what the default K/N would save). Moves the embedding's bytes to the host in
+    ``parts`` when ``mx`` is given; returns what it saves on the accelerator."""
     rows, width = emb.shape
     k, n = mx if mx is not None else (DEFAULT_MAXIMUS[0], min(DEFAULT_MAXIMUS[1], rows))
     resident_rows = min(k * -(-rows // n), rows)
-    row_bytes = encoded_bytes(C.ENCODING_NF4, (1, width), "float32", blocksize) \
-        if emb.name in nf4_specs else encoded_bytes(C.ENCODING_INT8, (1, width), "float32") \
-        if emb.name in int8_specs else width * a
+    row_bytes = encoded_bytes(row_encoding, (1, width), "float32", blocksize) \
+        if row_encoding else width * a
     e, h = parts["embedding"], parts["head"]
     resident = resident_rows * row_bytes
-    maximus_saving = (0 if dims.tied else e.on_device) - resident
+    saving = (0 if dims.tied else e.on_device) - resident
     if mx is not None:
         host = e.weights + e.optimizer + e.master
         if e.grads:     # sparse gradient: values and int64 indices of the rows a batch touches
@@ -609,86 +691,54 @@ def _plan(cfg: dict, where: str, dims: Dims, base: Dims, manifest, budget, *, mo
                          "table, so the resident shards are an extra copy on the accelerator")
         e.weights, e.grads, e.optimizer, e.master, e.host = resident, 0, 0, 0, host
         e.note = f"Maximus {k}/{n}: {resident_rows} of {rows} rows resident"
+    return saving
 
-    if manifest is not None:
-        _manifest_sizes(manifest, parts)
-        if dims.vocab != base.vocab:
-            notes.append("the artifact's stored and decoded sizes are for its own vocabulary")
 
-    plist = [p for p in parts.values()
-             if p.params or p.name in ("embedding", "layers", "norm", "head")]
-    total_of = lambda attr: sum(getattr(p, attr) for p in plist)  # noqa: E731
-    weights, grads, opt, master = (total_of(x) for x in ("weights", "grads", "optimizer",
-                                                         "master"))
+def _train_figures(dims, parts, batch, seq, a, device, weights, master, opt, grads, optimizer,
+                   precision, trainable, largest, state_bytes, chunk) -> dict:
+    """A training step's phases (forward, loss backward, head backward, end of backward,
+    optimizer step) and what a chunked loss saves."""
     t, V, H = batch * seq, dims.vocab, dims.hidden
-    logits = a * t * V
-    kv_held, kv_window = kv_cache_bytes(dims, batch, seq, KV_DTYPES[kv_dtype])
-    chunk = min(loss_chunk, t)
-    phases: dict = {}
-    if train:
-        acts = train_activations(dims, batch, seq, a, device)
-        saved = acts["layers"] + acts["other"]
-        fixed = weights + master + opt
-        head_grad = h.grads or (e.grads if dims.tied else 0)
-        tie_tmp = e.grads if dims.tied else 0     # the embedding's dense gradient, before adding
-        step = _step_temp(optimizer, device, precision, trainable, largest, state_bytes)
+    e, h = parts["embedding"], parts["head"]
+    acts = train_activations(dims, batch, seq, a, device)
+    saved = acts["layers"] + acts["other"]
+    fixed = weights + master + opt
+    head_grad = h.grads or (e.grads if dims.tied else 0)
+    tie_tmp = e.grads if dims.tied else 0     # the embedding's dense gradient, before adding
+    step = _step_temp(optimizer, device, precision, trainable, largest, state_bytes)
 
-        def train_phases(tokens_v: int) -> dict:
-            # tokens_v: how many positions' logits exist at once (all, or one loss chunk)
-            lt = tokens_v * V
-            return {
-                # logits, their float32 upcast (the loss's), the saved float32 log-probs
-                "forward": fixed + saved + a * lt + (4 * lt if a != 4 else 0) + 4 * lt,
-                # log-probs, their gradient and the logits' float32 gradient
-                "loss backward": fixed + saved + 12 * lt,
-                # the logits' gradient, the head's weight gradient, the hidden states' gradient
-                "head backward": fixed + saved + a * lt + head_grad + a * t * H,
-                "end of backward": fixed + grads + tie_tmp,
-                "optimizer step": fixed + (0 if precision == "mixed" else grads) + step,
-            }
-        phases = train_phases(t)
-        chunked_total = max(train_phases(chunk).values())
-        loss, loss_chunked = 12 * t * V, 12 * chunk * V
-        activations, kv, kv_window = saved, 0, 0
-        logits_saving = max(phases.values()) - chunked_total
-        notes.append(f"training forwards should pass use_cache=False; otherwise they also build "
-                     f"a KV cache of {human(kv_held, binary=True)}")
-    else:
-        activations = infer_transient(dims, batch, seq, a)
-        head_nf4 = bool(nf4_specs & {"lm_head.weight"}) or (dims.tied and emb.name in nf4_specs)
-        final = logits + a * t * H
-        head_int8 = bool(int8_specs & {"lm_head.weight"}) or (dims.tied and emb.name in int8_specs)
-        if head_nf4:
-            final += nf4_head_transient(V, H, t, a, blocksize, device)
-        elif head_int8:
-            final += int8_head_transient(V, H, t, a)
-        phases["layers"] = weights + kv_held + activations
-        phases["logits"] = weights + kv_held + final
-        loss = loss_chunked = step = 0
-        kv, logits_saving = kv_held, logits - a * batch * V
-    if dims.attn == "eager":
-        notes.append(f"{dims.family} runs eager attention in transformers by default: its "
-                     f"seq x seq scores are planned")
-    total = max(phases.values())
-    result = Plan(
-        model=where, model_type=dims.family, mode=mode, device=device, batch=batch, seq=seq,
-        vocab_size=dims.vocab, base_vocab_size=base.vocab, precision=precision,
-        optimizer=optimizer if train else None, kv_dtype=kv_dtype, format=format, maximus=mx,
-        memory=budget, parts=plist, params=total_of("params"), trainable_params=trainable,
-        weights=weights, grads=grads, optimizer_states=opt, master=master,
-        activations=activations, logits=logits, loss=loss, loss_chunked=loss_chunked,
-        loss_chunk=chunk, logits_saving=logits_saving, kv_cache=kv, kv_cache_window=kv_window,
-        step_temp=step, nf4_saving=nf4_saving, maximus_saving=maximus_saving,
-        host=total_of("host"), phases=phases, total=total,
-        fits=None if budget is None else total <= budget,
-        stored=manifest.stored_bytes if manifest else None,
-        decoded=manifest.decoded_bytes if manifest else None, notes=notes)
-    if remedies:
-        result.remedies = _remedies(result, cfg, where, dims, base, manifest, mode=mode,
-                                 batch=batch, seq=seq, precision=precision, optimizer=optimizer,
-                                 kv_dtype=kv_dtype, format=format, mx=mx, device=device,
-                                 loss_chunk=loss_chunk, nf4=nf4, blocksize=blocksize, int8=int8)
-    return result
+    def train_phases(tokens_v: int) -> dict:
+        # tokens_v: how many positions' logits exist at once (all, or one loss chunk)
+        lt = tokens_v * V
+        return {
+            # logits, their float32 upcast (the loss's), the saved float32 log-probs
+            "forward": fixed + saved + a * lt + (4 * lt if a != 4 else 0) + 4 * lt,
+            # log-probs, their gradient and the logits' float32 gradient
+            "loss backward": fixed + saved + 12 * lt,
+            # the logits' gradient, the head's weight gradient, the hidden states' gradient
+            "head backward": fixed + saved + a * lt + head_grad + a * t * H,
+            "end of backward": fixed + grads + tie_tmp,
+            "optimizer step": fixed + (0 if precision == "mixed" else grads) + step,
+        }
+    phases = train_phases(t)
+    return dict(phases=phases, activations=saved, loss=12 * t * V, loss_chunked=12 * chunk * V,
+                step=step, logits_saving=max(phases.values()) - max(train_phases(chunk).values()))
+
+
+def _infer_figures(dims, batch, seq, a, device, blocksize, weights, kv_held, logits,
+                   head) -> dict:
+    """An inference forward's phases (the layers, then the logits with the head's temporaries
+    for an NF4 or int8 ``head``) and what keeping only the last position's logits saves."""
+    t, V, H = batch * seq, dims.vocab, dims.hidden
+    activations = infer_transient(dims, batch, seq, a)
+    final = logits + a * t * H
+    if head == C.ENCODING_NF4:
+        final += nf4_head_transient(V, H, t, a, blocksize, device)
+    elif head == C.ENCODING_INT8:
+        final += int8_head_transient(V, H, t, a)
+    phases = {"layers": weights + kv_held + activations, "logits": weights + kv_held + final}
+    return dict(phases=phases, activations=activations, loss=0, loss_chunked=0, step=0,
+                logits_saving=logits - a * batch * V)
 
 
 def _remedies(p: Plan, cfg, where, dims, base, manifest, **opts) -> list:
