@@ -13,6 +13,16 @@ from safetensors.torch import load_file
 from lct.cli.main import COMMANDS, cli
 
 
+
+def _damaged_copy(art, dst):
+    """A copy of ``art`` with one byte in the middle of its data file flipped."""
+    shutil.copytree(art, dst)
+    data = next(dst.glob("*.lct"))
+    raw = bytearray(data.read_bytes())
+    raw[len(raw) // 2] ^= 0xFF
+    data.write_bytes(bytes(raw))
+    return dst
+
 def _command(name):
     import click
     return cli.get_command(click.Context(cli), name)
@@ -112,12 +122,7 @@ def _real_verify(run, tmp_path, request):
     assert report["chunks_checked"] == n_chunks
     assert report["lossless_tensors"] == report["lossless_identical"] == len(lossless)
     assert {t["name"] for t in report["lossy_tensors"]} == lossy
-    bad = tmp_path / "bad.lct"
-    shutil.copytree(art_path, bad)
-    data = next(bad.glob("*.lct"))
-    raw = bytearray(data.read_bytes())
-    raw[len(raw) // 2] ^= 0xFF
-    data.write_bytes(bytes(raw))
+    bad = _damaged_copy(art_path, tmp_path / "bad.lct")
     res = run("verify", bad)
     assert res.exit_code == 1 and "FAIL" in res.output and "Traceback" not in res.output
 
@@ -562,11 +567,6 @@ def test_every_command_has_quiet_and_it_prints_only_the_result(gemma_src, tmp_pa
     assert quiet("demo", "--workdir", tmp_path / "demo") == f"{tmp_path / 'demo'}\n"
 
     # A failure still says what is wrong (stderr) and exits 1; stdout has the verdict only.
-    bad = tmp_path / "bad.lct"
-    shutil.copytree(art, bad)
-    data = next(bad.glob("*.lct"))
-    raw = bytearray(data.read_bytes())
-    raw[len(raw) // 2] ^= 0xFF
-    data.write_bytes(bytes(raw))
+    bad = _damaged_copy(art, tmp_path / "bad.lct")
     res = runner.invoke(cli, ["verify", str(bad), "-q"])
     assert res.exit_code == 1 and res.stdout == "FAILED\n" and "FAIL " in res.stderr
