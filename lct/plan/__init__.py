@@ -3,3 +3,7 @@
 
 May import: ``lct.hub`` (a Hub id's config), ``lct.io``, ``lct.format`` and the leaves.
 """
+
+from lct.plan.memory import Plan, plan
+
+__all__ = ["Plan", "plan"]
