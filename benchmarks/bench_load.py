@@ -302,6 +302,7 @@ def convert(src: Path, art: Path) -> Path:
 def long_prompt(src: Path, n: int) -> str:
     """A prompt of exactly ``n`` tokens under ``src``'s tokenizer, from real English prose."""
     from transformers import AutoTokenizer
+
     import lct
     tok = AutoTokenizer.from_pretrained(src)
     text = (Path(lct.__file__).parent.parent / "README.md").read_text()

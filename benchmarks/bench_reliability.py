@@ -43,13 +43,14 @@ def main() -> None:
     ap.add_argument("--mutations", type=int, default=5000)
     ap.add_argument("--positions", type=int, default=400, help="flips and truncations per file")
     args = ap.parse_args()
-    import lct
-    from hypothesis import HealthCheck, given, settings
-    from hypothesis import strategies as st
-    from lct.demo import tiny
-    from lct.conversion.converter import Policy
     import test_file_damage as fd
     import test_mutations as tm
+    from hypothesis import HealthCheck, given, settings
+    from hypothesis import strategies as st
+
+    import lct
+    from lct.conversion.converter import Policy
+    from lct.demo import tiny
 
     work = Path(tempfile.mkdtemp(prefix="lct-rel-"))
     src = tiny.save_tiny(work / "src", "gemma")

@@ -90,8 +90,11 @@ def go_quiet() -> None:
     and tqdm's bars, transformers' warnings), restored when the command ends."""
     import logging
 
-    from huggingface_hub.utils import (are_progress_bars_disabled, disable_progress_bars,
-                                       enable_progress_bars)
+    from huggingface_hub.utils import (
+        are_progress_bars_disabled,
+        disable_progress_bars,
+        enable_progress_bars,
+    )
     saved = {k: os.environ.get(k) for k in _QUIET_ENV}
     os.environ.update(_QUIET_ENV)
     bars_were_off = are_progress_bars_disabled()

@@ -4,9 +4,8 @@ from __future__ import annotations
 
 import click
 
-from lct.format import constants as C
-
 from lct.cli._util import GroupProgress, go_quiet, quiet_option
+from lct.format import constants as C
 
 
 def _parse_parts(ctx, param, value):
@@ -77,7 +76,6 @@ def convert_cmd(source, output, revision, nf4, int8, budget, calibration, dtype,
     Face cache.
     """
     from lct.conversion.converter import Policy, convert
-
     from lct.units import parse_size
     max_file_size = parse_size(max_file_size, "--max-file-size")
     if token_freq and not maximus_shards:

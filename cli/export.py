@@ -4,9 +4,8 @@ from __future__ import annotations
 
 import click
 
-from lct.format import constants as C
-
 from lct.cli._util import GroupProgress, go_quiet, quiet_option
+from lct.format import constants as C
 
 
 @click.command("export", short_help="Write an artifact back as a Hugging Face safetensors folder.")

@@ -20,11 +20,10 @@ def info_cmd(artifact, as_json, as_manifest, tensors, quiet):
     """Show the groups, tensors, encodings and stored vs decoded sizes of ARTIFACT (a folder or
     hf://org/name[@rev], pulled into the Hugging Face cache first), and the overall ratio
     against the source checkpoint. Reads only the manifest (no torch needed)."""
-    from lct.io.info import summarize
-    from lct.units import human
-    from lct.io.reader import open_artifact
-
     from lct.hub import local_artifact
+    from lct.io.info import summarize
+    from lct.io.reader import open_artifact
+    from lct.units import human
     if quiet:
         go_quiet()
     with open_artifact(local_artifact(artifact)) as art:

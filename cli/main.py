@@ -5,7 +5,6 @@ from __future__ import annotations
 import click
 
 from lct._version import __version__
-
 from lct.cli._util import LCTGroup
 
 # Each command's module is imported only when that command runs (or when help lists them): a

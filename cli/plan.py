@@ -4,10 +4,18 @@ from __future__ import annotations
 
 import click
 
-from lct.plan.memory import (DEFAULT_LOSS_CHUNK, DEFAULT_MAXIMUS, DEFAULT_SEQ, DEVICES, FORMATS,
-                             KV_DTYPES, MODES, OPTIMIZERS, PRECISIONS)
-
 from lct.cli._util import as_flags, go_quiet, quiet_option, table
+from lct.plan.memory import (
+    DEFAULT_LOSS_CHUNK,
+    DEFAULT_MAXIMUS,
+    DEFAULT_SEQ,
+    DEVICES,
+    FORMATS,
+    KV_DTYPES,
+    MODES,
+    OPTIMIZERS,
+    PRECISIONS,
+)
 
 
 def _parsed(parser_name: str):

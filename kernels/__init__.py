@@ -8,8 +8,12 @@ May import: ``lct.format`` (the codecs, the native loops, the Maximus state file
 from lct.kernels.embedding import NF4Embedding, PaddedEmbedding, padded_lookup
 from lct.kernels.int8 import Int8Embedding, Int8Linear
 from lct.kernels.linear import FlatLinear, NF4Linear, flatten_head
-from lct.kernels.maximus import (MaximusEmbedding, MaximusStats, load_maximus_state,
-                                 save_maximus_state)
+from lct.kernels.maximus import (
+                                 MaximusEmbedding,
+                                 MaximusStats,
+                                 load_maximus_state,
+                                 save_maximus_state,
+)
 from lct.kernels.nf4 import dequantize, dequantize_rows
 
 __all__ = ["FlatLinear", "Int8Embedding", "Int8Linear", "flatten_head", "MaximusEmbedding",

@@ -9,7 +9,6 @@ from torch import nn
 from torch.nn import functional as F
 
 from lct.format import constants as C
-
 from lct.kernels.embedding import masked_gather
 from lct.kernels.linear import DEFAULT_CHUNK_BYTES, fused_call, quantized_forward
 

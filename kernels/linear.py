@@ -8,7 +8,6 @@ from torch import nn
 from torch.nn import functional as F
 
 from lct.format import constants as C
-
 from lct.kernels.nf4 import dequantize_rows, dequantize_rows_into, quant_state
 
 _FUSED_DTYPES = (torch.bfloat16, torch.float32)

@@ -28,11 +28,21 @@ from torch import nn
 
 from lct.errors import MaximusStateError
 from lct.format import constants as C
+from lct.format.maximus import (
+    STATS_FIELDS,
+    default_budget,
+    frequency_order,
+    invert_permutation,
+    module_tensors,
+    read_state_file,
+    shard_offsets,
+    state_key,
+    validate_permutation,
+    write_state_file,
+)
 from lct.format.nf4 import encoded_size
 from lct.kernels.embedding import masked_gather
-from lct.format.maximus import (STATS_FIELDS, default_budget, module_tensors, frequency_order, invert_permutation,
-                                read_state_file, shard_offsets, state_key, validate_permutation,
-                                write_state_file)
+
 
 @dataclass
 class MaximusStats:

@@ -31,9 +31,9 @@ Example:
     ...     print(art.groups)
 """
 
-from lct._version import __version__
-
 import logging as _logging
+
+from lct._version import __version__
 
 # Module loggers live under "lct" and are silent unless the program configures logging (or
 # `lct -v` does), as huggingface_hub's are.

@@ -6,8 +6,8 @@ May import: ``lct.hub`` (hf:// sources), ``lct.kernels``, ``lct.io``, ``lct.form
 leaves.
 """
 
+from lct.io.stream import Group, GroupStream, StreamStats
 from lct.loader.build import LoadStats, load
 from lct.loader.layerwise import LayerwiseModel
-from lct.io.stream import Group, GroupStream, StreamStats
 
 __all__ = ["load", "LayerwiseModel", "LoadStats", "GroupStream", "Group", "StreamStats"]

@@ -12,8 +12,8 @@ import logging
 import time
 from dataclasses import dataclass, field
 
-from lct.format import constants as C
 from lct.errors import LCTError
+from lct.format import constants as C
 
 log = logging.getLogger("lct.loader")
 
@@ -63,8 +63,8 @@ def import_model_class(path) -> None:
     import json
     from pathlib import Path
     try:
-        from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
         import transformers
+        from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
         model_type = json.loads((Path(path) / "config.json").read_text()).get("model_type")
         getattr(transformers, MODEL_FOR_CAUSAL_LM_MAPPING_NAMES[model_type])
     except Exception:  # noqa: BLE001 - only a timing aid; build_skeleton reports real errors
@@ -181,8 +181,8 @@ class Installer:
         (``codes``/``scales``: packed codes and absmax, or int8 codes and row scales)."""
         import torch
 
-        from lct.kernels import Int8Embedding, Int8Linear, NF4Embedding, NF4Linear
         from lct.io.reader import NF4Weight
+        from lct.kernels import Int8Embedding, Int8Linear, NF4Embedding, NF4Linear
         mod_path = full.rpartition(".")[0]
         parent_path, _, leaf = mod_path.rpartition(".")
         parent = self.model.get_submodule(parent_path) if parent_path else self.model

@@ -10,12 +10,17 @@ model, because the weights are the same bytes.
 
 from __future__ import annotations
 
-from lct.format import constants as C
 from lct.errors import LCTError
-
-from lct.loader.build import (Installer, _is_cuda, _param_name, build_skeleton, check_device,
-                              open_source)
+from lct.format import constants as C
 from lct.io.stream import GroupStream
+from lct.loader.build import (
+    Installer,
+    _is_cuda,
+    _param_name,
+    build_skeleton,
+    check_device,
+    open_source,
+)
 
 
 def _common_module(names: list) -> str:

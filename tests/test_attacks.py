@@ -20,13 +20,19 @@ import pytest
 import torch
 import xxhash
 import zstandard
+from conftest import manifest_text
 
 import lct
+from lct.errors import (
+    ArtifactNotFoundError,
+    ChecksumError,
+    CorruptChunkError,
+    LCTError,
+    ManifestError,
+    UnsupportedVersionError,
+)
 from lct.format import constants as C
-from lct.errors import (ArtifactNotFoundError, ChecksumError, CorruptChunkError, LCTError,
-                        ManifestError, UnsupportedVersionError)
 from lct.format.manifest import Manifest
-from conftest import manifest_text
 
 # Every attack is made on both decoders: the compiled one (lct.format.native) and the numpy one.
 pytestmark = pytest.mark.usefixtures("native_mode")
@@ -703,6 +709,7 @@ def test_junk_fields_never_raise_raw_exceptions(gemma_art, tmp_path):
 # The CLI ---------------------------------------------------------------------------------------
 def _cli(args):
     from click.testing import CliRunner
+
     from lct.cli.main import cli
     return CliRunner().invoke(cli, args)
 

@@ -13,7 +13,6 @@ from safetensors.torch import load_file
 from lct.cli.main import COMMANDS, cli
 
 
-
 def _damaged_copy(art, dst):
     """A copy of ``art`` with one byte in the middle of its data file flipped."""
     shutil.copytree(art, dst)
@@ -493,8 +492,8 @@ def test_readme_and_layerwise_load_agree_on_resident_layers(tmp_path):
     from click.testing import CliRunner
 
     import lct
-    from lct.demo import tiny
     from lct.cli.main import cli
+    from lct.demo import tiny
     src = tiny.save_tiny(tmp_path / "src", "llama", num_hidden_layers=6)
     llama_art = tmp_path / "a.lct"
     lct.convert(str(src), llama_art)
@@ -536,8 +535,8 @@ def test_every_command_has_quiet_and_it_prints_only_the_result(gemma_src, tmp_pa
     the loopback Hub in test_hub.py."""
     from click.testing import CliRunner
 
-    from lct.demo import tiny
     from lct.cli.main import COMMANDS, cli
+    from lct.demo import tiny
     runner = CliRunner()
     for name in COMMANDS:
         help_text = runner.invoke(cli, [name, "--help"]).output

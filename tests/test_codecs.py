@@ -6,8 +6,8 @@ import numpy as np
 import pytest
 import torch
 
-from lct.format import codecs
 from lct.errors import CorruptChunkError, UnsupportedVersionError
+from lct.format import codecs
 
 
 def _bytes(t):

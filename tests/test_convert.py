@@ -9,9 +9,9 @@ import torch
 from safetensors.torch import load_file, save_file
 
 import lct
-from lct.format import constants as C
 from lct.conversion.converter import Policy
 from lct.errors import LCTError, PolicyError, SourceError, SourceNotFoundError
+from lct.format import constants as C
 
 
 def _source_tensors(src):

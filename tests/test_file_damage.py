@@ -15,11 +15,11 @@ import shutil
 
 import pytest
 import torch
+from test_mutations import IDS, _logits, _read_all, time_limit
 
 import lct
 from lct.conversion.converter import Policy
 from lct.errors import LCTError
-from test_mutations import IDS, _logits, _read_all, time_limit
 
 CASES = int(os.environ.get("LCT_DAMAGE_CASES", "12"))
 

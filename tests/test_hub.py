@@ -8,15 +8,14 @@ from pathlib import Path
 import pytest
 import torch
 from click.testing import CliRunner
+from hub_server import HubServer  # noqa: E402  (tests/ is on sys.path under pytest)
 
 import lct
-from lct.format import constants as C
 from lct import hub as lhub
 from lct.cli.main import cli
 from lct.errors import ArtifactNotFoundError, ChecksumError, LCTError
+from lct.format import constants as C
 from lct.hub import HubAuthError, HubError, HubNotFoundError, HubOfflineError, HubURIError
-
-from hub_server import HubServer  # noqa: E402  (tests/ is on sys.path under pytest)
 
 pytestmark = pytest.mark.filterwarnings(  # huggingface_hub's own LFS PUT, not ours
     "ignore:Use 'content=<...>' to upload raw bytes:DeprecationWarning")

@@ -7,15 +7,15 @@ import json
 import numpy as np
 import pytest
 import torch
+from conftest import manifest_text
 from torch.nn import functional as F
 
 import lct
-from lct.format import int8, native
 from lct.conversion.converter import Policy
 from lct.errors import ManifestError, PolicyError
+from lct.format import int8, native
 from lct.kernels import Int8Embedding, Int8Linear
 from lct.kernels import int8 as kint8
-from conftest import manifest_text
 
 # FORMAT.md section 2.2, worked example.
 SPEC_ROW = [0.5, -1.0, 0.25, 0.0, 0.333984375, -0.75, 0.010009765625, 0.98828125]

@@ -8,14 +8,13 @@ from pathlib import Path
 import pytest
 import torch
 from click.testing import CliRunner
+from conftest import manifest_text
 
 import lct
 from lct.conversion.converter import Policy
-from lct.errors import ChecksumError, LCTError
-from lct.loader import GroupStream, LayerwiseModel, LoadStats
+from lct.errors import ChecksumError, LCTError, ManifestError
 from lct.io import stream as lstream
-from conftest import manifest_text
-from lct.errors import ManifestError
+from lct.loader import GroupStream, LayerwiseModel, LoadStats
 
 IDS = torch.tensor([[1, 5, 9, 200, 17, 3, 44, 100]])
 
@@ -45,6 +44,7 @@ def test_load_equals_from_pretrained_lossless(arch, request, tmp_path):
 @pytest.mark.parametrize("arch", ["gemma", "llama"])
 def test_nf4_keep_equals_dequantize_and_bnb_reference(arch, request):
     from transformers import AutoModelForCausalLM
+
     from lct.kernels import dequantize_rows
     Fb = pytest.importorskip("bitsandbytes.functional")
     art = request.getfixturevalue(f"{arch}_art")

@@ -6,8 +6,8 @@ import copy
 import pytest
 import torch
 
-from lct.kernels import MaximusEmbedding
 from lct.errors import MaximusStateError
+from lct.kernels import MaximusEmbedding
 from lct.kernels.maximus import load_maximus_state, save_maximus_state
 
 V, H = 1000, 16

@@ -7,13 +7,13 @@ import numpy as np
 import pytest
 import torch
 from click.testing import CliRunner
+from conftest import manifest_text
 from safetensors.torch import load_file
 
 import lct
-from lct.format import nf4
 from lct.conversion.converter import Policy
 from lct.errors import ChecksumError, ManifestError, PolicyError, SourceError
-from conftest import manifest_text
+from lct.format import nf4
 
 V = 384  # the tiny Llama's vocabulary
 

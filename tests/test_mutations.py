@@ -18,11 +18,11 @@ from contextlib import contextmanager
 
 import pytest
 import torch
+from conftest import manifest_text
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 import lct
-from conftest import manifest_text
 from lct.errors import LCTError
 
 CASES = int(os.environ.get("LCT_MUTATION_CASES", "150"))

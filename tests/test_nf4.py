@@ -9,9 +9,9 @@ import numpy as np
 import pytest
 import torch
 
+from lct.errors import PolicyError
 from lct.format import constants as C
 from lct.format import nf4
-from lct.errors import PolicyError
 
 
 def _bnb():

@@ -162,8 +162,9 @@ def test_heads_never_hand_torch_a_3d_input(monkeypatch):
 def test_loaded_parameters_require_grad_like_from_pretrained(llama_src, llama_art):
     """from_pretrained's floating-point parameters require grad, and torch's CPU linear picks its
     kernel by that; a loaded model matches it."""
-    import lct
     from transformers import AutoModelForCausalLM
+
+    import lct
     ref = AutoModelForCausalLM.from_pretrained(llama_src, dtype=torch.bfloat16)
     model = lct.load(llama_art, nf4="dequantize")
     want = {n: p.requires_grad for n, p in ref.named_parameters()}

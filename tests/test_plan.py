@@ -10,12 +10,20 @@ import torch
 from transformers import AutoConfig, AutoModelForCausalLM
 
 import lct
-from lct.demo import tiny
 from lct.conversion.converter import Policy
-from lct.format.manifest import Manifest
+from lct.demo import tiny
 from lct.errors import ConfigNotFoundError, PlanError
-from lct.plan.memory import (kv_cache_bytes, model_dims, nf4_bytes, parameter_specs, parse_bytes,
-                             parse_resident, plan, train_activations)
+from lct.format.manifest import Manifest
+from lct.plan.memory import (
+    kv_cache_bytes,
+    model_dims,
+    nf4_bytes,
+    parameter_specs,
+    parse_bytes,
+    parse_resident,
+    plan,
+    train_activations,
+)
 
 SMALL = dict(vocab_size=100, hidden_size=64, intermediate_size=96, num_hidden_layers=2,
              num_attention_heads=4, num_key_value_heads=2, head_dim=16, pad_token_id=0,
@@ -326,8 +334,8 @@ def test_training_phases_and_chunked_loss():
 
 
 def test_maximus_resident_bytes_equal_module(llama_src):
-    from lct.kernels import MaximusEmbedding
     from lct.format.maximus import initial_state
+    from lct.kernels import MaximusEmbedding
     V, H = 384, 128
     p = plan(llama_src, mode="infer", seq=16, maximus_resident="3/5")
     counts = torch.arange(V, 0, -1)

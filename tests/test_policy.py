@@ -9,11 +9,11 @@ import torch
 from safetensors.torch import load_file, save_file
 
 import lct
-from lct.format import constants as C
-from lct.demo import tiny
 from lct.conversion.converter import Policy
-from lct.errors import PolicyError
 from lct.conversion.policy import choose, head_proxy, proxy_hidden
+from lct.demo import tiny
+from lct.errors import PolicyError
+from lct.format import constants as C
 
 
 def _source(tmp_path, arch, head_std=None, seed=0, tokenizer=False):
@@ -113,9 +113,10 @@ def test_calibration_measures_on_text(tmp_path):
     assert set(d.costs) == {"embed", "head"}
     assert d.costs["head"]["nf4"] > d.costs["head"]["int8"] > 0
     # the calibration cost of the head equals an independent computation on the same tokens
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
     from lct.conversion.policy import roundtrip
     from lct.conversion.quality import read_texts, token_blocks
-    from transformers import AutoModelForCausalLM, AutoTokenizer
     model = AutoModelForCausalLM.from_pretrained(src, dtype=torch.bfloat16).eval()
     blocks = token_blocks(AutoTokenizer.from_pretrained(src), read_texts(text), 256, 512)
     ref = model.lm_head.weight.data.clone()

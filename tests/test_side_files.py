@@ -9,8 +9,8 @@ import shutil
 import pytest
 
 import lct
-from lct.format import constants as C
 from lct.errors import LCTError
+from lct.format import constants as C
 
 
 @pytest.fixture

@@ -20,14 +20,14 @@ from typing import Callable
 import numpy as np
 
 from lct._version import __version__
-from lct.format import constants as C
 from lct.conversion import mapping as M
-from lct.format.codecs import choose_codec
-from lct.errors import PolicyError
-from lct.format.manifest import Manifest
 from lct.conversion.source import Source, resolve, scan
-from lct.hashing import sha256_file
+from lct.errors import PolicyError
+from lct.format import constants as C
+from lct.format.codecs import choose_codec
 from lct.format.layout import TensorSpec, layout_group
+from lct.format.manifest import Manifest
+from lct.hashing import sha256_file
 from lct.io.writer import ArtifactWriter
 
 Progress = Callable[[str, int, int], None]

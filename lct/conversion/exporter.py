@@ -15,13 +15,19 @@ import shutil
 import uuid
 from pathlib import Path
 
-from lct.format import constants as C
-from lct.errors import LCTError
-from lct.io.reader import Artifact, open_artifact
 from lct.conversion.source import INDEX_NAME
+from lct.errors import LCTError
+from lct.format import constants as C
+from lct.io.reader import Artifact, open_artifact
 from lct.io.store import confined
-from lct.io.writer import (OutputLock, check_output_path, foreign_entry, make_staging,
-                           recorded_side_files, swap_into_place)
+from lct.io.writer import (
+    OutputLock,
+    check_output_path,
+    foreign_entry,
+    make_staging,
+    recorded_side_files,
+    swap_into_place,
+)
 
 DEFAULT_SHARD_SIZE = C.EXPORT_SHARD_SIZE
 

@@ -23,8 +23,8 @@ import time
 from dataclasses import dataclass, field
 from itertools import product
 
-from lct.format import constants as C
 from lct.errors import LCTError, PolicyError
+from lct.format import constants as C
 from lct.format.layout import encoded_bytes
 
 CANDIDATES = (C.ENCODING_NF4, C.ENCODING_INT8)

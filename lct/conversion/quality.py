@@ -117,9 +117,9 @@ def measure_quality(artifact, against: str, *, revision: str | None = None, text
     """
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    from lct.loader import load
-    from lct.conversion.source import resolve
     from lct.conversion import sample_text
+    from lct.conversion.source import resolve
+    from lct.loader import load
     path = Path(artifact)
     if not any((path / n).is_file() for n in ("tokenizer.json", "tokenizer.model")):
         raise LCTError(f"{path}: the artifact has no tokenizer to cut the text into tokens")
@@ -167,8 +167,8 @@ def _take_lossy_from_source(reference, src) -> None:
     from safetensors import safe_open
 
     from lct.conversion.source import scan
-    from lct.loader.build import _param_name
     from lct.format import constants as C
+    from lct.loader.build import _param_name
     manifest = reference.art.manifest
     lossy = [t.name for t in manifest.tensors.values() if t.encoding != C.ENCODING_PLAIN]
     found = scan(src)

@@ -6,8 +6,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from lct.format import constants as C
 from lct.errors import LCTError
+from lct.format import constants as C
 from lct.io.check import check_artifact
 from lct.io.reader import Artifact, open_artifact
 
@@ -103,8 +103,7 @@ def verify(artifact, *, against: str | None = None, revision: str | None = None,
     report = VerifyReport()
     src_tensors, src = {}, None
     if against is not None:
-        from lct.conversion.source import scan
-        from lct.conversion.source import resolve
+        from lct.conversion.source import resolve, scan
         src = resolve(against, revision)
         src_tensors = scan(src)
         stored = set(art.manifest.tensors) | set(art.manifest.ties)

@@ -50,11 +50,11 @@ def run_demo(workdir=None, log=print) -> DemoResult:
 
     hf_logging.disable_progress_bar()   # the demo prints its own report; no library bars in it
 
-    from lct.demo import tiny
     from lct.conversion.converter import convert
     from lct.conversion.exporter import export
-    from lct.io.info import summarize
     from lct.conversion.verifier import verify
+    from lct.demo import tiny
+    from lct.io.info import summarize
 
     work = Path(workdir or tempfile.mkdtemp(prefix="lct-demo-"))
     work.mkdir(parents=True, exist_ok=True)

@@ -16,9 +16,9 @@ from typing import Callable, Iterable
 
 import numpy as np
 
+from lct.errors import CorruptChunkError, ManifestError, UnsupportedVersionError
 from lct.format import constants as C
 from lct.format import native
-from lct.errors import CorruptChunkError, ManifestError, UnsupportedVersionError
 
 MapFn = Callable[..., Iterable]
 

@@ -10,8 +10,8 @@ from __future__ import annotations
 
 import math
 
-from lct.format import constants as C
 from lct.errors import PolicyError
+from lct.format import constants as C
 
 PIECE_ELEMENTS = 1 << 22
 

@@ -3,8 +3,15 @@ mapping of its errors to one-line LCT errors that say what to do."""
 
 from __future__ import annotations
 
-from lct.errors import (HubAuthError, HubError, HubNotFoundError, HubOfflineError, HubURIError,
-                        LCTError, MissingDependencyError)
+from lct.errors import (
+    HubAuthError,
+    HubError,
+    HubNotFoundError,
+    HubOfflineError,
+    HubURIError,
+    LCTError,
+    MissingDependencyError,
+)
 from lct.format import constants as C
 from lct.hub.address import where
 
@@ -96,8 +103,8 @@ def hub_error(e: BaseException, repo_id: str, revision: str | None = None,
     """
     if isinstance(e, LCTError):
         return e
-    from huggingface_hub import errors as herr
     import httpx2
+    from huggingface_hub import errors as herr
     at = where(repo_id, revision)
     login = "log in with `hf auth login` or set HF_TOKEN"
     chain = list(_chain(e))

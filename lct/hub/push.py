@@ -10,8 +10,8 @@ from lct.format import constants as C
 from lct.hub.address import split_address
 from lct.hub.card import CARD_NAME, _source_license, model_card
 from lct.hub.client import _hub, hub_error
-from lct.units import human
 from lct.io.store import confined
+from lct.units import human
 
 # Other files worth publishing with an artifact when they are in its folder.
 EXTRA_FILES = ("LICENSE", "LICENSE.txt", "LICENSE.md", "NOTICE", "USE_POLICY.md")

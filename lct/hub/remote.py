@@ -17,9 +17,8 @@ from __future__ import annotations
 import threading
 import time
 
+from lct.errors import ArtifactNotFoundError, HubError, HubOfflineError, LCTError
 from lct.format import constants as C
-from lct.errors import ArtifactNotFoundError, LCTError
-from lct.errors import HubError, HubOfflineError
 from lct.hub.address import parse_hf_uri, split_address, where
 from lct.hub.client import _hub, hub_error
 from lct.hub.pull import check_files, raise_corrupt

@@ -17,13 +17,12 @@ from pathlib import Path
 
 import numpy as np
 
-from lct.format import codecs
-from lct.format.codecs import checksum
-from lct.format import constants as C
 from lct.errors import LCTError
-from lct.format.manifest import ChunkInfo, Manifest, TensorInfo
+from lct.format import codecs
+from lct.format import constants as C
+from lct.format.codecs import checksum
 from lct.format.layout import ChunkLayout, TensorSpec, align
-
+from lct.format.manifest import ChunkInfo, Manifest, TensorInfo
 
 SYNC_EVERY = 256 * 1024 * 1024
 

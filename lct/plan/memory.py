@@ -28,13 +28,13 @@ import re
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
+from lct.errors import PlanError
 from lct.format import constants as C
+from lct.format.layout import encoded_bytes
 from lct.format.maximus import default_budget, shard_bounds
 from lct.format.nf4 import encoded_size
-from lct.format.layout import encoded_bytes
-from lct.units import human
-from lct.errors import PlanError
 from lct.plan.modelspec import Dims, model_dims, parameter_specs, read_config
+from lct.units import human
 
 MODES = ("infer", "train")
 PRECISIONS = ("bf16", "fp16", "fp32", "mixed")

@@ -10,8 +10,8 @@ import math
 from dataclasses import dataclass
 from pathlib import Path
 
-from lct.format import constants as C
 from lct.errors import ConfigNotFoundError, MissingDependencyError, PlanError
+from lct.format import constants as C
 
 FAMILIES = ("llama", "mistral", "qwen2", "qwen3", "gemma", "gemma2", "gemma3_text", "phi3", "gpt2")
 
