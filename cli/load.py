@@ -41,6 +41,11 @@ def _ids(ctx, param, value):
 @click.option("--stream", is_flag=True,
               help="For an hf://org/name[@revision] ARTIFACT: fetch the chunks by HTTP range "
                    "requests as they load instead of pulling the files first.")
+@click.option("--tp", is_flag=True,
+              help="Tensor-parallel over the ranks torchrun started (torchrun --nproc_per_node N "
+                   "-m lct load ART --tp): each rank keeps its shards of the model's own plan, "
+                   "as from_pretrained(tp_plan='auto'); every rank prints what it read, rank 0 "
+                   "the text.")
 @click.option("--prompt", default=None, help="Generate from this text (needs the artifact's tokenizer).")
 @click.option("--ids", default=None, callback=_ids, help="Generate from these token ids (1,5,9).")
 @click.option("--max-new-tokens", type=click.IntRange(1, 4096), default=16, show_default=True)
@@ -49,7 +54,7 @@ def _ids(ctx, param, value):
                    "docs/CLI.md).")
 @quiet_option("the generated text (nothing without --prompt or --ids)")
 def load_cmd(artifact, prefetch, device, dtype, nf4, workers, no_verify, layerwise, maximus,
-             stream, prompt, ids, max_new_tokens, as_json, quiet):
+             stream, tp, prompt, ids, max_new_tokens, as_json, quiet):
     """Load ARTIFACT into a transformers model with the prefetching streaming loader and print a
     breakdown: imports, manifest, read, decode, install, time to ready, time to first token (with
     --prompt or --ids), throughput and peak RSS.
@@ -60,6 +65,11 @@ def load_cmd(artifact, prefetch, device, dtype, nf4, workers, no_verify, layerwi
 
     if prompt is not None and ids is not None:
         raise click.UsageError("give --prompt or --ids, not both")
+    if tp:
+        if layerwise or maximus is not None:
+            raise click.UsageError("--tp does not go with --layerwise or --maximus")
+        return _load_tp(artifact, prefetch, device, dtype, nf4, workers, no_verify, stream,
+                        prompt, ids, max_new_tokens, as_json, quiet)
     if quiet:
         go_quiet()
 
@@ -163,3 +173,55 @@ def load_cmd(artifact, prefetch, device, dtype, nf4, workers, no_verify, layerwi
         click.echo(json.dumps(report, indent=1))
         return
     click.echo(table(rows, ["step", "value"]))
+
+
+def _load_tp(artifact, prefetch, device, dtype, nf4, workers, no_verify, stream, prompt, ids,
+             max_new_tokens, as_json, quiet):
+    """``lct load --tp``: one rank of a tensor-parallel load (the process group from torchrun's
+    environment); every rank prints its own line, rank 0 the generated text."""
+    import os
+
+    import torch
+    import torch.distributed as dist
+
+    import lct.loader as loader
+    from lct.units import human
+    if "RANK" not in os.environ and not dist.is_initialized():
+        raise click.UsageError("--tp runs under torchrun: torchrun --nproc_per_node N -m lct "
+                               "load ARTIFACT --tp")
+    if not dist.is_initialized():
+        dist.init_process_group("nccl" if device.startswith("cuda") else "gloo")
+    rank = dist.get_rank()
+    if quiet and rank:
+        as_json = False
+    stats = loader.LoadStats()
+    t0 = time.perf_counter()
+    model = loader.load(artifact, prefetch=prefetch, device=device, nf4=nf4, workers=workers,
+                        verify=not no_verify, stats=stats, stream=stream, tp_plan="auto",
+                        dtype=getattr(torch, dtype) if dtype else None)
+    ready_s = time.perf_counter() - t0
+    report = {"rank": rank, "world_size": dist.get_world_size(), "ready_s": ready_s,
+              "bytes_read": stats.bytes_read, "bytes_decoded": stats.bytes_decoded,
+              "notes": stats.notes}
+    if prompt is not None or ids is not None:
+        from lct.loader.generate import generate_timed
+        res = generate_timed(model, artifact, prompt=prompt, ids=ids,
+                             max_new_tokens=max_new_tokens)
+        report.update(text=res.text, new_tokens=res.new_tokens,
+                      first_token_s=res.first_token_s)
+    if as_json:
+        import json
+        click.echo(json.dumps(report))
+    elif quiet:
+        if rank == 0 and "text" in report:
+            click.echo(report["text"])
+    else:
+        click.echo(f"rank {rank}/{report['world_size']}: read {human(stats.bytes_read)}, "
+                   f"decoded {human(stats.bytes_decoded)}, ready in {ready_s:.2f} s")
+        if rank == 0:
+            for note in stats.notes:
+                click.echo(f"note: {note}")
+            if "text" in report:
+                click.echo(f"output: {report['text']}")
+    dist.barrier()
+    dist.destroy_process_group()

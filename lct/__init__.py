@@ -46,7 +46,7 @@ __all__ = ["__version__", "open", "convert", "export", "verify", "load", "Policy
 def open(path, *, verify: bool = True, workers=None, stream: bool = False):  # noqa: A001
     """Open an LCT artifact (a folder, or ``hf://org/name[@revision]``, pulled and verified or
     with ``stream=True`` read by HTTP range requests); see ``lct.io.reader.open_artifact``."""
-    from lct.loader.build import open_source
+    from lct.loader.source import open_source
     return open_source(path, verify=verify, workers=workers, stream=stream)
 
 

@@ -10,10 +10,11 @@ from __future__ import annotations
 
 import logging
 import time
-from dataclasses import dataclass, field
 
 from lct.errors import LCTError
 from lct.format import constants as C
+
+from lct.loader.source import LoadStats, open_source, param_name
 
 log = logging.getLogger("lct.loader")
 
@@ -23,25 +24,6 @@ NF4_MODES = ("keep", "dequantize")
 # decode threads run at this nice increment, so that the import, which is the critical path,
 # is not slowed by them; they still get every cycle it leaves (docs/BENCHMARKS.md, section 9).
 DECODE_NICE = 10
-
-
-@dataclass
-class LoadStats:
-    """Where the time of one load went (seconds) and the prefetch window used."""
-
-    manifest_s: float = 0.0
-    skeleton_s: float = 0.0         # importing transformers + meta model, in a thread beside decode
-    read_s: float = 0.0
-    decode_s: float = 0.0
-    wait_s: float = 0.0
-    install_s: float = 0.0
-    total_s: float = 0.0
-    bytes_read: int = 0
-    bytes_decoded: int = 0
-    groups: int = 0
-    max_in_flight: int = 0
-    max_held_bytes: int = 0         # decoded bytes held while the skeleton was not ready
-    nf4_modules: list = field(default_factory=list)
 
 
 def build_skeleton(art, dtype=None):
@@ -69,15 +51,6 @@ def import_model_class(path) -> None:
         getattr(transformers, MODEL_FOR_CAUSAL_LM_MAPPING_NAMES[model_type])
     except Exception:  # noqa: BLE001 - only a timing aid; build_skeleton reports real errors
         pass
-
-
-def _param_name(model, name: str, names: set) -> str | None:
-    if name in names:
-        return name
-    prefix = getattr(model, "base_model_prefix", "")
-    if prefix and f"{prefix}.{name}" in names:
-        return f"{prefix}.{name}"
-    return None
 
 
 def _set(model, full: str, tensor, as_buffer: bool = False) -> None:
@@ -136,7 +109,7 @@ class Installer:
         from lct.io.reader import QUANTIZED
         self._done: set = set()
         for name, t in group.tensors.items():
-            full = _param_name(self.model, name, self.names)
+            full = param_name(self.model, name, self.names)
             if full is None or full in self._done:
                 continue  # a name the model does not expose, or a tie already installed
             self._check_shape(full, name, tuple(t.shape))
@@ -172,7 +145,7 @@ class Installer:
         self._swap(full, w, codes, scales, dtype)
         # A tied head shares the embedding's quantized storage.
         for tied, real in self.art.manifest.ties.items():
-            tfull = _param_name(self.model, tied, self.names) if real == w.name else None
+            tfull = param_name(self.model, tied, self.names) if real == w.name else None
             if tfull and tfull.rpartition(".")[0] != full.rpartition(".")[0]:
                 self._swap(tfull, w, codes, scales, dtype)
 
@@ -215,8 +188,8 @@ class Installer:
         ``streamed`` names, which a layer-wise executor installs on demand)."""
         self.synchronize()
         for tied, real in self.art.manifest.ties.items():
-            tfull = _param_name(self.model, tied, self.names)
-            rfull = _param_name(self.model, real, self.names)
+            tfull = param_name(self.model, tied, self.names)
+            rfull = param_name(self.model, real, self.names)
             if tfull and rfull and tfull not in self.installed and rfull in self.installed:
                 mod_path, _, leaf = tfull.rpartition(".")
                 module = self.model.get_submodule(mod_path)
@@ -254,25 +227,6 @@ def _padding_only(ids, absmax, rows: int) -> tuple:
     non-zero row and is gathered like any other token."""
     table = absmax.reshape(rows, -1)
     return tuple(i for i in ids if 0 <= i < rows and not bool(table[i].any()))
-
-
-def open_source(path, *, verify: bool = True, workers: int | None = None, stream: bool = False,
-                pin_memory: bool = False):
-    """Open a local artifact or a Hub address ``hf://org/name[@revision]``.
-
-    A Hub address is pulled into the Hugging Face cache and its files checked against the Hub's
-    hashes (chunk checksums are then verified as they are read), or with ``stream`` its chunks
-    are fetched by HTTP range requests from one pinned commit.
-    """
-    from lct.hub import is_hf_uri
-    from lct.io.reader import open_artifact
-    if is_hf_uri(path):
-        if stream:
-            from lct.hub.remote import open_remote
-            return open_remote(path, verify=verify, workers=workers, pin_memory=pin_memory)
-        from lct.hub import pull
-        path = pull(path, chunks=not verify)
-    return open_artifact(path, verify=verify, workers=workers, pin_memory=pin_memory)
 
 
 def install_maximus(model, art, budget=None, device="cpu"):
@@ -327,7 +281,7 @@ def install_maximus(model, art, budget=None, device="cpu"):
 
 def load(path, prefetch: int = 2, device="cpu", dtype=None, nf4: str = "keep",
          workers: int | None = None, *, verify: bool = True, pad_ids=None,
-         stats: LoadStats | None = None, maximus=False, stream: bool = False):
+         stats: LoadStats | None = None, maximus=False, stream: bool = False, tp_plan=None):
     """Load an LCT artifact into a transformers model ready for ``generate()``.
 
     Args:
@@ -348,6 +302,9 @@ def load(path, prefetch: int = 2, device="cpu", dtype=None, nf4: str = "keep",
             artifact's shard state, hottest shards resident first.
         stream: for an ``hf://`` address, fetch the chunks by HTTP range requests straight
             from the Hub (same prefetch window and checksums) instead of downloading the files.
+        tp_plan: ``"auto"`` under an initialised ``torch.distributed`` process group: the
+            tensor-parallel model ``from_pretrained(tp_plan="auto")`` builds, each rank keeping
+            its shards (``lct.loader.tensor_parallel.load_tp``).
 
     Returns:
         A ``PreTrainedModel`` in eval mode.
@@ -363,6 +320,14 @@ def load(path, prefetch: int = 2, device="cpu", dtype=None, nf4: str = "keep",
         >>> model = lct.load("gemma-2b.lct", prefetch=2)
         >>> model.generate(ids, max_new_tokens=20)
     """
+    if tp_plan is not None:
+        if maximus:
+            raise LCTError("Maximus shards and tensor-parallel loading do not go together yet",
+                           option="maximus")
+        from lct.loader.tensor_parallel import load_tp
+        return load_tp(path, tp_plan=tp_plan, prefetch=prefetch, device=device, dtype=dtype,
+                       nf4=nf4, workers=workers,
+                       verify=verify, stats=stats, stream=stream)
     import gc
 
     # The import and the load create long-lived objects by the hundred thousand: the cyclic

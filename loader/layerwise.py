@@ -13,14 +13,8 @@ from __future__ import annotations
 from lct.errors import LCTError
 from lct.format import constants as C
 from lct.io.stream import GroupStream
-from lct.loader.build import (
-    Installer,
-    _is_cuda,
-    _param_name,
-    build_skeleton,
-    check_device,
-    open_source,
-)
+from lct.loader.build import Installer, _is_cuda, build_skeleton, check_device
+from lct.loader.source import open_source, param_name
 
 
 def _common_module(names: list) -> str:
@@ -66,7 +60,7 @@ class LayerwiseModel:
             self._placeholders = {}
             streamed: set = set()
             for g in self.layer_groups:
-                names = [_param_name(self.model, t.name, self.installer.names)
+                names = [param_name(self.model, t.name, self.installer.names)
                          for t in self.art.manifest.group_tensors(g)]
                 if None in names:
                     raise LCTError(f"{self.art.path}: group {g} has tensors the model does not have")

@@ -1,0 +1,57 @@
+"""What a load reads from and what it reports: opening a local, pulled or streamed artifact,
+the time and bytes breakdown (``LoadStats``), and the model's name for an artifact tensor.
+Shared by the single-process loader (``build``) and the tensor-parallel one."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+
+@dataclass
+class LoadStats:
+    """Where the time of one load went (seconds) and the prefetch window used."""
+
+    manifest_s: float = 0.0
+    skeleton_s: float = 0.0         # importing transformers + meta model, in a thread beside decode
+    read_s: float = 0.0
+    decode_s: float = 0.0
+    wait_s: float = 0.0
+    install_s: float = 0.0
+    total_s: float = 0.0
+    bytes_read: int = 0
+    bytes_decoded: int = 0
+    groups: int = 0
+    max_in_flight: int = 0
+    max_held_bytes: int = 0         # decoded bytes held while the skeleton was not ready
+    nf4_modules: list = field(default_factory=list)
+    notes: list = field(default_factory=list)     # what the load did differently, one line each
+
+
+def open_source(path, *, verify: bool = True, workers: int | None = None, stream: bool = False,
+                pin_memory: bool = False):
+    """Open a local artifact or a Hub address ``hf://org/name[@revision]``.
+
+    A Hub address is pulled into the Hugging Face cache and its files checked against the Hub's
+    hashes (chunk checksums are then verified as they are read), or with ``stream`` its chunks
+    are fetched by HTTP range requests from one pinned commit.
+    """
+    from lct.hub import is_hf_uri
+    from lct.io.reader import open_artifact
+    if is_hf_uri(path):
+        if stream:
+            from lct.hub.remote import open_remote
+            return open_remote(path, verify=verify, workers=workers, pin_memory=pin_memory)
+        from lct.hub import pull
+        path = pull(path, chunks=not verify)
+    return open_artifact(path, verify=verify, workers=workers, pin_memory=pin_memory)
+
+
+def param_name(model, name: str, names: set) -> str | None:
+    """The model's name for artifact tensor ``name``: itself, or under the model's
+    ``base_model_prefix``; None when the model has no such parameter or buffer."""
+    if name in names:
+        return name
+    prefix = getattr(model, "base_model_prefix", "")
+    if prefix and f"{prefix}.{name}" in names:
+        return f"{prefix}.{name}"
+    return None

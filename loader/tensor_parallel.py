@@ -1,0 +1,208 @@
+"""Tensor-parallel loading: an artifact into a ``torch.distributed`` job, as the sharded model
+``AutoModelForCausalLM.from_pretrained(src, tp_plan="auto")`` builds.
+
+Every rank builds the model on the meta device, lets transformers apply the model's own
+tensor-parallel plan (DTensor placements, forward hooks, the device mesh), then streams the
+artifact's groups (the same prefetch window and checksums as ``lct.load``) and keeps of each
+tensor only its own slice. A rank never holds more than one group's decoded tensors besides its
+shards. Whatever goes wrong on one rank ends every rank with that error: the ranks agree on
+success before anyone runs a collective of the model.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+
+from lct import errors
+from lct.errors import LCTError
+
+log = logging.getLogger("lct.loader")
+
+# Bytes of an error message the ranks exchange (UTF-8, cut to fit); no pickle crosses ranks.
+_MESSAGE_BYTES = 2048
+
+
+def load_tp(path, *, tp_plan="auto", prefetch: int = 2, device="cpu", dtype=None,
+            nf4: str = "dequantize", workers: int | None = None, verify: bool = True,
+            stats=None, stream: bool = False):
+    """Load ``path`` tensor-parallel over the initialised default process group.
+
+    Args:
+        path: the artifact folder or ``hf://org/name[@rev]`` (every rank pulls or streams it).
+        tp_plan: ``"auto"``: the model's own plan (``base_model_tp_plan``), as
+            ``from_pretrained(tp_plan="auto")`` uses it.
+        prefetch, workers, verify, stream: as ``lct.load``.
+        device: ``"cpu"`` (gloo) or ``"cuda"`` (each rank's local device, NCCL).
+        dtype: the parameters' dtype (default: the dtype the artifact stores its layers in).
+        nf4: lossy parts (NF4, int8) are dequantized to the model dtype whatever it says:
+            LCT has no tensor-parallel kernels for them yet (``stats.notes`` says so).
+        stats: a ``LoadStats`` filled with this rank's bytes read and decoded and timings.
+
+    Returns:
+        The model in eval mode; its DTensor parameters hold this rank's shards.
+
+    Raises:
+        LCTError: no process group, a plan or model this cannot shard, or any rank's failure
+            (on every rank, naming the rank and the chunk).
+    """
+    import torch.distributed as dist
+    if not dist.is_available() or not dist.is_initialized():
+        raise LCTError("tensor-parallel loading needs an initialised torch.distributed process "
+                       "group (launch with torchrun)", option="tp_plan")
+    if tp_plan != "auto":
+        raise LCTError(f"tp_plan {tp_plan!r}: only 'auto' (the model's own plan) is supported",
+                       option="tp_plan")
+    if nf4 not in ("keep", "dequantize"):
+        raise LCTError(f"nf4 must be 'keep' or 'dequantize', got {nf4!r}", option="nf4")
+    from lct.loader.source import LoadStats, open_source
+    stats = stats if stats is not None else LoadStats()
+    t0 = time.perf_counter()
+    failure = None
+    model = art = None
+    try:
+        art = open_source(path, verify=verify, workers=workers, stream=stream)
+        stats.manifest_s = time.perf_counter() - t0
+        lossy = sorted(t.name for t in art.manifest.tensors.values() if t.encoding != "plain")
+        if lossy and nf4 == "keep":
+            stats.notes.append(f"{len(lossy)} NF4/int8 tensor(s) dequantized: no "
+                               f"tensor-parallel kernels for them yet")
+        stats.notes.append("each rank decodes whole tensors and keeps its slice (the artifact "
+                           "has no tensor-parallel pieces)")
+        model = _skeleton(art, dtype, device)
+        stats.skeleton_s = time.perf_counter() - t0 - stats.manifest_s
+        _fill(model, art, prefetch, stats)
+    except Exception as e:  # noqa: BLE001 - every rank must hear of it, whatever it is
+        failure = e
+    finally:
+        if art is not None:
+            art.close()
+    _agree(failure)
+    stats.total_s = time.perf_counter() - t0
+    return model
+
+
+def _skeleton(art, dtype, device):
+    """The model on the meta device with transformers' tensor-parallel plan applied."""
+    import torch
+    import torch.distributed as dist
+    from transformers import AutoConfig
+    from transformers.distributed import DistributedConfig
+    from transformers.distributed.utils import initialize_distributed_mesh
+    from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING
+    from transformers.utils.generic import ContextManagers
+
+    from lct.io.reader import torch_dtype
+    config = AutoConfig.from_pretrained(art.path)
+    world = dist.get_world_size()
+    for what in ("num_attention_heads", "num_key_value_heads"):
+        n = getattr(config, what, None)
+        if n is not None and n % world:
+            raise LCTError(f"{art.path}: {what} = {n} does not divide over {world} ranks; "
+                           f"tensor-parallel attention needs whole heads on every rank")
+    if dtype is None:
+        layer_dtypes = {t.dtype for t in art.manifest.tensors.values() if t.role == "layer"}
+        dtype = torch_dtype(layer_dtypes.pop()) if len(layer_dtypes) == 1 else torch.float32
+    model_cls = MODEL_FOR_CAUSAL_LM_MAPPING[type(config)]
+    # As from_pretrained: meta device, the dtype, and ties made after the weights are in (a
+    # tie made now would hide the head from the plan).
+    with ContextManagers(model_cls.get_init_context(dtype, False, False, False)):
+        model = model_cls(config)
+    dcfg = DistributedConfig(tp_size=world, tp_plan="auto")
+    if str(device).startswith("cuda"):
+        torch.cuda.set_device(dist.get_rank() % torch.cuda.device_count())
+    _, mesh_manager = initialize_distributed_mesh(dcfg)
+    return model_cls.maybe_distribute_model(model, dcfg, mesh_manager)
+
+
+def _fill(model, art, prefetch: int, stats) -> None:
+    """Stream the groups and give every parameter its shard (DTensor) or whole tensor."""
+    import torch
+    from torch.distributed.tensor import DTensor
+    from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
+
+    from lct.loader.source import param_name
+    params = {}
+    for mod_name, module in model.named_modules():
+        for leaf, ref in module._parameters.items():
+            if ref is not None:
+                params[f"{mod_name}.{leaf}" if mod_name else leaf] = (module, leaf, ref)
+    names = set(params)
+    device = next((r.device_mesh.device_type for _, _, r in params.values()
+                   if isinstance(r, DTensor)), "cpu")
+    target = torch.device("cuda", torch.cuda.current_device()) if device == "cuda" else \
+        torch.device("cpu")
+    filled = set()
+    t_install = 0.0
+    aliases = set(art.manifest.ties)     # tied after the fill, as from_pretrained ties them
+    with art.stream(prefetch=prefetch, dequantize=True) as groups:
+        for group in groups:
+            t = time.perf_counter()
+            for name, tensor in group.tensors.items():
+                full = None if name in aliases else param_name(model, name, names)
+                if full is None or full in filled:
+                    continue
+                module, leaf, ref = params[full]
+                if tuple(tensor.shape) != tuple(ref.shape):
+                    raise LCTError(f"{art.path}: tensor {name!r} has shape "
+                                   f"{tuple(tensor.shape)}, the model expects "
+                                   f"{tuple(ref.shape)}")
+                if isinstance(ref, DTensor):
+                    shape, offset = compute_local_shape_and_global_offset(
+                        ref.shape, ref.device_mesh, ref.placements)
+                    index = tuple(slice(o, o + n) for o, n in zip(offset, shape))
+                    local = tensor[index].to(device=target, dtype=ref.dtype).contiguous()
+                    value = DTensor.from_local(local, ref.device_mesh, ref.placements,
+                                               run_check=False, shape=ref.shape,
+                                               stride=ref.stride())
+                else:
+                    value = tensor.to(device=target, dtype=ref.dtype).clone()
+                param = torch.nn.Parameter(value, requires_grad=value.is_floating_point())
+                param._is_hf_initialized = True
+                module._parameters[leaf] = param
+                filled.add(full)
+            stats.groups += 1
+            t_install += time.perf_counter() - t
+        s = groups.stats
+        stats.read_s, stats.decode_s, stats.wait_s = s.read_s, s.decode_s, s.wait_s
+        stats.bytes_read, stats.bytes_decoded = s.bytes_read, s.bytes_decoded
+        stats.max_in_flight = s.max_in_flight
+    stats.install_s = t_install
+    missing = names - filled
+    tied = set(getattr(model, "all_tied_weights_keys", {}) or {})
+    if missing - tied:
+        raise LCTError(f"{art.path}: the artifact lacks {len(missing - tied)} parameter(s) of "
+                       f"the model, first {sorted(missing - tied)[0]!r}")
+    model.tie_weights(missing_keys=missing, recompute_mapping=False)
+    for name, buf in list(model.named_non_persistent_buffers()):   # rotary tables, on meta
+        mod_name, _, leaf = name.rpartition(".")
+        model.get_submodule(mod_name)._buffers[leaf] = torch.empty_like(buf, device=target)
+    model.initialize_weights()     # fills only what has no _is_hf_initialized: those buffers
+    model.eval()
+
+
+def _agree(failure: BaseException | None) -> None:
+    """Every rank learns whether any rank failed, and raises the first failure (by rank) as its
+    own error class, naming that rank: no rank is left waiting in a collective."""
+    import torch
+    import torch.distributed as dist
+    payload = torch.zeros(_MESSAGE_BYTES + 1, dtype=torch.uint8)
+    if failure is not None:
+        text = f"{type(failure).__name__}\n{failure}".encode()[:_MESSAGE_BYTES]
+        payload[0] = 1
+        payload[1:1 + len(text)] = torch.frombuffer(bytearray(text), dtype=torch.uint8)
+    backend = dist.get_backend()
+    if backend == "nccl":
+        payload = payload.cuda()
+    gathered = [torch.zeros_like(payload) for _ in range(dist.get_world_size())]
+    dist.all_gather(gathered, payload)
+    for rank, got in enumerate(gathered):
+        if int(got[0]):
+            raw = bytes(got[1:].cpu().numpy().tobytes()).rstrip(b"\0").decode(errors="replace")
+            kind, _, message = raw.partition("\n")
+            cls = getattr(errors, kind, None)
+            if not (isinstance(cls, type) and issubclass(cls, LCTError)):
+                cls = LCTError
+            if failure is not None and rank == dist.get_rank():
+                raise failure
+            raise cls(f"rank {rank}: {message}")
