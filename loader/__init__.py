@@ -1,13 +1,16 @@
-"""The runtime: an artifact to a ready transformers model (``build``: ``lct.load``, streamed
-group by group with decoding ``prefetch`` groups ahead), the layer-wise executor for models
-larger than memory (``layerwise``), and timed generation (``generate``).
+"""The runtime: an artifact to a ready transformers model. ``entry.load`` (``lct.load``)
+dispatches to the streaming loader (``build``: group by group, decoding ``prefetch`` groups
+ahead), the tensor-parallel one (``tensor_parallel``) or the device-mapped one (``device_map``);
+``source`` is what they share; the layer-wise executor for models larger than memory
+(``layerwise``) and timed generation (``generate``) sit beside them.
 
 May import: ``lct.hub`` (hf:// sources), ``lct.kernels``, ``lct.io``, ``lct.format`` and the
 leaves.
 """
 
 from lct.io.stream import Group, GroupStream, StreamStats
-from lct.loader.build import LoadStats, load
+from lct.loader.entry import load
 from lct.loader.layerwise import LayerwiseModel
+from lct.loader.source import LoadStats
 
 __all__ = ["load", "LayerwiseModel", "LoadStats", "GroupStream", "Group", "StreamStats"]

@@ -281,7 +281,7 @@ def install_maximus(model, art, budget=None, device="cpu"):
 
 def load(path, prefetch: int = 2, device="cpu", dtype=None, nf4: str = "keep",
          workers: int | None = None, *, verify: bool = True, pad_ids=None,
-         stats: LoadStats | None = None, maximus=False, stream: bool = False, tp_plan=None):
+         stats: LoadStats | None = None, maximus=False, stream: bool = False):
     """Load an LCT artifact into a transformers model ready for ``generate()``.
 
     Args:
@@ -302,9 +302,6 @@ def load(path, prefetch: int = 2, device="cpu", dtype=None, nf4: str = "keep",
             artifact's shard state, hottest shards resident first.
         stream: for an ``hf://`` address, fetch the chunks by HTTP range requests straight
             from the Hub (same prefetch window and checksums) instead of downloading the files.
-        tp_plan: ``"auto"`` under an initialised ``torch.distributed`` process group: the
-            tensor-parallel model ``from_pretrained(tp_plan="auto")`` builds, each rank keeping
-            its shards (``lct.loader.tensor_parallel.load_tp``).
 
     Returns:
         A ``PreTrainedModel`` in eval mode.
@@ -320,14 +317,6 @@ def load(path, prefetch: int = 2, device="cpu", dtype=None, nf4: str = "keep",
         >>> model = lct.load("gemma-2b.lct", prefetch=2)
         >>> model.generate(ids, max_new_tokens=20)
     """
-    if tp_plan is not None:
-        if maximus:
-            raise LCTError("Maximus shards and tensor-parallel loading do not go together yet",
-                           option="maximus")
-        from lct.loader.tensor_parallel import load_tp
-        return load_tp(path, tp_plan=tp_plan, prefetch=prefetch, device=device, dtype=dtype,
-                       nf4=nf4, workers=workers,
-                       verify=verify, stats=stats, stream=stream)
     import gc
 
     # The import and the load create long-lived objects by the hundred thousand: the cyclic

@@ -1,0 +1,48 @@
+"""``lct.load``: one entry over the three loaders: single-process streaming (``build``),
+tensor-parallel (``tensor_parallel``) and device-mapped (``device_map``)."""
+
+from __future__ import annotations
+
+from lct.errors import LCTError
+
+
+def load(path, prefetch: int = 2, device="cpu", dtype=None, nf4: str = "keep",
+         workers: int | None = None, *, verify: bool = True, pad_ids=None, stats=None,
+         maximus=False, stream: bool = False, tp_plan=None, device_map=None, max_memory=None):
+    """Load an LCT artifact into a transformers model ready for ``generate()``.
+
+    Without ``tp_plan`` or ``device_map`` this is ``lct.loader.build.load`` (see it for
+    ``prefetch``, ``device``, ``dtype``, ``nf4``, ``workers``, ``verify``, ``pad_ids``,
+    ``stats``, ``maximus`` and ``stream``).
+
+    Args:
+        tp_plan: ``"auto"`` under an initialised ``torch.distributed`` process group: the
+            tensor-parallel model ``from_pretrained(tp_plan="auto")`` builds, each rank keeping
+            its shards (``lct.loader.tensor_parallel.load_tp``).
+        device_map, max_memory: place modules as ``from_pretrained(device_map=...)`` does
+            (``"auto"`` with ``max_memory``, or ``{module: device}`` with ``"cpu"``/``"disk"``);
+            ``"disk"`` modules stay in the artifact and are not read at load
+            (``lct.loader.device_map.load_mapped``).
+
+    Example:
+        >>> model = lct.load("gemma-2b.lct", prefetch=2)
+    """
+    if device_map is not None:
+        if tp_plan is not None or maximus:
+            raise LCTError("device_map does not go with tp_plan or Maximus shards",
+                           option="device_map")
+        from lct.loader.device_map import load_mapped
+        return load_mapped(path, device_map, max_memory=max_memory, prefetch=prefetch,
+                           dtype=dtype, nf4=nf4, workers=workers, verify=verify, stats=stats,
+                           stream=stream)
+    if tp_plan is not None:
+        if maximus:
+            raise LCTError("Maximus shards and tensor-parallel loading do not go together yet",
+                           option="maximus")
+        from lct.loader.tensor_parallel import load_tp
+        return load_tp(path, tp_plan=tp_plan, prefetch=prefetch, device=device, dtype=dtype,
+                       nf4=nf4, workers=workers, verify=verify, stats=stats, stream=stream)
+    from lct.loader.build import load as load_streamed
+    return load_streamed(path, prefetch=prefetch, device=device, dtype=dtype, nf4=nf4,
+                         workers=workers, verify=verify, pad_ids=pad_ids, stats=stats,
+                         maximus=maximus, stream=stream)
