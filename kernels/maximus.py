@@ -38,6 +38,7 @@ from lct.format.maximus import (
     shard_offsets,
     state_key,
     validate_permutation,
+    validate_state,
     write_state_file,
 )
 from lct.format.nf4 import encoded_size
@@ -544,6 +545,8 @@ def load_maximus_state(model, path) -> None:
                 raise MaximusStateError(f"{path}: {mp or 'module'}: {k} is {pol.get(k)} in the "
                                         f"state, {m.policy()[k]} in the model")
         own = module_tensors(tensors, state_key(mp, "maximus."))
+        validate_state(own, modules, mp, m.num_embeddings, m.embedding_dim, m.num_shards,
+                       where=f"{path}: {mp or 'module'}")
         try:
             m.load_state_tensors(own, where=f"{path}: {mp or 'module'}")
         except ValueError as e:

@@ -146,6 +146,21 @@ def test_planes_compresses_bf16_weights():
     assert data.nbytes / len(stored) > 1.4
 
 
+def test_planes_reserved_table_bytes_must_be_zero():
+    """FORMAT.md 5: each frame-table entry ends in three zero bytes; anything else is corrupt."""
+    data = _bytes((torch.randn(10_000) * 0.02).to(torch.bfloat16))
+    params = {"width": 2, "level": 1, "frame_size": 4096}
+    c = codecs.get_codec("planes")
+    stored = bytearray(c.encode(data, params))
+    assert stored[4 + 9: 4 + 12] == b"\0\0\0"       # count, then hi, lo, mode, reserved
+    out = np.empty_like(data)
+    c.decode(bytes(stored), out, params)
+    assert np.array_equal(out, data)
+    stored[4 + 10] = 1
+    with pytest.raises(CorruptChunkError, match="reserved table bytes 000100 are not zero"):
+        c.decode(bytes(stored), np.empty_like(data), params)
+
+
 def test_unknown_codec():
     with pytest.raises(UnsupportedVersionError, match="brotli"):
         codecs.get_codec("brotli")

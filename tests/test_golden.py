@@ -10,6 +10,7 @@ the other way: lct's encoders on tiny known inputs must produce the bytes the sp
 from __future__ import annotations
 
 import json
+import re
 import struct
 
 import numpy as np
@@ -164,11 +165,17 @@ def _build(root, *, extra_manifest=None):
 
 def _seal_by_the_spec(manifest: dict) -> str:
     """FORMAT.md section 6, written out here from the text (not lct's code): each chunk's
-    binding, then the manifest checksum over the bytes with its value as 16 zeros."""
+    binding (a sharded tensor is listed once per piece, with the piece's rows and place), then
+    the manifest checksum over the bytes with its value as 16 zeros."""
+    placed = []                     # (chunk, [name, rows, shape, ..., row_order])
+    for t in manifest["tensors"]:
+        for p in t.get("pieces") or [t]:
+            placed.append((p["chunk"], [
+                t["name"], p.get("rows"), t["shape"], t["dtype"], t["stored_dtype"],
+                t["encoding"], t["role"], t["group"], p["offset"], p["nbytes"], p.get("nf4"),
+                p.get("int8"), t.get("row_order")]))
     for c in manifest["chunks"]:
-        held = [[t["name"], None, t["shape"], t["dtype"], t["stored_dtype"], t["encoding"],
-                 t["role"], t["group"], t["offset"], t["nbytes"], t.get("nf4"), t.get("int8"),
-                 t.get("row_order")] for t in manifest["tensors"] if t["chunk"] == c["id"]]
+        held = [e for chunk, e in placed if chunk == c["id"]]
         held.sort(key=lambda e: (e[8], e[0]))
         names = {e[0] for e in held}
         desc = {k: c[k] for k in ("id", "group", "file", "offset", "stored_size",
@@ -414,3 +421,537 @@ def test_nf4_odd_tail_is_unreachable():
         nf4.quantize(torch.zeros(3, 5), 5)
     with pytest.raises(PolicyError, match="divide the row length"):
         nf4.quantize(torch.zeros(1, 65), 64)
+
+
+# Section 2: the informative objects ------------------------------------------------------------
+@pytest.mark.parametrize("edit,key", [
+    ({"source": []}, "'source' must be an object"),
+    ({"source": {"id": 5}}, "'source.id'"),
+    ({"source": {"revision": 1}}, "'source.revision'"),
+    ({"source": {"files": {"config.json": 1}}}, "'source.files'"),
+    ({"source": {"files": {"config.json": {"sha256": "ab", "size": 3}}}}, "'source.files'"),
+    ({"source": {"files": {"config.json": {"sha256": "a" * 64, "size": -1}}}}, "'source.files'"),
+    ({"architecture": "llama"}, "'architecture' must be an object"),
+    ({"architecture": {"tie_word_embeddings": "yes"}}, "'architecture.tie_word_embeddings'"),
+    ({"architecture": {"model_type": ["llama"]}}, "'architecture.model_type'"),
+    ({"policy": None}, "'policy' must be an object"),
+    ({"policy": {"blocksize": "64"}}, "'policy.blocksize'"),
+    ({"policy": {"nf4": "embed"}}, "'policy.nf4'"),
+    ({"policy": {"int8": [1]}}, "'policy.int8'"),
+    ({"policy": {"dtype": 16}}, "'policy.dtype'"),
+    ({"policy": {"level": True}}, "'policy.level'"),
+    ({"policy": {"frame_size": 1.5}}, "'policy.frame_size'"),
+    ({"policy": {"maximus_shards": "5"}}, "'policy.maximus_shards'"),
+    ({"policy": {"measured": []}}, "'policy.measured'"),
+    ({"policy": {"measured": {"cost_kl": "0.1"}}}, "'policy.measured.cost_kl'"),
+    ({"policy": {"measured": {"costs": {"embed": {"nf4": "x"}}}}}, "'policy.measured.costs'"),
+    ({"created_by": 5}, "'created_by'"),
+    ({"unmapped": ["a", 1]}, "'unmapped' name"),
+    ({"format_version": [True, 0]}, "'format_version'"),
+])
+def test_informative_object_of_wrong_type_is_refused_naming_the_key(tmp_path, edit, key):
+    """Section 2: source, architecture and policy are objects whose defined keys have the types
+    the spec gives; junk is a ManifestError naming the key, never silently replaced."""
+    from lct.errors import ManifestError
+    _build(tmp_path / "golden.lct", extra_manifest=edit)
+    with pytest.raises(ManifestError, match=re.escape(key)):
+        lct.open(tmp_path / "golden.lct")
+
+
+def test_informative_objects_by_the_spec(tmp_path):
+    """Keys the spec does not define are ignored (section 8); absent objects read as empty; every
+    key LCT's writer writes is typed as the spec's tables say."""
+    policy = {"mode": "auto", "nf4": ["embed"], "int8": [], "blocksize": 64, "dtype": None,
+              "codec": "planes", "level": -7, "frame_size": 128, "maximus_shards": None,
+              "measured": {"method": "proxy", "mode": "auto", "budget_kl": 0.01, "cost_kl": 0,
+                           "tied": True, "tokens": 0, "seconds": 0.5,
+                           "costs": {"embed+head": {"nf4": 0.002, "int8": 1e-05}},
+                           "x_future": [1]},
+              "x_future": {"a": 1}}
+    source = {"id": "hand", "kind": "local", "revision": None, "x_future": 1,
+              "files": {"model.safetensors": {"sha256": "0" * 64, "size": 0, "x": 1}}}
+    _build(tmp_path / "a.lct", extra_manifest={"policy": policy, "source": source})
+    with lct.open(tmp_path / "a.lct") as art:
+        assert art.manifest.policy == policy and art.manifest.source == source
+    m = json.loads((tmp_path / "a.lct" / "lct.json").read_text())
+    for key in ("source", "architecture", "policy", "created_by", "unmapped"):
+        del m[key]
+    (tmp_path / "a.lct" / "lct.json").write_text(json.dumps(m))
+    with lct.open(tmp_path / "a.lct") as art:
+        assert (art.manifest.source, art.manifest.architecture, art.manifest.policy,
+                art.manifest.unmapped, art.manifest.created_by) == ({}, {}, {}, [], "")
+
+
+def test_writer_policy_keys_are_the_spec_table(gemma_art):
+    """What the writer writes in `policy`, `source` and `architecture` is exactly the keys of the
+    spec's tables (docs/FORMAT.md section 2), with their types."""
+    m = json.loads((gemma_art / "lct.json").read_text())
+    assert set(m["policy"]) == {"mode", "nf4", "int8", "blocksize", "dtype", "codec", "level",
+                                "frame_size", "maximus_shards", "measured"}
+    assert set(m["policy"]["measured"]) == {"method", "mode", "budget_kl", "cost_kl", "tied",
+                                            "tokens", "seconds", "costs"}
+    assert m["policy"]["mode"] in ("auto", "manual") and m["policy"]["maximus_shards"] is None
+    assert set(m["source"]) == {"id", "kind", "revision", "files"}
+    assert all(re.fullmatch("[0-9a-f]{64}", f["sha256"]) and isinstance(f["size"], int)
+               for f in m["source"]["files"].values())
+    assert set(m["architecture"]) == {"model_type", "tie_word_embeddings", "mapping"}
+    assert isinstance(m["architecture"]["tie_word_embeddings"], bool)
+    assert re.fullmatch("[0-9a-f]{32}", m["artifact_id"])
+
+
+# Section 2.2: NF4 blocksize limits, keys that do not apply, row_order --------------------------
+def _one_nf4_manifest(blocksize: int, cols: int) -> dict:
+    """A manifest (never opened on disk) holding one NF4 tensor [1, cols] in one raw chunk."""
+    packed = cols // 2
+    a_off = -(-packed // 64) * 64
+    n_abs = 4 * (cols // blocksize if blocksize else 1)
+    decoded = a_off + n_abs
+    return {"format": "lct", "format_version": [1, 0], "created_by": "hand",
+            "artifact_id": ARTIFACT_ID, "files": [{"name": "model-00000.lct",
+                                                   "size": 4096 + decoded}],
+            "groups": ["embed"],
+            "chunks": [{"id": 0, "group": "embed", "file": 0, "offset": 4096,
+                        "stored_size": decoded, "decoded_size": decoded, "codec": "raw",
+                        "params": {}, "checksum": "xxh3_64:" + "0" * 16}],
+            "tensors": [{"name": "e", "shape": [1, cols], "dtype": "float32",
+                         "stored_dtype": "nf4", "encoding": "nf4", "role": "embed",
+                         "group": "embed", "chunk": 0, "offset": 0, "nbytes": packed,
+                         "nf4": {"blocksize": blocksize, "absmax_offset": a_off,
+                                 "absmax_nbytes": n_abs}}]}
+
+
+def test_nf4_blocksize_limits_are_the_spec_constants():
+    """Section 2.2: blocksize even, NF4_MIN_BLOCKSIZE (2) .. NF4_MAX_BLOCKSIZE (2^20), divides the
+    row; the reader and the writer's check agree on the limits."""
+    from lct.errors import ManifestError, PolicyError
+    from lct.format.manifest import Manifest
+    assert (C.NF4_MIN_BLOCKSIZE, C.NF4_MAX_BLOCKSIZE) == (2, 2**20)
+    for bs in (2, 64, 2**20):
+        Manifest.from_dict(_one_nf4_manifest(bs, max(bs, 64)))
+        nf4.check_blocksize((1, max(bs, 64)), bs)
+    for bs, cols in ((2**21, 2**21), (0, 64), (3, 6), (6, 64)):
+        with pytest.raises(ManifestError, match="blocksize"):
+            Manifest.from_dict(_one_nf4_manifest(bs, cols))
+        with pytest.raises(PolicyError, match="blocksize"):
+            nf4.check_blocksize((1, cols), bs)
+
+
+@pytest.mark.parametrize("name,key,value,msg", [
+    ("model.layers.0.w", "nf4", {"blocksize": 64, "absmax_offset": 0, "absmax_nbytes": 4},
+     "has an 'nf4' object but its encoding is 'plain'"),
+    ("model.layers.0.w", "int8", {"scale_offset": 0, "scale_nbytes": 4},
+     "has an 'int8' object but its encoding is 'plain'"),
+    ("model.embed_tokens.weight", "int8", None, "has an 'int8' object but its encoding is 'nf4'"),
+    ("model.layers.0.w", "row_order", "maximus", "applies only to a tensor stored as pieces"),
+    ("model.norm.weight", "row_order", None, "applies only to a tensor stored as pieces"),
+])
+def test_keys_a_tensor_does_not_use_are_refused(tmp_path, name, key, value, msg):
+    """Section 2.2: `nf4`/`int8` only with that encoding; `row_order` only on pieced tensors."""
+    from lct.errors import ManifestError
+    _build(tmp_path / "g.lct")
+    path = tmp_path / "g.lct" / "lct.json"
+    m = json.loads(path.read_text())
+    next(t for t in m["tensors"] if t["name"] == name)[key] = value
+    path.write_text(json.dumps(m))
+    with pytest.raises(ManifestError, match=re.escape(msg)) as ei:
+        lct.open(tmp_path / "g.lct")
+    assert name in str(ei.value)
+
+
+def test_unknown_row_order_is_refused_as_unsupported(tmp_path):
+    from lct.errors import UnsupportedVersionError
+    _build(tmp_path / "g.lct")
+    path = tmp_path / "g.lct" / "lct.json"
+    m = json.loads(path.read_text())
+    m["tensors"][1]["row_order"] = "x-future"
+    path.write_text(json.dumps(m))
+    with pytest.raises(UnsupportedVersionError, match="unknown row_order 'x-future'"):
+        lct.open(tmp_path / "g.lct")
+
+
+# Section 3: the data file header ---------------------------------------------------------------
+def test_writer_data_file_header_is_the_spec(gemma_art):
+    """Magic, u16 major, u16 minor, u32 index, the 16 id bytes, then zeros up to 4096."""
+    m = json.loads((gemma_art / "lct.json").read_text())
+    for i, f in enumerate(m["files"]):
+        head = (gemma_art / f["name"]).read_bytes()[:4096]
+        assert head[:8] == b"LCTDATA\0"
+        assert struct.unpack_from("<HHI", head, 8) == (*C.FORMAT_VERSION, i)
+        assert head[16:32] == bytes.fromhex(m["artifact_id"])
+        assert head[32:] == b"\0" * (4096 - 32)
+    assert struct.calcsize(C.DATA_HEADER_STRUCT) == C.DATA_HEADER_FIELDS_SIZE == 32
+
+
+@pytest.mark.parametrize("at", [32, 100, 4095])
+def test_reserved_header_byte_not_zero_is_refused(tmp_path, at):
+    """Section 3: bytes 32..4095 of the header are reserved and MUST be zero; the error names the
+    file and the offset."""
+    from lct.errors import ManifestError
+    _build(tmp_path / "g.lct")
+    data = tmp_path / "g.lct" / "model-00000.lct"
+    raw = bytearray(data.read_bytes())
+    raw[at] = 0x5A
+    data.write_bytes(bytes(raw))
+    with pytest.raises(ManifestError, match=f"model-00000.lct: header byte at offset {at} is "
+                                            f"0x5a; bytes 32..4095 .* reserved"):
+        lct.open(tmp_path / "g.lct")
+
+
+def test_data_file_shorter_than_its_header_is_refused(tmp_path):
+    """A data file holding no chunk is the header alone: 4096 bytes read; 32 are not enough."""
+    from lct.errors import ManifestError
+    root = tmp_path / "empty.lct"
+    root.mkdir()
+    header = C.DATA_MAGIC + struct.pack("<HHI", 1, 0, 0) + bytes.fromhex(ARTIFACT_ID)
+    m = {"format": "lct", "format_version": [1, 0], "created_by": "hand",
+         "artifact_id": ARTIFACT_ID, "files": [{"name": "model-00000.lct", "size": 4096}],
+         "groups": [], "chunks": [], "tensors": [], "ties": {}, "unmapped": []}
+    (root / "lct.json").write_text(json.dumps(m))
+    (root / "model-00000.lct").write_bytes(_pad(header, 4096))
+    with lct.open(root) as art:
+        assert art.tensor_names == []
+    (root / "model-00000.lct").write_bytes(header)
+    m["files"][0]["size"] = len(header)
+    (root / "lct.json").write_text(json.dumps(m))
+    with pytest.raises(ManifestError, match="shorter than its 4096-byte header"):
+        lct.open(root)
+
+
+# Sections 2.3, 2.4 and 9: pieces, the maximus entry and the state file, by hand -----------------
+MX_COUNTS = [1, 5, 0, 5, 2]                       # V = 5 token counts
+# Section 9: ids by descending count, ties by ascending id; id_to_row is the inverse.
+MX_ROW_TO_ID = [1, 3, 4, 0, 2]
+MX_ID_TO_ROW = [3, 0, 4, 1, 2]
+MX_OFFSETS = [0, 3, 5]                            # N = 2 shards of ceil(5 / 2) = 3 rows
+MX_PREFIX = "maximus.model.embed_tokens."
+MX_HEAD = np.array([[1, -2, 0.5, 4], [0, 0, 0, 0], [-8, 1, 2, 3], [0.25, 0.5, -1, 0.75],
+                    [3, 3, -3, 1.5]], dtype=np.float32)   # token-id order; row 1 all zero
+
+
+def _mx_state(**override):
+    """The state tensors of section 9's table (numpy), under the module's prefix."""
+    fields = {
+        "id_to_row": np.array(MX_ID_TO_ROW, np.int64),
+        "row_to_id": np.array(MX_ROW_TO_ID, np.int64),
+        "shard_offsets": np.array(MX_OFFSETS, np.int64),
+        "token_freq": np.array(MX_COUNTS, np.int64),
+        "shard_score": np.zeros(2, np.float32),
+        "shard_last_access_step": np.full(2, -1, np.int64),
+        "resident": np.zeros(2, np.uint8),
+        "pad_ids": np.array([2], np.int64),
+        "step": np.zeros(2, np.int64),
+        "stats": np.zeros(8, np.int64),
+    }
+    fields.update(override)
+    return {MX_PREFIX + k: v for k, v in fields.items() if v is not None}
+
+
+MX_POLICY = {"num_embeddings": 5, "embedding_dim": 4, "num_shards": 2, "budget_shards": 1,
+             "bucket_size": 1, "load_rate": 0.3, "evict_rate": 0.05, "decay": 0.9,
+             "sparse": True, "padding_idx": None}
+
+
+def _int8_by_the_spec(x: np.ndarray):
+    """Section 2.2 in float32: scale = absmax(row) / 127, q = round-half-even(x / scale), and
+    q = 0 for a row whose scale is 0."""
+    x = x.astype(np.float32)
+    scale = (np.abs(x).max(axis=1) / np.float32(127)).astype(np.float32)
+    safe = np.where(scale == 0, np.float32(1), scale)
+    q = np.rint(x / safe[:, None]).clip(-127, 127).astype(np.int8)
+    q[scale == 0] = 0
+    return q, scale
+
+
+def _build_maximus(root, *, state=None, policy=None, edit=None):
+    """A 1.1 artifact holding a [5, 4] float32 embedding and a [5, 4] int8 head, each stored as
+    two frequency-ordered pieces (one chunk each), a tie to the embedding, and its Maximus state
+    file; sealed by the spec. Returns ``(embedding, head q, head scale)`` in token-id order."""
+    import hashlib
+
+    from safetensors.numpy import save_file
+    root.mkdir(parents=True)
+    emb = (np.arange(20, dtype=np.float32).reshape(5, 4) * np.float32(0.5) - np.float32(3))
+    q, scale = _int8_by_the_spec(MX_HEAD)
+    order = np.array(MX_ROW_TO_ID)
+    e_rows, q_rows, s_rows = emb[order], q[order], scale[order]   # stored: frequency order
+    chunks_src, pieces = [], {"emb": [], "head": []}
+    for r0, r1 in zip(MX_OFFSETS, MX_OFFSETS[1:]):
+        piece = e_rows[r0:r1].tobytes()
+        pieces["emb"].append({"rows": [r0, r1], "chunk": len(chunks_src), "offset": 0,
+                              "nbytes": len(piece)})
+        chunks_src.append((piece, "embed"))
+    for r0, r1 in zip(MX_OFFSETS, MX_OFFSETS[1:]):
+        codes = q_rows[r0:r1].tobytes()
+        scales = s_rows[r0:r1].tobytes()
+        pieces["head"].append({"rows": [r0, r1], "chunk": len(chunks_src), "offset": 0,
+                               "nbytes": len(codes),
+                               "int8": {"scale_offset": 64, "scale_nbytes": len(scales)}})
+        chunks_src.append((_pad(codes, 64) + scales, "head"))
+    header = C.DATA_MAGIC + struct.pack("<HHI", 1, 1, 0) + bytes.fromhex(ARTIFACT_ID)
+    data = bytearray(_pad(header, 4096))
+    chunks = []
+    for i, (blob, group) in enumerate(chunks_src):
+        data += b"\0" * (-len(data) % 4096)
+        stored, codec, params = blob, "raw", {}
+        if i == 1:                                    # one piece zstd, to decode it alone
+            stored, codec, params = _zstd_chunk(blob, 16), "zstd", {"level": 3, "frame_size": 16}
+        chunks.append({"id": i, "group": group, "file": 0, "offset": len(data),
+                       "stored_size": len(stored), "decoded_size": len(blob), "codec": codec,
+                       "params": params,
+                       "checksum": "xxh3_64:" + xxhash.xxh3_64_hexdigest(stored)})
+        data += stored
+    (root / "model-00000.lct").write_bytes(bytes(data))
+
+    state_path = root / "maximus.safetensors"
+    modules = {"model.embed_tokens": {"policy": policy or MX_POLICY, "frequency_source": {
+        "kind": "counts-json", "path": None, "tokens": sum(MX_COUNTS)}}}
+    save_file(_mx_state(**(state or {})), str(state_path),
+              metadata={"format": "lct-maximus", "version": "1", "modules": json.dumps(modules)})
+
+    def pieced(name, dtype, stored_dtype, encoding, role, group, ps):
+        return {"name": name, "shape": [5, 4], "dtype": dtype, "stored_dtype": stored_dtype,
+                "encoding": encoding, "role": role, "group": group, "row_order": "maximus",
+                "pieces": ps}
+
+    manifest = {
+        "format": "lct", "format_version": [1, 1], "created_by": "hand (tests/test_golden.py)",
+        "artifact_id": ARTIFACT_ID,
+        "source": {"id": "hand", "kind": "local", "revision": None, "files": {}},
+        "architecture": {"model_type": "llama", "tie_word_embeddings": False,
+                         "mapping": "llama"},
+        "policy": {"mode": "manual", "nf4": [], "int8": ["head"], "blocksize": 64,
+                   "dtype": None, "codec": "raw", "level": 1, "frame_size": 1048576,
+                   "maximus_shards": 2},
+        "files": [{"name": "model-00000.lct", "size": len(data)}],
+        "groups": ["embed", "head"],
+        "chunks": chunks,
+        "tensors": [
+            pieced("model.embed_tokens.weight", "float32", "float32", "plain", "embed", "embed",
+                   pieces["emb"]),
+            pieced("lm_head.weight", "float32", "int8", "int8", "head", "head", pieces["head"]),
+        ],
+        "ties": {"model.alias.weight": "model.embed_tokens.weight"},
+        "unmapped": [],
+        "maximus": {"file": "maximus.safetensors",
+                    "sha256": hashlib.sha256(state_path.read_bytes()).hexdigest(),
+                    "num_shards": 2,
+                    "tensors": ["model.embed_tokens.weight", "lm_head.weight"],
+                    "prefix": MX_PREFIX,
+                    "frequency_source": {"kind": "counts-json", "path": None,
+                                         "tokens": sum(MX_COUNTS)}},
+    }
+    if edit:
+        edit(manifest)
+    (root / "lct.json").write_text(_seal_by_the_spec(manifest))
+    return emb, q, scale
+
+
+def test_hand_built_maximus_artifact_reads_back(tmp_path):
+    """Sections 2.3, 2.4, 9 in the reading direction: pieces decode alone, rows come back in
+    token-id order through the state's permutation (stored order on request), int8 piece codes
+    and scales are exactly those rows of the table's, ties resolve, the state is the file's."""
+    emb, q, scale = _build_maximus(tmp_path / "mx.lct")
+    order = np.array(MX_ROW_TO_ID)
+    with lct.open(tmp_path / "mx.lct") as art:
+        info = art.tensor_info("model.embed_tokens.weight")
+        assert [p.rows for p in info.pieces] == [(0, 3), (3, 5)]
+        assert torch.equal(art.read_tensor("model.embed_tokens.weight"), torch.from_numpy(emb))
+        assert torch.equal(art.read_tensor("model.alias.weight"), torch.from_numpy(emb))
+        for piece in info.pieces:                      # each piece is one chunk, decoded alone
+            got = art.tensor_from_buffer(piece, art.read_chunk(piece.chunk))
+            assert torch.equal(got, torch.from_numpy(emb[order[piece.rows[0]:piece.rows[1]]]))
+        bufs = {p.chunk: art.read_chunk(p.chunk) for p in info.pieces}
+        assert torch.equal(art.assemble(info, bufs, id_order=False),
+                           torch.from_numpy(emb[order]))
+        w = art.read_tensor("lm_head.weight", dequantize=False)
+        assert torch.equal(w.q, torch.from_numpy(q)) and torch.equal(w.scale,
+                                                                     torch.from_numpy(scale))
+        assert torch.equal(art.read_tensor("lm_head.weight"),
+                           torch.from_numpy(q.astype(np.float32) * scale[:, None]))
+        group = art.read_group("embed")
+        assert set(group) == {"model.embed_tokens.weight", "model.alias.weight"}
+        state = art.maximus_state()
+        assert {k: v.tolist() for k, v in state.items()} == {
+            "maximus." + k[len(MX_PREFIX):]: v.tolist() for k, v in _mx_state().items()}
+        assert art.maximus_policy() == MX_POLICY
+    # lct's own encoder and helpers agree with the spec's words (sections 2.2 and 9).
+    from lct.format import int8
+    from lct.format.maximus import frequency_order, invert_permutation, shard_bounds
+    lq, ls = int8.quantize(torch.from_numpy(MX_HEAD))
+    assert torch.equal(lq, torch.from_numpy(q)) and torch.equal(ls, torch.from_numpy(scale))
+    assert frequency_order(MX_COUNTS).tolist() == MX_ROW_TO_ID
+    assert invert_permutation(torch.tensor(MX_ROW_TO_ID)).tolist() == MX_ID_TO_ROW
+    assert shard_bounds(5, 2) == MX_OFFSETS
+
+
+@pytest.mark.parametrize("state,policy,msg", [
+    ({"shard_offsets": np.array([0, 2, 5], np.int64)}, None,
+     r"shard_offsets \[0, 2, 5\] do not match 5 rows in 2 shards .* expected \[0, 3, 5\]"),
+    ({"shard_offsets": np.array([0, 3, 5, 5], np.int64)}, None,
+     r"shard_offsets has shape \[4\], expected \[3\]"),
+    ({"shard_offsets": np.array([0, 3, 5], np.int32)}, None,
+     "shard_offsets is int32, the format says int64"),
+    ({"row_to_id": np.array([1, 3, 4, 2, 0], np.int64)}, None, "not inverse permutations"),
+    ({"stats": None}, None, "missing maximus.stats"),
+    ({"shard_score": np.zeros(2, np.float64)}, None, "shard_score is float64"),
+    ({"pad_ids": np.array([5], np.int64)}, None, "pad_ids must be token ids in 0..4"),
+    (None, dict(MX_POLICY, num_shards=3), "policy num_shards is 3, the artifact has 2"),
+    (None, dict(MX_POLICY, embedding_dim=8), "policy embedding_dim is 8, the artifact has 4"),
+])
+def test_bad_maximus_state_is_refused(tmp_path, state, policy, msg):
+    """Section 9: a reader checks the state before using it; wrong offsets, a broken
+    permutation, a missing or mistyped field or a policy that does not fit the artifact are a
+    ManifestError naming the state file."""
+    from lct.errors import ManifestError
+    _build_maximus(tmp_path / "mx.lct", state=state, policy=policy)
+    with lct.open(tmp_path / "mx.lct") as art:        # opening reads no state
+        with pytest.raises(ManifestError, match=msg) as ei:
+            art.read_tensor("model.embed_tokens.weight")
+    assert "maximus.safetensors" in str(ei.value)
+
+
+def _set_maximus(key, value):
+    return lambda m: m["maximus"].__setitem__(key, value)
+
+
+def _move_pieces(m):
+    for t in m["tensors"]:
+        t["pieces"][0]["rows"], t["pieces"][1]["rows"] = [0, 2], [2, 5]
+
+
+@pytest.mark.parametrize("edit,msg", [
+    (_set_maximus("num_shards", 3), "each piece is one shard"),
+    (_set_maximus("num_shards", 4), "does not split 5 rows into non-empty shards"),
+    (_set_maximus("tensors", ["model.embed_tokens.weight"]),
+     "'lm_head.weight' has row_order 'maximus' but is not in maximus.tensors"),
+    (_set_maximus("tensors", ["model.embed_tokens.weight"] * 2 + ["lm_head.weight"]),
+     "names a tensor twice"),
+    (_set_maximus("frequency_source", {"kind": "text", "tokens": 3, "path": 7}),
+     "'maximus.frequency_source.path'"),
+    (lambda m: m.pop("maximus"), "not in maximus.tensors"),
+    (lambda m: m["tensors"][0].__setitem__("chunk", 0), "has no 'chunk' of its own"),
+    (lambda m: m["tensors"][1].__setitem__("int8", {"scale_offset": 64, "scale_nbytes": 12}),
+     "has no 'int8' of its own"),
+])
+def test_maximus_entry_that_breaks_the_spec_is_refused(tmp_path, edit, msg):
+    """Sections 2.3 and 2.4 on the hand-built artifact (each edit sealed again by the spec, so the
+    structural rule is what refuses it)."""
+    from lct.errors import ManifestError
+    _build_maximus(tmp_path / "mx.lct", edit=edit)
+    with pytest.raises(ManifestError, match=re.escape(msg)):
+        lct.open(tmp_path / "mx.lct")
+
+
+def test_writer_maximus_artifact_is_the_spec(llama_src, tmp_path):
+    """Sections 2.3, 2.4 and 9 in the writing direction: what the converter writes, checked
+    against the spec's words with numpy, safetensors and hashlib (lct only to convert, and to
+    decode chunks)."""
+    import hashlib
+
+    from safetensors import safe_open
+    from safetensors.torch import load_file
+    src = load_file(llama_src / "model.safetensors")
+    V, H = src["model.embed_tokens.weight"].shape
+    N = 5
+    counts = [(7 * i) % 11 for i in range(V)]
+    (tmp_path / "counts.json").write_text(json.dumps(counts))
+    out = tmp_path / "mx.lct"
+    lct.convert(str(llama_src), out, token_freq=str(tmp_path / "counts.json"),
+                policy=lct.Policy(nf4=(), int8=(), maximus_shards=N))
+    m = json.loads((out / "lct.json").read_text())
+    S = -(-V // N)
+    shards = [[min(k * S, V), min((k + 1) * S, V)] for k in range(N)]
+    ids = np.arange(V)
+    row_to_id = np.lexsort((ids, -np.array(counts)))         # descending count, ties by id
+    id_to_row = np.empty(V, np.int64)
+    id_to_row[row_to_id] = ids
+
+    # 2.4: the maximus entry.
+    mx = m["maximus"]
+    state_path = out / C.MAXIMUS_FILE
+    assert mx["file"] == "maximus.safetensors" and mx["num_shards"] == N
+    assert mx["sha256"] == hashlib.sha256(state_path.read_bytes()).hexdigest()
+    assert sorted(mx["tensors"]) == ["lm_head.weight", "model.embed_tokens.weight"]
+    assert mx["prefix"] == "maximus.model.embed_tokens."
+    assert mx["frequency_source"]["kind"] == "counts-json"
+    assert mx["frequency_source"]["tokens"] == sum(counts)
+    assert m["policy"]["maximus_shards"] == N
+    # 2.3: pieces, one chunk each, holding that piece and nothing after it.
+    chunks = m["chunks"]
+    used = []
+    with lct.open(out) as art:
+        for name in mx["tensors"]:
+            t = next(t for t in m["tensors"] if t["name"] == name)
+            assert t["row_order"] == "maximus" and t["shape"] == [V, H]
+            assert not {"chunk", "offset", "nbytes", "nf4", "int8"} & set(t)
+            assert [p["rows"] for p in t["pieces"]] == shards
+            for p in t["pieces"]:
+                c = chunks[p["chunk"]]
+                used.append(p["chunk"])
+                assert c["group"] == t["group"] and c["decoded_size"] == p["offset"] + p["nbytes"]
+                r0, r1 = p["rows"]
+                buf = art.read_chunk(p["chunk"])
+                got = torch.from_numpy(buf[p["offset"]:p["offset"] + p["nbytes"]].copy())
+                want = src[name][torch.from_numpy(row_to_id[r0:r1])]
+                assert torch.equal(got.view(want.dtype).view(r1 - r0, H), want)
+            assert torch.equal(art.read_tensor(name), src[name])   # back in id order
+    assert len(set(used)) == len(used) == 2 * N
+    # 9: the state file.
+    with safe_open(str(state_path), "np") as f:
+        meta = f.metadata()
+        tensors = {k: f.get_tensor(k) for k in f.keys()}
+    assert meta["format"] == "lct-maximus" and meta["version"] == "1"
+    modules = json.loads(meta["modules"])
+    assert list(modules) == ["model.embed_tokens"]
+    pol = modules["model.embed_tokens"]["policy"]
+    assert (pol["num_embeddings"], pol["embedding_dim"], pol["num_shards"]) == (V, H, N)
+    assert set(pol) == {"num_embeddings", "embedding_dim", "num_shards", "budget_shards",
+                        "bucket_size", "load_rate", "evict_rate", "decay", "sparse",
+                        "padding_idx"}
+    assert all(k.startswith(mx["prefix"]) and ".weight." not in k for k in tensors)
+    f = {k[len(mx["prefix"]):]: v for k, v in tensors.items()}
+    table = {"id_to_row": ("int64", [V]), "row_to_id": ("int64", [V]),
+             "shard_offsets": ("int64", [N + 1]), "token_freq": ("int64", [V]),
+             "shard_score": ("float32", [N]), "shard_last_access_step": ("int64", [N]),
+             "resident": ("uint8", [N]), "pad_ids": ("int64", [1]), "step": ("int64", [2]),
+             "stats": ("int64", [8])}
+    assert {k: (str(v.dtype), list(v.shape)) for k, v in f.items()} == table
+    assert f["row_to_id"].tolist() == row_to_id.tolist()
+    assert f["id_to_row"].tolist() == id_to_row.tolist()
+    assert f["shard_offsets"].tolist() == [s[0] for s in shards] + [V]
+    assert f["token_freq"].tolist() == counts
+    assert f["pad_ids"].tolist() == [0]                        # the config's pad_token_id
+    assert f["shard_last_access_step"].tolist() == [-1] * N
+    assert not f["shard_score"].any() and not f["resident"].any()
+    assert not f["step"].any() and not f["stats"].any()
+
+
+# Section 0: the numbers the spec names are the constants --------------------------------------
+def test_every_constant_the_spec_names_is_in_constants_with_its_value():
+    from pathlib import Path
+    text = (Path(__file__).parent.parent / "docs" / "FORMAT.md").read_text()
+    named = set(re.findall(r"`([A-Z][A-Z0-9_]{3,})`", text)) - {"LICENSE", "NNNNN"}
+    assert named and not [n for n in sorted(named) if not hasattr(C, n)]
+    MiB, GiB = 1 << 20, 1 << 30
+    assert {n: getattr(C, n) for n in (
+        "DATA_HEADER_SIZE", "CHUNK_ALIGNMENT", "TENSOR_ALIGNMENT", "MAX_MANIFEST_BYTES",
+        "MAX_RANK", "MAX_TENSORS", "MAX_CHUNKS", "MAX_FILES", "MAX_NAME_LEN",
+        "MAX_CHUNK_DECODED", "MAX_FRAME_SIZE", "MAX_DIM", "MAX_MANIFEST_INT",
+        "MANIFEST_BYTES_PER_CONTAINER", "MANIFEST_CONTAINER_SLACK", "NF4_MIN_BLOCKSIZE",
+        "NF4_MAX_BLOCKSIZE", "ARTIFACT_ID_BYTES", "MAX_VERSION_NUMBER", "ZSTD_LEVELS",
+        "MAX_SIDE_FILE_BYTES", "MAX_SIDE_FILES_BYTES", "DEFAULT_MAX_FILE_SIZE",
+        "DATA_HEADER_STRUCT", "DATA_MAGIC", "MAXIMUS_FILE", "MAXIMUS_STATE_FORMAT",
+        "MAXIMUS_STATE_VERSION")} == {
+        "DATA_HEADER_SIZE": 4096, "CHUNK_ALIGNMENT": 4096, "TENSOR_ALIGNMENT": 64,
+        "MAX_MANIFEST_BYTES": 64 * MiB, "MAX_RANK": 8, "MAX_TENSORS": 1_000_000,
+        "MAX_CHUNKS": 1_000_000, "MAX_FILES": 100_000, "MAX_NAME_LEN": 1024,
+        "MAX_CHUNK_DECODED": 64 * GiB, "MAX_FRAME_SIZE": 64 * MiB, "MAX_DIM": 2**40,
+        "MAX_MANIFEST_INT": 2**62, "MANIFEST_BYTES_PER_CONTAINER": 24,
+        "MANIFEST_CONTAINER_SLACK": 64, "NF4_MIN_BLOCKSIZE": 2, "NF4_MAX_BLOCKSIZE": 2**20,
+        "ARTIFACT_ID_BYTES": 16, "MAX_VERSION_NUMBER": 65535, "ZSTD_LEVELS": (-7, 22),
+        "MAX_SIDE_FILE_BYTES": 64 * MiB, "MAX_SIDE_FILES_BYTES": 512 * MiB,
+        "DEFAULT_MAX_FILE_SIZE": 4 * GiB, "DATA_HEADER_STRUCT": "<8sHHI16s",
+        "DATA_MAGIC": b"LCTDATA\0", "MAXIMUS_FILE": "maximus.safetensors",
+        "MAXIMUS_STATE_FORMAT": "lct-maximus", "MAXIMUS_STATE_VERSION": "1"}
+    assert C.MAXIMUS_STATS_FIELDS == ("lookups", "hits", "misses", "shard_loads",
+                                      "shard_evictions", "bytes_moved", "steps", "pad_lookups")

@@ -248,4 +248,9 @@ def test_bad_state_files(gen, tmp_path):
     before = m.id_ordered_weight().clone()
     with pytest.raises(MaximusStateError, match="permutation"):
         load_maximus_state(m, tmp_path / "perm.safetensors")
+    t = load_file(path)
+    t["maximus.pad_ids"] = torch.tensor([V + 3], dtype=t["maximus.pad_ids"].dtype)
+    save_file(t, str(tmp_path / "pads.safetensors"), metadata=meta)
+    with pytest.raises(MaximusStateError, match="pad_ids must be token ids"):
+        load_maximus_state(m, tmp_path / "pads.safetensors")
     assert torch.equal(m.id_ordered_weight(), before)  # nothing changed

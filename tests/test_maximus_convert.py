@@ -164,6 +164,10 @@ def test_no_frequency_source_orders_by_id(llama_src, tmp_path):
 def test_too_many_shards(llama_src, tmp_path):
     with pytest.raises(PolicyError, match="maximus_shards 999"):
         lct.convert(str(llama_src), tmp_path / "a.lct", policy=Policy(maximus_shards=999))
+    # 384 rows in 300 shards of 2 rows: the last 108 would be empty, which no reader accepts.
+    with pytest.raises(PolicyError, match="leaves empty shards for 384 rows .* use 192 or fewer"):
+        lct.convert(str(llama_src), tmp_path / "b.lct", policy=Policy(maximus_shards=300))
+    assert not (tmp_path / "b.lct").exists()
 
 
 def test_corrupt_or_mismatched_state_in_artifact(mx_art, tmp_path):

@@ -235,6 +235,11 @@ def _maximus_layout(src: Source, specs: dict, policy: Policy, token_freq) -> Max
     if not 1 <= n <= rows:
         raise PolicyError(f"maximus_shards {n} must be in 1..{rows} (the vocabulary size)",
                           option="maximus_shards")
+    if (n - 1) * -(-rows // n) >= rows:      # shards of ceil(rows/n) rows: the last ones empty
+        fits = max(k for k in range(1, n) if (k - 1) * -(-rows // k) < rows)
+        raise PolicyError(f"maximus_shards {n} leaves empty shards for {rows} rows (shards of "
+                          f"{-(-rows // n)} rows each); use {fits} or fewer",
+                          option="maximus_shards")
     if token_freq is not None:
         from lct.conversion.freq import token_counts
         counts, freq_source = token_counts(token_freq, rows, src.root)

@@ -290,7 +290,7 @@ class PlanesCodec(Codec):
     """Lossless exponent / sign-mantissa planes for 16- and 32-bit floats (FORMAT.md 5)."""
 
     name = C.CODEC_PLANES
-    _entry = struct.Struct("<IIB3x")
+    _entry = struct.Struct("<IIB3s")    # hi length, lo length, mode, three zero bytes
 
     def check_params(self, params, decoded_size, stored_size):
         width = params.get("width")
@@ -323,7 +323,7 @@ class PlanesCodec(Codec):
 
         frames = list(map_fn(one, _frames(data.nbytes, params["frame_size"])))
         table = struct.pack("<I", len(frames)) + b"".join(
-            self._entry.pack(len(h), len(lo), mode) for h, lo, mode in frames)
+            self._entry.pack(len(h), len(lo), mode, b"\0\0\0") for h, lo, mode in frames)
         return table + b"".join(h + lo for h, lo, _ in frames)
 
     def _spans(self, stored, decoded_size, params, what):
@@ -331,8 +331,11 @@ class PlanesCodec(Codec):
         frames, table, pos = _read_table(stored, decoded_size, params["frame_size"], self._entry,
                                          what)
         spans = []
-        for (start, size), (hi_len, lo_len, mode) in zip(frames, table):
+        for (start, size), (hi_len, lo_len, mode, pad) in zip(frames, table):
             n = size // width
+            if pad != b"\0\0\0":
+                raise CorruptChunkError(f"{what}: frame at {start}: reserved table bytes "
+                                        f"{pad.hex()} are not zero")
             if mode not in (0, 1) or (mode == 0 and lo_len != n * (width - 1)):
                 raise CorruptChunkError(f"{what}: frame at {start}: bad lo plane "
                                         f"(mode {mode}, {lo_len} bytes)")

@@ -2,12 +2,19 @@
 
 FORMAT_NAME = "lct"
 FORMAT_VERSION = (1, 1)
+MAX_VERSION_NUMBER = 0xFFFF             # major and minor are u16s in the data file header
 
 MANIFEST_NAME = "lct.json"
 DATA_FILE_TEMPLATE = "model-{index:05d}.lct"
 DATA_FILE_PATTERN = r"model-[0-9]{5}\.lct"
 DATA_MAGIC = b"LCTDATA\x00"
 DATA_HEADER_SIZE = 4096
+# The data file header's fields (FORMAT.md section 3): magic, u16 major, u16 minor,
+# u32 file index, the 16 bytes of the artifact id; every byte after them up to
+# DATA_HEADER_SIZE is reserved and zero.
+DATA_HEADER_STRUCT = "<8sHHI16s"
+DATA_HEADER_FIELDS_SIZE = 32            # struct.calcsize(DATA_HEADER_STRUCT)
+ARTIFACT_ID_BYTES = 16                  # written as 32 lowercase hex digits in the manifest
 CHUNK_ALIGNMENT = 4096
 TENSOR_ALIGNMENT = 64
 
@@ -20,9 +27,12 @@ MAX_FILES = 100_000
 MAX_NAME_LEN = 1024
 MAX_CHUNK_DECODED = 64 * 1024**3
 MAX_FRAME_SIZE = 64 * 1024 * 1024
+MAX_DIM = 1 << 40                       # largest dimension of a tensor's shape
+MAX_MANIFEST_INT = 1 << 62              # largest integer a size, offset or count may hold
 # A manifest holds at most one JSON object or array per this many bytes of its text (plus a
 # few): checked before parsing, so that parsing memory stays a small multiple of the text.
 MANIFEST_BYTES_PER_CONTAINER = 24
+MANIFEST_CONTAINER_SLACK = 64
 
 # Codec ids.
 CODEC_RAW = "raw"
@@ -30,6 +40,7 @@ CODEC_ZSTD = "zstd"
 CODEC_PLANES = "planes"
 
 CHECKSUM_ALGO = "xxh3_64"
+CHECKSUM_HEX_DIGITS = 16                # a checksum is CHECKSUM_ALGO + ":" + 16 hex digits
 
 # Writer defaults (chosen from docs/BENCHMARKS.md).
 DEFAULT_LEVEL = 1
@@ -79,6 +90,9 @@ NF4_CODE = (
     0.44070982933044434, 0.5626170039176941, 0.7229568362236023, 1.0,
 )
 NF4_ZERO_CODE = 7
+# An NF4 blocksize is even, in 2..NF4_MAX_BLOCKSIZE, and divides the row length (FORMAT.md 2.2).
+NF4_MIN_BLOCKSIZE = 2
+NF4_MAX_BLOCKSIZE = 1 << 20
 
 # Maximus: frequency-ordered vocabulary shards.
 ROW_ORDER_MAXIMUS = "maximus"
@@ -86,6 +100,9 @@ MAXIMUS_FILE = "maximus.safetensors"
 MAXIMUS_STATE_FORMAT = "lct-maximus"     # the state file's metadata "format" and "version"
 MAXIMUS_STATE_VERSION = "1"
 DEFAULT_MAXIMUS_SHARDS = 32
+# The counters of the state file's ``stats`` tensor, in order (FORMAT.md section 9).
+MAXIMUS_STATS_FIELDS = ("lookups", "hits", "misses", "shard_loads", "shard_evictions",
+                        "bytes_moved", "steps", "pad_lookups")
 # MaximusEmbedding's shard policy unless told otherwise (docs/FORMAT.md section 9).
 DEFAULT_MAXIMUS_POLICY = {"load_rate": 0.3, "evict_rate": 0.05, "decay": 0.9, "bucket_size": 1,
                           "sparse": True}

@@ -144,7 +144,7 @@ class Manifest:
             raise ManifestError(f"{where}: manifest is {len(text)} bytes, cap is {C.MAX_MANIFEST_BYTES}")
         raw = text.encode() if isinstance(text, str) else text
         containers = raw.count(b"{") + raw.count(b"[")
-        if containers > len(raw) // C.MANIFEST_BYTES_PER_CONTAINER + 64:
+        if containers > len(raw) // C.MANIFEST_BYTES_PER_CONTAINER + C.MANIFEST_CONTAINER_SLACK:
             raise ManifestError(f"{where}: {containers:,} JSON objects/arrays in {len(raw):,} "
                                 f"bytes; at most one per {C.MANIFEST_BYTES_PER_CONTAINER} bytes")
         try:
@@ -238,9 +238,9 @@ def is_side_file_name(name) -> bool:
 # Sealing (FORMAT.md section 6): chunk bindings and the manifest's own checksum, from 1.1 on.
 SEALED_SINCE = (1, 1)
 CHECKSUM_KEY = "manifest_checksum"
-_ZERO_SUM = C.CHECKSUM_ALGO + ":" + "0" * 16
-_SUM_RE = re.compile(rb'"manifest_checksum": ?"(' + C.CHECKSUM_ALGO.encode()
-                     + rb':[0-9a-f]{16})"')
+_ZERO_SUM = C.CHECKSUM_ALGO + ":" + "0" * C.CHECKSUM_HEX_DIGITS
+_CHECKSUM_PATTERN = C.CHECKSUM_ALGO + ":[0-9a-f]{%d}" % C.CHECKSUM_HEX_DIGITS
+_SUM_RE = re.compile(rb'"manifest_checksum": ?"(' + _CHECKSUM_PATTERN.encode() + rb')"')
 
 
 def chunk_bindings(chunks: list, tensors: dict, ties: dict) -> dict:
@@ -309,7 +309,7 @@ def _fail(where: str, msg: str):
     raise ManifestError(f"{where}: {msg}")
 
 
-def _int(v, where: str, what: str, lo: int = 0, hi: int = 1 << 62) -> int:
+def _int(v, where: str, what: str, lo: int = 0, hi: int = C.MAX_MANIFEST_INT) -> int:
     if not isinstance(v, int) or isinstance(v, bool) or not lo <= v <= hi:
         _fail(where, f"{what} must be an integer in [{lo}, {hi}], got {v!r}")
     return v
@@ -329,19 +329,113 @@ def _obj(d: dict, key: str, kind, where: str):
     return v
 
 
+# The informative objects (FORMAT.md section 2): each MUST be a JSON object when present (an
+# absent one reads as empty); a key the spec defines MUST have the type given here, a key it does
+# not define is ignored (section 8). Type tags: "str", "int" (not negative), "signed" (any int),
+# "num" (int or float), "bool", "null", "obj", "strs" (list of strings), "files"
+# (source.files), "costs" (``{part: {encoding: num}}``).
+_SOURCE_KEYS = {"id": ("str",), "kind": ("str",), "revision": ("str", "null"),
+                "files": ("files",)}
+_ARCHITECTURE_KEYS = {"model_type": ("str", "null"), "tie_word_embeddings": ("bool",),
+                      "mapping": ("str",)}
+_POLICY_KEYS = {"mode": ("str",), "nf4": ("strs",), "int8": ("strs",), "blocksize": ("int",),
+                "dtype": ("str", "null"), "codec": ("str",), "level": ("signed",),
+                "frame_size": ("int",), "maximus_shards": ("int", "null"), "measured": ("obj",)}
+_MEASURED_KEYS = {"method": ("str",), "mode": ("str",), "budget_kl": ("num",),
+                  "cost_kl": ("num",), "tied": ("bool",), "tokens": ("int",),
+                  "seconds": ("num",), "costs": ("costs",)}
+_FREQUENCY_SOURCE_KEYS = {"kind": ("str",), "path": ("str", "null"), "tokens": ("int",),
+                          "note": ("str",)}
+_INFORMATIVE = {"source": _SOURCE_KEYS, "architecture": _ARCHITECTURE_KEYS,
+                "policy": _POLICY_KEYS}
+_NESTED = {"policy.measured": _MEASURED_KEYS}
+# What a tensor entry's single placement holds; a pieced entry has these per piece instead.
+_PLACEMENT_KEYS = ("chunk", "offset", "nbytes", "nf4", "int8")
+_SHA256_RE = re.compile("[0-9a-f]{64}")
+
+
+def _is(v, tag: str) -> bool:
+    """Whether JSON value ``v`` has the type ``tag`` (see ``_SOURCE_KEYS``)."""
+    is_int = isinstance(v, int) and not isinstance(v, bool)
+    if tag == "str":
+        return isinstance(v, str)
+    if tag == "int":
+        return is_int and 0 <= v <= C.MAX_MANIFEST_INT
+    if tag == "signed":
+        return is_int and abs(v) <= C.MAX_MANIFEST_INT
+    if tag == "num":
+        return is_int or isinstance(v, float)
+    if tag == "bool":
+        return isinstance(v, bool)
+    if tag == "null":
+        return v is None
+    if tag == "obj":
+        return isinstance(v, dict)
+    if tag == "strs":
+        return isinstance(v, list) and all(isinstance(x, str) for x in v)
+    if tag == "costs":
+        return isinstance(v, dict) and all(
+            isinstance(c, dict) and all(_is(x, "num") for x in c.values()) for c in v.values())
+    if tag == "files":
+        return isinstance(v, dict) and all(
+            isinstance(f, dict) and isinstance(f.get("sha256"), str)
+            and _SHA256_RE.fullmatch(f["sha256"]) is not None and _is(f.get("size"), "int")
+            for f in v.values())
+    raise AssertionError(tag)  # pragma: no cover
+
+
+_TAG_WORDS = {"str": "a string", "int": "a non-negative integer", "signed": "an integer",
+              "num": "a number", "bool": "true or false", "null": "null", "obj": "an object",
+              "strs": "a list of strings", "costs": "an object {part: {encoding: number}}",
+              "files": 'an object {name: {"sha256": 64 hex digits, "size": integer}}'}
+
+
+def _check_keys(obj: dict, keys: dict, what: str, where: str) -> None:
+    for key, tags in keys.items():
+        if key in obj and not any(_is(obj[key], tag) for tag in tags):
+            _fail(where, f"'{what}.{key}' must be {' or '.join(_TAG_WORDS[t] for t in tags)}, "
+                         f"got {json.dumps(obj[key])[:80]}")
+
+
+def _informative(d: dict, key: str, where: str) -> dict:
+    """Top-level object ``key`` (``source``, ``architecture``, ``policy``) with the types of
+    the keys the spec defines checked; ``{}`` when absent."""
+    if key not in d:
+        return {}
+    v = d[key]
+    if not isinstance(v, dict):
+        _fail(where, f"'{key}' must be an object, got {json.dumps(v)[:80]}")
+    _check_keys(v, _INFORMATIVE[key], key, where)
+    for path, keys in _NESTED.items():
+        top, _, sub = path.partition(".")
+        if top == key and isinstance(v.get(sub), dict):
+            _check_keys(v[sub], keys, path, where)
+    return v
+
+
 def _parse(d, where: str) -> Manifest:
     if not isinstance(d, dict):
         _fail(where, "manifest must be a JSON object")
     if d.get("format") != C.FORMAT_NAME:
         _fail(where, f"'format' must be {C.FORMAT_NAME!r}, got {d.get('format')!r}")
     ver = d.get("format_version")
-    if not (isinstance(ver, list) and len(ver) == 2 and all(isinstance(x, int) for x in ver)):
+    if not (isinstance(ver, list) and len(ver) == 2 and all(
+            isinstance(x, int) and not isinstance(x, bool) and 0 <= x <= C.MAX_VERSION_NUMBER
+            for x in ver)):
         _fail(where, f"'format_version' must be [major, minor], got {ver!r}")
     if ver[0] != C.FORMAT_VERSION[0]:
         raise UnsupportedVersionError(
             f"{where}: format version {ver[0]}.{ver[1]} is not readable by this LCT, which reads "
             f"{C.FORMAT_VERSION[0]}.x (written version {C.FORMAT_VERSION[0]}.{C.FORMAT_VERSION[1]}); "
             f"upgrade lct")
+
+    artifact_id = d.get("artifact_id")
+    if not isinstance(artifact_id, str) or not re.fullmatch(
+            "[0-9a-f]{%d}" % (2 * C.ARTIFACT_ID_BYTES), artifact_id):
+        _fail(where, f"'artifact_id' must be {2 * C.ARTIFACT_ID_BYTES} lowercase hex digits "
+                     f"(the id in every data file header), got {str(artifact_id)[:80]!r}")
+    created_by = _str(d.get("created_by"), where, "'created_by'") if "created_by" in d else ""
+    objects = {key: _informative(d, key, where) for key in _INFORMATIVE}
 
     files = _obj(d, "files", list, where)
     if len(files) > C.MAX_FILES:
@@ -411,10 +505,18 @@ def _parse(d, where: str) -> Manifest:
     unmapped = d.get("unmapped", [])
     if not isinstance(unmapped, list):
         _fail(where, f"'unmapped' must be a list, got {type(unmapped).__name__}")
+    for u in unmapped:
+        _str(u, where, "an 'unmapped' name")
 
     maximus = d.get("maximus")
     if maximus is not None:
         _check_maximus(maximus, tensors, where)
+    listed = set(maximus["tensors"]) if maximus is not None else set()
+    for t in tensors.values():
+        if t.row_order == C.ROW_ORDER_MAXIMUS and t.name not in listed:
+            _fail(where, f"tensor {t.name!r} has row_order 'maximus' but is not in "
+                         f"maximus.tensors (section 2.4): without that state its rows cannot be "
+                         f"put back in token-id order")
 
     if tuple(ver) >= SEALED_SINCE:
         binds = chunk_bindings(chunks, tensors, ties)
@@ -432,17 +534,17 @@ def _parse(d, where: str) -> Manifest:
              CHECKSUM_KEY}
     return Manifest(
         format_version=tuple(ver),
-        created_by=str(d.get("created_by", "")),
-        artifact_id=str(d.get("artifact_id", "")),
-        source=d.get("source") if isinstance(d.get("source"), dict) else {},
-        architecture=d.get("architecture") if isinstance(d.get("architecture"), dict) else {},
-        policy=d.get("policy") if isinstance(d.get("policy"), dict) else {},
+        created_by=created_by,
+        artifact_id=artifact_id,
+        source=objects["source"],
+        architecture=objects["architecture"],
+        policy=objects["policy"],
         files=files,
         groups=groups,
         chunks=chunks,
         tensors=tensors,
         ties=ties,
-        unmapped=[u for u in unmapped if isinstance(u, str)],
+        unmapped=unmapped,
         maximus=maximus,
         extra={k: v for k, v in d.items() if k not in known},
     )
@@ -478,11 +580,11 @@ def _chunk(c, i: int, files: list, groups: set, where: str) -> ChunkInfo:
     except ManifestError as e:  # UnsupportedVersionError (unknown codec) keeps its type
         raise type(e)(f"{w}: {e}") from None
     checksum = _str(c.get("checksum"), where, f"chunk {i} checksum", 128)
-    if not re.fullmatch(C.CHECKSUM_ALGO + r":[0-9a-f]{16}", checksum):
+    if not re.fullmatch(_CHECKSUM_PATTERN, checksum):
         _fail(where, f"chunk {i} checksum {checksum!r} is not '{C.CHECKSUM_ALGO}:<16 hex>'")
     binding = c.get("binding")
     if binding is not None and (not isinstance(binding, str) or not re.fullmatch(
-            C.CHECKSUM_ALGO + r":[0-9a-f]{16}", binding)):
+            _CHECKSUM_PATTERN, binding)):
         _fail(where, f"chunk {i} binding {binding!r} is not '{C.CHECKSUM_ALGO}:<16 hex>'")
     return ChunkInfo(i, group, fidx, offset, stored, decoded, codec_name, params, checksum,
                      binding)
@@ -497,7 +599,7 @@ def _tensor(t, i: int, chunks: list, where: str) -> TensorInfo:
     if not isinstance(shape, list) or len(shape) > C.MAX_RANK:
         _fail(where, f"{w}: shape must be a list of at most {C.MAX_RANK} dims, got {shape!r}")
     for s in shape:
-        _int(s, where, f"{w} dimension", 0, 1 << 40)
+        _int(s, where, f"{w} dimension", 0, C.MAX_DIM)
     dtype = t.get("dtype")
     if not isinstance(dtype, str) or dtype not in C.DTYPE_SIZES:
         raise UnsupportedVersionError(f"{where}: {w}: unknown dtype {dtype!r}")
@@ -505,7 +607,17 @@ def _tensor(t, i: int, chunks: list, where: str) -> TensorInfo:
     if role not in C.ROLES:
         _fail(where, f"{w}: role {role!r} is not one of {C.ROLES}")
     if "pieces" in t:
+        own = [k for k in _PLACEMENT_KEYS if k in t]
+        if own:
+            _fail(where, f"{w}: a tensor stored as pieces has no '{own[0]}' of its own; each "
+                         f"piece carries its place (section 2.3)")
         return _pieced(t, name, tuple(shape), dtype, chunks, where)
+    if "row_order" in t:
+        row_order = t["row_order"]
+        if row_order is not None and row_order != C.ROW_ORDER_MAXIMUS:
+            raise UnsupportedVersionError(f"{where}: {w}: unknown row_order {row_order!r}")
+        _fail(where, f"{w}: row_order {row_order!r} applies only to a tensor stored as pieces "
+                     f"(section 2.2); this one has a single placement")
     return _placement(t, name, tuple(shape), dtype, chunks, where)
 
 
@@ -530,7 +642,8 @@ def _pieced(t: dict, name: str, shape: tuple, dtype: str, chunks: list, where: s
                 and next_row < rows[1] <= shape[0]):
             _fail(where, f"{w}: pieces[{k}].rows {rows!r} must continue at row {next_row} "
                          f"and end by {shape[0]}")
-        sub = dict(t, **{key: p.get(key) for key in ("chunk", "offset", "nbytes", "nf4", "int8")})
+        sub = {k: v for k, v in t.items() if k != "pieces"}
+        sub.update((key, p[key]) for key in _PLACEMENT_KEYS if key in p)
         piece = _placement(sub, f"{name}[{rows[0]}:{rows[1]}]", (rows[1] - rows[0], shape[1]),
                            dtype, chunks, where)
         out.append(replace(piece, rows=(rows[0], rows[1])))
@@ -571,7 +684,8 @@ def _placement(t: dict, name: str, shape: tuple, dtype: str, chunks: list,
         nf4 = t.get("nf4")
         if not isinstance(nf4, dict):
             _fail(where, f"{w}: nf4 tensor lacks its 'nf4' object")
-        bs = _int(nf4.get("blocksize"), where, f"{w} blocksize", 2, 1 << 20)
+        bs = _int(nf4.get("blocksize"), where, f"{w} blocksize", C.NF4_MIN_BLOCKSIZE,
+                  C.NF4_MAX_BLOCKSIZE)
         if bs % 2 or not shape or shape[-1] % bs:
             _fail(where, f"{w}: blocksize {bs} must be even and divide the row length")
         if nbytes != packed_size(n):
@@ -587,6 +701,9 @@ def _placement(t: dict, name: str, shape: tuple, dtype: str, chunks: list,
         int8 = _int8_placement(t, w, shape, dtype, stored_dtype, offset, nbytes, chunk, where)
     else:
         raise UnsupportedVersionError(f"{where}: {w}: unknown encoding {encoding!r}")
+    for key, enc in (("nf4", C.ENCODING_NF4), ("int8", C.ENCODING_INT8)):
+        if key in t and encoding != enc:
+            _fail(where, f"{w}: has an '{key}' object but its encoding is {encoding!r}")
     return TensorInfo(name, tuple(shape), dtype, stored_dtype, encoding, role, group, cidx,
                       offset, nbytes, nf4, row_order=t.get("row_order"), int8=int8)
 
@@ -622,7 +739,7 @@ def _check_maximus(m, tensors: dict, where: str) -> None:
         _fail(where, f"maximus.file must be {C.MAXIMUS_FILE!r}, got {m.get('file')!r}")
     if not isinstance(m.get("sha256"), str) or not re.fullmatch(r"[0-9a-f]{64}", m["sha256"]):
         _fail(where, "maximus.sha256 must be 64 hex digits")
-    _int(m.get("num_shards"), where, "maximus.num_shards", 1, C.MAX_CHUNKS)
+    num_shards = _int(m.get("num_shards"), where, "maximus.num_shards", 1, C.MAX_CHUNKS)
     names = m.get("tensors")
     if not isinstance(names, list) or not names:
         _fail(where, "maximus.tensors must be a non-empty list")
@@ -631,15 +748,38 @@ def _check_maximus(m, tensors: dict, where: str) -> None:
         if info is None or info.row_order != C.ROW_ORDER_MAXIMUS or not info.pieces:
             _fail(where, f"maximus.tensors names {n!r}, which is not a frequency-ordered "
                          f"sharded tensor")
+    if len(set(names)) != len(names):
+        _fail(where, "maximus.tensors names a tensor twice")
+    shapes = {tensors[n].shape for n in names}
+    if len(shapes) != 1:
+        _fail(where, f"maximus.tensors must all have one shape [V, H] (the vocabulary table "
+                     f"and its head), got {sorted(shapes)}")
+    rows = next(iter(shapes))[0]
+    size = -(-rows // num_shards)
+    if num_shards > rows or (num_shards - 1) * size >= rows:
+        _fail(where, f"maximus.num_shards {num_shards} does not split {rows} rows into "
+                     f"non-empty shards of ceil({rows}/{num_shards}) = {size} rows (section 9)")
+    from lct.format.maximus import shard_bounds
+    bounds = shard_bounds(rows, num_shards)
+    want = [(a, b) for a, b in zip(bounds, bounds[1:])]
+    for n in names:
+        got = [p.rows for p in tensors[n].pieces]
+        if got != want:
+            _fail(where, f"maximus tensor {n!r}: pieces cover rows {got[:4]}"
+                         f"{'...' if len(got) > 4 else ''}, but its {num_shards} shards of "
+                         f"ceil({rows}/{num_shards}) = {size} rows are {want[:4]}"
+                         f"{'...' if len(want) > 4 else ''}: each piece is one shard (section 2.4)")
     prefix = m.get("prefix", "maximus.")
     if not isinstance(prefix, str) or not re.fullmatch(r"maximus\.([\w-]+\.)*", prefix):
         _fail(where, f"maximus.prefix {prefix!r} must be 'maximus.' and a module path ending "
                      f"in '.'")
     fs = m.get("frequency_source")
-    if fs is not None and not (isinstance(fs, dict) and isinstance(fs.get("kind", ""), str)
-                               and isinstance(fs.get("tokens", 0), int)):
-        _fail(where, "maximus.frequency_source must be an object with a string 'kind' and an "
-                     "integer 'tokens'")
+    if fs is not None:
+        if not (isinstance(fs, dict) and isinstance(fs.get("kind", ""), str)
+                and isinstance(fs.get("tokens", 0), int) and not isinstance(fs.get("tokens"), bool)):
+            _fail(where, "maximus.frequency_source must be an object with a string 'kind' and "
+                         "an integer 'tokens'")
+        _check_keys(fs, _FREQUENCY_SOURCE_KEYS, "maximus.frequency_source", where)
 
 
 def _span_in_chunk(offset: int, nbytes: int, chunk: ChunkInfo, where: str, w: str) -> None:

@@ -17,8 +17,22 @@ from pathlib import Path
 from lct.errors import MaximusStateError
 from lct.format import constants as C
 
-STATS_FIELDS = ("lookups", "hits", "misses", "shard_loads", "shard_evictions", "bytes_moved",
-                "steps", "pad_lookups")
+STATS_FIELDS = C.MAXIMUS_STATS_FIELDS
+
+# The state file's fields (FORMAT.md section 9): dtype, and shape in terms of V (rows), N (shards),
+# k (any length) and the number of counters.
+STATE_FIELDS = {
+    "id_to_row": ("int64", ("V",)),
+    "row_to_id": ("int64", ("V",)),
+    "shard_offsets": ("int64", ("N+1",)),
+    "token_freq": ("int64", ("V",)),
+    "shard_score": ("float32", ("N",)),
+    "shard_last_access_step": ("int64", ("N",)),
+    "resident": ("uint8", ("N",)),
+    "pad_ids": ("int64", ("k",)),
+    "step": ("int64", (2,)),
+    "stats": ("int64", (len(C.MAXIMUS_STATS_FIELDS),)),
+}
 
 
 def default_budget(num_shards: int) -> int:
@@ -153,3 +167,62 @@ def validate_permutation(t: dict, rows: int, where: str) -> None:
             not torch.equal(row_to_id[id_to_row], torch.arange(rows)):
         raise MaximusStateError(f"{where}: id_to_row/row_to_id are not inverse permutations of "
                                 f"0..{rows - 1}; refusing to scramble the vocabulary")
+
+
+def validate_offsets(t: dict, rows: int, num_shards: int, where: str) -> None:
+    """Raise ``MaximusStateError`` unless ``t["maximus.shard_offsets"]`` is exactly
+    ``shard_bounds(rows, num_shards)``: ``min(k * ceil(rows / num_shards), rows)`` for k = 0..N
+    (FORMAT.md section 9). Wrong offsets would put rows in the wrong shard."""
+    off = t.get("maximus.shard_offsets")
+    if off is None:
+        raise MaximusStateError(f"{where}: missing maximus.shard_offsets")
+    if not 1 <= num_shards <= rows:
+        raise MaximusStateError(f"{where}: {num_shards} shards for a table of {rows} rows; "
+                                f"need 1..{rows}")
+    want = shard_bounds(rows, num_shards)
+    got = off.tolist() if off.dim() == 1 else None
+    if got != want:
+        shown = off.flatten().tolist()
+        raise MaximusStateError(
+            f"{where}: shard_offsets {shown[:8]}{'...' if len(shown) > 8 else ''} do not match "
+            f"{rows} rows in {num_shards} shards of ceil({rows}/{num_shards}) = "
+            f"{-(-rows // num_shards)} rows (the last may be shorter): expected "
+            f"{want[:8]}{'...' if len(want) > 8 else ''}")
+
+
+def validate_state(t: dict, modules: dict, module_path: str, rows: int, dim: int,
+                   num_shards: int, where: str) -> None:
+    """Check one module's state as a reader of an artifact must (FORMAT.md section 9): its
+    metadata says V = ``rows``, H = ``dim`` and N = ``num_shards``; every field of the table is
+    there with its dtype and shape; ``id_to_row``/``row_to_id`` are inverse permutations; the
+    shard offsets are the ones V and N give; pad ids are token ids. ``t`` holds the module's
+    tensors as ``maximus.<field>``. Raises ``MaximusStateError`` naming what is wrong."""
+    entry = modules.get(module_path) if isinstance(modules, dict) else None
+    label = module_path or "(the bare module)"
+    if not isinstance(entry, dict) or not isinstance(entry.get("policy"), dict):
+        raise MaximusStateError(f"{where}: metadata 'modules' has no policy for module {label}")
+    policy = entry["policy"]
+    for key, want in (("num_embeddings", rows), ("embedding_dim", dim), ("num_shards", num_shards)):
+        got = policy.get(key)
+        if not isinstance(got, int) or isinstance(got, bool) or got != want:
+            raise MaximusStateError(f"{where}: module {label}: policy {key} is {got!r}, the "
+                                    f"artifact has {want}")
+    sizes = {"V": rows, "N": num_shards, "N+1": num_shards + 1}
+    for field, (dtype, shape) in STATE_FIELDS.items():
+        key = "maximus." + field
+        v = t.get(key)
+        if v is None:
+            raise MaximusStateError(f"{where}: missing {key}")
+        if str(v.dtype) != f"torch.{dtype}":
+            raise MaximusStateError(f"{where}: {key} is {str(v.dtype).replace('torch.', '')}, "
+                                    f"the format says {dtype}")
+        if v.dim() != len(shape) or any(d not in ("k",) and v.shape[i] != sizes.get(d, d)
+                                        for i, d in enumerate(shape)):
+            want = [sizes.get(d, d) for d in shape]
+            raise MaximusStateError(f"{where}: {key} has shape {list(v.shape)}, expected {want} "
+                                    f"(V={rows}, N={num_shards})")
+    validate_permutation(t, rows, where)
+    validate_offsets(t, rows, num_shards, where)
+    pads = t["maximus.pad_ids"]
+    if pads.numel() and not bool(((pads >= 0) & (pads < rows)).all()):
+        raise MaximusStateError(f"{where}: pad_ids must be token ids in 0..{rows - 1}")

@@ -92,9 +92,11 @@ def encoded_size(numel: int, blocksize: int = C.DEFAULT_BLOCKSIZE) -> int:
 
 
 def check_blocksize(shape, blocksize: int, name: str = "tensor") -> None:
-    """Raise ``PolicyError`` unless ``blocksize`` is even, positive and divides the last dimension."""
-    if blocksize <= 0 or blocksize % 2:
-        raise PolicyError(f"{name}: NF4 blocksize must be a positive even number, got {blocksize}",
+    """Raise ``PolicyError`` unless ``blocksize`` is even, in ``NF4_MIN_BLOCKSIZE`` ..
+    ``NF4_MAX_BLOCKSIZE`` and divides the last dimension (what a reader accepts, FORMAT.md 2.2)."""
+    if not C.NF4_MIN_BLOCKSIZE <= blocksize <= C.NF4_MAX_BLOCKSIZE or blocksize % 2:
+        raise PolicyError(f"{name}: NF4 blocksize must be an even number in "
+                          f"{C.NF4_MIN_BLOCKSIZE}..{C.NF4_MAX_BLOCKSIZE}, got {blocksize}",
                           option="blocksize")
     if not shape or shape[-1] % blocksize:
         raise PolicyError(

@@ -23,6 +23,30 @@ from lct.errors import (ArtifactClosedError, ArtifactNotFoundError, ChecksumErro
 from lct.format.manifest import ChunkInfo, Manifest, TensorInfo
 from lct.io.store import LocalStore, confined
 
+
+def _check_data_header(head: bytes, index: int, artifact_id: str, where) -> None:
+    """Raise ``ManifestError`` unless ``head`` (the first ``DATA_HEADER_SIZE`` bytes of data file
+    ``index``) is the header FORMAT.md section 3 describes: magic, this major version, the file's
+    index, the manifest's artifact id, and every reserved byte after them zero."""
+    used = C.DATA_HEADER_FIELDS_SIZE
+    if len(head) < used or head[:len(C.DATA_MAGIC)] != C.DATA_MAGIC:
+        raise ManifestError(f"{where}: not an LCT data file (bad magic)")
+    _magic, major, _minor, found, ident = struct.unpack_from(C.DATA_HEADER_STRUCT, head, 0)
+    if major != C.FORMAT_VERSION[0] or found != index or ident.hex() != artifact_id:
+        raise ManifestError(f"{where}: header (version {major}, index {found}, id "
+                            f"{ident.hex()}) does not match the manifest "
+                            f"(index {index}, id {artifact_id})")
+    if len(head) < C.DATA_HEADER_SIZE:
+        raise ManifestError(f"{where}: the file is {len(head)} bytes, shorter than its "
+                            f"{C.DATA_HEADER_SIZE}-byte header")
+    reserved = head[used:C.DATA_HEADER_SIZE]
+    if reserved.count(0) != len(reserved):
+        at = used + next(k for k, b in enumerate(reserved) if b)
+        raise ManifestError(f"{where}: header byte at offset {at} is {head[at]:#04x}; bytes "
+                            f"{used}..{C.DATA_HEADER_SIZE - 1} of the header are reserved and "
+                            f"must be zero")
+
+
 def torch_dtype(name: str):
     """The torch dtype for an LCT dtype name (LCT's names are torch's)."""
     import torch
@@ -176,15 +200,9 @@ class Artifact:
                 raise ManifestError(f"{p}: file is {actual} bytes, manifest says {f['size']} "
                                     f"(truncated or replaced?)")
             view = self.store.read_range(f["name"], 0, min(C.DATA_HEADER_SIZE, actual), actual)
-            head = bytes(view[:32])
+            head = bytes(view)
             view.release()
-            if len(head) < 32 or head[:8] != C.DATA_MAGIC:
-                raise ManifestError(f"{p}: not an LCT data file (bad magic)")
-            major, _minor, index = struct.unpack_from("<HHI", head, 8)
-            if major != C.FORMAT_VERSION[0] or index != i or head[16:32].hex() != self.manifest.artifact_id:
-                raise ManifestError(f"{p}: header (version {major}, index {index}, id "
-                                    f"{head[16:32].hex()}) does not match the manifest "
-                                    f"(index {i}, id {self.manifest.artifact_id})")
+            _check_data_header(head, i, self.manifest.artifact_id, p)
 
     # Views ----------------------------------------------------------------------------------
     @property
@@ -356,22 +374,25 @@ class Artifact:
             if m is None:
                 raise ManifestError(f"{self.path}: the artifact has no Maximus shard state")
             from lct.errors import MaximusStateError
-            from lct.format.maximus import module_tensors, read_state_file, validate_permutation
+            from lct.format.maximus import module_tensors, read_state_file, validate_state
             from lct.hashing import sha256_file
             path = self.path / m["file"]
             if not path.is_file():
                 raise ArtifactNotFoundError(f"{path}: Maximus state file missing")
             if self.verify and sha256_file(path) != m["sha256"]:
                 raise ChecksumError(f"{path}: sha256 does not match the manifest")
+            prefix = m.get("prefix", "maximus.")
+            module_path = prefix[len("maximus."):-1]
+            # The manifest checked that every listed tensor is [V, H] in N pieces (section 2.4).
+            rows, dim = self.manifest.tensors[m["tensors"][0]].shape
             try:
                 tensors, modules, _ = read_state_file(path)
-                own = module_tensors(tensors, m.get("prefix", "maximus."))
-                rows = self.manifest.tensors[m["tensors"][0]].shape[0]
-                validate_permutation(own, rows, str(path))
+                own = module_tensors(tensors, prefix)
+                validate_state(own, modules, module_path, rows, dim, m["num_shards"], str(path))
             except MaximusStateError as e:
                 raise ManifestError(str(e)) from e
             self._maximus = own
-            self._maximus_policy = dict(next(iter(modules.values()))["policy"]) if modules else {}
+            self._maximus_policy = dict(modules[module_path]["policy"])
         return self._maximus
 
     def maximus_policy(self) -> dict:

@@ -269,8 +269,8 @@ class ArtifactWriter:
         index = len(self.files)
         name = C.DATA_FILE_TEMPLATE.format(index=index)
         self._fh = open(self.tmp / name, "wb")
-        header = C.DATA_MAGIC + struct.pack("<HHI", *C.FORMAT_VERSION, index) \
-            + bytes.fromhex(self.artifact_id)
+        header = struct.pack(C.DATA_HEADER_STRUCT, C.DATA_MAGIC, *C.FORMAT_VERSION, index,
+                             bytes.fromhex(self.artifact_id))
         self._fh.write(header.ljust(C.DATA_HEADER_SIZE, b"\0"))
         self._pos = C.DATA_HEADER_SIZE
         self.files.append({"name": name, "size": self._pos})
