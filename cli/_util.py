@@ -43,6 +43,11 @@ class LCTGroup(click.Group):
             hint = f" ({hint_for(option)})" if option else ""
             click.echo(f"error: {msg}{hint}", err=True)
             sys.exit(1)
+        except click.UsageError as e:
+            # One line like every other error (click's own is three), exit status 2 as click's.
+            where = e.ctx.command_path if e.ctx is not None else "lct"
+            click.echo(f"error: {e.format_message()} (see {where} --help)", err=True)
+            sys.exit(2)
         except KeyboardInterrupt:
             click.echo("interrupted; nothing was left half-written", err=True)
             sys.exit(130)

@@ -29,7 +29,8 @@ def _ids(ctx, param, value):
 @click.option("--dtype", type=click.Choice(["float32", "bfloat16", "float16"]), default=None,
               help="Cast weights at load (default: the stored dtypes).")
 @click.option("--nf4", type=click.Choice(["keep", "dequantize"]), default="keep", show_default=True,
-              help="Keep the NF4 embedding/head in NF4, or expand them at load.")
+              help="Keep the NF4/int8 embedding and head in their encoding, or expand them to "
+                   "the model dtype at load.")
 @click.option("--workers", type=int, default=None, help="Decode threads (default: all cores).")
 @click.option("--no-verify", is_flag=True, help="Skip chunk checksums while streaming.")
 @click.option("--layerwise", is_flag=True,
@@ -48,7 +49,8 @@ def _ids(ctx, param, value):
                    "the text.")
 @click.option("--prompt", default=None, help="Generate from this text (needs the artifact's tokenizer).")
 @click.option("--ids", default=None, callback=_ids, help="Generate from these token ids (1,5,9).")
-@click.option("--max-new-tokens", type=click.IntRange(1, 4096), default=16, show_default=True)
+@click.option("--max-new-tokens", type=click.IntRange(1, 4096), default=16, show_default=True,
+              help="Tokens to generate (greedy) after --prompt or --ids.")
 @click.option("--json", "as_json", is_flag=True,
               help="Print the breakdown and the generated text as one JSON object (fields in "
                    "docs/CLI.md).")

@@ -45,7 +45,8 @@ __all__ = ["__version__", "open", "convert", "export", "verify", "load", "Policy
 
 def open(path, *, verify: bool = True, workers=None, stream: bool = False):  # noqa: A001
     """Open an LCT artifact (a folder, or ``hf://org/name[@revision]``, pulled and verified or
-    with ``stream=True`` read by HTTP range requests); see ``lct.io.reader.open_artifact``."""
+    with ``stream=True`` read by HTTP range requests); see ``lct.loader.source.open_source``
+    and ``lct.io.reader.open_artifact``."""
     from lct.loader.source import open_source
     return open_source(path, verify=verify, workers=workers, stream=stream)
 
@@ -70,7 +71,8 @@ def verify(artifact, **kwargs):
 
 def load(path, prefetch: int = 2, device="cpu", dtype=None, nf4: str = "keep", workers=None,
          stream: bool = False, **kwargs):
-    """Load an artifact into a ready transformers model; see ``lct.loader.build.load``.
+    """Load an artifact into a ready transformers model; see ``lct.loader.entry.load`` (and
+    ``lct.loader.build.load`` for the streaming options).
 
     ``path`` may be ``hf://org/name[@revision]``: pulled from the Hub and verified, or with
     ``stream=True`` its chunks are fetched by HTTP range requests as they load.

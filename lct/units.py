@@ -16,7 +16,7 @@ from lct.errors import LCTError
 _SIZE = re.compile(r"\s*([0-9]+(?:\.[0-9]+)?)\s*([KMGT])(i?)B\s*", re.I)
 
 
-def parse_size(value, what: str = "size") -> int:
+def parse_size(value, what: str = "size", option: str | None = None) -> int:
     """Bytes from ``"5GB"``, ``"500MB"``, ``"16GiB"``, ``"1.5TiB"`` or an ``int``.
 
     Raises:
@@ -28,12 +28,12 @@ def parse_size(value, what: str = "size") -> int:
     """
     if isinstance(value, int) and not isinstance(value, bool):
         if value < 0:
-            raise LCTError(f"{what} must not be negative, got {value}")
+            raise LCTError(f"{what} must not be negative, got {value}", option=option)
         return value
     m = _SIZE.fullmatch(str(value))
     if not m:
-        raise LCTError(f"{what} {value!r} needs a number and a unit: 5GB or 500MB (decimal, as "
-                       f"save_pretrained takes them) or 16GiB or 512MiB (binary)")
+        raise LCTError(f"{what} {value!r} needs a number with a unit: 5GB or 500MB (decimal) "
+                       f"or 16GiB or 512MiB (binary)", option=option)
     number, prefix, binary = m.group(1), m.group(2).upper(), m.group(3)
     if binary:
         return int(float(number) * 1024 ** ("KMGT".index(prefix) + 1))

@@ -17,7 +17,7 @@ def test_sizes_parse(text, want):
 
 @pytest.mark.parametrize("text", ["16", "5", "5 G", "GB", "5XB", "-5GB", "five GB", -1, ""])
 def test_sizes_without_a_unit_or_malformed_are_refused(text):
-    with pytest.raises(LCTError, match="needs a number and a unit|must not be negative"):
+    with pytest.raises(LCTError, match="needs a number with a unit|must not be negative"):
         parse_size(text, "memory")
 
 
@@ -28,9 +28,9 @@ def test_cli_options_take_units(llama_art, llama_src, tmp_path, run):
     index = json.loads((tmp_path / "hf" / "model.safetensors.index.json").read_text())
     assert len(set(index["weight_map"].values())) > 1
     res = run("export", llama_art, tmp_path / "hf2", "--max-shard-size", "200000")
-    assert res.exit_code == 1 and "needs a number and a unit" in res.output
+    assert res.exit_code == 1 and "needs a number with a unit" in res.output
     res = run("plan", llama_src, "--memory", "16")
-    assert res.exit_code != 0 and "needs a number and a unit" in res.output
+    assert res.exit_code != 0 and "needs a number with a unit" in res.output
     res = run("plan", llama_src, "--memory", "16GiB")
     assert res.exit_code == 0, res.output
     res = run("convert", llama_src, "-o", tmp_path / "a.lct", "--max-file-size", "50KB",

@@ -88,7 +88,7 @@ def export(artifact, out_dir, *, max_shard_size=DEFAULT_SHARD_SIZE, overwrite: b
     """
     out = Path(out_dir).absolute()
     from lct.units import parse_size
-    max_shard_size = parse_size(max_shard_size, "max shard size")
+    max_shard_size = parse_size(max_shard_size, "max_shard_size", option="max_shard_size")
     if not isinstance(artifact, Artifact):
         from lct.hub import local_artifact
         artifact = local_artifact(artifact)
