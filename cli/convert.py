@@ -55,6 +55,10 @@ def _parse_parts(ctx, param, value):
               flag_value=C.DEFAULT_MAXIMUS_SHARDS, default=None,
               help=f"Store the embedding (and an untied head) as N frequency-ordered shards with "
                    f"Maximus shard state (bare flag: {C.DEFAULT_MAXIMUS_SHARDS}).")
+@click.option("--tp-pieces", type=click.IntRange(2, C.MAX_TP_PIECES), default=None, metavar="N",
+              help="Store every weight the model's tensor-parallel plan splits as N pieces "
+                   "along the split dimension, each its own chunk, so that a rank of any degree "
+                   "dividing N reads only its share (lct load --tp).")
 @click.option("--token-freq", type=click.Path(exists=True), default=None,
               help="Token frequencies for --maximus-shards: a text file or folder (tokenized "
                    "with the model's tokenizer), or counts (.json list/object, .npy array).")
@@ -64,7 +68,8 @@ def _parse_parts(ctx, param, value):
                    "stderr.")
 @quiet_option("the artifact's path")
 def convert_cmd(source, output, revision, nf4, int8, budget, calibration, dtype, level, blocksize,
-                codec, max_file_size, workers, maximus_shards, token_freq, force, quiet, as_json):
+                codec, max_file_size, workers, maximus_shards, tp_pieces, token_freq, force, quiet,
+                as_json):
     """Convert SOURCE (a local model folder with safetensors, or a Hub id such as
     google/gemma-2b or hf://google/gemma-2b@main) into an LCT artifact.
 
@@ -82,7 +87,7 @@ def convert_cmd(source, output, revision, nf4, int8, budget, calibration, dtype,
         raise click.UsageError("--token-freq needs --maximus-shards")
     policy = Policy(nf4=nf4, int8=int8, budget=budget, calibration=calibration,
                     blocksize=blocksize, dtype=dtype, codec=codec, level=level,
-                    maximus_shards=maximus_shards)
+                    maximus_shards=maximus_shards, tp_pieces=tp_pieces)
     if quiet:
         go_quiet()
     bar = GroupProgress("convert", enabled=not quiet)

@@ -67,8 +67,6 @@ def load_tp(path, *, tp_plan="auto", prefetch: int = 2, device="cpu", dtype=None
         if lossy and nf4 == "keep":
             stats.notes.append(f"{len(lossy)} NF4/int8 tensor(s) dequantized: no "
                                f"tensor-parallel kernels for them yet")
-        stats.notes.append("each rank decodes whole tensors and keeps its slice (the artifact "
-                           "has no tensor-parallel pieces)")
         model = _skeleton(art, dtype, device)
         stats.skeleton_s = time.perf_counter() - t0 - stats.manifest_s
         _fill(model, art, prefetch, stats)
@@ -116,10 +114,12 @@ def _skeleton(art, dtype, device):
 
 
 def _fill(model, art, prefetch: int, stats) -> None:
-    """Stream the groups and give every parameter its shard (DTensor) or whole tensor."""
+    """Stream this rank's share of the artifact and give every parameter its shard (DTensor)
+    or whole tensor. A tensor stored as pieces along the axis the plan splits is read piece by
+    piece, only the pieces inside this rank's slice; any other tensor is decoded whole and
+    sliced."""
     import torch
     from torch.distributed.tensor import DTensor
-    from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
 
     from lct.loader.source import param_name
     params = {}
@@ -132,35 +132,51 @@ def _fill(model, art, prefetch: int, stats) -> None:
                    if isinstance(r, DTensor)), "cpu")
     target = torch.device("cuda", torch.cuda.current_device()) if device == "cuda" else \
         torch.device("cpu")
-    filled = set()
+    m = art.manifest
+    plans = {}          # artifact name -> (param name, local index, pieces to read or None)
+    for info in m.tensors.values():
+        full = param_name(model, info.name, names)
+        if full is None:
+            continue
+        ref = params[full][2]
+        if tuple(info.shape) != tuple(ref.shape):
+            raise LCTError(f"{art.path}: tensor {info.name!r} has shape {tuple(info.shape)}, "
+                           f"the model expects {tuple(ref.shape)}")
+        index = _local_index(ref)
+        plans[info.name] = (full, index, _pieces_inside(info, index))
+    chunks = {p.chunk for name, (_, _, pieces) in plans.items()
+              for p in (pieces if pieces is not None else m.tensors[name].placements())}
+    if any(pieces is not None for _, _, pieces in plans.values()):
+        stats.notes.append("each rank reads only the tensor-parallel pieces of its slice, and "
+                           "the tensors it needs whole")
+    else:
+        stats.notes.append("each rank decodes whole tensors and keeps its slice (the artifact "
+                           "has no tensor-parallel pieces: convert with tp_pieces)")
     t_install = 0.0
-    aliases = set(art.manifest.ties)     # tied after the fill, as from_pretrained ties them
-    with art.stream(prefetch=prefetch, dequantize=True) as groups:
+    with art.stream(prefetch=prefetch, dequantize=True, chunks=chunks) as groups:
         for group in groups:
             t = time.perf_counter()
-            for name, tensor in group.tensors.items():
-                full = None if name in aliases else param_name(model, name, names)
-                if full is None or full in filled:
+            for info in m.group_tensors(group.name):
+                if info.name not in plans:
                     continue
+                full, index, pieces = plans[info.name]
                 module, leaf, ref = params[full]
-                if tuple(tensor.shape) != tuple(ref.shape):
-                    raise LCTError(f"{art.path}: tensor {name!r} has shape "
-                                   f"{tuple(tensor.shape)}, the model expects "
-                                   f"{tuple(ref.shape)}")
-                if isinstance(ref, DTensor):
-                    shape, offset = compute_local_shape_and_global_offset(
-                        ref.shape, ref.device_mesh, ref.placements)
-                    index = tuple(slice(o, o + n) for o, n in zip(offset, shape))
-                    local = tensor[index].to(device=target, dtype=ref.dtype).contiguous()
-                    value = DTensor.from_local(local, ref.device_mesh, ref.placements,
-                                               run_check=False, shape=ref.shape,
-                                               stride=ref.stride())
+                if pieces is not None:
+                    local = torch.cat([art.tensor_from_buffer(p, group.buffers[p.chunk])
+                                       for p in pieces], dim=info.piece_axis)
                 else:
-                    value = tensor.to(device=target, dtype=ref.dtype).clone()
+                    whole = art.assemble(info, group.buffers)
+                    local = whole[index] if index is not None else whole
+                # A copy unless cat made one: a view would keep the whole decoded chunk alive.
+                local = local.to(device=target, dtype=ref.dtype, copy=pieces is None,
+                                 memory_format=torch.contiguous_format)
+                value = DTensor.from_local(local, ref.device_mesh, ref.placements,
+                                           run_check=False, shape=ref.shape,
+                                           stride=ref.stride()) \
+                    if isinstance(ref, DTensor) else local
                 param = torch.nn.Parameter(value, requires_grad=value.is_floating_point())
                 param._is_hf_initialized = True
                 module._parameters[leaf] = param
-                filled.add(full)
             stats.groups += 1
             t_install += time.perf_counter() - t
         s = groups.stats
@@ -168,6 +184,7 @@ def _fill(model, art, prefetch: int, stats) -> None:
         stats.bytes_read, stats.bytes_decoded = s.bytes_read, s.bytes_decoded
         stats.max_in_flight = s.max_in_flight
     stats.install_s = t_install
+    filled = {plans[n][0] for n in plans}
     missing = names - filled
     tied = set(getattr(model, "all_tied_weights_keys", {}) or {})
     if missing - tied:
@@ -179,6 +196,34 @@ def _fill(model, art, prefetch: int, stats) -> None:
         model.get_submodule(mod_name)._buffers[leaf] = torch.empty_like(buf, device=target)
     model.initialize_weights()     # fills only what has no _is_hf_initialized: those buffers
     model.eval()
+
+
+def _local_index(ref):
+    """This rank's slice of a DTensor parameter (a tuple of slices), None for a whole one."""
+    from torch.distributed.tensor import DTensor
+    from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
+    if not isinstance(ref, DTensor):
+        return None
+    shape, offset = compute_local_shape_and_global_offset(ref.shape, ref.device_mesh,
+                                                          ref.placements)
+    return tuple(slice(o, o + n) for o, n in zip(offset, shape))
+
+
+def _pieces_inside(info, index):
+    """The pieces of ``info`` that make up exactly this rank's slice ``index`` along the piece
+    axis (and the whole of the other axis), or None when the slice does not fall on piece
+    boundaries (or the tensor is not stored as plain id-ordered pieces)."""
+    if index is None or not info.pieces or info.row_order is not None:
+        return None
+    axis = info.piece_axis
+    want = index[axis]
+    other = index[1 - axis]
+    if other.start != 0 or other.stop != info.shape[1 - axis]:
+        return None
+    inside = [p for p in info.pieces if want.start <= p.span()[0] and p.span()[1] <= want.stop]
+    if not inside or inside[0].span()[0] != want.start or inside[-1].span()[1] != want.stop:
+        return None
+    return inside
 
 
 def _agree(failure: BaseException | None) -> None:

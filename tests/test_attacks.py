@@ -191,7 +191,8 @@ def test_missing_format(art):
 @pytest.mark.parametrize("ver", [[2, 0], [0, 9], [99, 1]])
 def test_other_major_version_refused_naming_both(art, ver):
     edit(art, lambda m: m.__setitem__("format_version", ver))
-    e = raises(UnsupportedVersionError, f"{ver[0]}.{ver[1]}", "1.x", "1.1", path=art)
+    e = raises(UnsupportedVersionError, f"{ver[0]}.{ver[1]}", "1.x",
+               "{}.{}".format(*C.FORMAT_VERSION), path=art)
     assert isinstance(e, ManifestError)
 
 

@@ -13,6 +13,7 @@ from torch.nn import functional as F
 import lct
 from lct.conversion.converter import Policy
 from lct.errors import ManifestError, PolicyError
+from lct.format import constants as C
 from lct.format import int8, native
 from lct.kernels import Int8Embedding, Int8Linear
 from lct.kernels import int8 as kint8
@@ -178,7 +179,7 @@ def int8_arts(gemma_src, llama_src, tmp_path_factory):
 def test_int8_artifact_loads_kept_and_dequantized(int8_arts, arch):
     src, art = int8_arts[arch]
     m = json.loads((art / "lct.json").read_text())
-    assert m["format_version"] == [1, 1]
+    assert m["format_version"] == list(C.FORMAT_VERSION)
     encs = {t["role"]: t["encoding"] for t in m["tensors"] if t["role"] in ("embed", "head")}
     assert set(encs.values()) == {"int8"}
     assert m["policy"]["int8"] == ["embed", "head"] and m["policy"]["mode"] == "manual"

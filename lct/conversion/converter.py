@@ -57,6 +57,7 @@ class Policy:
     budget: float = C.DEFAULT_BUDGET_KL
     calibration: str | None = None
     max_calibration_tokens: int = C.DEFAULT_CALIBRATION_TOKENS
+    tp_pieces: int | None = None    # store what the model's TP plan splits as this many pieces
 
     @property
     def auto(self) -> bool:
@@ -100,6 +101,11 @@ class Policy:
         if self.blocksize <= 0 or self.blocksize % 2:
             raise PolicyError(f"blocksize {self.blocksize} must be a positive even number",
                               option="blocksize")
+        if self.tp_pieces is not None and (isinstance(self.tp_pieces, bool) or
+                                           not isinstance(self.tp_pieces, int) or
+                                           not 2 <= self.tp_pieces <= C.MAX_TP_PIECES):
+            raise PolicyError(f"tp_pieces {self.tp_pieces!r} must be an integer in "
+                              f"2..{C.MAX_TP_PIECES}", option="tp_pieces")
         if self.maximus_shards is not None and self.maximus_shards < 1:
             raise PolicyError(f"maximus_shards {self.maximus_shards} must be >= 1",
                               option="maximus_shards")
@@ -115,6 +121,8 @@ class Policy:
              "blocksize": self.blocksize, "dtype": self.dtype,
              "codec": self.codec, "level": self.level, "frame_size": self.frame_size,
              "maximus_shards": self.maximus_shards}
+        if self.tp_pieces:
+            d["tp_pieces"] = self.tp_pieces
         if decision is not None:
             d["measured"] = decision.to_dict()
         return d
@@ -286,6 +294,68 @@ def _write_pieces(writer, spec, mx: MaximusLayout, policy: Policy, src: Source, 
     return done
 
 
+def _tp_splits(src: Source, specs: dict, n: int) -> dict:
+    """``{group: [(spec, axis)]}``: the 2-D weights the model's own tensor-parallel plan splits
+    (column-wise: rows, axis 0; row-wise: columns, axis 1; the embedding by rows), taken out of
+    ``specs`` to be written as ``n`` equal pieces. A weight whose split dimension ``n`` does not
+    divide stays whole (a rank then decodes it whole and keeps its slice)."""
+    import re
+
+    from transformers import AutoConfig
+    from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING
+    config = AutoConfig.from_pretrained(src.root)
+    plan = dict(getattr(config, "base_model_tp_plan", None) or {})
+    model_cls = MODEL_FOR_CAUSAL_LM_MAPPING.get(type(config), None)
+    plan.update(getattr(model_cls, "_tp_plan", None) or {})
+    if not plan:
+        raise PolicyError(f"{src.root}: transformers has no tensor-parallel plan for model type "
+                          f"{config.model_type!r}; convert without tp_pieces",
+                          option="tp_pieces")
+    rules = [(re.compile(r"(?:\w+\.)?" + re.escape(k).replace(r"\*", r"\d+") + r"\.weight"),
+              0 if style.startswith("colwise") else 1 if style.startswith("rowwise") else None)
+             for k, style in plan.items()]
+    out: dict = {}
+    for group, group_specs in specs.items():
+        for spec in list(group_specs):
+            if len(spec.shape) != 2:
+                continue
+            axis = 0 if spec.role == "embed" else next(
+                (a for rx, a in rules if rx.fullmatch(spec.name)), None)
+            if axis is None or spec.shape[axis] % n or \
+                    (axis == 1 and spec.encoding != C.ENCODING_PLAIN):
+                continue
+            group_specs.remove(spec)
+            out.setdefault(group, []).append((spec, axis))
+    return out
+
+
+def _write_split(writer, spec, axis: int, policy: Policy, src: Source, st) -> int:
+    """Write ``spec`` as ``policy.tp_pieces`` equal pieces along ``axis`` (rows or contiguous
+    column blocks), each an independent chunk (FORMAT.md 2.3)."""
+    from dataclasses import replace
+
+    from safetensors import safe_open
+    path = src.root / st.file
+    with safe_open(str(path), framework="pt") as f:
+        table = f.get_tensor(spec.name)
+    writer.add_pieced(spec, None)
+    n, (rows, cols) = policy.tp_pieces, spec.shape
+    step, done = spec.shape[axis] // n, 0
+    for k in range(n):
+        a, b = k * step, (k + 1) * step
+        if axis == 0:
+            piece = replace(spec, name=f"{spec.name}[{a}:{b}]", shape=(b - a, cols),
+                            piece_of=spec.name, rows=(a, b))
+            data = table[a:b]
+        else:
+            piece = replace(spec, name=f"{spec.name}[:, {a}:{b}]", shape=(rows, b - a),
+                            piece_of=spec.name, cols=(a, b))
+            data = table[:, a:b].contiguous()
+        done += _write_chunk(writer, layout_group(spec.group, [piece])[0], policy, src,
+                             lambda s, data=data: (data, path))
+    return done
+
+
 def convert(source: str, out, *, revision: str | None = None, policy: Policy | None = None,
             max_file_size: int = C.DEFAULT_MAX_FILE_SIZE, workers: int | None = None,
             overwrite: bool = False, progress: Progress | None = None,
@@ -339,11 +409,12 @@ def convert(source: str, out, *, revision: str | None = None, policy: Policy | N
     hasher.start()
     maximus_layout = _maximus_layout(src, specs, policy, token_freq) \
         if policy.maximus_shards else None
+    splits = _tp_splits(src, specs, policy.tp_pieces) if policy.tp_pieces else {}
     groups = M.group_order(specs)
     with ThreadPoolExecutor(workers or os.cpu_count() or 1, thread_name_prefix="lct-encode") \
             as pool, ArtifactWriter(out, max_file_size=max_file_size, overwrite=overwrite,
                                     map_fn=pool.map) as writer:
-        _write_groups(writer, groups, specs, tensors, src, policy, maximus_layout, total,
+        _write_groups(writer, groups, specs, tensors, src, policy, maximus_layout, splits, total,
                       progress)
         for p in src.sidecars():
             writer.copy_file(p)
@@ -435,9 +506,9 @@ def _specs(src: Source, tensors: dict, placed: dict, lossy: dict, chosen: dict,
 
 
 def _write_groups(writer, groups: list, specs: dict, tensors: dict, src: Source, policy: Policy,
-                  maximus_layout, total: int, progress) -> None:
-    """Encode and write every group's chunks in order (Maximus pieces after their group's other
-    chunks), reporting ``progress(group, bytes_done, total)``."""
+                  maximus_layout, splits: dict, total: int, progress) -> None:
+    """Encode and write every group's chunks in order (Maximus and tensor-parallel pieces after
+    their group's other chunks), reporting ``progress(group, bytes_done, total)``."""
     from safetensors import safe_open
     done = 0
     for group in groups:
@@ -452,6 +523,8 @@ def _write_groups(writer, groups: list, specs: dict, tensors: dict, src: Source,
                 handles.clear()
         for spec in (maximus_layout.pieced.get(group, []) if maximus_layout else []):
             done += _write_pieces(writer, spec, maximus_layout, policy, src, tensors[spec.name])
+        for spec, axis in splits.get(group, []):
+            done += _write_split(writer, spec, axis, policy, src, tensors[spec.name])
         log.debug("group %s written (%d of %d source bytes)", group, done, total)
         if progress:
             progress(group, done, total)

@@ -1,7 +1,7 @@
 """Every number of the LCT format, in one place (see docs/FORMAT.md)."""
 
 FORMAT_NAME = "lct"
-FORMAT_VERSION = (1, 1)
+FORMAT_VERSION = (1, 2)
 MAX_VERSION_NUMBER = 0xFFFF             # major and minor are u16s in the data file header
 
 MANIFEST_NAME = "lct.json"
@@ -100,6 +100,7 @@ MAXIMUS_FILE = "maximus.safetensors"
 MAXIMUS_STATE_FORMAT = "lct-maximus"     # the state file's metadata "format" and "version"
 MAXIMUS_STATE_VERSION = "1"
 DEFAULT_MAXIMUS_SHARDS = 32
+MAX_TP_PIECES = 1024       # tensor-parallel pieces a tensor may be split into by the converter
 # The counters of the state file's ``stats`` tensor, in order (FORMAT.md section 9).
 MAXIMUS_STATS_FIELDS = ("lookups", "hits", "misses", "shard_loads", "shard_evictions",
                         "bytes_moved", "steps", "pad_lookups")

@@ -32,6 +32,7 @@ class TensorSpec:
     blocksize: int | None = None
     piece_of: str | None = None     # the sharded tensor this spec is a row-range piece of
     rows: tuple | None = None       # (r0, r1) of that piece
+    cols: tuple | None = None       # or (c0, c1) of a column piece
 
     @property
     def numel(self) -> int:

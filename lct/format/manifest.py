@@ -49,16 +49,17 @@ class TensorInfo:
     offset: int
     nbytes: int
     nf4: dict | None = None
-    pieces: tuple | None = None     # row-range pieces (TensorInfo each), for a sharded tensor
+    pieces: tuple | None = None     # row- or column-range pieces (TensorInfo each), in order
     row_order: str | None = None    # "maximus": stored rows are in frequency order
     rows: tuple | None = None       # (r0, r1) of a piece within its tensor
     int8: dict | None = None        # {"scale_offset", "scale_nbytes"} of an int8 tensor
+    cols: tuple | None = None       # (c0, c1) of a column piece within its tensor (since 1.2)
 
     @classmethod
     def from_pieces(cls, name: str, shape: tuple, dtype: str, pieces: tuple,
                     row_order: str | None) -> "TensorInfo":
-        """The whole tensor stored as ``pieces`` (in row order): placed at the first piece,
-        ``nbytes`` their sum (FORMAT.md 2.3)."""
+        """The whole tensor stored as ``pieces`` (in row or column order): placed at the first
+        piece, ``nbytes`` their sum (FORMAT.md 2.3)."""
         first = pieces[0]
         return cls(name, tuple(shape), dtype, first.stored_dtype, first.encoding, first.role,
                    first.group, first.chunk, first.offset, sum(p.nbytes for p in pieces),
@@ -78,8 +79,19 @@ class TensorInfo:
         return math.prod(self.shape)
 
     def placements(self) -> tuple:
-        """Where the bytes are: the tensor itself, or its pieces in row order."""
+        """Where the bytes are: the tensor itself, or its pieces in order."""
         return self.pieces if self.pieces else (self,)
+
+    @property
+    def piece_axis(self) -> int | None:
+        """0 for a tensor stored as row pieces, 1 for column pieces, None for one placement."""
+        if not self.pieces:
+            return None
+        return 1 if self.pieces[0].cols is not None else 0
+
+    def span(self) -> tuple | None:
+        """``(start, end)`` of a piece along its tensor's piece axis."""
+        return self.cols if self.cols is not None else self.rows
 
 
 @dataclass
@@ -211,7 +223,7 @@ class Manifest:
 
 
 def _tensor_dict(t: TensorInfo) -> dict:
-    d = {k: v for k, v in asdict(t).items() if k not in ("pieces", "rows")}
+    d = {k: v for k, v in asdict(t).items() if k not in ("pieces", "rows", "cols")}
     d["shape"] = list(t.shape)
     for key in ("nf4", "row_order", "int8"):
         if d[key] is None:
@@ -219,7 +231,8 @@ def _tensor_dict(t: TensorInfo) -> dict:
     if t.pieces:
         for key in ("chunk", "offset", "nbytes", "nf4", "int8"):
             d.pop(key, None)
-        d["pieces"] = [{"rows": list(p.rows), "chunk": p.chunk, "offset": p.offset,
+        d["pieces"] = [{("cols" if p.cols is not None else "rows"): list(p.span()),
+                        "chunk": p.chunk, "offset": p.offset,
                         "nbytes": p.nbytes, **({"nf4": p.nf4} if p.nf4 else {}),
                         **({"int8": p.int8} if p.int8 else {})}
                        for p in t.pieces]
@@ -253,7 +266,7 @@ def chunk_bindings(chunks: list, tensors: dict, ties: dict) -> dict:
     for t in tensors.values():
         for p in t.placements():
             held.setdefault(p.chunk, []).append(
-                [t.name, list(p.rows) if p.rows else None, list(t.shape), t.dtype,
+                [t.name, list(p.span()) if p.span() else None, list(t.shape), t.dtype,
                  t.stored_dtype, t.encoding, t.role, t.group, p.offset, p.nbytes, p.nf4, p.int8,
                  t.row_order])
     tied_to: dict = {}
@@ -622,7 +635,8 @@ def _tensor(t, i: int, chunks: list, where: str) -> TensorInfo:
 
 
 def _pieced(t: dict, name: str, shape: tuple, dtype: str, chunks: list, where: str) -> TensorInfo:
-    """A tensor stored as row-range pieces, each placed in its own chunk (FORMAT.md 2.3)."""
+    """A tensor stored as row-range (or, since 1.2, column-range) pieces, each placed in its own
+    chunk (FORMAT.md 2.3)."""
     w = f"tensor {name!r}"
     pieces = t.get("pieces")
     if not isinstance(pieces, list) or not pieces or len(shape) != 2:
@@ -632,24 +646,30 @@ def _pieced(t: dict, name: str, shape: tuple, dtype: str, chunks: list, where: s
     row_order = t.get("row_order")
     if row_order not in (None, C.ROW_ORDER_MAXIMUS):
         raise UnsupportedVersionError(f"{where}: {w}: unknown row_order {row_order!r}")
-    out, next_row = [], 0
+    axis = 1 if isinstance(pieces[0], dict) and "cols" in pieces[0] else 0
+    key = ("rows", "cols")[axis]
+    if axis == 1 and (row_order is not None or t.get("encoding") != C.ENCODING_PLAIN):
+        _fail(where, f"{w}: column pieces are for plain tensors in id order (section 2.3)")
+    out, nxt = [], 0
     for k, p in enumerate(pieces):
         if not isinstance(p, dict):
             _fail(where, f"{w}: pieces[{k}] must be an object")
-        rows = p.get("rows")
-        if not (isinstance(rows, list) and len(rows) == 2 and rows[0] == next_row
-                and isinstance(rows[1], int) and not isinstance(rows[1], bool)
-                and next_row < rows[1] <= shape[0]):
-            _fail(where, f"{w}: pieces[{k}].rows {rows!r} must continue at row {next_row} "
-                         f"and end by {shape[0]}")
+        span = p.get(key)
+        if ("rows" if axis else "cols") in p or not (
+                isinstance(span, list) and len(span) == 2 and span[0] == nxt
+                and isinstance(span[1], int) and not isinstance(span[1], bool)
+                and nxt < span[1] <= shape[axis]):
+            _fail(where, f"{w}: pieces[{k}].{key} {span!r} must continue at {nxt} and end by "
+                         f"{shape[axis]} (all pieces of a tensor split one axis)")
         sub = {k: v for k, v in t.items() if k != "pieces"}
-        sub.update((key, p[key]) for key in _PLACEMENT_KEYS if key in p)
-        piece = _placement(sub, f"{name}[{rows[0]}:{rows[1]}]", (rows[1] - rows[0], shape[1]),
-                           dtype, chunks, where)
-        out.append(replace(piece, rows=(rows[0], rows[1])))
-        next_row = rows[1]
-    if next_row != shape[0]:
-        _fail(where, f"{w}: pieces cover rows 0..{next_row}, the tensor has {shape[0]}")
+        sub.update((kk, p[kk]) for kk in _PLACEMENT_KEYS if kk in p)
+        sub_shape = (span[1] - span[0], shape[1]) if axis == 0 else (shape[0], span[1] - span[0])
+        label = f"{name}[{span[0]}:{span[1]}]" if axis == 0 else f"{name}[:, {span[0]}:{span[1]}]"
+        piece = _placement(sub, label, sub_shape, dtype, chunks, where)
+        out.append(replace(piece, **{key: (span[0], span[1])}))
+        nxt = span[1]
+    if nxt != shape[axis]:
+        _fail(where, f"{w}: pieces cover {key} 0..{nxt}, the tensor has {shape[axis]}")
     return TensorInfo.from_pieces(name, shape, dtype, tuple(out), row_order)
 
 

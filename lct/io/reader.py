@@ -360,7 +360,7 @@ class Artifact:
                 q, scale = q[perm], scale[perm]
             w = Int8Weight(info.name, q, scale, info.shape, info.dtype)
             return w.dequantize() if dequantize else w
-        table = torch.cat(parts)
+        table = torch.cat(parts, dim=info.piece_axis)
         return table[perm] if perm is not None else table
 
     def maximus_state(self) -> dict:
@@ -425,7 +425,7 @@ class Artifact:
                 out[tied] = out[real]
         return out
 
-    def stream(self, groups=None, prefetch: int = 2, dequantize: bool = False):
+    def stream(self, groups=None, prefetch: int = 2, dequantize: bool = False, chunks=None):
         """Decoded groups in order, ``prefetch`` of them decoding ahead; see ``GroupStream``.
 
         Example:
@@ -434,7 +434,7 @@ class Artifact:
             ...         print(group.name, len(group.tensors))
         """
         from lct.io.stream import GroupStream
-        return GroupStream(self, groups, prefetch=prefetch, dequantize=dequantize)
+        return GroupStream(self, groups, prefetch=prefetch, dequantize=dequantize, chunks=chunks)
 
     def read_tensor(self, name: str, dequantize: bool = True):
         """One tensor by name (decodes its chunk(s); use ``read_group`` for many)."""

@@ -75,7 +75,8 @@ class GroupStream:
         ...         install(group.tensors)
     """
 
-    def __init__(self, artifact, groups=None, *, prefetch: int = 2, dequantize: bool = False):
+    def __init__(self, artifact, groups=None, *, prefetch: int = 2, dequantize: bool = False,
+                 chunks=None):
         if prefetch < 0:
             raise ValueError(f"prefetch must be >= 0, got {prefetch}")
         self.art = artifact
@@ -85,6 +86,8 @@ class GroupStream:
             raise KeyError(f"{artifact.path}: no group named {unknown[0]!r}")
         self.prefetch = prefetch
         self.dequantize = dequantize
+        # Only these chunk ids are read (a tensor-parallel rank's share); None: every chunk.
+        self.chunks = None if chunks is None else frozenset(chunks)
         self.stats = StreamStats()
         self._next = 0               # next group index to submit
         self._given = 0              # groups handed to the consumer
@@ -120,10 +123,14 @@ class GroupStream:
             self._pool.shutdown(wait=True, cancel_futures=True)
 
     # Work --------------------------------------------------------------------------------------
+    def _chunks_of(self, name: str) -> list:
+        chunks = self.art.manifest.group_chunks(name)
+        return chunks if self.chunks is None else [c for c in chunks if c.id in self.chunks]
+
     def _load(self, name: str) -> Group:
         art = self.art
         buffers = {}
-        for chunk in art.manifest.group_chunks(name):
+        for chunk in self._chunks_of(name):
             t0 = time.perf_counter()
             stored = art.read_stored(chunk)
             t1 = time.perf_counter()
@@ -142,7 +149,7 @@ class GroupStream:
         upto = min(upto, len(self.names) - 1)
         while self._advised < upto:
             self._advised += 1
-            self.art.will_need(self.art.manifest.group_chunks(self.names[self._advised]))
+            self.art.will_need(self._chunks_of(self.names[self._advised]))
 
     def _fill(self) -> None:
         while self._next < len(self.names) and len(self._pending) < self.prefetch:

@@ -344,7 +344,7 @@ class ArtifactWriter:
             entry = TensorInfo(spec.name, tuple(spec.shape), spec.dtype, spec.stored_dtype,
                                spec.encoding, spec.role, spec.group, info.id,
                                layout.offsets[spec.name], spec.nbytes, nf4, rows=spec.rows,
-                               int8=int8)
+                               int8=int8, cols=spec.cols)
             if spec.piece_of is not None:
                 self.pieced[spec.piece_of][2].append(entry)
             else:
@@ -352,7 +352,8 @@ class ArtifactWriter:
         return info
 
     def add_pieced(self, spec: TensorSpec, row_order: str | None) -> None:
-        """Announce a tensor that will be written as row-range pieces (``piece_of`` specs)."""
+        """Announce a tensor that will be written as row- or column-range pieces (``piece_of``
+        specs)."""
         self._require_open()
         self.pieced[spec.name] = (spec, row_order, [])
 
@@ -379,7 +380,7 @@ class ArtifactWriter:
         self._io.shutdown(wait=True)
         self._close_file()
         for spec, row_order, pieces in self.pieced.values():
-            pieces.sort(key=lambda p: p.rows)
+            pieces.sort(key=lambda p: p.span())
             self.tensors.append(TensorInfo.from_pieces(spec.name, spec.shape, spec.dtype,
                                                        tuple(pieces), row_order))
         manifest = Manifest(
