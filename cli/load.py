@@ -202,8 +202,10 @@ def _load_tp(artifact, prefetch, device, dtype, nf4, workers, no_verify, stream,
                         verify=not no_verify, stats=stats, stream=stream, tp_plan="auto",
                         dtype=getattr(torch, dtype) if dtype else None)
     ready_s = time.perf_counter() - t0
+    from lct.proc import peak_rss, process_age
     report = {"rank": rank, "world_size": dist.get_world_size(), "ready_s": ready_s,
-              "bytes_read": stats.bytes_read, "bytes_decoded": stats.bytes_decoded,
+              "process_start_to_ready_s": process_age(), "bytes_read": stats.bytes_read,
+              "bytes_decoded": stats.bytes_decoded, "peak_rss_bytes": peak_rss(),
               "notes": stats.notes}
     if prompt is not None or ids is not None:
         from lct.loader.generate import generate_timed
@@ -211,19 +213,24 @@ def _load_tp(artifact, prefetch, device, dtype, nf4, workers, no_verify, stream,
                              max_new_tokens=max_new_tokens)
         report.update(text=res.text, new_tokens=res.new_tokens,
                       first_token_s=res.first_token_s)
-    if as_json:
-        import json
-        click.echo(json.dumps(report))
-    elif quiet:
-        if rank == 0 and "text" in report:
-            click.echo(report["text"])
-    else:
-        click.echo(f"rank {rank}/{report['world_size']}: read {human(stats.bytes_read)}, "
-                   f"decoded {human(stats.bytes_decoded)}, ready in {ready_s:.2f} s")
-        if rank == 0:
-            for note in stats.notes:
-                click.echo(f"note: {note}")
-            if "text" in report:
-                click.echo(f"output: {report['text']}")
-    dist.barrier()
+    import sys
+    for turn in range(dist.get_world_size()):   # one rank at a time: lines never interleave
+        if turn == rank:
+            if as_json:
+                import json
+                click.echo(json.dumps(report))
+            elif quiet:
+                if rank == 0 and "text" in report:
+                    click.echo(report["text"])
+            else:
+                click.echo(f"rank {rank}/{report['world_size']}: read "
+                           f"{human(stats.bytes_read)}, decoded {human(stats.bytes_decoded)}, "
+                           f"ready in {ready_s:.2f} s")
+                if rank == 0:
+                    for note in stats.notes:
+                        click.echo(f"note: {note}")
+                    if "text" in report:
+                        click.echo(f"output: {report['text']}")
+            sys.stdout.flush()
+        dist.barrier()
     dist.destroy_process_group()

@@ -11,7 +11,7 @@ import torch
 import torch.distributed as dist
 
 
-def main(art: str, src: str, out: str, nf4: str, corrupt_rank: int) -> None:
+def main(art: str, src: str, out: str, nf4: str, corrupt_rank: int, stream: bool) -> None:
     dist.init_process_group("gloo")
     rank = dist.get_rank()
     result = {"rank": rank}
@@ -23,7 +23,8 @@ def main(art: str, src: str, out: str, nf4: str, corrupt_rank: int) -> None:
         path = art + ".bad"
     stats = LoadStats()
     try:
-        model = lct.load(path, tp_plan="auto", nf4=nf4, stats=stats, dtype=torch.float32)
+        model = lct.load(path, tp_plan="auto", nf4=nf4, stats=stats, dtype=torch.float32,
+                         stream=stream)
     except Exception as e:  # noqa: BLE001 - reported to the test
         result["error"] = f"{type(e).__name__}: {e}"
         Path(out, f"rank{rank}.json").write_text(json.dumps(result))
@@ -49,4 +50,5 @@ def main(art: str, src: str, out: str, nf4: str, corrupt_rank: int) -> None:
 
 
 if __name__ == "__main__":
-    main(sys.argv[1], sys.argv[2], sys.argv[3], sys.argv[4], int(sys.argv[5]))
+    main(sys.argv[1], sys.argv[2], sys.argv[3], sys.argv[4], int(sys.argv[5]),
+         len(sys.argv) > 6 and sys.argv[6] == "stream")
