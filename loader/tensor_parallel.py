@@ -74,6 +74,9 @@ def load_tp(path, *, tp_plan="auto", prefetch: int = 2, device="cpu", dtype=None
     try:
         art = open_source(path, verify=verify, workers=workers, stream=stream)
         stats.manifest_s = time.perf_counter() - t0
+        # As the single-process load: decode threads yield the core to the skeleton's import.
+        from lct.loader.build import DECODE_NICE
+        art.thread_nice = DECODE_NICE
         lossy = sorted(t.name for t in art.manifest.tensors.values() if t.encoding != "plain")
         if lossy and nf4 == "keep":
             stats.notes.append(f"{len(lossy)} NF4/int8 tensor(s) dequantized: no "
