@@ -59,6 +59,7 @@ OPTION_HINTS = {
     "overwrite": "pass --force to replace it",
     "ids": "pass token ids with --ids 1,5,9",
     "maximus_shards": "lct convert --maximus-shards N",
+    "stream": "drop --stream",
 }
 
 

@@ -58,7 +58,8 @@ def info_cmd(artifact, as_json, as_manifest, tensors, quiet):
         src = m.source_bytes
         click.echo(f"total: {human(m.stored_bytes)} stored, {human(m.decoded_bytes)} decoded, "
                    f"{len(m.files)} data file(s)"
-                   + (f"; source {human(src)} -> {m.stored_bytes / src:.3f}x" if src else ""))
+                   + (f"; source files {human(src)} -> {m.stored_bytes / src:.3f}x "
+                      f"(convert's ratio counts tensor bytes only)" if src else ""))
         if m.ties:
             click.echo("tied: " + ", ".join(f"{k} -> {v}" for k, v in m.ties.items()))
         if m.unmapped:

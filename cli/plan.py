@@ -159,6 +159,9 @@ def render(p) -> list:
     else:
         act.append(("  logits of the last position only (generate) would save",
                     hb(p.logits_saving)))
+        if p.head_temp:
+            act.append(("quantized head's dequantize-and-matmul temporaries (at the logits)",
+                        hb(p.head_temp)))
         act.append((f"KV cache ({p.kv_dtype}, {KV_DTYPES[p.kv_dtype]} B an element)",
                     hb(p.kv_cache)))
         if p.kv_cache_window != p.kv_cache:

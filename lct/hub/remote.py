@@ -227,8 +227,8 @@ def fetch_small(repo_id: str, revision: str | None = None, token=None, *,
     at = where(repo_id, revision)
     if hh.constants.is_offline_mode():
         raise HubOfflineError(f"{at}: HF_HUB_OFFLINE is set, and streaming reads the chunks "
-                              f"from the Hub; load it without stream=True (from the cache), or "
-                              f"unset HF_HUB_OFFLINE")
+                              f"from the Hub; load it without streaming (from the cache), or "
+                              f"unset HF_HUB_OFFLINE", option="stream")
     api = hh.HfApi(token=token, endpoint=endpoint)
     try:
         info = api.model_info(repo_id, revision=revision, files_metadata=True)

@@ -362,6 +362,7 @@ class Plan:
     vocab_delta: dict | None = None       # {mode: peak with the new vocabulary - peak with the old}
     remedies: list = field(default_factory=list)   # [(remedy, bytes it takes off the peak)]
     notes: list = field(default_factory=list)
+    head_temp: int = 0    # infer: the NF4/int8 head's dequantize-and-matmul temporaries
 
     @property
     def peak_phase(self) -> str:
@@ -596,6 +597,7 @@ def _plan(cfg: dict, where: str, dims: Dims, base: Dims, manifest, budget, *, mo
         kv_cache=f["kv"], kv_cache_window=f["kv_window"], step_temp=f["step"],
         nf4_saving=nf4_saving, maximus_saving=maximus_saving, host=total_of("host"),
         phases=phases, total=total, fits=None if budget is None else total <= budget,
+        head_temp=f.get("head_temp", 0),
         stored=manifest.stored_bytes if manifest else None,
         decoded=manifest.decoded_bytes if manifest else None, notes=notes)
     if remedies:
@@ -731,14 +733,13 @@ def _infer_figures(dims, batch, seq, a, device, blocksize, weights, kv_held, log
     for an NF4 or int8 ``head``) and what keeping only the last position's logits saves."""
     t, V, H = batch * seq, dims.vocab, dims.hidden
     activations = infer_transient(dims, batch, seq, a)
-    final = logits + a * t * H
-    if head == C.ENCODING_NF4:
-        final += nf4_head_transient(V, H, t, a, blocksize, device)
-    elif head == C.ENCODING_INT8:
-        final += int8_head_transient(V, H, t, a)
+    head_temp = nf4_head_transient(V, H, t, a, blocksize, device) \
+        if head == C.ENCODING_NF4 else int8_head_transient(V, H, t, a) \
+        if head == C.ENCODING_INT8 else 0
+    final = logits + a * t * H + head_temp
     phases = {"layers": weights + kv_held + activations, "logits": weights + kv_held + final}
     return dict(phases=phases, activations=activations, loss=0, loss_chunked=0, step=0,
-                logits_saving=logits - a * batch * V)
+                logits_saving=logits - a * batch * V, head_temp=head_temp)
 
 
 def _remedies(p: Plan, cfg, where, dims, base, manifest, **opts) -> list:
