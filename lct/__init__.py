@@ -51,43 +51,27 @@ def open(path, *, verify: bool = True, workers=None, stream: bool = False):  # n
     return open_source(path, verify=verify, workers=workers, stream=stream)
 
 
-def convert(source, out, **kwargs):
-    """Convert a Hugging Face checkpoint; see ``lct.conversion.converter.convert``."""
-    from lct.conversion.converter import convert as _convert
-    return _convert(source, out, **kwargs)
-
-
-def export(artifact, out_dir, **kwargs):
-    """Export an artifact to a Hugging Face folder; see ``lct.conversion.exporter.export``."""
-    from lct.conversion.exporter import export as _export
-    return _export(artifact, out_dir, **kwargs)
-
-
-def verify(artifact, **kwargs):
-    """Verify an artifact's checksums (and against its source); see ``lct.conversion.verifier.verify``."""
-    from lct.conversion.verifier import verify as _verify
-    return _verify(artifact, **kwargs)
-
-
-def load(path, prefetch: int = 2, device="cpu", dtype=None, nf4: str = "keep", workers=None,
-         stream: bool = False, **kwargs):
-    """Load an artifact into a ready transformers model; see ``lct.loader.entry.load`` (and
-    ``lct.loader.build.load`` for the streaming options).
-
-    ``path`` may be ``hf://org/name[@revision]``: pulled from the Hub and verified, or with
-    ``stream=True`` its chunks are fetched by HTTP range requests as they load.
-    ``maximus=True`` (or a budget in shards) installs a ``MaximusEmbedding`` from the artifact's
-    shard state."""
-    from lct.loader import load as _load
-    return _load(path, prefetch=prefetch, device=device, dtype=dtype, nf4=nf4, workers=workers,
-                 stream=stream, **kwargs)
+# The API's functions and classes are their modules' own (``help(lct.convert)`` shows every
+# option), imported on first use so that ``import lct`` stays light.
+_API = {
+    "convert": "lct.conversion.converter",    # Hugging Face checkpoint -> artifact
+    "export": "lct.conversion.exporter",      # artifact -> Hugging Face folder
+    "verify": "lct.conversion.verifier",      # checksums, and tensors against the source
+    "load": "lct.loader.entry",               # artifact -> ready model (TP and device maps too)
+    "Policy": "lct.conversion.converter",
+    "NF4Weight": "lct.io.reader",
+    "Int8Weight": "lct.io.reader",
+}
 
 
 def __getattr__(name):
-    if name == "Policy":
-        from lct.conversion.converter import Policy
-        return Policy
-    if name in ("NF4Weight", "Int8Weight"):
-        from lct.io import reader
-        return getattr(reader, name)
+    if name in _API:
+        import importlib
+        value = getattr(importlib.import_module(_API[name]), name)
+        globals()[name] = value
+        return value
     raise AttributeError(f"module 'lct' has no attribute {name!r}")
+
+
+def __dir__():
+    return sorted(set(globals()) | set(_API))

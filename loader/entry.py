@@ -11,11 +11,22 @@ def load(path, prefetch: int = 2, device="cpu", dtype=None, nf4: str = "keep",
          maximus=False, stream: bool = False, tp_plan=None, device_map=None, max_memory=None):
     """Load an LCT artifact into a transformers model ready for ``generate()``.
 
-    Without ``tp_plan`` or ``device_map`` this is ``lct.loader.build.load`` (see it for
-    ``prefetch``, ``device``, ``dtype``, ``nf4``, ``workers``, ``verify``, ``pad_ids``,
-    ``stats``, ``maximus`` and ``stream``).
+    Without ``tp_plan`` or ``device_map`` this is ``lct.loader.build.load``, the prefetching
+    streaming loader (its docstring has the details).
 
     Args:
+        path: the artifact folder, or ``hf://org/name[@revision]`` (pulled and verified first,
+            or with ``stream=True`` read by HTTP range requests).
+        prefetch: groups decoded ahead of the one being installed (0: sequential).
+        device: ``"cpu"`` or ``"cuda[:N]"``.
+        dtype: cast floating-point weights to this torch dtype (default: the stored ones).
+        nf4: ``"keep"`` NF4/int8 parts in their encoding, or ``"dequantize"`` them.
+        workers: decode threads (default: all cores).
+        verify: check chunk checksums as they stream.
+        pad_ids: ids the quantized embedding returns as zeros without gathering.
+        stats: a ``LoadStats`` filled with the time and bytes breakdown.
+        maximus: ``True`` (or a budget in shards) installs a ``MaximusEmbedding``.
+        stream: for ``hf://``, fetch chunks by HTTP range requests instead of the files.
         tp_plan: ``"auto"`` under an initialised ``torch.distributed`` process group: the
             tensor-parallel model ``from_pretrained(tp_plan="auto")`` builds, each rank keeping
             its shards (``lct.loader.tensor_parallel.load_tp``).
