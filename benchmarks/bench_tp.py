@@ -8,7 +8,11 @@ Contenders, on a Gemma-2B-shaped checkpoint (random bf16 weights) converted with
 * ``torchrun --nproc_per_node 2``: ``AutoModelForCausalLM.from_pretrained(SRC, tp_plan="auto")``
   on the safetensors source, the peer.
 
-Per rank: bytes read and decoded, peak RSS (VmHWM), time from process start to ready. Gemma-2B
+Per rank: bytes read and decoded, peak RSS (VmHWM), time from process start to ready. Before
+every contender free memory is primed (``--prime`` GiB touched and freed, as
+``benchmarks/bench_load.py`` does): this VM hands idle memory back to the host and charges 1-2 s
+per GB for touching it again, which a loader that decodes into fresh memory pays and one that
+maps the page cache does not. Gemma-2B
 itself has one key/value head, which no tensor-parallel plan can split over 2 ranks (transformers
 builds it and fails in the first forward; LCT refuses it at load), so the checkpoint is
 Gemma-2B's shape with 2 key/value heads (0.5 % more parameters).
@@ -92,14 +96,23 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--out", type=Path, default=Path("bench_out"))
     ap.add_argument("--world", type=int, default=2)
+    ap.add_argument("--prime", type=int, default=8,
+                    help="GiB of memory touched and freed before each contender (0: none)")
     args = ap.parse_args()
     args.out.mkdir(parents=True, exist_ok=True)
     src, art = prepare(args.out)
+    def prime():
+        if args.prime:
+            subprocess.run([PY, "-c", f"import numpy as np; a = np.ones({args.prime} << 30, "
+                                      f"np.uint8); del a"], check=True)
+    prime()
     print("one process ...", flush=True)
     single = json.loads(subprocess.run([PY, "-c", SINGLE.format(art=str(art))], check=True,
                                        capture_output=True, text=True).stdout.splitlines()[-1])
+    prime()
     print("lct load --tp ...", flush=True)
     lct_tp = _torchrun(["-m", "lct", "load", str(art), "--tp", "--json"], args.world)
+    prime()
     print("from_pretrained(tp_plan='auto') ...", flush=True)
     script = args.out / "bench_tp_peer.py"
     script.write_text(PEER.format(src=str(src)))
@@ -128,7 +141,8 @@ def main() -> None:
                   f"{ready:.1f} s vs from_pretrained(tp_plan) {peer_ready:.1f} s "
                   f"(target: no later)",
               f"notes (rank 0): {'; '.join(lct_tp[0]['notes'])}",
-              f"measured {time.strftime('%Y-%m-%d %H:%M')} on {os.cpu_count()} cores"]
+              f"measured {time.strftime('%Y-%m-%d %H:%M')} on {os.cpu_count()} cores, "
+              f"{args.prime} GiB primed before each contender"]
     text = "\n".join(lines)
     (args.out / "tp_results.md").write_text(text + "\n")
     print(text)
