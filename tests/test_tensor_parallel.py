@@ -274,3 +274,17 @@ def test_hf_stream_every_rank_fetches_only_its_byte_ranges(qwen_src, tmp_path):
     # each rank fetched its own pieces (about half) and the small whole tensors: well under
     # the two full copies that two plain streams would fetch
     assert stored * 0.9 < sent < stored * 1.3, (sent, stored)
+
+
+def test_a_tied_model_with_pieces_ties_as_from_pretrained(tmp_path):
+    """Tied embedding and head (Qwen2 with tie_word_embeddings): the head is left to
+    transformers' tie after the embedding's pieces are in, as from_pretrained does."""
+    from lct.demo import tiny
+    src = tiny.save_tiny(tmp_path / "qwen2-tied", "qwen2", num_attention_heads=8,
+                         num_key_value_heads=4, tie_word_embeddings=True)
+    art = tmp_path / "tied.lct"
+    lct.convert(str(src), art, policy=Policy(nf4=(), tp_pieces=2))
+    assert lct.open(art).manifest.ties
+    for r in launch(2, art, src, tmp_path / "out"):
+        assert "error" not in r, r
+        assert r["max_diff"] == 0.0 and r["names_equal"] and r["placements"] == [], r
