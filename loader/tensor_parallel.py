@@ -11,13 +11,10 @@ success before anyone runs a collective of the model.
 
 from __future__ import annotations
 
-import logging
 import time
 
 from lct import errors
 from lct.errors import LCTError
-
-log = logging.getLogger("lct.loader")
 
 # Bytes of an error message the ranks exchange (UTF-8, cut to fit); no pickle crosses ranks.
 _MESSAGE_BYTES = 2048
@@ -46,7 +43,13 @@ def load_tp(path, *, tp_plan="auto", prefetch: int = 2, device="cpu", dtype=None
         LCTError: no process group, a plan or model this cannot shard, or any rank's failure
             (on every rank, naming the rank and the chunk).
     """
+    import os
+    from concurrent.futures import ThreadPoolExecutor
+
     import torch.distributed as dist
+
+    from lct.loader.build import DECODE_NICE
+    from lct.loader.source import LoadStats, open_source
     if not dist.is_available() or not dist.is_initialized():
         raise LCTError("tensor-parallel loading needs an initialised torch.distributed process "
                        "group (launch with torchrun)", option="tp_plan")
@@ -55,40 +58,44 @@ def load_tp(path, *, tp_plan="auto", prefetch: int = 2, device="cpu", dtype=None
                        option="tp_plan")
     if nf4 not in ("keep", "dequantize"):
         raise LCTError(f"nf4 must be 'keep' or 'dequantize', got {nf4!r}", option="nf4")
-    from lct.loader.source import LoadStats, open_source
     stats = stats if stats is not None else LoadStats()
     t0 = time.perf_counter()
-    failure = None
-    model = art = None
-    import os
-    from concurrent.futures import ThreadPoolExecutor
-
-    import torch.distributed as dist
-    # Each rank decodes with all cores (its decode threads release the GIL; measured on 2
-    # ranks of 2 cores: 4.6 s against 7.4 s with the cores split between the ranks).
-    if str(device).startswith("cuda"):       # per thread in CUDA: set here, where we install
+    if str(device).startswith("cuda"):   # the current device is per thread: set it where we install
         import torch
         torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", dist.get_rank()))
                               % torch.cuda.device_count())
-    builder = ThreadPoolExecutor(1, thread_name_prefix="lct-skeleton")
+    art = failure = None
     try:
         art = open_source(path, verify=verify, workers=workers, stream=stream)
-        stats.manifest_s = time.perf_counter() - t0
-        # As the single-process load: decode threads yield the core to the skeleton's import.
-        from lct.loader.build import DECODE_NICE
-        art.thread_nice = DECODE_NICE
-        lossy = sorted(t.name for t in art.manifest.tensors.values() if t.encoding != "plain")
-        if lossy and nf4 == "keep":
-            stats.notes.append(f"{len(lossy)} NF4/int8 tensor(s) dequantized: no "
-                               f"tensor-parallel kernels for them yet")
+    except Exception as e:  # noqa: BLE001 - every rank must hear of it, whatever it is
+        failure = e
+    # Agree before the skeleton: building it runs collectives (the device mesh), which a rank
+    # that could not open the artifact would never join.
+    try:
+        _agree(failure)
+    except BaseException:
+        if art is not None:
+            art.close()
+        raise
+    stats.manifest_s = time.perf_counter() - t0
+    # As the single-process load: decode threads (all cores; splitting them between the ranks
+    # measured slower) yield the core to the skeleton's import.
+    art.thread_nice = DECODE_NICE
+    lossy = [t.name for t in art.manifest.tensors.values() if t.encoding != "plain"]
+    if lossy and nf4 == "keep":
+        stats.notes.append(f"{len(lossy)} NF4/int8 tensor(s) dequantized: no tensor-parallel "
+                           f"kernels for them yet")
 
-        def skeleton():
-            t1 = time.perf_counter()
-            built = _skeleton(art, dtype, device)
-            stats.skeleton_s = time.perf_counter() - t1
-            return built
+    def skeleton():
+        t1 = time.perf_counter()
+        built = _skeleton(art, dtype, device)
+        stats.skeleton_s = time.perf_counter() - t1
+        return built
+    model = None
+    builder = ThreadPoolExecutor(1, thread_name_prefix="lct-skeleton")
+    try:
         # The skeleton (transformers' import, the plan, the device mesh) is built beside the
-        # stream, which starts on the chunks this rank's pieces are in.
+        # stream, which starts at once on the chunks of this rank's pieces.
         future = builder.submit(skeleton)
         chunks = _rank_chunks(art.manifest, dist.get_rank(), dist.get_world_size())
         with art.stream(prefetch=prefetch, dequantize=True, chunks=chunks) as groups:
@@ -96,9 +103,8 @@ def load_tp(path, *, tp_plan="auto", prefetch: int = 2, device="cpu", dtype=None
     except Exception as e:  # noqa: BLE001 - every rank must hear of it, whatever it is
         failure = e
     finally:
-        builder.shutdown(wait=True)
-        if art is not None:
-            art.close()
+        builder.shutdown(wait=True)     # its collectives end on every rank before the agreement
+        art.close()
     _agree(failure)
     stats.total_s = time.perf_counter() - t0
     return model

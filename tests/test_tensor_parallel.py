@@ -288,3 +288,16 @@ def test_a_tied_model_with_pieces_ties_as_from_pretrained(tmp_path):
     for r in launch(2, art, src, tmp_path / "out"):
         assert "error" not in r, r
         assert r["max_diff"] == 0.0 and r["names_equal"] and r["placements"] == [], r
+
+
+def test_a_rank_that_cannot_open_the_artifact_ends_every_rank(llama_src, tmp_path):
+    """A damaged manifest on rank 1 only: every rank ends with its error before anyone builds
+    the model (whose device mesh is a collective rank 1 would never join)."""
+    art = _lossless(llama_src, tmp_path / "llama.lct")
+    bad = Path(str(art) + ".bad")
+    shutil.copytree(art, bad)
+    (bad / "lct.json").write_text((art / "lct.json").read_text()[:-40])
+    results = launch(2, art, llama_src, tmp_path / "out", corrupt_rank=1)
+    for r in results:
+        assert "Manifest" in r["error"].split(":")[0], r
+    assert results[0]["error"].split(":", 1)[1].strip().startswith("rank 1: ")
