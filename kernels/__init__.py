@@ -1,6 +1,7 @@
 """Runtime kernels: the torch modules that compute on LCT's encodings. NF4 and int8
 dequantization, NF4, int8 and padding-aware embedding lookups, the NF4 and int8 LM heads, and
-``MaximusEmbedding`` (with saving and restoring its shard state).
+``MaximusEmbedding`` (with saving and restoring its shard state), and quantized tables split
+by rows over a tensor-parallel group (``sharded``).
 
 May import: ``lct.format`` (the codecs, the native loops, the Maximus state file) and the leaves.
 """

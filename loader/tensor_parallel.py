@@ -32,8 +32,8 @@ def load_tp(path, *, tp_plan="auto", prefetch: int = 2, device="cpu", dtype=None
         prefetch, workers, verify, stream: as ``lct.load``.
         device: ``"cpu"`` (gloo) or ``"cuda"`` (each rank's local device, NCCL).
         dtype: the parameters' dtype (default: the dtype the artifact stores its layers in).
-        nf4: lossy parts (NF4, int8) are dequantized to the model dtype whatever it says:
-            LCT has no tensor-parallel kernels for them yet (``stats.notes`` says so).
+        nf4: ``"keep"``: the NF4/int8 embedding and head stay in their encoding, each rank
+            holding its rows (``lct.kernels.sharded``); ``"dequantize"``: plain DTensors.
         stats: a ``LoadStats`` filled with this rank's bytes read and decoded and timings.
 
     Returns:
@@ -82,9 +82,10 @@ def load_tp(path, *, tp_plan="auto", prefetch: int = 2, device="cpu", dtype=None
     # measured slower) yield the core to the skeleton's import.
     art.thread_nice = DECODE_NICE
     lossy = [t.name for t in art.manifest.tensors.values() if t.encoding != "plain"]
-    if lossy and nf4 == "keep":
-        stats.notes.append(f"{len(lossy)} NF4/int8 tensor(s) dequantized: no tensor-parallel "
-                           f"kernels for them yet")
+    if lossy:
+        stats.notes.append(
+            "the NF4/int8 embedding and head stay in their encoding, split by rows over the "
+            "ranks" if nf4 == "keep" else f"{len(lossy)} NF4/int8 tensor(s) dequantized")
 
     def skeleton():
         t1 = time.perf_counter()
@@ -99,7 +100,7 @@ def load_tp(path, *, tp_plan="auto", prefetch: int = 2, device="cpu", dtype=None
         future = builder.submit(skeleton)
         chunks = _rank_chunks(art.manifest, dist.get_rank(), dist.get_world_size())
         with art.stream(prefetch=prefetch, dequantize=True, chunks=chunks) as groups:
-            model = _fill(future, art, groups, stats)
+            model = _fill(future, art, groups, stats, keep=nf4 == "keep")
     except Exception as e:  # noqa: BLE001 - every rank must hear of it, whatever it is
         failure = e
     finally:
@@ -155,7 +156,7 @@ def _rank_chunks(m, rank: int, world: int) -> set:
     return out
 
 
-def _fill(future, art, groups, stats):
+def _fill(future, art, groups, stats, keep: bool = False):
     """Give every parameter of the skeleton ``future`` builds its shard (DTensor) or whole
     tensor from the stream ``groups``. A tensor stored as pieces along the axis the plan splits
     takes only the pieces inside this rank's slice; any other tensor is decoded whole and
@@ -163,9 +164,11 @@ def _fill(future, art, groups, stats):
     import torch
     from torch.distributed.tensor import DTensor
 
+    from lct.loader.source import param_name
     model = None
     t_install = 0.0
     m = art.manifest
+    quantized = {}      # param name -> (tensor info, this rank's rows as NF4/int8, row range)
     for group in groups:
         if model is None:
             model, params, plans, target = _plans(future.result(), art, stats)
@@ -178,6 +181,10 @@ def _fill(future, art, groups, stats):
             for p in (pieces if pieces is not None else info.placements()):
                 if p.chunk not in group.buffers:      # outside the rank's guess: read it now
                     group.buffers[p.chunk] = art.read_chunk(p.chunk)
+            if keep and info.encoding != "plain" and _by_rows(index, info):
+                quantized[full] = (info, _quantized_rows(art, info, group.buffers, pieces,
+                                                         index[0]), index[0])
+                continue
             if pieces is not None:
                 # One piece is a chunk of its own: its decoded bytes are the shard, kept as
                 # they are (no copy); several are joined.
@@ -208,6 +215,8 @@ def _fill(future, art, groups, stats):
     stats.install_s = t_install
     names = set(params)
     filled = {plans[n][0] for n in plans}
+    filled |= {param_name(model, tied, names) for tied, real in m.ties.items()
+               if plans.get(real, (None,))[0] in quantized}
     missing = names - filled
     tied = set(getattr(model, "all_tied_weights_keys", {}) or {})
     if missing - tied:
@@ -218,7 +227,80 @@ def _fill(future, art, groups, stats):
         mod_name, _, leaf = name.rpartition(".")
         model.get_submodule(mod_name)._buffers[leaf] = torch.empty_like(buf, device=target)
     model.initialize_weights()     # fills only what has no _is_hf_initialized: those buffers
+    if quantized:
+        _install_sharded(model, quantized, art, params, names)
     return model.eval()
+
+
+def _by_rows(index, info) -> bool:
+    """Whether this rank's slice of ``info`` is a range of whole rows (a 2-D table split along
+    the vocabulary, as the plan splits the embedding and the head)."""
+    return index is not None and len(info.shape) == 2 and index[1].start == 0 and \
+        index[1].stop == info.shape[1]
+
+
+def _quantized_rows(art, info, bufs, pieces, rows: slice):
+    """This rank's ``rows`` of the NF4/int8 table ``info``, still encoded (an ``NF4Weight`` or
+    ``Int8Weight``): its pieces when they are exactly those rows, else sliced from the whole."""
+    import torch
+
+    from lct.io.reader import Int8Weight, NF4Weight
+    parts = [art.tensor_from_buffer(p, bufs[p.chunk], dequantize=False) for p in pieces] \
+        if pieces is not None else [art.assemble(info, bufs, dequantize=False)]
+    n, cols = rows.stop - rows.start, info.shape[1]
+    keep = slice(None) if pieces is not None else rows
+    if info.encoding == "int8":
+        q = torch.cat([p.q.reshape(-1, cols) for p in parts])[keep].clone()
+        scale = torch.cat([p.scale.reshape(-1) for p in parts])[keep].clone()
+        return Int8Weight(info.name, q, scale, (n, cols), info.dtype)
+    bs = info.nf4["blocksize"]
+    packed = torch.cat([p.packed.reshape(-1, cols // 2) for p in parts])[keep].clone()
+    absmax = torch.cat([p.absmax.reshape(-1, cols // bs) for p in parts])[keep].clone()
+    return NF4Weight(info.name, packed.reshape(-1), absmax.reshape(-1), (n, cols), bs,
+                     info.dtype)
+
+
+def _install_sharded(model, quantized: dict, art, params: dict, names: set) -> None:
+    """Put the NF4/int8 tables in: the embedding as a ``ShardedEmbedding`` over this rank's
+    rows, the head (or the tied head, on the same rows) as a ``GatheredHead``."""
+    import torch
+    import torch.distributed as dist
+
+    from lct.kernels import Int8Embedding, Int8Linear, NF4Embedding, NF4Linear
+    from lct.kernels.sharded import GatheredHead, ShardedEmbedding
+    from lct.loader.source import param_name
+    world = dist.get_world_size()
+    heads = {param_name(model, tied, names): param_name(model, real, names)
+             for tied, real in art.manifest.ties.items()}
+    targets = [(full, full) for full in quantized] + \
+        [(head, real) for head, real in heads.items() if real in quantized]
+    for full, source in targets:
+        info, w, rows = quantized[source]
+        dtype = params[source][2].dtype
+        vocab, cols = info.shape
+        chunk = -(-vocab // world)
+        sizes = [max(0, min(vocab, (r + 1) * chunk) - min(vocab, r * chunk))
+                 for r in range(world)]
+        mod_path = full.rpartition(".")[0]
+        parent_path, _, leaf = mod_path.rpartition(".")
+        parent = model.get_submodule(parent_path) if parent_path else model
+        old = getattr(parent, leaf)
+        n = rows.stop - rows.start
+        nf4 = info.encoding == "nf4"
+        if isinstance(old, torch.nn.Embedding):
+            local = NF4Embedding(w.packed, w.absmax, n, cols, w.blocksize, dtype) if nf4 else \
+                Int8Embedding(w.q, w.scale, dtype)
+            scale = getattr(old, "embed_scale", None)
+            new = ShardedEmbedding(local, rows.start, rows.stop, vocab, cols,
+                                   scale=None if scale is None or scale.is_meta else scale)
+        else:
+            if getattr(old, "bias", None) is not None:
+                raise LCTError(f"{art.path}: {mod_path} has a bias; a split quantized head "
+                               f"has none (load with nf4='dequantize')", option="nf4")
+            local = NF4Linear(w.packed, w.absmax, n, cols, w.blocksize, dtype) if nf4 else \
+                Int8Linear(w.q, w.scale, dtype)
+            new = GatheredHead(local, sizes)
+        setattr(parent, leaf, new)
 
 
 def _plans(model, art, stats) -> tuple:

@@ -89,17 +89,32 @@ def test_qwen2_gqa_four_ranks_equals_from_pretrained(qwen_src, tmp_path):
         assert r["max_diff"] == 0.0 and r["placements"] == [] and r["local_shapes"] == [], r
 
 
-def test_lossy_parts_are_dequantized_and_said(qwen_src, tmp_path):
-    """An NF4 head under tensor parallelism: dequantized (no TP kernel for it yet), so the
-    model equals the source up to the NF4 error; the load says what it did."""
-    art = tmp_path / "nf4.lct"
-    lct.convert(str(qwen_src), art, policy=Policy(nf4=("embed", "head")))
+@pytest.mark.parametrize("encoding", ["nf4", "int8"])
+@pytest.mark.parametrize("pieces", [None, 2])
+def test_lossy_tables_are_kept_split_by_rows_or_dequantized(qwen_src, tmp_path, encoding,
+                                                            pieces):
+    """NF4/int8 embedding and head under tensor parallelism: kept in their encoding, each rank
+    holding its rows (a ShardedEmbedding and a GatheredHead), with the logits of a single
+    process that keeps them too; or dequantized to plain DTensors on request. Both equal the
+    source up to the encoding's error."""
+    import torch
+    art = tmp_path / f"{encoding}.lct"
+    lct.convert(str(qwen_src), art, policy=Policy(**{encoding: ("embed", "head")},
+                                                  tp_pieces=pieces))
+    ids = torch.tensor([[1, 5, 9, 3, 7, 2, 11, 4]])
+    with torch.no_grad():
+        single = lct.load(art, dtype=torch.float32)(ids).logits[0, :3, :5]
     for nf4 in ("keep", "dequantize"):
         results = launch(2, art, qwen_src, tmp_path / nf4, nf4=nf4)
         for r in results:
             assert "error" not in r, r
-            assert 0 < r["max_diff"] < 0.5 and r["placements"] == [], r
-            assert any("dequantized" in n for n in r["notes"]) == (nf4 == "keep")
+            assert 0 < r["max_diff"] < 0.5, r
+            kept = (r["embed"], r["head"]) == ("ShardedEmbedding", "GatheredHead")
+            assert kept == (nf4 == "keep"), r
+            note = " ".join(r["notes"])
+            assert ("stay in their encoding" in note) == (nf4 == "keep"), note
+            if nf4 == "keep":      # the same kernels as one process, on this rank's rows
+                assert torch.allclose(torch.tensor(r["logits"]), single, atol=1e-5), r
 
 
 def test_a_corrupt_chunk_on_one_rank_ends_every_rank_with_the_typed_error(llama_src, tmp_path):

@@ -35,15 +35,19 @@ def main(art: str, src: str, out: str, nf4: str, corrupt_rank: int, stream: bool
         got, want = model(ids).logits, ref(ids).logits
     mine = {n: p for n, p in model.named_parameters()}
     theirs = {n: p for n, p in ref.named_parameters()}
+    common = sorted(set(mine) & set(theirs))   # a kept quantized table has no .weight
     result.update(
         max_diff=float((got - want).abs().max()),
         names_equal=sorted(mine) == sorted(theirs),
-        placements=[n for n in theirs if str(getattr(theirs[n], "placements", None)) !=
-                    str(getattr(mine.get(n), "placements", None))],
-        local_shapes=[n for n in theirs if tuple(getattr(theirs[n], "_local_tensor", theirs[n])
+        placements=[n for n in common if str(getattr(theirs[n], "placements", None)) !=
+                    str(getattr(mine[n], "placements", None))],
+        local_shapes=[n for n in common if tuple(getattr(theirs[n], "_local_tensor", theirs[n])
                                                  .shape) != tuple(getattr(
                                                      mine[n], "_local_tensor", mine[n]).shape)],
-        bytes_read=stats.bytes_read, bytes_decoded=stats.bytes_decoded, notes=stats.notes)
+        bytes_read=stats.bytes_read, bytes_decoded=stats.bytes_decoded, notes=stats.notes,
+        embed=type(model.get_input_embeddings()).__name__,
+        head=type(model.get_output_embeddings()).__name__,
+        logits=got[0, :3, :5].tolist())
     Path(out, f"rank{rank}.json").write_text(json.dumps(result))
     dist.barrier()
     dist.destroy_process_group()
