@@ -182,9 +182,12 @@ def _load_tp(artifact, prefetch, device, dtype, nf4, workers, no_verify, stream,
     """``lct load --tp``: one rank of a tensor-parallel load (the process group from torchrun's
     environment); every rank prints its own line, rank 0 the generated text."""
     import os
+    import sys
 
     import torch
     import torch.distributed as dist
+
+    from lct.errors import LCTError
 
     import lct.loader as loader
     from lct.units import human
@@ -198,9 +201,22 @@ def _load_tp(artifact, prefetch, device, dtype, nf4, workers, no_verify, stream,
         as_json = False
     stats = loader.LoadStats()
     t0 = time.perf_counter()
-    model = loader.load(artifact, prefetch=prefetch, device=device, nf4=nf4, workers=workers,
-                        verify=not no_verify, stats=stats, stream=stream, tp_plan="auto",
-                        dtype=getattr(torch, dtype) if dtype else None)
+    try:
+        model = loader.load(artifact, prefetch=prefetch, device=device, nf4=nf4,
+                            workers=workers, verify=not no_verify, stats=stats, stream=stream,
+                            tp_plan="auto", dtype=getattr(torch, dtype) if dtype else None)
+    except LCTError as e:
+        # Every rank has the same error (the load agrees on it): the group is left together,
+        # the one line printed, and the process ends at once. A normal interpreter exit after
+        # a failed distributed load sometimes aborts in gloo's threads (measured: 2 of 6 runs,
+        # "terminate called without an active exception", status -6).
+        _shut_down(dist)
+        from lct.cli._util import hint_for
+        option = getattr(e, "option", None)
+        click.echo(f"error: {e}" + (f" ({hint_for(option)})" if option else ""), err=True)
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(1)
     ready_s = time.perf_counter() - t0
     from lct.proc import peak_rss, process_age
     report = {"rank": rank, "world_size": dist.get_world_size(), "ready_s": ready_s,
@@ -213,7 +229,6 @@ def _load_tp(artifact, prefetch, device, dtype, nf4, workers, no_verify, stream,
                              max_new_tokens=max_new_tokens)
         report.update(text=res.text, new_tokens=res.new_tokens,
                       first_token_s=res.first_token_s)
-    import sys
     for turn in range(dist.get_world_size()):   # one rank at a time: lines never interleave
         if turn == rank:
             if as_json:
@@ -233,4 +248,12 @@ def _load_tp(artifact, prefetch, device, dtype, nf4, workers, no_verify, stream,
                         click.echo(f"output: {report['text']}")
             sys.stdout.flush()
         dist.barrier()
-    dist.destroy_process_group()
+    _shut_down(dist)
+
+
+def _shut_down(dist) -> None:
+    """Leave the process group together: a barrier, then its destruction."""
+    try:
+        dist.barrier()
+    finally:
+        dist.destroy_process_group()

@@ -316,3 +316,24 @@ def test_a_rank_that_cannot_open_the_artifact_ends_every_rank(llama_src, tmp_pat
     for r in results:
         assert "Manifest" in r["error"].split(":")[0], r
     assert results[0]["error"].split(":", 1)[1].strip().startswith("rank 1: ")
+
+
+def test_cli_under_torchrun_fails_with_one_line_on_every_rank(llama_src, tmp_path):
+    """A corrupt chunk under ``lct load --tp``: each rank prints the one-line error and exits 1
+    (its process group shut down, not an abort at exit)."""
+    art = _lossless(llama_src, tmp_path / "llama.lct")
+    with lct.open(art) as a:
+        chunk = a.manifest.chunks[1]
+        data = art / a.manifest.files[chunk.file]["name"]
+    raw = bytearray(data.read_bytes())
+    raw[chunk.offset + chunk.stored_size // 2] ^= 0xFF
+    data.write_bytes(bytes(raw))
+    out = subprocess.run(
+        [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2",
+         "--master_port", str(_free_port()), "-m", "lct", "load", str(art), "--tp",
+         "--ids", "1,5,9"], capture_output=True, text=True, timeout=TIMEOUT, cwd=tmp_path,
+        env=dict(os.environ, OMP_NUM_THREADS="1"))
+    assert out.returncode == 1
+    errors = [ln for ln in out.stderr.splitlines() if ln.startswith("error: ")]
+    assert len(errors) == 2 and all(f"chunk {chunk.id}" in e for e in errors), out.stderr[-2000:]
+    assert "terminate called" not in out.stderr and "exitcode  : -6" not in out.stderr

@@ -28,6 +28,8 @@ def main(art: str, src: str, out: str, nf4: str, corrupt_rank: int, stream: bool
     except Exception as e:  # noqa: BLE001 - reported to the test
         result["error"] = f"{type(e).__name__}: {e}"
         Path(out, f"rank{rank}.json").write_text(json.dumps(result))
+        dist.barrier()                  # leave together: gloo's threads abort an untidy exit
+        dist.destroy_process_group()
         return
     ref = AutoModelForCausalLM.from_pretrained(src, tp_plan="auto", dtype=torch.float32).eval()
     ids = torch.tensor([[1, 5, 9, 3, 7, 2, 11, 4]])
