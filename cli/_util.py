@@ -38,10 +38,7 @@ class LCTGroup(click.Group):
         except (LCTError, FileNotFoundError, PermissionError, KeyError) as e:
             if os.environ.get("LCT_DEBUG"):
                 traceback.print_exc()
-            msg = e.args[0] if isinstance(e, KeyError) and e.args else e
-            option = getattr(e, "option", None)
-            hint = f" ({hint_for(option)})" if option else ""
-            click.echo(f"error: {msg}{hint}", err=True)
+            click.echo(error_line(e), err=True)
             sys.exit(1)
         except click.UsageError as e:
             # One line like every other error (click's own is three), exit status 2 as click's.
@@ -61,6 +58,14 @@ OPTION_HINTS = {
     "maximus_shards": "lct convert --maximus-shards N",
     "stream": "drop --stream",
 }
+
+
+def error_line(e: BaseException) -> str:
+    """The one line the CLI prints for a library error: its message, and the CLI's hint when
+    the error names a parameter."""
+    msg = e.args[0] if isinstance(e, KeyError) and e.args else e
+    option = getattr(e, "option", None)
+    return f"error: {msg}" + (f" ({hint_for(option)})" if option else "")
 
 
 def hint_for(option: str) -> str:

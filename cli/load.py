@@ -211,9 +211,8 @@ def _load_tp(artifact, prefetch, device, dtype, nf4, workers, no_verify, stream,
         # a failed distributed load sometimes aborts in gloo's threads (measured: 2 of 6 runs,
         # "terminate called without an active exception", status -6).
         _shut_down(dist)
-        from lct.cli._util import hint_for
-        option = getattr(e, "option", None)
-        click.echo(f"error: {e}" + (f" ({hint_for(option)})" if option else ""), err=True)
+        from lct.cli._util import error_line
+        click.echo(error_line(e), err=True)
         sys.stdout.flush()
         sys.stderr.flush()
         os._exit(1)
@@ -227,8 +226,11 @@ def _load_tp(artifact, prefetch, device, dtype, nf4, workers, no_verify, stream,
         from lct.loader.generate import generate_timed
         res = generate_timed(model, artifact, prompt=prompt, ids=ids,
                              max_new_tokens=max_new_tokens)
+        age = process_age()
         report.update(text=res.text, new_tokens=res.new_tokens,
-                      first_token_s=res.first_token_s)
+                      first_token_s=res.first_token_s,
+                      process_start_to_first_token_s=None if age is None else
+                      age - (time.perf_counter() - res.first_token_at))
     for turn in range(dist.get_world_size()):   # one rank at a time: lines never interleave
         if turn == rank:
             if as_json:

@@ -404,9 +404,7 @@ def _load(path, prefetch, device, dtype, nf4, workers, verify, pad_ids, stats, m
     finally:
         builder.shutdown(wait=True)  # an import cannot be interrupted: let it end, no thread left
         art.close()
-    stats.read_s, stats.decode_s, stats.wait_s = s.read_s, s.decode_s, s.wait_s
-    stats.bytes_read, stats.bytes_decoded = s.bytes_read, s.bytes_decoded
-    stats.groups, stats.max_in_flight = s.groups, s.max_in_flight
+    stats.take_stream(s)
     stats.nf4_modules = list(inst.nf4_modules)
     stats.total_s = time.perf_counter() - t0
     log.info("loaded %s: %d groups, %d bytes decoded in %.2f s (skeleton %.2f s beside decode, "

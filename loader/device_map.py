@@ -100,14 +100,14 @@ def load_mapped(path, device_map, *, max_memory=None, prefetch: int = 2, dtype=N
     from accelerate import dispatch_model
 
     from lct.loader.build import Installer, _install_all, build_skeleton
-    from lct.loader.source import LoadStats, open_source, param_name
+    from lct.loader.source import LoadStats, open_source, param_name, stored_dtype
     stats = stats if stats is not None else LoadStats()
     t0 = time.perf_counter()
     art = open_source(path, verify=verify, workers=workers, stream=stream)
     closing = True
     try:
         model = build_skeleton(art, dtype)
-        dmap = resolve(model, device_map, max_memory, dtype or _stored_dtype(art))
+        dmap = resolve(model, device_map, max_memory, dtype or stored_dtype(art))
         devices = set(dmap.values())
         offloading = len(devices) > 1 or "disk" in devices
         if offloading and nf4 == "keep":
@@ -134,9 +134,7 @@ def load_mapped(path, device_map, *, max_memory=None, prefetch: int = 2, dtype=N
         left = {full for full, name in wanted.items()
                 if art.manifest.tensors[name].group not in read}
         inst.finish(streamed=left)
-        stats.read_s, stats.decode_s, stats.wait_s = s.read_s, s.decode_s, s.wait_s
-        stats.bytes_read, stats.bytes_decoded = s.bytes_read, s.bytes_decoded
-        stats.groups, stats.max_in_flight = s.groups, s.max_in_flight
+        stats.take_stream(s)
         if offloading:
             installed = {n: p for n, p in model.state_dict(keep_vars=True).items()
                          if p.device.type != "meta"}
@@ -153,12 +151,3 @@ def load_mapped(path, device_map, *, max_memory=None, prefetch: int = 2, dtype=N
             art.close()
     stats.total_s = time.perf_counter() - t0
     return model.eval()
-
-
-def _stored_dtype(art):
-    """The torch dtype the artifact stores its layers in (float32 when they differ)."""
-    import torch
-
-    from lct.io.reader import torch_dtype
-    dtypes = {t.dtype for t in art.manifest.tensors.values() if t.role == "layer"}
-    return torch_dtype(dtypes.pop()) if len(dtypes) == 1 else torch.float32

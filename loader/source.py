@@ -26,6 +26,12 @@ class LoadStats:
     nf4_modules: list = field(default_factory=list)
     notes: list = field(default_factory=list)     # what the load did differently, one line each
 
+    def take_stream(self, s) -> None:
+        """Take a ``GroupStream``'s figures (``StreamStats``): times, bytes, groups, window."""
+        self.read_s, self.decode_s, self.wait_s = s.read_s, s.decode_s, s.wait_s
+        self.bytes_read, self.bytes_decoded = s.bytes_read, s.bytes_decoded
+        self.groups, self.max_in_flight = s.groups, s.max_in_flight
+
 
 def open_source(path, *, verify: bool = True, workers: int | None = None, stream: bool = False,
                 pin_memory: bool = False):
@@ -55,3 +61,12 @@ def param_name(model, name: str, names: set) -> str | None:
     if prefix and f"{prefix}.{name}" in names:
         return f"{prefix}.{name}"
     return None
+
+
+def stored_dtype(art):
+    """The torch dtype the artifact stores its layers in (float32 when they differ)."""
+    import torch
+
+    from lct.io.reader import torch_dtype
+    dtypes = {t.dtype for t in art.manifest.tensors.values() if t.role == "layer"}
+    return torch_dtype(dtypes.pop()) if len(dtypes) == 1 else torch.float32

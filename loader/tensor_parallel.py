@@ -113,7 +113,6 @@ def load_tp(path, *, tp_plan="auto", prefetch: int = 2, device="cpu", dtype=None
 
 def _skeleton(art, dtype, device):
     """The model on the meta device with transformers' tensor-parallel plan applied."""
-    import torch
     import torch.distributed as dist
     from transformers import AutoConfig
     from transformers.distributed import DistributedConfig
@@ -121,7 +120,6 @@ def _skeleton(art, dtype, device):
     from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING
     from transformers.utils.generic import ContextManagers
 
-    from lct.io.reader import torch_dtype
     config = AutoConfig.from_pretrained(art.path)
     world = dist.get_world_size()
     for what in ("num_attention_heads", "num_key_value_heads"):
@@ -130,8 +128,8 @@ def _skeleton(art, dtype, device):
             raise LCTError(f"{art.path}: {what} = {n} does not divide over {world} ranks; "
                            f"tensor-parallel attention needs whole heads on every rank")
     if dtype is None:
-        layer_dtypes = {t.dtype for t in art.manifest.tensors.values() if t.role == "layer"}
-        dtype = torch_dtype(layer_dtypes.pop()) if len(layer_dtypes) == 1 else torch.float32
+        from lct.loader.source import stored_dtype
+        dtype = stored_dtype(art)
     model_cls = MODEL_FOR_CAUSAL_LM_MAPPING[type(config)]
     # As from_pretrained: meta device, the dtype, and ties made after the weights are in (a
     # tie made now would hide the head from the plan).
@@ -204,14 +202,11 @@ def _fill(future, art, groups, stats, keep: bool = False):
             param = torch.nn.Parameter(value, requires_grad=value.is_floating_point())
             param._is_hf_initialized = True
             module._parameters[leaf] = param
-        stats.groups += 1
         t_install += time.perf_counter() - t
     if model is None:
         model, params, plans, target = _plans(future.result(), art, stats)
     s = groups.stats
-    stats.read_s, stats.decode_s, stats.wait_s = s.read_s, s.decode_s, s.wait_s
-    stats.bytes_read, stats.bytes_decoded = s.bytes_read, s.bytes_decoded
-    stats.max_in_flight = s.max_in_flight
+    stats.take_stream(s)
     stats.install_s = t_install
     names = set(params)
     filled = {plans[n][0] for n in plans}

@@ -74,8 +74,11 @@ def test_auto_with_max_memory_offloads_to_disk_and_keeps_the_answers(art, want, 
                      dtype=torch.float32, stats=stats)
     placed = set(model.hf_device_map.values())
     assert placed == {"cpu", "disk"}, model.hf_device_map
-    on_disk = {k.removeprefix("model.") for k, v in model.hf_device_map.items() if v == "disk"}
-    assert on_disk and not on_disk & set(seen), (on_disk, seen)   # none read at load
+    from lct.loader.device_map import device_of
+    m = lct.open(art).manifest
+    disk_groups = {t.group for t in m.tensors.values()
+                   if device_of(t.name, model.hf_device_map) == "disk"}
+    assert disk_groups and not disk_groups & set(seen), (disk_groups, seen)  # none read at load
     with torch.no_grad():
         assert torch.equal(model(IDS).logits, want)
 

@@ -299,8 +299,6 @@ def _tp_splits(src: Source, specs: dict, n: int) -> dict:
     (column-wise: rows, axis 0; row-wise: columns, axis 1; the embedding by rows), taken out of
     ``specs`` to be written as ``n`` equal pieces. A weight whose split dimension ``n`` does not
     divide stays whole (a rank then decodes it whole and keeps its slice)."""
-    import re
-
     from transformers import AutoConfig
     from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING
     config = AutoConfig.from_pretrained(src.root)

@@ -22,11 +22,11 @@ mapping), ``card`` (model card), ``push``, ``pull``, ``remote`` (range reads).
 from lct.errors import HubAuthError, HubError, HubNotFoundError, HubOfflineError, HubURIError
 from lct.hub.address import HF_SCHEME, is_hf_uri, is_repo_id, parse_hf_uri, split_address
 from lct.hub.card import model_card
-from lct.hub.client import _hub, hub_error, offline_reason, use_timeout
+from lct.hub.client import _hub, hub_error, use_timeout
 from lct.hub.pull import PullResult, local_artifact, pull, pull_detailed
 from lct.hub.push import PushResult, push
 
 __all__ = ["HF_SCHEME", "HubAuthError", "HubError", "HubNotFoundError", "HubOfflineError",
            "HubURIError", "PullResult", "PushResult", "hub_error", "is_hf_uri", "is_repo_id",
-           "local_artifact", "model_card", "offline_reason", "parse_hf_uri", "pull",
+           "local_artifact", "model_card", "parse_hf_uri", "pull",
            "pull_detailed", "push", "split_address", "use_timeout", "_hub"]

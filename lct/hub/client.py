@@ -31,20 +31,25 @@ def _hub():
 _TIMEOUT: list = [None]   # seconds LCT gave huggingface_hub's HTTP client (None: not yet)
 
 
+def hub_timeout() -> float:
+    """Seconds without a byte from the Hub before a call ends: ``LCT_HUB_TIMEOUT`` or
+    ``C.HUB_TIMEOUT``."""
+    import os
+    try:
+        return float(os.environ.get("LCT_HUB_TIMEOUT", C.HUB_TIMEOUT))
+    except ValueError:
+        return C.HUB_TIMEOUT
+
+
 def use_timeout(seconds: float | None = None) -> None:
     """Give huggingface_hub's HTTP client (every Hub call LCT makes goes through it) a timeout:
     ``seconds`` without a byte from the Hub (default: ``LCT_HUB_TIMEOUT`` or
     ``C.HUB_TIMEOUT``) ends the call in an error instead of a hang; its own default waits for
     ever. Left alone when the program installed a client factory of its own."""
-    import os
 
     import httpx2
     from huggingface_hub.utils import _http
-    if seconds is None:
-        try:
-            seconds = float(os.environ.get("LCT_HUB_TIMEOUT", C.HUB_TIMEOUT))
-        except ValueError:
-            seconds = C.HUB_TIMEOUT
+    seconds = hub_timeout() if seconds is None else seconds
     factory = getattr(_http, "_GLOBAL_CLIENT_FACTORY", None)
     if factory is not _http.default_client_factory and not getattr(factory, "lct", False):
         _TIMEOUT[0] = 0.0       # the program's own client: not ours to change
@@ -66,17 +71,6 @@ def use_timeout(seconds: float | None = None) -> None:
     client.lct = True
     _http.set_client_factory(client)
     _TIMEOUT[0] = seconds
-
-
-def offline_reason() -> str:
-    """Why the Hub is out of reach, as far as LCT can tell: the setting, or the network."""
-    try:
-        import huggingface_hub.constants as hc
-        if hc.HF_HUB_OFFLINE:
-            return "offline mode is on (HF_HUB_OFFLINE is set)"
-    except ImportError:  # pragma: no cover - a declared dependency
-        pass
-    return "the Hub could not be reached (no network?)"
 
 
 def _chain(e: BaseException):

@@ -20,7 +20,7 @@ import time
 from lct.errors import ArtifactNotFoundError, HubError, HubOfflineError, LCTError
 from lct.format import constants as C
 from lct.hub.address import parse_hf_uri, split_address, where
-from lct.hub.client import _hub, hub_error
+from lct.hub.client import _hub, hub_error, hub_timeout
 from lct.hub.pull import check_files, raise_corrupt
 
 # Statuses worth retrying (the request may succeed a moment later).
@@ -66,11 +66,7 @@ class HttpRangeStore:
         from huggingface_hub.utils import build_hf_headers, get_session
         self.repo_id, self.revision, self.token, self.endpoint = repo_id, revision, token, endpoint
         if timeout is None:
-            import os
-            try:
-                timeout = float(os.environ.get("LCT_HUB_TIMEOUT", C.HUB_TIMEOUT))
-            except ValueError:
-                timeout = C.HUB_TIMEOUT
+            timeout = hub_timeout()
         self.timeout, self.retries, self.backoff = timeout, retries, backoff
         self.min_rate = min_rate
         self._hh = hh
