@@ -697,3 +697,23 @@ def test_plan_on_a_hub_id_uses_the_cache_and_fails_at_once_without_a_network(gem
     assert res.exit_code == 1 and "cannot reach" in res.output, res.output
     assert "HF_HUB_OFFLINE is set" not in res.output
     assert not [r for r in caplog.records if "Retrying" in r.getMessage()]
+
+
+def test_pipeline_downloads_get_the_hub_timeout_and_its_message(hub, monkeypatch):
+    """hub_fetch (sources, configs) installs LCT's HTTP timeout like every other Hub call, and
+    the stall message never formats an unset timeout (it raised TypeError before)."""
+    import httpx2
+
+    from lct.errors import HubOfflineError, SourceError
+    from lct.hub import client
+    monkeypatch.setattr(client, "_TIMEOUT", [None])
+
+    def stall():
+        raise httpx2.ReadTimeout("no byte")
+    with pytest.raises(SourceError, match="stopped answering for 60 s"):
+        client.hub_fetch(stall, "alice/x", None, not_found=SourceError, error=SourceError,
+                         offline=SourceError)
+    assert client._TIMEOUT[0] == 60.0
+    monkeypatch.setattr(client, "_TIMEOUT", [0.0])    # a client of the program's own
+    e = client.hub_error(httpx2.ReadTimeout("no byte"), "alice/x")
+    assert isinstance(e, HubOfflineError) and "stopped answering (ReadTimeout)" in str(e)

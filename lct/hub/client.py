@@ -144,7 +144,8 @@ def hub_error(e: BaseException, repo_id: str, revision: str | None = None,
         return HubError(f"{at}: the Hub answered {status}: {_first_line(http)}")
     stall = find(httpx2.TimeoutException)
     if stall is not None and not isinstance(stall, httpx2.ConnectTimeout):
-        return HubOfflineError(f"{at}: {_endpoint()} stopped answering for {_TIMEOUT[0]:g} s "
+        waited = f" for {_TIMEOUT[0]:g} s" if _TIMEOUT[0] else ""   # None/0: not LCT's client
+        return HubOfflineError(f"{at}: {_endpoint()} stopped answering{waited} "
                                f"({type(stall).__name__}); try again, or set LCT_HUB_TIMEOUT to "
                                f"wait longer")
     net = find(httpx2.ConnectError, httpx2.TimeoutException, httpx2.NetworkError,
@@ -174,6 +175,7 @@ def hub_fetch(fetch, repo_id: str, revision: str | None, *, not_found, error, of
     config) and raise its failure as the caller's error class, with ``hub_error``'s message:
     ``not_found`` for a missing repo, revision or file, ``offline`` when the Hub cannot be
     reached and the cache does not help, ``error`` for anything else."""
+    _hub()          # the HTTP timeout every Hub call gets (downloads for pipelines too)
     try:
         return fetch()
     except Exception as e:  # noqa: BLE001 - every Hub failure becomes one clear line
