@@ -19,6 +19,8 @@ Knobs for tests:
 - ``drop_always(path, after)``: every GET of ``path`` sends ``after`` bytes and hangs up.
 - ``truncate_lfs_uploads``: keep only the first half of every LFS upload, without complaint,
   and commit what was kept (a storage fault the uploader is not told of).
+- ``hide_hashes``: repo listings with file metadata give sizes but no LFS sha256 or git blob
+  id (a Hub that cannot show what it holds).
 - ``wrong_commit``: file answers name another commit in ``X-Repo-Commit`` (a confused proxy).
 - ``stall_api``: seconds every ``/api/...`` call waits before it is answered (a stalled Hub).
 - ``ignore_ranges``: answer ``Range`` requests with the whole file, like a server without
@@ -107,6 +109,7 @@ class HubServer:
         self.redirect_lfs = redirect_lfs
         self.ignore_ranges = False       # answer Range requests with the whole file (200)
         self.truncate_lfs_uploads = False
+        self.hide_hashes = False
         self.stall_api = 0.0
         self.wrong_commit = False
         self.repos: dict = {}
@@ -447,7 +450,9 @@ class _Handler(BaseHTTPRequestHandler):
         siblings = []
         for p, e in sorted(c.tree.items()):
             s = {"rfilename": p}
-            if blobs:
+            if blobs and self.hub.hide_hashes:
+                s.update(size=e.size)
+            elif blobs:
                 s.update(size=e.size, blobId=e.blob_oid)
                 if e.lfs_sha256:
                     s["lfs"] = {"sha256": e.lfs_sha256, "size": e.size,

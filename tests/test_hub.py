@@ -544,6 +544,18 @@ def test_push_checks_what_the_hub_holds_after_the_commit(gemma_art, hub, run):
     assert res.exit_code == 0, res.output
 
 
+def test_push_refuses_a_hub_that_shows_no_hashes(gemma_art, hub, run):
+    """A push is checked against the hashes the Hub reports; a listing without them (no LFS
+    sha256, no git blob id) cannot show the upload arrived whole, so the push fails."""
+    hub.hide_hashes = True
+    try:
+        res = run("push", str(gemma_art), "alice/g")
+    finally:
+        hub.hide_hashes = False
+    assert res.exit_code == 1
+    assert "after the push" in res.output and "without a hash" in res.output
+
+
 def test_a_stalled_hub_ends_in_the_timeout_hint(gemma_art, hub, run):
     """Issue 12 item 13: huggingface_hub's client waits for ever by default; a Hub that stops
     answering API calls now ends a pull (and a push) in one line naming the timeout."""

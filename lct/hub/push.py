@@ -163,18 +163,22 @@ def _check_pushed(root: Path, ops: list, held, repo_id: str, oid: str) -> None:
         s = by.get(name)
         want_size, want_sha = op.upload_info.size, op.upload_info.sha256.hex()
         lfs = getattr(s, "lfs", None) if s is not None else None
+        lfs_sha = getattr(lfs, "sha256", None)
         if s is None:
             got = "no such file"
         elif s.size is not None and s.size != want_size:
             got = f"{s.size} bytes"
-        elif lfs is not None and getattr(lfs, "sha256", want_sha) != want_sha:
-            got = f"sha256 {lfs.sha256}"
-        elif lfs is None and s.blob_id is not None:
+        elif lfs is not None:
+            got = None if lfs_sha == want_sha else \
+                f"sha256 {lfs_sha}" if lfs_sha else "an LFS file without a sha256"
+        elif s.blob_id is not None:
             data = op.path_or_fileobj if isinstance(op.path_or_fileobj, bytes) else \
                 (root / name).read_bytes()
             got = None if s.blob_id == git_hash(data) else f"git blob {s.blob_id}"
         else:
-            got = None
+            # files_metadata=True always brings a hash; a Hub that sends none cannot show
+            # that it holds what was sent.
+            got = "a file without a hash"
         if got is not None:
             raise HubError(f"{repo_id}: after the push (commit {oid[:12]}) the Hub holds "
                            f"{name} as {got}, not the {want_size} bytes sent (sha256 "
