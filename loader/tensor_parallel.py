@@ -326,7 +326,10 @@ def _plans(model, art, stats) -> tuple:
                            f"the model expects {tuple(ref.shape)}")
         index = _local_index(ref)
         plans[info.name] = (full, index, _pieces_inside(info, index))
-    if any(pieces is not None for _, _, pieces in plans.values()):
+    if not any(isinstance(r, DTensor) for _, _, r in params.values()):
+        stats.notes.append("the plan shards nothing at this world size: every rank holds whole "
+                           "tensors")
+    elif any(pieces is not None for _, _, pieces in plans.values()):
         stats.notes.append("each rank reads only the tensor-parallel pieces of its slice, and "
                            "the tensors it needs whole")
     else:

@@ -187,6 +187,19 @@ def test_tp_pieces_each_rank_reads_only_its_share(qwen_src, tmp_path, world):
     assert sum(r["bytes_decoded"] for r in results) < decoded + world * whole
 
 
+def test_a_world_of_one_rank_holds_whole_tensors_and_says_so(qwen_src, tmp_path):
+    """torchrun with one process: the plan shards nothing, the pieces are joined, the model
+    equals from_pretrained(tp_plan="auto") and the note does not claim the artifact lacks
+    pieces."""
+    art = tmp_path / "pieces.lct"
+    lct.convert(str(qwen_src), art, policy=Policy(nf4=(), tp_pieces=2))
+    [r] = launch(1, art, qwen_src, tmp_path / "out")
+    assert "error" not in r, r
+    assert r["max_diff"] == 0.0 and r["names_equal"] and r["local_shapes"] == [], r
+    assert any("shards nothing" in n for n in r["notes"]), r["notes"]
+    assert not any("no tensor-parallel pieces" in n for n in r["notes"]), r["notes"]
+
+
 def test_tp_pieces_are_whole_tensors_to_a_single_process_and_to_verify(qwen_src, tmp_path):
     """Pieces change nothing for a single process: the same logits as an artifact without
     them, verify bit-identical against the source, and export gives the source tensors back."""
