@@ -275,23 +275,34 @@ def _maximus_layout(src: Source, specs: dict, policy: Policy, token_freq) -> Max
     return MaximusLayout(state, meta, embed.name.rpartition(".")[0], pieced, names)
 
 
-def _write_pieces(writer, spec, mx: MaximusLayout, policy: Policy, src: Source, st) -> int:
-    """Write a vocabulary table as one chunk per shard, rows in frequency order."""
+def _write_pieced(writer, spec, src: Source, st, policy: Policy, row_order, cut) -> int:
+    """Write ``spec`` as pieces, each an independent chunk (FORMAT.md 2.3): ``cut(table)``
+    yields ``(piece spec fields, data)`` for each piece of the source tensor ``table``, in
+    order. Returns the source bytes consumed."""
     from dataclasses import replace
 
     from safetensors import safe_open
     path = src.root / st.file
     with safe_open(str(path), framework="pt") as f:
-        table = f.get_tensor(spec.name)[mx.state["maximus.row_to_id"]]
-    writer.add_pieced(spec, C.ROW_ORDER_MAXIMUS)
-    offsets = mx.state["maximus.shard_offsets"].tolist()
+        table = f.get_tensor(spec.name)
+    writer.add_pieced(spec, row_order)
     done = 0
-    for r0, r1 in zip(offsets, offsets[1:]):
-        piece = replace(spec, name=f"{spec.name}[{r0}:{r1}]", shape=(r1 - r0, spec.shape[1]),
-                        piece_of=spec.name, rows=(r0, r1))
+    for fields, data in cut(table):
+        piece = replace(spec, piece_of=spec.name, **fields)
         done += _write_chunk(writer, layout_group(spec.group, [piece])[0], policy, src,
-                            lambda s: (table[r0:r1], path))
+                             lambda s, data=data: (data, path))
     return done
+
+
+def _maximus_cut(spec, mx: MaximusLayout):
+    """A vocabulary table's pieces: one per Maximus shard, rows in frequency order."""
+    def cut(table):
+        table = table[mx.state["maximus.row_to_id"]]
+        offsets = mx.state["maximus.shard_offsets"].tolist()
+        for r0, r1 in zip(offsets, offsets[1:]):
+            yield dict(name=f"{spec.name}[{r0}:{r1}]", shape=(r1 - r0, spec.shape[1]),
+                       rows=(r0, r1)), table[r0:r1]
+    return cut
 
 
 def _tp_splits(src: Source, specs: dict, n: int) -> dict:
@@ -327,31 +338,21 @@ def _tp_splits(src: Source, specs: dict, n: int) -> dict:
     return out
 
 
-def _write_split(writer, spec, axis: int, policy: Policy, src: Source, st) -> int:
-    """Write ``spec`` as ``policy.tp_pieces`` equal pieces along ``axis`` (rows or contiguous
-    column blocks), each an independent chunk (FORMAT.md 2.3)."""
-    from dataclasses import replace
-
-    from safetensors import safe_open
-    path = src.root / st.file
-    with safe_open(str(path), framework="pt") as f:
-        table = f.get_tensor(spec.name)
-    writer.add_pieced(spec, None)
-    n, (rows, cols) = policy.tp_pieces, spec.shape
-    step, done = spec.shape[axis] // n, 0
-    for k in range(n):
-        a, b = k * step, (k + 1) * step
-        if axis == 0:
-            piece = replace(spec, name=f"{spec.name}[{a}:{b}]", shape=(b - a, cols),
-                            piece_of=spec.name, rows=(a, b))
-            data = table[a:b]
-        else:
-            piece = replace(spec, name=f"{spec.name}[:, {a}:{b}]", shape=(rows, b - a),
-                            piece_of=spec.name, cols=(a, b))
-            data = table[:, a:b].contiguous()
-        done += _write_chunk(writer, layout_group(spec.group, [piece])[0], policy, src,
-                             lambda s, data=data: (data, path))
-    return done
+def _tp_cut(spec, axis: int, n: int):
+    """A weight's tensor-parallel pieces: ``n`` equal parts along ``axis`` (rows, or
+    contiguous column blocks)."""
+    def cut(table):
+        rows, cols = spec.shape
+        step = spec.shape[axis] // n
+        for k in range(n):
+            a, b = k * step, (k + 1) * step
+            if axis == 0:
+                yield dict(name=f"{spec.name}[{a}:{b}]", shape=(b - a, cols),
+                           rows=(a, b)), table[a:b]
+            else:
+                yield dict(name=f"{spec.name}[:, {a}:{b}]", shape=(rows, b - a),
+                           cols=(a, b)), table[:, a:b].contiguous()
+    return cut
 
 
 def convert(source: str, out, *, revision: str | None = None, policy: Policy | None = None,
@@ -520,9 +521,11 @@ def _write_groups(writer, groups: list, specs: dict, tensors: dict, src: Source,
             finally:
                 handles.clear()
         for spec in (maximus_layout.pieced.get(group, []) if maximus_layout else []):
-            done += _write_pieces(writer, spec, maximus_layout, policy, src, tensors[spec.name])
+            done += _write_pieced(writer, spec, src, tensors[spec.name], policy,
+                                  C.ROW_ORDER_MAXIMUS, _maximus_cut(spec, maximus_layout))
         for spec, axis in splits.get(group, []):
-            done += _write_split(writer, spec, axis, policy, src, tensors[spec.name])
+            done += _write_pieced(writer, spec, src, tensors[spec.name], policy, None,
+                                  _tp_cut(spec, axis, policy.tp_pieces))
         log.debug("group %s written (%d of %d source bytes)", group, done, total)
         if progress:
             progress(group, done, total)
