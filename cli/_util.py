@@ -91,15 +91,24 @@ def bars_disabled() -> bool:
 def quiet_option(result: str):
     """The ``-q/--quiet`` option every command shares: print only ``result`` on stdout, as
     ``hf download --quiet`` prints only the path. Errors still go to stderr."""
-    return click.option("-q", "--quiet", is_flag=True,
+    return click.option("-q", "--quiet", is_flag=True, callback=_quiet,
                         help=f"Print only {result}: no progress bars, tables, notes or library "
                              f"logs (errors still go to stderr).")
 
 
+def _quiet(ctx, param, value):
+    """``--quiet``'s callback: silence the libraries for the command as soon as it is given."""
+    if value:
+        go_quiet()
+    return value
+
+
 def go_quiet() -> None:
     """Silence what other libraries draw or log for the rest of this command (huggingface_hub's
-    and tqdm's bars, transformers' warnings), restored when the command ends."""
+    and tqdm's bars, transformers' logs, Python warnings such as torch's), restored when the
+    command ends."""
     import logging
+    import warnings
 
     from huggingface_hub.utils import (
         are_progress_bars_disabled,
@@ -113,8 +122,12 @@ def go_quiet() -> None:
     tf_logger = logging.getLogger("transformers")
     tf_level = tf_logger.level
     tf_logger.setLevel(logging.ERROR)
+    caught = warnings.catch_warnings()      # torch's and transformers' UserWarnings too
+    caught.__enter__()
+    warnings.simplefilter("ignore")
 
     def restore():
+        caught.__exit__(None, None, None)
         for k, v in saved.items():
             if v is None:
                 os.environ.pop(k, None)

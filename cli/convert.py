@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import click
 
-from lct.cli._util import GroupProgress, go_quiet, quiet_option
+from lct.cli._util import GroupProgress, quiet_option
 from lct.format import constants as C
 
 
@@ -88,8 +88,6 @@ def convert_cmd(source, output, revision, nf4, int8, budget, calibration, dtype,
     policy = Policy(nf4=nf4, int8=int8, budget=budget, calibration=calibration,
                     blocksize=blocksize, dtype=dtype, codec=codec, level=level,
                     maximus_shards=maximus_shards, tp_pieces=tp_pieces)
-    if quiet:
-        go_quiet()
     bar = GroupProgress("convert", enabled=not quiet)
     try:
         rep = convert(source, output, revision=revision, policy=policy,

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import click
 
-from lct.cli._util import go_quiet, quiet_option, table
+from lct.cli._util import quiet_option, table
 
 
 @click.command("demo", short_help="Run the whole pipeline on a tiny model, offline.")
@@ -19,8 +19,6 @@ def demo_cmd(workdir, quiet):
     from lct.demo.run import run_demo
     from lct.units import human
 
-    if quiet:
-        go_quiet()
     res = run_demo(workdir, log=(lambda *_: None) if quiet else click.echo)
     if quiet:
         click.echo(str(res.workdir))

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import click
 
-from lct.cli._util import GroupProgress, go_quiet, quiet_option
+from lct.cli._util import GroupProgress, quiet_option
 from lct.format import constants as C
 
 
@@ -23,8 +23,6 @@ def export_cmd(artifact, out_dir, max_shard_size, force, quiet):
     source; NF4 tensors are dequantized exactly as bitsandbytes does, int8 ones as q x scale."""
     from lct.conversion.exporter import export
 
-    if quiet:
-        go_quiet()
     bar = GroupProgress("export", unit="group", enabled=not quiet)
     try:
         out = export(artifact, out_dir, max_shard_size=max_shard_size, overwrite=force,

@@ -6,7 +6,7 @@ import json
 
 import click
 
-from lct.cli._util import go_quiet, quiet_option, table
+from lct.cli._util import quiet_option, table
 
 
 @click.command("info", short_help="Show an artifact's groups, encodings, sizes and policy.")
@@ -24,8 +24,6 @@ def info_cmd(artifact, as_json, as_manifest, tensors, quiet):
     from lct.io.info import summarize
     from lct.io.reader import open_artifact
     from lct.units import human
-    if quiet:
-        go_quiet()
     with open_artifact(local_artifact(artifact)) as art:
         m = art.manifest
         if as_manifest:

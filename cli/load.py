@@ -6,7 +6,7 @@ import time
 
 import click
 
-from lct.cli._util import go_quiet, quiet_option, table
+from lct.cli._util import quiet_option, table
 
 
 def _ids(ctx, param, value):
@@ -72,8 +72,6 @@ def load_cmd(artifact, prefetch, device, dtype, nf4, workers, no_verify, layerwi
             raise click.UsageError("--tp does not go with --layerwise or --maximus")
         return _load_tp(artifact, prefetch, device, dtype, nf4, workers, no_verify, stream,
                         prompt, ids, max_new_tokens, as_json, quiet)
-    if quiet:
-        go_quiet()
 
     from lct import hub
     source = artifact

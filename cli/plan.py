@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import click
 
-from lct.cli._util import as_flags, go_quiet, quiet_option, table
+from lct.cli._util import as_flags, quiet_option, table
 from lct.plan.memory import (
     DEFAULT_LOSS_CHUNK,
     DEFAULT_MAXIMUS,
@@ -94,8 +94,6 @@ def plan_cmd(model, mode, batch, seq, vocab_size, add_tokens, precision, optimiz
     if vocab_size is not None and add_tokens is not None:
         raise click.UsageError("give --vocab-size or --add-tokens, not both")
     from lct.cli.convert import _parse_parts
-    if quiet:
-        go_quiet()
     nf4, int8 = _parse_parts(None, None, nf4), _parse_parts(None, None, int8)
     p = plan(model, mode=mode, batch=batch, seq=seq, vocab_size=vocab_size,
              add_tokens=add_tokens, precision=precision, optimizer=optimizer, kv_dtype=kv_dtype,

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import click
 
-from lct.cli._util import GroupProgress, go_quiet, quiet_option
+from lct.cli._util import GroupProgress, quiet_option
 
 
 @click.command("pull", short_help="Download an artifact from the Hub and verify it.")
@@ -24,8 +24,6 @@ def pull_cmd(repo_id, revision, local_dir, quiet):
     from lct import hub
     from lct.units import human
 
-    if quiet:
-        go_quiet()
     bar = GroupProgress("verify", unit="group", enabled=not quiet)
     try:
         res = hub.pull_detailed(repo_id, revision=revision, local_dir=local_dir, progress=bar)

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import click
 
-from lct.cli._util import GroupProgress, go_quiet, quiet_option
+from lct.cli._util import GroupProgress, quiet_option
 
 
 @click.command("push", short_help="Verify an artifact and publish it to the Hub.")
@@ -30,8 +30,6 @@ def push_cmd(artifact, repo_id, revision, private, commit_message, create_pr, li
     from lct import hub
     from lct.units import human
 
-    if quiet:
-        go_quiet()
     check = GroupProgress("verify", unit="group", enabled=not quiet)
     upload = GroupProgress("upload", enabled=not quiet, count=False)  # per file, in bytes
     try:

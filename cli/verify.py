@@ -6,7 +6,7 @@ import sys
 
 import click
 
-from lct.cli._util import GroupProgress, go_quiet, quiet_option, table
+from lct.cli._util import GroupProgress, quiet_option, table
 
 
 @click.command("verify", short_help="Check an artifact's checksums, tensors and quality.")
@@ -44,8 +44,6 @@ def verify_cmd(artifact, against, revision, quality, text, max_tokens, layerwise
         raise click.UsageError("--layerwise goes with --quality")
     if quality and against is None:
         raise click.UsageError("--quality needs --against SOURCE (the lossless reference)")
-    if quiet:
-        go_quiet()
     bar = GroupProgress("verify", unit="group", enabled=not quiet)
     qbar = GroupProgress("quality", unit="block", enabled=not quiet)
     try:

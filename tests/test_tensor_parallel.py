@@ -163,6 +163,25 @@ def test_cli_under_torchrun_prints_each_rank_and_the_text_once(llama_src, tmp_pa
     assert lines[0]["text"] == lines[1]["text"] == " ".join(map(str, want[0, 3:].tolist()))
 
 
+def test_cli_under_torchrun_quiet_prints_only_the_text(tmp_path):
+    """``lct load --tp -q``: rank 0's generated text and nothing else, stderr free of the
+    UserWarnings torch's DTensor raises for a Gemma on a CPU mesh (they leaked before)."""
+    from lct.demo import tiny
+    src = tiny.save_tiny(tmp_path / "gemma", "gemma", num_attention_heads=4,
+                         num_key_value_heads=2)
+    art = tmp_path / "gemma.lct"
+    lct.convert(str(src), art)
+    out = subprocess.run(
+        [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2",
+         "--master_port", str(_free_port()), "-m", "lct", "load", str(art), "--tp",
+         "--ids", "1,5,9", "--max-new-tokens", "2", "-q"],
+        capture_output=True, text=True, timeout=TIMEOUT, cwd=tmp_path,
+        env=dict(os.environ, OMP_NUM_THREADS="1"))
+    assert out.returncode == 0, out.stderr[-3000:]
+    assert len(out.stdout.splitlines()) == 1 and len(out.stdout.split()) == 2, out.stdout
+    assert "Warning" not in out.stderr, out.stderr[-3000:]
+
+
 @pytest.mark.parametrize("world", [2, 4])
 def test_tp_pieces_each_rank_reads_only_its_share(qwen_src, tmp_path, world):
     """An artifact converted with tp_pieces=4: a rank of degree 2 or 4 reads and decodes only
