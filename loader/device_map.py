@@ -51,11 +51,62 @@ class ArtifactWeights(Mapping):
         return len(set(self.names) | set(self.installed))
 
 
+def _device(value, what: str, option: str):
+    """A device of a map or a ``max_memory`` key as accelerate takes it: ``"cpu"``,
+    ``"disk"`` or a CUDA index (``0``, ``"cuda"``, ``"cuda:1"``); refused clearly otherwise,
+    and a CUDA device where this torch has none."""
+    import torch
+    if isinstance(value, torch.device):
+        value = str(value)
+    if isinstance(value, str) and value in ("cpu", "disk"):
+        return value
+    index = value if isinstance(value, int) and not isinstance(value, bool) else None
+    if isinstance(value, str) and value.partition(":")[0] == "cuda":
+        rest = value.partition(":")[2]
+        index = int(rest) if rest.isdigit() else 0 if not rest else None
+    if index is None or index < 0:
+        raise LCTError(f"{what}: device {value!r} is not 'cpu', 'disk' or a CUDA device "
+                       f"('cuda:N' or N)", option=option)
+    if not torch.cuda.is_available() or index >= torch.cuda.device_count():
+        raise LCTError(f"{what}: device {value!r}: this machine has "
+                       f"{torch.cuda.device_count() if torch.cuda.is_available() else 'no'} "
+                       f"CUDA device(s); use 'cpu' or 'disk'", option=option)
+    return index
+
+
+def check_max_memory(max_memory) -> dict | None:
+    """``max_memory`` as accelerate takes it, ``{device: bytes}``: sizes parsed ("8GiB",
+    "500MB" or bytes), devices checked. A ``"disk"`` entry is dropped: disk here is the
+    artifact itself, never written, so it has no budget."""
+    from lct.units import parse_size
+    if max_memory is None:
+        return None
+    if not isinstance(max_memory, Mapping):
+        raise LCTError(f"max_memory must be a dict of device to size, such as "
+                       f"{{'cpu': '8GiB'}}, got {type(max_memory).__name__} {max_memory!r}",
+                       option="max_memory")
+    out = {}
+    for key, size in max_memory.items():
+        device = _device(key, "max_memory", "max_memory")
+        if isinstance(size, bool) or not isinstance(size, (int, str)):
+            raise LCTError(f"max_memory[{key!r}] = {size!r}: expected a size such as '8GiB' or "
+                           f"a number of bytes", option="max_memory")
+        nbytes = parse_size(size, f"max_memory[{key!r}]", option="max_memory")
+        if device != "disk":
+            out[device] = nbytes
+    if not out:
+        raise LCTError("max_memory names no device to place modules on (only 'disk'); give "
+                       "'cpu' or a CUDA device a size", option="max_memory")
+    return out
+
+
 def resolve(model, device_map, max_memory=None, dtype=None) -> dict:
     """``{module name: device}`` for ``model`` (on the meta device): accelerate computes the
-    ``"auto"`` forms from ``max_memory``; an explicit map is checked to cover every parameter."""
+    ``"auto"`` forms from ``max_memory``; an explicit map is checked to name modules of the
+    model, devices that exist, and to cover every parameter."""
     from accelerate.utils import get_balanced_memory, infer_auto_device_map
     no_split = getattr(model, "_no_split_modules", None) or []
+    max_memory = check_max_memory(max_memory)
     if isinstance(device_map, str):
         if device_map not in AUTO_MAPS:
             raise LCTError(f"device_map {device_map!r}: expected one of {AUTO_MAPS} or a "
@@ -69,7 +120,18 @@ def resolve(model, device_map, max_memory=None, dtype=None) -> dict:
     if not isinstance(device_map, Mapping):
         raise LCTError(f"device_map must be a string or a dict, got {type(device_map).__name__}",
                        option="device_map")
-    dmap = {str(k): (v if isinstance(v, (int, str)) else str(v)) for k, v in device_map.items()}
+    if max_memory is not None:
+        raise LCTError("max_memory goes with device_map='auto' (or another automatic map); an "
+                       "explicit map places every module itself", option="max_memory")
+    modules = dict(model.named_modules())
+    dmap = {}
+    for key, value in device_map.items():
+        if not isinstance(key, str) or key not in modules:
+            top = ", ".join(repr(n) for n in list(modules)[1:4])
+            raise LCTError(f"device_map names {key!r}, which is not a module of the model "
+                           f"(its modules start {top}; '' is the whole model)",
+                           option="device_map")
+        dmap[key] = _device(value, f"device_map[{key!r}]", "device_map")
     for name, _ in model.named_parameters():
         if device_of(name, dmap) is None:
             raise LCTError(f"device_map places no module above parameter {name!r}",
@@ -106,7 +168,9 @@ def load_mapped(path, device_map, *, max_memory=None, prefetch: int = 2, dtype=N
     art = open_source(path, verify=verify, workers=workers, stream=stream)
     closing = True
     try:
-        model = build_skeleton(art, dtype)
+        # The skeleton in the dtype the weights will have: accelerate casts what it fetches for
+        # a "disk" module to the placeholder's dtype (float32 by default).
+        model = build_skeleton(art, dtype or stored_dtype(art))
         dmap = resolve(model, device_map, max_memory, dtype or stored_dtype(art))
         devices = set(dmap.values())
         offloading = len(devices) > 1 or "disk" in devices
@@ -123,8 +187,12 @@ def load_mapped(path, device_map, *, max_memory=None, prefetch: int = 2, dtype=N
         read = [g for g in art.groups
                 if any(device_of(full, dmap) != "disk" for full, name in wanted.items()
                        if art.manifest.tensors[name].group == g)]
-        stats.notes.append(f"{len(read)} of {len(art.groups)} groups read at load; the rest "
-                           f"stay in the artifact until their modules run")
+        if len(read) < len(art.groups):
+            stats.notes.append(f"{len(read)} of {len(art.groups)} groups read at load; the rest "
+                               f"stay in the artifact until their modules run")
+        if not read:
+            stats.notes.append("every module is on 'disk': each forward reads the whole model "
+                               "from the artifact")
         inst = Installer(model, art, device="cpu", dtype=dtype, nf4=nf4)
         from lct.io.stream import GroupStream
         with GroupStream(art, read, prefetch=prefetch) as groups:

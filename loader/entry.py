@@ -38,10 +38,16 @@ def load(path, prefetch: int = 2, device="cpu", dtype=None, nf4: str = "keep",
     Example:
         >>> model = lct.load("gemma-2b.lct", prefetch=2)
     """
+    if max_memory is not None and device_map is None:
+        raise LCTError("max_memory is the budget of device_map='auto'; pass device_map too",
+                       option="max_memory")
     if device_map is not None:
         if tp_plan is not None or maximus:
             raise LCTError("device_map does not go with tp_plan or Maximus shards",
                            option="device_map")
+        if str(device) != "cpu":
+            raise LCTError(f"device {str(device)!r} and device_map both given: the map places "
+                           f"every module; put the device in the map", option="device")
         from lct.loader.device_map import load_mapped
         return load_mapped(path, device_map, max_memory=max_memory, prefetch=prefetch,
                            dtype=dtype, nf4=nf4, workers=workers, verify=verify, stats=stats,

@@ -96,3 +96,61 @@ def test_bad_maps_are_refused_clearly(art):
         lct.load(art, device_map={"model": "cpu"})
     with pytest.raises(LCTError, match="does not go with"):
         lct.load(art, device_map="auto", tp_plan="auto")
+    # a module the model does not have (it was accepted and copied into hf_device_map)
+    with pytest.raises(LCTError, match="names 'model.layerz', which is not a module"):
+        lct.load(art, device_map={"model.layerz": "cpu", "": "cpu"})
+    with pytest.raises(LCTError, match=r"device_map\['lm_head'\]: device 'gpu' is not"):
+        lct.load(art, device_map={"": "cpu", "lm_head": "gpu"})
+    if not torch.cuda.is_available():
+        with pytest.raises(LCTError, match="has no CUDA device"):
+            lct.load(art, device_map={"": "cuda"})
+
+
+@pytest.mark.parametrize("kwargs, match", [
+    (dict(device_map="auto", max_memory="8GiB"), "max_memory must be a dict"),
+    (dict(device_map="auto", max_memory={"cpu": [1]}), r"max_memory\['cpu'\] = \[1\]"),
+    (dict(device_map="auto", max_memory={"cpu": "lots"}), "needs a number with a unit"),
+    (dict(device_map="auto", max_memory={"cpu": -5}), "must not be negative"),
+    (dict(device_map="auto", max_memory={"gpu": "1GB"}), "device 'gpu' is not"),
+    (dict(device_map="auto", max_memory={"disk": "1GB"}), "names no device"),
+    (dict(max_memory={"cpu": "1GB"}), "pass device_map too"),
+    (dict(device_map={"": "cpu"}, max_memory={"cpu": "1GB"}), "explicit map"),
+    (dict(device_map="auto", device="cuda"), "both given"),
+])
+def test_bad_budgets_and_devices_are_refused_clearly(art, kwargs, match):
+    """Each ends in an LCTError naming the option (raw TypeError, RuntimeError and
+    accelerate's own errors before, or silently ignored)."""
+    with pytest.raises(LCTError, match=match) as e:
+        lct.load(art, **kwargs)
+    assert e.value.option in ("max_memory", "device_map", "device")
+
+
+def test_a_disk_entry_in_max_memory_is_the_artifact(art, want):
+    """{"cpu": ..., "disk": ...}: disk is the artifact (no budget), the rest as accelerate."""
+    model = lct.load(art, device_map="auto", max_memory={"cpu": 2_500_000, "disk": "1GB"},
+                     dtype=torch.float32)
+    assert "disk" in set(model.hf_device_map.values())
+    with torch.no_grad():
+        assert torch.equal(model(IDS).logits, want)
+
+
+def test_disk_modules_run_in_the_stored_dtype_with_a_lossy_head(tmp_path):
+    """The default dtype (the stored bf16) with the default policy (a lossy table): a layer
+    and the head left on disk run in bf16 like the rest, generate works, and the answers
+    equal a plain load with the tables dequantized (before, the disk modules were float32 and
+    the first bf16 module after them failed: 'expected m1 and m2 to have the same dtype')."""
+    from lct.demo import tiny
+    src = tiny.save_tiny(tmp_path / "src", "llama", num_hidden_layers=3)
+    a = tmp_path / "lossy.lct"
+    lct.convert(str(src), a)
+    assert lct.open(a).manifest.policy["nf4"] or lct.open(a).manifest.policy["int8"]
+    dmap = {"model.embed_tokens": "cpu", "model.layers.0": "cpu", "model.layers.1": "disk",
+            "model.layers.2": "cpu", "model.norm": "cpu", "model.rotary_emb": "cpu",
+            "lm_head": "disk"}
+    model = lct.load(a, device_map=dmap)
+    plain = lct.load(a, nf4="dequantize")
+    assert {p.dtype for p in model.parameters()} == {torch.bfloat16}
+    with torch.no_grad():
+        assert torch.equal(model(IDS).logits, plain(IDS).logits)
+    got = model.generate(IDS, max_new_tokens=4, do_sample=False)
+    assert torch.equal(got, plain.generate(IDS, max_new_tokens=4, do_sample=False))
