@@ -46,7 +46,9 @@ def _ids(ctx, param, value):
               help="Tensor-parallel over the ranks torchrun started (torchrun --nproc_per_node N "
                    "-m lct load ART --tp): each rank keeps its shards of the model's own plan, "
                    "as from_pretrained(tp_plan='auto'); every rank prints what it read, rank 0 "
-                   "the text.")
+                   "the text. The attention and key/value heads must divide by N; an artifact "
+                   "converted with --tp-pieces (a multiple of N) lets each rank read only its "
+                   "share. Not with --layerwise or --maximus.")
 @click.option("--prompt", default=None, help="Generate from this text (needs the artifact's tokenizer).")
 @click.option("--ids", default=None, callback=_ids, help="Generate from these token ids (1,5,9).")
 @click.option("--max-new-tokens", type=click.IntRange(1, 4096), default=16, show_default=True,
@@ -67,6 +69,9 @@ def load_cmd(artifact, prefetch, device, dtype, nf4, workers, no_verify, layerwi
 
     if prompt is not None and ids is not None:
         raise click.UsageError("give --prompt or --ids, not both")
+    if prompt is not None:
+        from lct.loader.generate import check_prompt_source
+        check_prompt_source(artifact)
     if tp:
         if layerwise or maximus is not None:
             raise click.UsageError("--tp does not go with --layerwise or --maximus")
@@ -193,6 +198,8 @@ def _load_tp(artifact, prefetch, device, dtype, nf4, workers, no_verify, stream,
         raise click.UsageError("--tp runs under torchrun: torchrun --nproc_per_node N -m lct "
                                "load ARTIFACT --tp")
     if not dist.is_initialized():
+        from lct.loader.build import check_device
+        check_device(device)        # before NCCL is asked for: a clear line, not a traceback
         dist.init_process_group("nccl" if device.startswith("cuda") else "gloo")
     rank = dist.get_rank()
     if quiet and rank:

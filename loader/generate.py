@@ -41,11 +41,24 @@ class _Clock:
         pass
 
 
+def has_tokenizer(path) -> bool:
+    """Whether the artifact folder ``path`` carries a tokenizer."""
+    from pathlib import Path
+    return any((Path(path) / n).is_file() for n in ("tokenizer.json", "tokenizer.model"))
+
+
+def check_prompt_source(path) -> None:
+    """Refuse a prompt for a local artifact without a tokenizer before anything is loaded
+    (a Hub address is checked once it is fetched)."""
+    from lct.hub import is_hf_uri
+    if not is_hf_uri(str(path)) and not has_tokenizer(path):
+        raise LCTError(f"{path}: the artifact has no tokenizer to encode a prompt; give token "
+                       f"ids instead", option="ids")
+
+
 def load_tokenizer(path):
     """The tokenizer stored in the artifact, or ``None`` if it has none."""
-    from pathlib import Path
-    path = Path(path)
-    if not any((path / n).is_file() for n in ("tokenizer.json", "tokenizer.model")):
+    if not has_tokenizer(path):
         return None
     from transformers import AutoTokenizer
     return AutoTokenizer.from_pretrained(path)

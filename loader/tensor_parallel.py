@@ -58,6 +58,8 @@ def load_tp(path, *, tp_plan="auto", prefetch: int = 2, device="cpu", dtype=None
                        option="tp_plan")
     if nf4 not in ("keep", "dequantize"):
         raise LCTError(f"nf4 must be 'keep' or 'dequantize', got {nf4!r}", option="nf4")
+    from lct.loader.build import check_device
+    check_device(device)
     stats = stats if stats is not None else LoadStats()
     t0 = time.perf_counter()
     if str(device).startswith("cuda"):   # the current device is per thread: set it where we install
@@ -333,8 +335,13 @@ def _plans(model, art, stats) -> tuple:
         stats.notes.append("each rank reads only the tensor-parallel pieces of its slice, and "
                            "the tensors it needs whole")
     else:
-        stats.notes.append("each rank decodes whole tensors and keeps its slice (the artifact "
-                           "has no tensor-parallel pieces: convert with tp_pieces)")
+        import torch.distributed as dist
+        pieces, world = art.manifest.policy.get("tp_pieces"), dist.get_world_size()
+        why = f"its {pieces} tensor-parallel pieces do not divide over {world} ranks" \
+            if pieces else "the artifact has no tensor-parallel pieces"
+        stats.notes.append(f"each rank decodes whole tensors and keeps its slice ({why}: "
+                           f"convert with tp_pieces a multiple of {world} to read only a "
+                           f"rank's share)")
     return model, params, plans, target
 
 

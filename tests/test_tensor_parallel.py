@@ -81,12 +81,17 @@ def test_llama_two_ranks_equals_from_pretrained(llama_src, tmp_path):
 
 
 def test_qwen2_gqa_four_ranks_equals_from_pretrained(qwen_src, tmp_path):
-    art = _lossless(qwen_src, tmp_path / "qwen.lct")
+    """Four ranks over an artifact stored in 2 pieces: each rank decodes whole tensors, keeps
+    its slice, and the note says why (it claimed the artifact had no pieces)."""
+    art = tmp_path / "qwen.lct"
+    lct.convert(str(qwen_src), art, policy=Policy(nf4=(), tp_pieces=2))
     results = launch(4, art, qwen_src, tmp_path / "out")
     assert [r["rank"] for r in results] == [0, 1, 2, 3]
     for r in results:
         assert "error" not in r, r
         assert r["max_diff"] == 0.0 and r["placements"] == [] and r["local_shapes"] == [], r
+        assert any("its 2 tensor-parallel pieces do not divide over 4 ranks" in n
+                   for n in r["notes"]), r["notes"]
 
 
 @pytest.mark.parametrize("encoding", ["nf4", "int8"])
@@ -285,6 +290,30 @@ def test_column_pieces_on_a_lossy_tensor_are_refused(qwen_src, tmp_path):
         lct.open(art)
 
 
+def test_tp_pieces_that_cannot_load_are_refused_at_convert(qwen_src, tmp_path):
+    """A piece count that splits heads or leaves a layer weight whole was accepted silently
+    (only the vocabulary tables were split, or no degree could ever load the artifact); now
+    the conversion stops, naming the count, what it must divide and the source, and writes
+    nothing."""
+    import json
+
+    from lct.demo import tiny
+    from lct.errors import PolicyError
+    cfg = json.loads((qwen_src / "config.json").read_text())
+    with pytest.raises(PolicyError, match=rf"tp_pieces 3: num_attention_heads = "
+                                          rf"{cfg['num_attention_heads']} does not divide") as e:
+        lct.convert(str(qwen_src), tmp_path / "a.lct", policy=Policy(tp_pieces=3))
+    assert e.value.option == "tp_pieces" and not (tmp_path / "a.lct").exists()
+    gemma = tiny.save_tiny(tmp_path / "gemma", "gemma")         # one key/value head
+    with pytest.raises(PolicyError, match="num_key_value_heads = 1 does not divide into 2"):
+        lct.convert(str(gemma), tmp_path / "g.lct", policy=Policy(tp_pieces=2))
+    odd = tiny.save_tiny(tmp_path / "odd", "llama", num_attention_heads=4,
+                         num_key_value_heads=4, intermediate_size=90)
+    with pytest.raises(PolicyError, match=r"tp_pieces 4: model\.layers\.0\.mlp\.\w+_proj\."
+                                          r"weight has 90 (rows|columns) along the split"):
+        lct.convert(str(odd), tmp_path / "o.lct", policy=Policy(tp_pieces=4))
+
+
 def test_hf_stream_every_rank_fetches_only_its_byte_ranges(qwen_src, tmp_path):
     """``lct.load("hf://...", stream=True, tp_plan="auto")``: each rank fetches by HTTP range
     requests only the chunks of its pieces (and the whole tensors), from a loopback Hub."""
@@ -369,3 +398,30 @@ def test_cli_under_torchrun_fails_with_one_line_on_every_rank(llama_src, tmp_pat
     errors = [ln for ln in out.stderr.splitlines() if ln.startswith("error: ")]
     assert len(errors) == 2 and all(f"chunk {chunk.id}" in e for e in errors), out.stderr[-2000:]
     assert "terminate called" not in out.stderr and "exitcode  : -6" not in out.stderr
+
+
+@pytest.mark.skipif(__import__("torch").cuda.is_available(), reason="checks the refusal on a machine without CUDA")
+def test_cli_under_torchrun_refuses_cuda_without_it_in_one_line(llama_src, tmp_path):
+    """``--tp --device cuda`` where torch has no CUDA: each rank prints the device error and
+    exits 1 before asking for NCCL (it raised 'Distributed package doesn't have NCCL built in'
+    as a traceback); a prompt for an artifact without a tokenizer is refused before the
+    load (a damaged chunk would be met first otherwise)."""
+    art = _lossless(llama_src, tmp_path / "llama.lct")
+    with lct.open(art) as a:
+        chunk = a.manifest.chunks[1]
+        data = art / a.manifest.files[chunk.file]["name"]
+    raw = bytearray(data.read_bytes())
+    raw[chunk.offset + chunk.stored_size // 2] ^= 0xFF
+    data.write_bytes(bytes(raw))
+    for extra, want in ((["--device", "cuda", "--ids", "1,5,9"], "CUDA is not available"),
+                        (["--prompt", "Hello"], "no tokenizer to encode a prompt")):
+        out = subprocess.run(
+            [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2",
+             "--master_port", str(_free_port()), "-m", "lct", "load", str(art), "--tp",
+             *extra], capture_output=True, text=True, timeout=TIMEOUT, cwd=tmp_path,
+            env=dict(os.environ, OMP_NUM_THREADS="1"))
+        assert out.returncode == 1, out.stderr[-2000:]
+        errors = [ln for ln in out.stderr.splitlines() if ln.startswith("error: ")]
+        assert len(errors) == 2 and all(want in e for e in errors), out.stderr[-2000:]
+        assert "NCCL" not in out.stderr and "[rank0]: Traceback" not in out.stderr, \
+            out.stderr[-2000:]

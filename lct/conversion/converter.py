@@ -308,8 +308,11 @@ def _maximus_cut(spec, mx: MaximusLayout):
 def _tp_splits(src: Source, specs: dict, n: int) -> dict:
     """``{group: [(spec, axis)]}``: the 2-D weights the model's own tensor-parallel plan splits
     (column-wise: rows, axis 0; row-wise: columns, axis 1; the embedding by rows), taken out of
-    ``specs`` to be written as ``n`` equal pieces. A weight whose split dimension ``n`` does not
-    divide stays whole (a rank then decodes it whole and keeps its slice)."""
+    ``specs`` to be written as ``n`` equal pieces. ``n`` must divide the attention and
+    key/value heads and every split layer weight (else no rank degree dividing ``n`` could
+    load it; ``PolicyError`` names the first); a vocabulary table whose rows ``n`` does not
+    divide, or a lossy one split by columns, stays whole (a rank decodes it and keeps its
+    slice)."""
     from transformers import AutoConfig
     from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING
     config = AutoConfig.from_pretrained(src.root)
@@ -320,6 +323,12 @@ def _tp_splits(src: Source, specs: dict, n: int) -> dict:
         raise PolicyError(f"{src.root}: transformers has no tensor-parallel plan for model type "
                           f"{config.model_type!r}; convert without tp_pieces",
                           option="tp_pieces")
+    for what in ("num_attention_heads", "num_key_value_heads"):
+        heads = getattr(config, what, None)
+        if heads is not None and heads % n:
+            raise PolicyError(f"{src.root}: tp_pieces {n}: {what} = {heads} does not divide "
+                              f"into {n}; tensor-parallel ranks need whole heads (pieces must "
+                              f"divide {heads})", option="tp_pieces")
     rules = [(re.compile(r"(?:\w+\.)?" + re.escape(k).replace(r"\*", r"\d+") + r"\.weight"),
               0 if style.startswith("colwise") else 1 if style.startswith("rowwise") else None)
              for k, style in plan.items()]
@@ -330,6 +339,10 @@ def _tp_splits(src: Source, specs: dict, n: int) -> dict:
                 continue
             axis = 0 if spec.role == "embed" else next(
                 (a for rx, a in rules if rx.fullmatch(spec.name)), None)
+            if axis is not None and spec.shape[axis] % n and spec.role not in ("embed", "head"):
+                raise PolicyError(f"{src.root}: tp_pieces {n}: {spec.name} has {spec.shape[axis]} "
+                                  f"{'rows' if axis == 0 else 'columns'} along the split, which "
+                                  f"do not divide into {n} pieces", option="tp_pieces")
             if axis is None or spec.shape[axis] % n or \
                     (axis == 1 and spec.encoding != C.ENCODING_PLAIN):
                 continue
