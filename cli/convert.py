@@ -113,7 +113,7 @@ def convert_cmd(source, output, revision, nf4, int8, budget, calibration, dtype,
     click.echo(f"wrote {rep.path}: {len(m.groups)} groups, {len(m.tensors)} tensors, "
                f"{human(m.stored_bytes)} from {human(rep.source_bytes)} of tensors "
                f"({m.stored_bytes / max(rep.source_bytes, 1):.3f}x) in {rep.seconds:.1f} s "
-               f"({rep.mb_per_s:.0f} MB/s)")
+               f"({human(rep.mb_per_s * 1e6)}/s)")
     if rep.decision is not None:
         click.echo(rep.decision.summary())
     else:

@@ -47,7 +47,9 @@ def info_cmd(artifact, as_json, as_manifest, tensors, quiet):
         p = m.policy
         click.echo(f"policy: {p.get('mode', 'manual')} nf4={_parts(p.get('nf4'))} "
                    f"int8={_parts(p.get('int8'))} blocksize={p.get('blocksize')} "
-                   f"dtype={p.get('dtype') or 'source'} codec={p.get('codec')} level={p.get('level')}")
+                   f"dtype={p.get('dtype') or 'source'} codec={p.get('codec')} level={p.get('level')}"
+                   + (f" maximus_shards={p['maximus_shards']}" if p.get("maximus_shards") else "")
+                   + (f" tp_pieces={p['tp_pieces']}" if p.get("tp_pieces") else ""))
         measured = _measured(p.get("measured"))
         if measured:
             click.echo(measured)

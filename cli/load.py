@@ -128,7 +128,7 @@ def load_cmd(artifact, prefetch, device, dtype, nf4, workers, no_verify, layerwi
                  ("waiting for decode", f"{stats.wait_s:.2f} s"),
                  ("install", f"{stats.install_s:.2f} s"),
                  ("bytes read / decoded", f"{human(stats.bytes_read)} / {human(stats.bytes_decoded)}"),
-                 ("stream throughput", f"{stats.bytes_decoded / 1e6 / max(ready_s, 1e-9):.0f} MB/s decoded"),
+                 ("stream throughput", f"{human(stats.bytes_decoded / max(ready_s, 1e-9))}/s decoded"),
                  ("groups, max in flight", f"{stats.groups}, {stats.max_in_flight}")]
     rows.append(("load to ready", f"{ready_s:.2f} s"))
     report = {"artifact": str(artifact), "imports_s": imports_s, "ready_s": ready_s,
