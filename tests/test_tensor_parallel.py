@@ -139,6 +139,15 @@ def test_a_corrupt_chunk_on_one_rank_ends_every_rank_with_the_typed_error(llama_
     assert "rank 1: " in results[0]["error"]
 
 
+def _lct_load_tp(art, cwd, *args):
+    """``torchrun --nproc_per_node 2 -m lct load ART --tp ARGS``, run to its end."""
+    return subprocess.run(
+        [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2",
+         "--master_port", str(_free_port()), "-m", "lct", "load", str(art), "--tp", *args],
+        capture_output=True, text=True, timeout=TIMEOUT, cwd=cwd,
+        env=dict(os.environ, OMP_NUM_THREADS="1"))
+
+
 def test_without_a_process_group_the_error_says_what_to_do(llama_src, tmp_path):
     from lct.errors import LCTError
     art = _lossless(llama_src, tmp_path / "llama.lct")
@@ -150,12 +159,7 @@ def test_cli_under_torchrun_prints_each_rank_and_the_text_once(llama_src, tmp_pa
     """``torchrun --nproc_per_node 2 -m lct load ART --tp --ids ...``: one JSON line per rank
     (bytes read and decoded, time to ready), the same greedy tokens on both."""
     art = _lossless(llama_src, tmp_path / "llama.lct")
-    out = subprocess.run(
-        [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2",
-         "--master_port", str(_free_port()), "-m", "lct", "load", str(art), "--tp",
-         "--ids", "1,5,9", "--max-new-tokens", "3", "--json"],
-        capture_output=True, text=True, timeout=TIMEOUT, cwd=tmp_path,
-        env=dict(os.environ, OMP_NUM_THREADS="1"))
+    out = _lct_load_tp(art, tmp_path, "--ids", "1,5,9", "--max-new-tokens", "3", "--json")
     assert out.returncode == 0, out.stderr[-3000:]
     lines = [json.loads(ln) for ln in out.stdout.splitlines() if ln.startswith("{")]
     assert sorted(r["rank"] for r in lines) == [0, 1]
@@ -176,12 +180,7 @@ def test_cli_under_torchrun_quiet_prints_only_the_text(tmp_path):
                          num_key_value_heads=2)
     art = tmp_path / "gemma.lct"
     lct.convert(str(src), art)
-    out = subprocess.run(
-        [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2",
-         "--master_port", str(_free_port()), "-m", "lct", "load", str(art), "--tp",
-         "--ids", "1,5,9", "--max-new-tokens", "2", "-q"],
-        capture_output=True, text=True, timeout=TIMEOUT, cwd=tmp_path,
-        env=dict(os.environ, OMP_NUM_THREADS="1"))
+    out = _lct_load_tp(art, tmp_path, "--ids", "1,5,9", "--max-new-tokens", "2", "-q")
     assert out.returncode == 0, out.stderr[-3000:]
     assert len(out.stdout.splitlines()) == 1 and len(out.stdout.split()) == 2, out.stdout
     assert "Warning" not in out.stderr, out.stderr[-3000:]
@@ -389,18 +388,15 @@ def test_cli_under_torchrun_fails_with_one_line_on_every_rank(llama_src, tmp_pat
     raw = bytearray(data.read_bytes())
     raw[chunk.offset + chunk.stored_size // 2] ^= 0xFF
     data.write_bytes(bytes(raw))
-    out = subprocess.run(
-        [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2",
-         "--master_port", str(_free_port()), "-m", "lct", "load", str(art), "--tp",
-         "--ids", "1,5,9"], capture_output=True, text=True, timeout=TIMEOUT, cwd=tmp_path,
-        env=dict(os.environ, OMP_NUM_THREADS="1"))
+    out = _lct_load_tp(art, tmp_path, "--ids", "1,5,9")
     assert out.returncode == 1
     errors = [ln for ln in out.stderr.splitlines() if ln.startswith("error: ")]
     assert len(errors) == 2 and all(f"chunk {chunk.id}" in e for e in errors), out.stderr[-2000:]
     assert "terminate called" not in out.stderr and "exitcode  : -6" not in out.stderr
 
 
-@pytest.mark.skipif(__import__("torch").cuda.is_available(), reason="checks the refusal on a machine without CUDA")
+@pytest.mark.skipif(__import__("torch").cuda.is_available(),
+                    reason="checks the refusal on a machine without CUDA")
 def test_cli_under_torchrun_refuses_cuda_without_it_in_one_line(llama_src, tmp_path):
     """``--tp --device cuda`` where torch has no CUDA: each rank prints the device error and
     exits 1 before asking for NCCL (it raised 'Distributed package doesn't have NCCL built in'
@@ -415,11 +411,7 @@ def test_cli_under_torchrun_refuses_cuda_without_it_in_one_line(llama_src, tmp_p
     data.write_bytes(bytes(raw))
     for extra, want in ((["--device", "cuda", "--ids", "1,5,9"], "CUDA is not available"),
                         (["--prompt", "Hello"], "no tokenizer to encode a prompt")):
-        out = subprocess.run(
-            [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2",
-             "--master_port", str(_free_port()), "-m", "lct", "load", str(art), "--tp",
-             *extra], capture_output=True, text=True, timeout=TIMEOUT, cwd=tmp_path,
-            env=dict(os.environ, OMP_NUM_THREADS="1"))
+        out = _lct_load_tp(art, tmp_path, *extra)
         assert out.returncode == 1, out.stderr[-2000:]
         errors = [ln for ln in out.stderr.splitlines() if ln.startswith("error: ")]
         assert len(errors) == 2 and all(want in e for e in errors), out.stderr[-2000:]
