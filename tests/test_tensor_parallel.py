@@ -378,16 +378,22 @@ def test_a_rank_that_cannot_open_the_artifact_ends_every_rank(llama_src, tmp_pat
     assert results[0]["error"].split(":", 1)[1].strip().startswith("rank 1: ")
 
 
-def test_cli_under_torchrun_fails_with_one_line_on_every_rank(llama_src, tmp_path):
-    """A corrupt chunk under ``lct load --tp``: each rank prints the one-line error and exits 1
-    (its process group shut down, not an abort at exit)."""
-    art = _lossless(llama_src, tmp_path / "llama.lct")
+def _damage_a_chunk(art):
+    """Flip a byte in the middle of the artifact's second chunk; returns that chunk."""
     with lct.open(art) as a:
         chunk = a.manifest.chunks[1]
         data = art / a.manifest.files[chunk.file]["name"]
     raw = bytearray(data.read_bytes())
     raw[chunk.offset + chunk.stored_size // 2] ^= 0xFF
     data.write_bytes(bytes(raw))
+    return chunk
+
+
+def test_cli_under_torchrun_fails_with_one_line_on_every_rank(llama_src, tmp_path):
+    """A corrupt chunk under ``lct load --tp``: each rank prints the one-line error and exits 1
+    (its process group shut down, not an abort at exit)."""
+    art = _lossless(llama_src, tmp_path / "llama.lct")
+    chunk = _damage_a_chunk(art)
     out = _lct_load_tp(art, tmp_path, "--ids", "1,5,9")
     assert out.returncode == 1
     errors = [ln for ln in out.stderr.splitlines() if ln.startswith("error: ")]
@@ -403,12 +409,7 @@ def test_cli_under_torchrun_refuses_cuda_without_it_in_one_line(llama_src, tmp_p
     as a traceback); a prompt for an artifact without a tokenizer is refused before the
     load (a damaged chunk would be met first otherwise)."""
     art = _lossless(llama_src, tmp_path / "llama.lct")
-    with lct.open(art) as a:
-        chunk = a.manifest.chunks[1]
-        data = art / a.manifest.files[chunk.file]["name"]
-    raw = bytearray(data.read_bytes())
-    raw[chunk.offset + chunk.stored_size // 2] ^= 0xFF
-    data.write_bytes(bytes(raw))
+    _damage_a_chunk(art)
     for extra, want in ((["--device", "cuda", "--ids", "1,5,9"], "CUDA is not available"),
                         (["--prompt", "Hello"], "no tokenizer to encode a prompt")):
         out = _lct_load_tp(art, tmp_path, *extra)
