@@ -62,7 +62,9 @@ def _parse_parts(ctx, param, value):
 @click.option("--token-freq", type=click.Path(exists=True), default=None,
               help="Token frequencies for --maximus-shards: a text file or folder (tokenized "
                    "with the model's tokenizer), or counts (.json list/object, .npy array).")
-@click.option("--force", is_flag=True, help="Replace OUTPUT if it is an existing artifact.")
+@click.option("--force", is_flag=True,
+              help="Replace OUTPUT if it is an existing LCT artifact made only of its own files; "
+                   "any other folder is never replaced (an empty one is filled).")
 @click.option("--json", "as_json", is_flag=True,
               help="Print the result as one JSON object (fields in docs/CLI.md); bars stay on "
                    "stderr.")

@@ -14,7 +14,9 @@ from lct.format import constants as C
 @click.option("--max-shard-size", default=C.EXPORT_SHARD_SIZE, show_default=True, metavar="SIZE",
               help="Largest safetensors shard, as save_pretrained takes it: 5GB, 500MB "
                    "(decimal) or 2GiB (binary); default save_pretrained's.")
-@click.option("--force", is_flag=True, help="Replace OUT_DIR if it exists.")
+@click.option("--force", is_flag=True,
+              help="Replace OUT_DIR if an earlier lct export wrote it (it carries "
+                   ".lct-export.json); any other folder is never replaced.")
 @quiet_option("the output folder's path")
 def export_cmd(artifact, out_dir, max_shard_size, force, quiet):
     """Write ARTIFACT (a folder or hf://org/name[@rev], pulled first) as a Hugging Face folder

@@ -397,6 +397,36 @@ def test_force_never_deletes_what_lct_did_not_write(run, llama_src, llama_art, t
     assert run("convert", llama_src, "-o", art, "--force").exit_code == 0
 
 
+def test_export_force_never_replaces_a_folder_an_export_did_not_write(run, llama_src, tmp_path):
+    """A Hugging Face folder holds only names an export writes (the source model itself,
+    perhaps): before, export --force replaced the user's source with a lossy copy; now only a
+    folder carrying the export's mark is replaced, and the refusal does not send the user to
+    --force. An existing empty folder is filled, by export and convert alike."""
+    import hashlib
+    src = tmp_path / "mysrc"
+    shutil.copytree(llama_src, src)
+    art = tmp_path / "mysrc.lct"
+    assert run("convert", src, "-o", art).exit_code == 0
+    before = {p.name: hashlib.sha256(p.read_bytes()).hexdigest() for p in src.iterdir()}
+    for extra in ([], ["--force"]):
+        res = run("export", art, src, *extra)
+        assert res.exit_code == 1 and "was not written by an export" in res.output, res.output
+        assert "--force" not in res.output, res.output
+    assert {p.name: hashlib.sha256(p.read_bytes()).hexdigest() for p in src.iterdir()} == before
+    (tmp_path / "empty").mkdir()
+    assert run("export", art, tmp_path / "empty").exit_code == 0
+    assert (tmp_path / "empty" / ".lct-export.json").is_file()
+    res = run("export", art, tmp_path / "empty")
+    assert res.exit_code == 1 and "already exists" in res.output and "--force" in res.output
+    (tmp_path / "empty2").mkdir()
+    assert run("convert", src, "-o", tmp_path / "empty2").exit_code == 0
+    (tmp_path / "theirs").mkdir()
+    (tmp_path / "theirs" / "notes.txt").write_text("mine")
+    res = run("convert", src, "-o", tmp_path / "theirs")
+    assert res.exit_code == 1 and "not an LCT artifact" in res.output
+    assert "--force" not in res.output and (tmp_path / "theirs" / "notes.txt").exists()
+
+
 def lct_ok(path):
     import lct
     return lct.verify(path).ok

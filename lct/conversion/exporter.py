@@ -39,7 +39,7 @@ def _shard_name(i: int, n: int) -> str:
 def _is_export_file(name: str, side_files=C.SIDECAR_FILES) -> bool:
     """Whether ``name`` is a file ``export`` writes (shards as ``_shard_name`` names them, their
     index, and ``side_files``: the artifact's)."""
-    return (name in (_shard_name(0, 1), INDEX_NAME) or name in side_files
+    return (name in (_shard_name(0, 1), INDEX_NAME, C.EXPORT_MARKER) or name in side_files
             or re.fullmatch(r"model-[0-9]{5}-of-[0-9]{5}\.safetensors", name) is not None)
 
 
@@ -54,15 +54,21 @@ def _check_place(out: Path, art_path: Path) -> None:
 
 
 def _check_target(out: Path, overwrite: bool, side_files=C.SIDECAR_FILES) -> None:
-    """Refuse to replace an existing folder without ``overwrite``, or one holding files an
-    export of this artifact does not write (run with the output lock held)."""
-    if out.exists() and not overwrite:
+    """Refuse to replace an existing folder that an export did not write (no
+    ``EXPORT_MARKER``: a Hugging Face folder holds the same file names, the source model's
+    perhaps), one holding files an export does not write, or, without ``overwrite``, any
+    earlier export; an empty folder is filled (run with the output lock held)."""
+    if not out.exists() or not any(out.iterdir()):
+        return
+    if not (out / C.EXPORT_MARKER).is_file():
+        raise LCTError(f"{out} exists and was not written by an export (it has no "
+                       f"{C.EXPORT_MARKER}); refusing to replace it: give a new folder")
+    other = foreign_entry(out, lambda name: _is_export_file(name, side_files))
+    if other is not None:
+        raise LCTError(f"{out} holds {other!r}, which an export does not write; refusing to "
+                       f"replace the folder (move it first)")
+    if not overwrite:
         raise LCTError(f"{out} already exists", option="overwrite")
-    if out.exists():
-        other = foreign_entry(out, lambda name: _is_export_file(name, side_files))
-        if other is not None:
-            raise LCTError(f"{out} holds {other!r}, which an export does not write; refusing to "
-                           f"replace the folder (move it first)")
 
 
 def export(artifact, out_dir, *, max_shard_size=DEFAULT_SHARD_SIZE, overwrite: bool = False,
@@ -162,6 +168,10 @@ def _export(artifact, out: Path, max_shard_size: int, progress) -> Path:
         for name in art.manifest.side_files():
             if (art.path / name).is_file() and confined(art.path / name, art.path):
                 shutil.copyfile(art.path / name, tmp / name)
+        from lct._version import __version__
+        (tmp / C.EXPORT_MARKER).write_text(json.dumps(
+            {"exported_by": f"lct {__version__}", "artifact_id": art.manifest.artifact_id,
+             "artifact": str(art.path)}, indent=1) + "\n")
         swap_into_place(tmp, out)  # an earlier export (checked) is replaced in one step
     finally:
         if tmp.exists():

@@ -138,6 +138,10 @@ SIDECAR_FILES = (
 # Side files that decide what model a load builds: checked against the manifest on every open.
 MODEL_SIDE_FILES = ("config.json", "generation_config.json")
 
+# What `lct export` leaves in the folder it writes (the artifact it came from, the writer): the
+# mark by which a later export --force knows the folder is LCT's to replace.
+EXPORT_MARKER = ".lct-export.json"
+
 # Largest safetensors shard `lct export` writes: save_pretrained's default in transformers 5
 # ("50GB"; 4.x used "5GB").
 EXPORT_SHARD_SIZE = "50GB"

@@ -242,18 +242,19 @@ class ArtifactWriter:
 
     def _check_target(self) -> None:
         """Refuse to replace anything but an LCT artifact made only of its own files."""
-        if not self.target.exists():
-            return
-        if not self.overwrite:
-            raise LCTError(f"{self.target} already exists", option="overwrite")
-        if not (self.target.is_dir() and ((self.target / C.MANIFEST_NAME).exists()
-                                          or not any(self.target.iterdir()))):
-            raise LCTError(f"{self.target} exists and is not an LCT artifact; refusing to replace it")
+        if not self.target.exists() or (self.target.is_dir() and
+                                         not any(self.target.iterdir())):
+            return      # an empty folder holds nothing to lose
+        if not (self.target.is_dir() and (self.target / C.MANIFEST_NAME).exists()):
+            raise LCTError(f"{self.target} exists and is not an LCT artifact; refusing to "
+                           f"replace it: give a new folder")
         own = recorded_side_files(self.target)
         other = foreign_entry(self.target, lambda name: is_artifact_file(name, own))
         if other is not None:
             raise LCTError(f"{self.target} holds {other!r}, which is not part of an LCT "
                            f"artifact; refusing to replace the folder (move it first)")
+        if not self.overwrite:
+            raise LCTError(f"{self.target} already exists", option="overwrite")
 
     def __enter__(self):
         return self
