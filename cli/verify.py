@@ -61,7 +61,7 @@ def verify_cmd(artifact, against, revision, quality, text, max_tokens, layerwise
         click.echo(json.dumps({
             "ok": rep.ok, "chunks_checked": rep.chunks_checked, "failures": rep.failures,
             "lossless_tensors": len(lossless),
-            "lossless_identical": sum(t.ok for t in lossless),
+            "lossless_identical": sum(t.ok for t in lossless), "cast": rep.cast,
             "lossy_tensors": [asdict(t) for t in lossy],
             "quality": rep.quality.to_dict() if rep.quality is not None else None},
             indent=1))
@@ -83,7 +83,7 @@ def verify_cmd(artifact, against, revision, quality, text, max_tokens, layerwise
                           "mean err", "cosine"]))
     if lossless:
         click.echo(f"{sum(t.ok for t in lossless)}/{len(lossless)} lossless tensors bit-identical "
-                   f"to the source")
+                   f"to the source" + (f" cast to {rep.cast}" if rep.cast else ""))
     if rep.quality is not None:
         q = rep.quality
         click.echo(table([

@@ -27,9 +27,14 @@ DECODE_NICE = 10
 
 
 def build_skeleton(art, dtype=None):
-    """The model for ``art``'s config with parameters on the meta device and real buffers."""
+    """The model for ``art``'s config with parameters on the meta device and real buffers, in
+    ``dtype`` (default: the dtype the artifact stores its layers in, which a ``--dtype`` cast
+    at conversion makes differ from the config's)."""
     from accelerate import init_empty_weights
     from transformers import AutoConfig, AutoModelForCausalLM
+
+    from lct.loader.source import stored_dtype
+    dtype = dtype or stored_dtype(art)
     if not (art.path / "config.json").is_file():
         raise LCTError(f"{art.path}: no config.json in the artifact; cannot build a model "
                        f"(the source had none)")

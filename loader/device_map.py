@@ -168,9 +168,9 @@ def load_mapped(path, device_map, *, max_memory=None, prefetch: int = 2, dtype=N
     art = open_source(path, verify=verify, workers=workers, stream=stream)
     closing = True
     try:
-        # The skeleton in the dtype the weights will have: accelerate casts what it fetches for
-        # a "disk" module to the placeholder's dtype (float32 by default).
-        model = build_skeleton(art, dtype or stored_dtype(art))
+        # The skeleton in the dtype the weights have (build_skeleton's default): accelerate
+        # casts what it fetches for a "disk" module to the placeholder's dtype.
+        model = build_skeleton(art, dtype)
         dmap = resolve(model, device_map, max_memory, dtype or stored_dtype(art))
         devices = set(dmap.values())
         offloading = len(devices) > 1 or "disk" in devices

@@ -64,9 +64,12 @@ def param_name(model, name: str, names: set) -> str | None:
 
 
 def stored_dtype(art):
-    """The torch dtype the artifact stores its layers in (float32 when they differ)."""
+    """The torch dtype the artifact stores its layers in (after any cast at conversion;
+    float32 when they differ)."""
     import torch
 
+    from lct.format import constants as C
     from lct.io.reader import torch_dtype
-    dtypes = {t.dtype for t in art.manifest.tensors.values() if t.role == "layer"}
+    dtypes = {t.stored_dtype if t.encoding == C.ENCODING_PLAIN else t.dtype
+              for t in art.manifest.tensors.values() if t.role == "layer"}
     return torch_dtype(dtypes.pop()) if len(dtypes) == 1 else torch.float32

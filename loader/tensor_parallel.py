@@ -249,12 +249,12 @@ def _quantized_rows(art, info, bufs, pieces, rows: slice):
     if info.encoding == "int8":
         q = torch.cat([p.q.reshape(-1, cols) for p in parts])[keep].clone()
         scale = torch.cat([p.scale.reshape(-1) for p in parts])[keep].clone()
-        return Int8Weight(info.name, q, scale, (n, cols), info.dtype)
+        return Int8Weight(info.name, q, scale, (n, cols), art.lossy_dtype(info))
     bs = info.nf4["blocksize"]
     packed = torch.cat([p.packed.reshape(-1, cols // 2) for p in parts])[keep].clone()
     absmax = torch.cat([p.absmax.reshape(-1, cols // bs) for p in parts])[keep].clone()
     return NF4Weight(info.name, packed.reshape(-1), absmax.reshape(-1), (n, cols), bs,
-                     info.dtype)
+                     art.lossy_dtype(info))
 
 
 def _install_sharded(model, quantized: dict, art, params: dict, names: set) -> None:

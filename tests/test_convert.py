@@ -173,7 +173,31 @@ def test_cast_to_float16(gemma_src, tmp_path):
         info = art.tensor_info("model.layers.0.mlp.up_proj.weight")
         assert info.dtype == "bfloat16" and info.stored_dtype == "float16"
     rep = lct.verify(tmp_path / "a.lct", against=str(gemma_src))
-    assert rep.ok
+    assert rep.ok and rep.cast == "float16"
+
+
+def test_a_cast_artifact_with_lossy_tables_runs_and_exports_in_the_cast_dtype(llama_src,
+                                                                               tmp_path):
+    """--dtype float16 with the default policy (lossy embedding/head): the tables dequantize to
+    float16 like the layers, so generate runs (it failed: 'expected m1 and m2 to have the same
+    dtype, but got: float != c10::Half'), kept or dequantized, and the export says float16 in
+    its config, so from_pretrained gives the same logits as the LCT load."""
+    from transformers import AutoModelForCausalLM
+    art = tmp_path / "a.lct"
+    lct.convert(str(llama_src), art, policy=Policy(dtype="float16"))
+    m = lct.open(art).manifest
+    assert any(t.encoding != "plain" for t in m.tensors.values())
+    for nf4 in ("keep", "dequantize"):
+        model = lct.load(art, nf4=nf4)
+        assert {p.dtype for p in model.parameters() if p.is_floating_point()} == {torch.float16}
+        out = model.generate(IDS, max_new_tokens=3, do_sample=False)
+        assert out.shape[1] == IDS.shape[1] + 3
+    lct.export(art, tmp_path / "hf")
+    assert json.loads((tmp_path / "hf" / "config.json").read_text())["dtype"] == "float16"
+    hf = AutoModelForCausalLM.from_pretrained(tmp_path / "hf")
+    assert {p.dtype for p in hf.parameters()} == {torch.float16}
+    with torch.no_grad():
+        assert torch.equal(hf(IDS).logits, lct.load(art, nf4="dequantize")(IDS).logits)
 
 
 def test_overflowing_cast_is_refused_and_leaves_nothing(tmp_path):

@@ -107,6 +107,24 @@ def export(artifact, out_dir, *, max_shard_size=DEFAULT_SHARD_SIZE, overwrite: b
         return _export(artifact, out, max_shard_size, progress)
 
 
+def _config_dtype(config: Path, cast) -> None:
+    """An artifact converted with a cast holds its weights in ``cast``: the exported config says
+    so, as ``save_pretrained`` of that model would (``from_pretrained``'s default dtype is the
+    config's, which would otherwise cast them back)."""
+    if cast not in C.FLOAT_DTYPES or not config.is_file():
+        return
+    try:
+        data = json.loads(config.read_text())
+    except (OSError, ValueError):
+        return          # a config the source had this way is exported as it is
+    if not isinstance(data, dict):
+        return
+    data["dtype"] = cast
+    if "torch_dtype" in data:
+        data["torch_dtype"] = cast
+    config.write_text(json.dumps(data, indent=2, sort_keys=True) + "\n")
+
+
 def _planned_shards(art, max_shard_size: int):
     """huggingface_hub's shard plan (``split_torch_state_dict_into_shards``, what
     ``save_pretrained`` uses) for the tensors the export writes, from their shapes and dtypes
@@ -120,7 +138,7 @@ def _planned_shards(art, max_shard_size: int):
         for t in art.manifest.group_tensors(group):
             if t.name in art.manifest.ties:
                 continue
-            dtype = t.dtype if t.encoding != C.ENCODING_PLAIN else t.stored_dtype
+            dtype = art.lossy_dtype(t) if t.encoding != C.ENCODING_PLAIN else t.stored_dtype
             meta[t.name] = torch.empty(t.shape, dtype=torch_dtype(dtype), device="meta")
     # save_pretrained (transformers 5) hands the splitter its state dict sorted by name
     meta = {n: meta[n] for n in sorted(meta)}
@@ -168,6 +186,7 @@ def _export(artifact, out: Path, max_shard_size: int, progress) -> Path:
         for name in art.manifest.side_files():
             if (art.path / name).is_file() and confined(art.path / name, art.path):
                 shutil.copyfile(art.path / name, tmp / name)
+        _config_dtype(tmp / "config.json", art.manifest.policy.get("dtype"))
         from lct._version import __version__
         (tmp / C.EXPORT_MARKER).write_text(json.dumps(
             {"exported_by": f"lct {__version__}", "artifact_id": art.manifest.artifact_id,

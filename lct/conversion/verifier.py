@@ -33,6 +33,8 @@ class VerifyReport:
     failures: list = field(default_factory=list)
     tensors: list = field(default_factory=list)
     quality: object = None      # a lct.conversion.quality.QualityReport when asked for
+    cast: str | None = None     # the dtype the conversion cast float tensors to (policy.dtype):
+                                # lossless ones are compared with the source cast to it
 
     @property
     def ok(self) -> bool:
@@ -103,7 +105,8 @@ def verify(artifact, *, against: str | None = None, revision: str | None = None,
         from lct.hub import local_artifact
         artifact = local_artifact(artifact)
     art = artifact if isinstance(artifact, Artifact) else open_artifact(artifact)
-    report = VerifyReport()
+    cast = art.manifest.policy.get("dtype")
+    report = VerifyReport(cast=cast if cast in C.FLOAT_DTYPES else None)
     src_tensors, src = {}, None
     if against is not None:
         from lct.conversion.source import resolve, scan

@@ -310,6 +310,13 @@ class Artifact:
         self.release(chunk)
 
     # Tensors ---------------------------------------------------------------------------------
+    def lossy_dtype(self, info: TensorInfo) -> str:
+        """The dtype an NF4/int8 tensor dequantizes to: its source dtype, or the dtype the
+        conversion cast every float tensor to (``policy.dtype``), so that it matches the
+        lossless tensors it runs with."""
+        cast = self.manifest.policy.get("dtype")
+        return cast if cast in C.FLOAT_DTYPES else info.dtype
+
     def tensor_from_buffer(self, info: TensorInfo, buf: np.ndarray, dequantize: bool = True):
         """Build tensor (or piece) ``info`` as a zero-copy view of its decoded chunk ``buf``."""
         import torch
@@ -317,14 +324,15 @@ class Artifact:
         if info.encoding == C.ENCODING_NF4:
             a = info.nf4["absmax_offset"]
             absmax = torch.from_numpy(buf[a: a + info.nf4["absmax_nbytes"]]).view(torch.float32)
-            w = NF4Weight(info.name, raw, absmax, info.shape, info.nf4["blocksize"], info.dtype)
+            w = NF4Weight(info.name, raw, absmax, info.shape, info.nf4["blocksize"],
+                          self.lossy_dtype(info))
             return w.dequantize() if dequantize else w
         if info.encoding == C.ENCODING_INT8:
             from lct.format.int8 import row_shape
             a, n = info.int8["scale_offset"], info.int8["scale_nbytes"]
             scale = torch.from_numpy(buf[a: a + n]).view(torch.float32)
             w = Int8Weight(info.name, raw.view(torch.int8).view(row_shape(info.shape)), scale,
-                           info.shape, info.dtype)
+                           info.shape, self.lossy_dtype(info))
             return w.dequantize() if dequantize else w
         return raw.view(torch_dtype(info.stored_dtype)).view(info.shape)
 
@@ -351,14 +359,14 @@ class Artifact:
             if perm is not None:
                 packed, absmax = packed[perm], absmax[perm]
             w = NF4Weight(info.name, packed.reshape(-1), absmax.reshape(-1), info.shape, bs,
-                          info.dtype)
+                          self.lossy_dtype(info))
             return w.dequantize() if dequantize else w
         if info.encoding == C.ENCODING_INT8:
             q = torch.cat([p.q for p in parts])
             scale = torch.cat([p.scale for p in parts])
             if perm is not None:
                 q, scale = q[perm], scale[perm]
-            w = Int8Weight(info.name, q, scale, info.shape, info.dtype)
+            w = Int8Weight(info.name, q, scale, info.shape, self.lossy_dtype(info))
             return w.dequantize() if dequantize else w
         table = torch.cat(parts, dim=info.piece_axis)
         return table[perm] if perm is not None else table
