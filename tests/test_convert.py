@@ -157,7 +157,8 @@ def test_present_head_equal_to_embedding_is_tied(tmp_path):
     src.mkdir()
     save_file({"model.embed_tokens.weight": w, "lm_head.weight": w.clone(),
                "model.norm.weight": torch.ones(32, dtype=torch.bfloat16)}, src / "model.safetensors")
-    (src / "config.json").write_text(json.dumps({"model_type": "llama", "tie_word_embeddings": True}))
+    (src / "config.json").write_text(json.dumps({"model_type": "llama", "tie_word_embeddings": True,
+                                                 "vocab_size": 64, "hidden_size": 32}))
     m = lct.convert(str(src), tmp_path / "a.lct", policy=Policy(blocksize=32)).manifest
     assert m.ties == {"lm_head.weight": "model.embed_tokens.weight"}
     assert "lm_head.weight" not in m.tensors
@@ -246,6 +247,41 @@ def test_existing_output_needs_overwrite(gemma_src, tmp_path):
     with pytest.raises(LCTError, match="not an LCT artifact"):
         lct.convert(str(gemma_src), tmp_path / "plain", overwrite=True)
     assert (tmp_path / "plain" / "notes.txt").exists()
+
+
+@pytest.mark.parametrize("size", [0, 1000, "half"])
+def test_a_truncated_source_file_is_named_for_convert_and_verify(llama_src, llama_art, tmp_path,
+                                                                 size):
+    """safetensors' own error for a damaged header (SafetensorError, a plain Exception) came
+    out as a traceback that named no file."""
+    import shutil
+    src = tmp_path / "src"
+    shutil.copytree(llama_src, src)
+    f = src / "model.safetensors"
+    with open(f, "r+b") as fh:
+        fh.truncate(f.stat().st_size // 2 if size == "half" else size)
+    with pytest.raises(SourceError, match=r"model\.safetensors: not a readable safetensors"):
+        lct.convert(str(src), tmp_path / "a.lct")
+    assert not (tmp_path / "a.lct").exists()
+    with pytest.raises(SourceError, match=r"model\.safetensors: not a readable safetensors"):
+        lct.verify(llama_art, against=str(src))
+
+
+@pytest.mark.parametrize("config, match", [
+    ({"model_type": "llama"}, r"tensor '[\w.]+' is \[\d+, \d+\], but config.json builds"),
+    ({"model_type": "nonexistent_arch"}, "transformers cannot read this config"),
+])
+def test_a_config_that_cannot_build_the_model_is_refused_at_convert(llama_src, tmp_path, config,
+                                                                   match):
+    """Before, convert wrote the artifact and only the load failed (late, or with a
+    transformers traceback)."""
+    import shutil
+    src = tmp_path / "src"
+    shutil.copytree(llama_src, src)
+    (src / "config.json").write_text(json.dumps(config))
+    with pytest.raises(SourceError, match=match):
+        lct.convert(str(src), tmp_path / "a.lct")
+    assert not (tmp_path / "a.lct").exists()
 
 
 def test_pickle_checkpoints_refused(tmp_path):

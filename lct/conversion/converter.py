@@ -22,7 +22,7 @@ import numpy as np
 from lct._version import __version__
 from lct.conversion import mapping as M
 from lct.conversion.source import Source, resolve, scan
-from lct.errors import PolicyError
+from lct.errors import PolicyError, SourceError
 from lct.format import constants as C
 from lct.format.codecs import choose_codec
 from lct.format.layout import TensorSpec, layout_group
@@ -403,6 +403,7 @@ def convert(source: str, out, *, revision: str | None = None, policy: Policy | N
     policy.check()
     src = resolve(source, revision)
     tensors = scan(src)
+    _check_config(src, tensors)
     table = M.mapping_for(src.model_type)
     tie_flag = bool(src.config.get("tie_word_embeddings", True))
     placed = {name: M.classify(name, table) for name in tensors}
@@ -441,6 +442,40 @@ def convert(source: str, out, *, revision: str | None = None, policy: Policy | N
             created_by=f"lct {__version__}", maximus=maximus)
     return ConvertReport(manifest, Path(out), time.perf_counter() - t0, total, unmapped, decision,
                          src.skipped_sidecars())
+
+
+def _check_config(src: Source, tensors: dict) -> None:
+    """Refuse a source whose config.json cannot build the model its tensors belong to (an
+    artifact of it would convert, then fail to load): a config transformers cannot read, or a
+    causal LM whose parameters have other shapes than the stored tensors. A source without a
+    config, or of a kind that is not a causal LM, is converted as it is."""
+    path = src.root / "config.json"
+    if not path.is_file():
+        return
+    from accelerate import init_empty_weights
+    from transformers import AutoConfig, AutoModelForCausalLM
+    from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING
+    try:
+        config = AutoConfig.from_pretrained(src.root)
+    except (ValueError, KeyError, OSError, TypeError) as e:
+        raise SourceError(f"{path}: transformers cannot read this config "
+                          f"({str(e).splitlines()[0][:300]}); an artifact of it would not "
+                          f"load") from e
+    if type(config) not in MODEL_FOR_CAUSAL_LM_MAPPING:
+        return
+    try:
+        with init_empty_weights(include_buffers=True):
+            model = AutoModelForCausalLM.from_config(config)
+    except Exception as e:  # noqa: BLE001 - whatever the model class raises, named once
+        raise SourceError(f"{path}: transformers cannot build a {config.model_type} model from "
+                          f"this config ({str(e).splitlines()[0][:300]})") from e
+    shapes = {n: tuple(p.shape) for n, p in model.state_dict().items()}
+    for name, t in tensors.items():
+        want = shapes.get(name)
+        if want is not None and want != tuple(t.shape):
+            raise SourceError(f"{src.root / t.file}: tensor {name!r} is {list(t.shape)}, but "
+                              f"config.json builds {list(want)}; the config does not belong "
+                              f"to these weights")
 
 
 def _find_ties(src: Source, tensors: dict, placed: dict, table, tie_flag: bool) -> dict:

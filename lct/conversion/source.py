@@ -160,8 +160,10 @@ class SourceTensor:
 
 
 def scan(src: Source) -> dict:
-    """Read the safetensors headers of ``src``: ``{name: SourceTensor}``; no tensor data is read."""
-    from safetensors import safe_open
+    """Read the safetensors headers of ``src``: ``{name: SourceTensor}``; no tensor data is read.
+    Every later reader of the files relies on this check: a truncated or damaged file is a
+    ``SourceError`` naming it here."""
+    from safetensors import SafetensorError, safe_open
     found: dict = {}
     for fname in src.files:
         path = src.root / fname
@@ -177,7 +179,8 @@ def scan(src: Source) -> dict:
                         raise SourceError(f"{path}: tensor {name!r} also appears in "
                                           f"{found[name].file}")
                     found[name] = SourceTensor(name, fname, ST_DTYPES[st], tuple(sl.get_shape()))
-        except (OSError, RuntimeError, ValueError) as e:
+        except (OSError, RuntimeError, ValueError, SafetensorError) as e:
+            # (SafetensorError, a damaged header, is a plain Exception in safetensors 0.8)
             if isinstance(e, (PolicyError, SourceError)):
                 raise
             raise SourceError(f"{path}: not a readable safetensors file ({e})") from e
