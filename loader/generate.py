@@ -6,6 +6,7 @@ import time
 from dataclasses import dataclass
 
 from lct.errors import LCTError
+from lct.format import constants as C
 
 
 @dataclass
@@ -51,9 +52,10 @@ def check_prompt_source(path) -> None:
     """Refuse a prompt for a local artifact without a tokenizer before anything is loaded
     (a Hub address is checked once it is fetched)."""
     from lct.hub import is_hf_uri
-    if not is_hf_uri(str(path)) and not has_tokenizer(path):
-        raise LCTError(f"{path}: the artifact has no tokenizer to encode a prompt; give token "
-                       f"ids instead", option="ids")
+    from pathlib import Path
+    if not is_hf_uri(str(path)) and (Path(path) / C.MANIFEST_NAME).is_file() and \
+            not has_tokenizer(path):
+        raise LCTError(f"{path}: the artifact has no tokenizer to encode a prompt", option="ids")
 
 
 def load_tokenizer(path):
@@ -76,8 +78,7 @@ def generate_timed(model, path, prompt: str | None = None, ids=None,
     tok = load_tokenizer(path)
     if prompt is not None:
         if tok is None:
-            raise LCTError(f"{path}: the artifact has no tokenizer to encode a prompt; give token "
-                           f"ids instead", option="ids")
+            raise LCTError(f"{path}: the artifact has no tokenizer to encode a prompt", option="ids")
         input_ids = tok(prompt, return_tensors="pt").input_ids
     else:
         ids = list(ids)

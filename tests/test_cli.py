@@ -599,3 +599,15 @@ def test_every_command_has_quiet_and_it_prints_only_the_result(gemma_src, tmp_pa
     bad = _damaged_copy(art, tmp_path / "bad.lct")
     res = runner.invoke(cli, ["verify", str(bad), "-q"])
     assert res.exit_code == 1 and res.stdout == "FAILED\n" and "FAIL " in res.stderr
+
+
+def test_load_with_a_prompt_reports_the_missing_artifact_first(run, llama_art, tmp_path):
+    """A folder that is not an artifact is named as such even with --prompt (the tokenizer
+    check came first and said the 'artifact' had no tokenizer), and the tokenizer refusal
+    gives its hint once."""
+    (tmp_path / "empty").mkdir()
+    res = run("load", tmp_path / "empty", "--prompt", "hi")
+    assert res.exit_code == 1 and "not an LCT artifact" in res.output, res.output
+    res = run("load", llama_art, "--prompt", "hi")
+    assert res.exit_code == 1 and "no tokenizer to encode a prompt" in res.output
+    assert res.output.count("token ids") == 1, res.output

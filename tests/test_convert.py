@@ -284,6 +284,15 @@ def test_a_config_that_cannot_build_the_model_is_refused_at_convert(llama_src, t
     assert not (tmp_path / "a.lct").exists()
 
 
+@pytest.mark.parametrize("kw, option", [(dict(int8=("head",)), "int8"),
+                                        (dict(nf4=("embed",)), "nf4")])
+def test_one_part_of_a_tied_table_names_the_option_given(gemma_src, tmp_path, kw, option):
+    """The refusal named --nf4 when --int8 was the option given."""
+    with pytest.raises(PolicyError, match="cannot both be honoured") as e:
+        lct.convert(str(gemma_src), tmp_path / "a.lct", policy=Policy(**kw))
+    assert e.value.option == option
+
+
 def test_pickle_checkpoints_refused(tmp_path):
     (tmp_path / "pytorch_model.bin").write_bytes(b"\x80\x04not really")
     (tmp_path / "config.json").write_text("{}")

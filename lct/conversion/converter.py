@@ -520,7 +520,7 @@ def _choose(src: Source, tensors: dict, placed: dict, ties: dict, table, policy:
             f"{src.root}: the embedding and the LM head are one tied table, so "
             f"{chosen['embed']} for the embedding and {chosen['head']} for the head cannot "
             f"both be honoured: give both parts one encoding, or neither (lossless)",
-            option="nf4")
+            option="int8" if policy.int8 and not policy.nf4 else "nf4")
     decision = None
     if chosen is None or any(chosen[r] != C.ENCODING_PLAIN for r in lossy):
         # auto: measure to choose; a forced lossy encoding: measure what it costs, to say so
