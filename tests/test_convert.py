@@ -293,6 +293,21 @@ def test_one_part_of_a_tied_table_names_the_option_given(gemma_src, tmp_path, kw
     assert e.value.option == option
 
 
+def test_a_config_linked_from_outside_the_folder_is_refused_with_the_remedy(llama_src,
+                                                                             tmp_path):
+    """A folder of links (``ln -s SRC/* dir/``): the config, a side file LCT does not copy
+    from outside the folder, was dropped with a note and the artifact could not load; now
+    the conversion stops and says how to bring the file in."""
+    src = tmp_path / "links"
+    src.mkdir()
+    for f in llama_src.iterdir():
+        (src / f.name).symlink_to(f)
+    with pytest.raises(SourceError, match=r"config\.json is a link that leaves the model "
+                                          r"folder .*cp --dereference"):
+        lct.convert(str(src), tmp_path / "a.lct")
+    assert not (tmp_path / "a.lct").exists()
+
+
 def test_pickle_checkpoints_refused(tmp_path):
     (tmp_path / "pytorch_model.bin").write_bytes(b"\x80\x04not really")
     (tmp_path / "config.json").write_text("{}")

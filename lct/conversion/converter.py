@@ -452,6 +452,12 @@ def _check_config(src: Source, tensors: dict) -> None:
     path = src.root / "config.json"
     if not path.is_file():
         return
+    from lct.io.store import confined
+    if not confined(path, src.root):
+        raise SourceError(f"{path} is a link that leaves the model folder (to "
+                          f"{path.resolve()}); LCT copies no file from outside a model folder "
+                          f"and an artifact without its config would not load: copy the file "
+                          f"in (cp --dereference)")
     from accelerate import init_empty_weights
     from transformers import AutoConfig, AutoModelForCausalLM
     from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING
