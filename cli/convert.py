@@ -42,7 +42,8 @@ def _parse_parts(ctx, param, value):
               help="Cast the lossless floating-point tensors (refused if a value overflows). "
                    "Default: keep each tensor's source dtype.")
 @click.option("--level", type=click.IntRange(*C.ZSTD_LEVELS), default=C.DEFAULT_LEVEL, show_default=True,
-              help="zstd level for the lossless planes (see docs/BENCHMARKS.md for the trade-off).")
+              help="zstd level for the lossless planes: 1-22, higher is smaller and slower; "
+                   "negative is faster; 0 is zstd's default (3). See docs/BENCHMARKS.md.")
 @click.option("--blocksize", type=int, default=C.DEFAULT_BLOCKSIZE, show_default=True,
               help="NF4 block size; must divide the hidden size.")
 @click.option("--codec", type=click.Choice([C.CODEC_PLANES, C.CODEC_ZSTD, C.CODEC_RAW]),
@@ -54,7 +55,8 @@ def _parse_parts(ctx, param, value):
 @click.option("--maximus-shards", type=click.IntRange(min=1), is_flag=False,
               flag_value=C.DEFAULT_MAXIMUS_SHARDS, default=None,
               help=f"Store the embedding (and an untied head) as N frequency-ordered shards with "
-                   f"Maximus shard state (bare flag: {C.DEFAULT_MAXIMUS_SHARDS}).")
+                   f"Maximus shard state (--maximus-shards without N: "
+                   f"{C.DEFAULT_MAXIMUS_SHARDS}).")
 @click.option("--tp-pieces", type=click.IntRange(2, C.MAX_TP_PIECES), default=None, metavar="N",
               help="Store every weight the model's tensor-parallel plan splits as N pieces "
                    "along the split dimension, each its own chunk, so that a rank of any degree "

@@ -12,7 +12,7 @@ from lct.cli._util import GroupProgress, quiet_option, table
 @click.command("verify", short_help="Check an artifact's checksums, tensors and quality.")
 @click.argument("artifact", type=click.Path())
 @click.option("--against", default=None,
-              help="Source folder or Hub id: compare lossless tensors bit for bit, and NF4 "
+              help="Source folder or Hub id: compare lossless tensors bit for bit, and NF4/int8 "
                    "tensors with the source quantized again (byte for byte; error and cosine "
                    "shown beside).")
 @click.option("--revision", default=None, help="Hub revision of --against.")
@@ -37,7 +37,7 @@ def verify_cmd(artifact, against, revision, quality, text, max_tokens, layerwise
     checksum and decode. Exits 1 if anything is wrong.
 
     With --against SOURCE, every tensor is compared with the source: lossless ones bit for bit,
-    NF4 ones by quantizing the source again. With --quality, what the lossy parts cost on text."""
+    NF4/int8 ones by quantizing the source again. With --quality, what the lossy parts cost on text."""
     from lct.conversion.verifier import verify
 
     if layerwise and not quality:
