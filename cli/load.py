@@ -38,7 +38,8 @@ def _ids(ctx, param, value):
                    "(for models larger than memory); layers stream on every forward.")
 @click.option("--maximus", "maximus", type=int, is_flag=False, flag_value=-1, default=None,
               help="Install a MaximusEmbedding from the artifact's shard state (optional value: "
-                   "the resident budget in shards).")
+                   "the resident budget in shards, at least 1; alone: the budget the artifact "
+                   "stores, by default a quarter of the shards).")
 @click.option("--stream", is_flag=True,
               help="For an hf://org/name[@revision] ARTIFACT: fetch the chunks by HTTP range "
                    "requests as they load instead of pulling the files first.")
@@ -72,6 +73,12 @@ def load_cmd(artifact, prefetch, device, dtype, nf4, workers, no_verify, layerwi
     if prompt is not None:
         from lct.loader.generate import check_prompt_source
         check_prompt_source(artifact)
+    if maximus is not None and maximus != -1 and maximus < 1:
+        raise click.UsageError(f"--maximus {maximus}: the budget is a number of resident shards, "
+                               f"at least 1 (or --maximus alone for the stored policy's)")
+    if layerwise and maximus is not None:
+        raise click.UsageError("--maximus does not go with --layerwise (the layer-wise model "
+                               "keeps the embedding as stored)")
     if tp:
         if layerwise or maximus is not None:
             raise click.UsageError("--tp does not go with --layerwise or --maximus")

@@ -275,7 +275,9 @@ def install_maximus(model, art, budget=None, device="cpu"):
         new = MaximusEmbedding(old.num_embeddings, old.embedding_dim, pad_ids=pads,
                                weight=old.weight.detach().cpu(), dtype=old.weight.dtype,
                                scale=scale, **kw)
-        new.weight.requires_grad_(False)
+        # Trainable, as from_pretrained's embedding (inference under no_grad is unaffected);
+        # its gradients are sparse, the rows looked up.
+        new.weight.requires_grad_(True)
     else:
         raise LCTError(f"{art.path}: {module_path} is a {type(old).__name__}, not an embedding")
     new.load_state_tensors(state, where=str(art.path / m["file"]))

@@ -226,3 +226,47 @@ def test_maximus_entry_of_wrong_types_is_a_manifest_error(mx_art, tmp_path, key,
     (bad / "lct.json").write_text(manifest_text(manifest))
     with pytest.raises(ManifestError, match=msg):
         lct.open(bad)
+
+
+def test_a_saved_maximus_state_beside_the_weights_is_not_converted_as_weights(llama_src,
+                                                                              tmp_path):
+    """README's recipe writes maximus.safetensors next to save_pretrained's files: convert took
+    its tensors as weights (group 'misc', and export wrote them into model.safetensors)."""
+    import shutil
+
+    from lct.kernels import MaximusEmbedding, save_maximus_state
+    src = tmp_path / "ckpt"
+    shutil.copytree(llama_src, src)
+    model = lct.load(lct.convert(str(llama_src), tmp_path / "a.lct", policy=Policy(nf4=())).path)
+    emb = model.get_input_embeddings()
+    model.set_input_embeddings(MaximusEmbedding(V, emb.embedding_dim, max_shards=4,
+                                                weight=emb.weight.detach()))
+    save_maximus_state(model, src)
+    assert (src / "maximus.safetensors").is_file()
+    rep = lct.convert(str(src), tmp_path / "b.lct", policy=Policy(nf4=()))
+    assert rep.unmapped == [] and not any(n.startswith("maximus.") for n in rep.manifest.tensors)
+
+
+def test_frequencies_without_shards_are_refused(llama_src, counts, tmp_path):
+    """lct.convert(token_freq=...) without maximus_shards ignored the frequencies."""
+    with pytest.raises(PolicyError, match="give maximus_shards too") as e:
+        lct.convert(str(llama_src), tmp_path / "a.lct", token_freq=str(counts[1]))
+    assert e.value.option == "token_freq"
+
+
+def test_loaded_maximus_table_trains_and_bad_budgets_are_refused(mx_art):
+    """lct.load(maximus=True) left a dense table frozen (requires_grad False) while every other
+    weight could train; a budget of 0 crashed the CLI's report with a traceback; --layerwise
+    ignored --maximus silently."""
+    from lct.cli.main import cli
+    model = lct.load(mx_art, maximus=True, nf4="dequantize")
+    emb = model.get_input_embeddings()
+    assert emb.weight.requires_grad
+    model(torch.tensor([[1, 5, 9]])).logits.sum().backward()
+    assert emb.weight.grad is not None
+    run = CliRunner().invoke
+    for args, want in ((["--maximus", "0"], "at least 1"),
+                       (["--maximus", "2", "--layerwise"], "does not go with --layerwise")):
+        res = run(cli, ["load", str(mx_art), "--ids", "1,2,3", *args])
+        assert res.exit_code == 2 and want in res.output and "Traceback" not in res.output, \
+            res.output

@@ -401,6 +401,9 @@ def convert(source: str, out, *, revision: str | None = None, policy: Policy | N
     t0 = time.perf_counter()
     policy = policy or Policy()
     policy.check()
+    if token_freq is not None and not policy.maximus_shards:
+        raise PolicyError("token frequencies order the Maximus shards: give maximus_shards too "
+                          "(they were ignored)", option="token_freq")
     src = resolve(source, revision)
     tensors = scan(src)
     _check_config(src, tensors)

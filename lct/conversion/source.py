@@ -138,7 +138,8 @@ def _local(root: Path, sid: str, kind: str, revision: str | None) -> Source:
             if not isinstance(f, str) or Path(f).name != f or not (root / f).is_file():
                 raise SourceError(f"{index}: refers to {f!r}, which is not a file in {root}")
     else:
-        files = sorted(p.name for p in root.glob("*.safetensors"))
+        # maximus.safetensors is a saved Maximus state (kernels.save_maximus_state), not weights
+        files = sorted(p.name for p in root.glob("*.safetensors") if p.name != C.MAXIMUS_FILE)
     if not files:
         pickles = sorted(p.name for p in root.iterdir() if p.suffix in PICKLE_SUFFIXES)
         if pickles:
