@@ -39,8 +39,8 @@ from lct._version import __version__
 # `lct -v` does), as huggingface_hub's are.
 _logging.getLogger(__name__).addHandler(_logging.NullHandler())
 
-__all__ = ["__version__", "open", "convert", "export", "verify", "load", "Policy", "NF4Weight",
-           "Int8Weight"]
+__all__ = ["__version__", "open", "convert", "export", "verify", "load", "LoadStats", "Policy",
+           "NF4Weight", "Int8Weight"]
 
 
 def open(path, *, verify: bool = True, workers=None, stream: bool = False):  # noqa: A001
@@ -58,6 +58,7 @@ _API = {
     "export": "lct.conversion.exporter",      # artifact -> Hugging Face folder
     "verify": "lct.conversion.verifier",      # checksums, and tensors against the source
     "load": "lct.loader.entry",               # artifact -> ready model (TP and device maps too)
+    "LoadStats": "lct.loader.source",         # load(..., stats=LoadStats()): time and bytes
     "Policy": "lct.conversion.converter",
     "NF4Weight": "lct.io.reader",
     "Int8Weight": "lct.io.reader",

@@ -38,6 +38,7 @@ def load(path, prefetch: int = 2, device="cpu", dtype=None, nf4: str = "keep",
     Example:
         >>> model = lct.load("gemma-2b.lct", prefetch=2)
     """
+    dtype = _check_args(prefetch, dtype, stats, maximus)
     if max_memory is not None and device_map is None:
         raise LCTError("max_memory is the budget of device_map='auto'; pass device_map too",
                        option="max_memory")
@@ -63,3 +64,27 @@ def load(path, prefetch: int = 2, device="cpu", dtype=None, nf4: str = "keep",
     return load_streamed(path, prefetch=prefetch, device=device, dtype=dtype, nf4=nf4,
                          workers=workers, verify=verify, pad_ids=pad_ids, stats=stats,
                          maximus=maximus, stream=stream)
+
+
+def _check_args(prefetch, dtype, stats, maximus):
+    """Refuse arguments of the wrong kind with an ``LCTError`` naming them; returns ``dtype`` as
+    a torch dtype (a name such as ``"float16"`` is taken, as the CLI's ``--dtype``)."""
+    if not isinstance(prefetch, int) or isinstance(prefetch, bool) or prefetch < 0:
+        raise LCTError(f"prefetch must be an integer >= 0, got {prefetch!r}", option="prefetch")
+    if stats is not None:
+        from lct.loader.source import LoadStats
+        if not isinstance(stats, LoadStats):
+            raise LCTError(f"stats must be an lct.LoadStats (filled by the load), got "
+                           f"{type(stats).__name__}", option="stats")
+    if isinstance(maximus, int) and not isinstance(maximus, bool) and maximus < 1:
+        raise LCTError(f"maximus {maximus}: a budget is a number of resident shards, at least 1 "
+                       f"(True: the stored policy's)", option="maximus")
+    if isinstance(dtype, str):
+        import torch
+        from lct.format import constants as C
+        name = dtype.removeprefix("torch.")
+        if name not in C.FLOAT_DTYPES:
+            raise LCTError(f"dtype {dtype!r}: expected one of {', '.join(C.FLOAT_DTYPES)} or a "
+                           f"torch dtype", option="dtype")
+        return getattr(torch, name)
+    return dtype

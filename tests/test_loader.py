@@ -572,3 +572,32 @@ def test_held_groups_stay_within_the_budget_until_the_skeleton_exists(llama_art,
     assert capped.max_held_bytes == sizes[0]               # waited after the first group
     ids = torch.tensor([[1, 2, 3]])
     assert torch.equal(_logits(model, ids), _logits(ref, ids))     # the same weights either way
+
+
+def test_misused_arguments_are_lct_errors_naming_them(llama_art):
+    """Plausible misuse ended in AttributeError/TypeError from deep inside, a stream of one
+    group's letters, verify of a closed artifact reporting 32 'corrupt' chunks, and a second
+    error printed by GroupStream.__del__ after a refused stream."""
+    import gc
+
+    from lct.errors import ArtifactClosedError, LCTError
+    for kw, option in ((dict(prefetch="2"), "prefetch"), (dict(stats={}), "stats"),
+                       (dict(dtype="fp8"), "dtype"), (dict(maximus=0), "maximus")):
+        with pytest.raises(LCTError) as e:
+            lct.load(llama_art, **kw)
+        assert e.value.option == option, kw
+    model = lct.load(llama_art, dtype="float32", stats=lct.LoadStats())
+    assert {p.dtype for p in model.parameters() if p.is_floating_point()} == {torch.float32}
+    with lct.open(llama_art) as art:
+        with art.stream(groups="layers.0") as s:
+            assert [g.name for g in s] == ["layers.0"]
+        import warnings
+        with warnings.catch_warnings():
+            warnings.simplefilter("error")            # an unraisable __del__ error would show
+            with pytest.raises(ValueError, match="integer >= 0"):
+                art.stream(prefetch=-1)
+            gc.collect()
+    art = lct.open(llama_art)
+    art.close()
+    with pytest.raises(ArtifactClosedError, match="closed"):
+        lct.verify(art)

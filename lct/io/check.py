@@ -48,6 +48,10 @@ def check_artifact(art, *, decode: bool = True, side_files: bool = True, chunks:
     Returns:
         A ``CheckReport``.
     """
+    if getattr(art, "_closed", False):
+        from lct.errors import ArtifactClosedError
+        raise ArtifactClosedError(f"{art.path}: the artifact is closed; open it again to check "
+                                  f"it")
     report = CheckReport()
     m = art.manifest
     if m.maximus is not None:

@@ -77,9 +77,12 @@ class GroupStream:
 
     def __init__(self, artifact, groups=None, *, prefetch: int = 2, dequantize: bool = False,
                  chunks=None):
-        if prefetch < 0:
-            raise ValueError(f"prefetch must be >= 0, got {prefetch}")
+        self._closed = True          # until the pool exists: close() (and __del__) do nothing
+        if not isinstance(prefetch, int) or isinstance(prefetch, bool) or prefetch < 0:
+            raise ValueError(f"prefetch must be an integer >= 0, got {prefetch!r}")
         self.art = artifact
+        if isinstance(groups, str):
+            groups = [groups]        # one group by name, not its letters
         self.names = list(groups if groups is not None else artifact.groups)
         unknown = [g for g in self.names if not artifact.manifest.has_group(g)]
         if unknown:
