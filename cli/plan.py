@@ -170,7 +170,7 @@ def render(p) -> list:
     lines.append("")
     nf4 = f"quantized embedding/head (LCT) {'save' if p.format == 'lct' else 'would save'} " \
         f"{hb(p.nf4_saving)}"
-    k, n = p.maximus or DEFAULT_MAXIMUS
+    k, n = p.maximus or p.maximus_priced or DEFAULT_MAXIMUS
     verb = ("saves" if p.maximus else "would save") if p.maximus_saving >= 0 else \
         ("costs" if p.maximus else "would cost")
     mx = f"Maximus {k}/{n} {verb} {hb(abs(p.maximus_saving))} on the accelerator"

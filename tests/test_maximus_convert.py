@@ -270,3 +270,13 @@ def test_loaded_maximus_table_trains_and_bad_budgets_are_refused(mx_art):
         res = run(cli, ["load", str(mx_art), "--ids", "1,2,3", *args])
         assert res.exit_code == 2 and want in res.output and "Traceback" not in res.output, \
             res.output
+
+
+def test_plan_of_an_artifact_with_shards_prices_its_own_shards(mx_art):
+    """The 'would save' line priced the default 8/32 whatever shards the artifact stores."""
+    from lct.cli.main import cli
+    from lct.plan.memory import plan
+    p = plan(str(mx_art))
+    assert p.maximus is None and p.maximus_priced == (1, 5)       # a quarter of 5, at least 1
+    res = CliRunner().invoke(cli, ["plan", str(mx_art)])
+    assert res.exit_code == 0 and "Maximus 1/5 would" in res.output, res.output

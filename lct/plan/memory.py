@@ -363,6 +363,8 @@ class Plan:
     remedies: list = field(default_factory=list)   # [(remedy, bytes it takes off the peak)]
     notes: list = field(default_factory=list)
     head_temp: int = 0    # infer: the NF4/int8 head's dequantize-and-matmul temporaries
+    maximus_priced: tuple | None = None   # the K/N maximus_saving is for: the one applied, or
+    #                                       the default of the artifact's shards (or of 32)
 
     @property
     def peak_phase(self) -> str:
@@ -372,6 +374,7 @@ class Plan:
     def to_dict(self) -> dict:
         d = asdict(self)
         d["maximus"] = list(self.maximus) if self.maximus else None
+        d["maximus_priced"] = list(self.maximus_priced) if self.maximus_priced else None
         d["remedies"] = [list(r) for r in self.remedies]
         d["peak_phase"] = self.peak_phase
         return d
@@ -552,8 +555,10 @@ def _plan(cfg: dict, where: str, dims: Dims, base: Dims, manifest, budget, *, mo
     emb = next(s for s in specs if s.role == "embed")
     row_encoding = C.ENCODING_NF4 if emb.name in nf4_specs else \
         C.ENCODING_INT8 if emb.name in int8_specs else None
-    maximus_saving = _maximus(parts, emb, mx, dims, row_encoding, blocksize, a, batch, seq,
-                              notes)
+    priced = mx or ((default_budget(shards), min(shards, dims.vocab)) if shards else
+                    (DEFAULT_MAXIMUS[0], min(DEFAULT_MAXIMUS[1], dims.vocab)))
+    maximus_saving = _maximus(parts, emb, mx, priced, dims, row_encoding, blocksize, a, batch,
+                              seq, notes)
     if manifest is not None:
         _manifest_sizes(manifest, parts)
         if dims.vocab != base.vocab:
@@ -597,7 +602,7 @@ def _plan(cfg: dict, where: str, dims: Dims, base: Dims, manifest, budget, *, mo
         kv_cache=f["kv"], kv_cache_window=f["kv_window"], step_temp=f["step"],
         nf4_saving=nf4_saving, maximus_saving=maximus_saving, host=total_of("host"),
         phases=phases, total=total, fits=None if budget is None else total <= budget,
-        head_temp=f.get("head_temp", 0),
+        head_temp=f.get("head_temp", 0), maximus_priced=tuple(priced),
         stored=manifest.stored_bytes if manifest else None,
         decoded=manifest.decoded_bytes if manifest else None, notes=notes)
     if remedies:
@@ -670,12 +675,13 @@ def _quantized_saving(specs, layout, quant_specs, nf4_roles, int8_roles, blocksi
     return saving
 
 
-def _maximus(parts, emb, mx, dims, row_encoding, blocksize, a, batch, seq, notes) -> int:
+def _maximus(parts, emb, mx, priced, dims, row_encoding, blocksize, a, batch, seq,
+             notes) -> int:
     """Maximus: the input embedding's table in host memory, K of N shards on the accelerator
-    (``mx``; or what the default K/N would save). Moves the embedding's bytes to the host in
-    ``parts`` when ``mx`` is given; returns what it saves on the accelerator."""
+    (``mx``; or what ``priced``, a default K/N, would save). Moves the embedding's bytes to the
+    host in ``parts`` when ``mx`` is given; returns what it saves on the accelerator."""
     rows, width = emb.shape
-    k, n = mx if mx is not None else (DEFAULT_MAXIMUS[0], min(DEFAULT_MAXIMUS[1], rows))
+    k, n = priced
     resident_rows = min(k * -(-rows // n), rows)
     row_bytes = encoded_bytes(row_encoding, (1, width), "float32", blocksize) \
         if row_encoding else width * a
