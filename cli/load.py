@@ -173,6 +173,9 @@ def load_cmd(artifact, prefetch, device, dtype, nf4, workers, no_verify, layerwi
             emb = model.get_input_embeddings()
             rows.append(("maximus", f"{len(emb.resident)}/{emb.num_shards} shards resident, "
                                     f"hit rate {emb.stats.hit_rate:.1%}"))
+            report["maximus"] = {"resident_shards": len(emb.resident),
+                                 "num_shards": emb.num_shards, "hit_rate": emb.stats.hit_rate,
+                                 "lookups": emb.stats.lookups}
     finally:
         if layerwise:
             model.close()

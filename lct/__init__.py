@@ -44,9 +44,27 @@ __all__ = ["__version__", "open", "convert", "export", "verify", "load", "LoadSt
 
 
 def open(path, *, verify: bool = True, workers=None, stream: bool = False):  # noqa: A001
-    """Open an LCT artifact (a folder, or ``hf://org/name[@revision]``, pulled and verified or
-    with ``stream=True`` read by HTTP range requests); see ``lct.loader.source.open_source``
-    and ``lct.io.reader.open_artifact``."""
+    """Open an LCT artifact to read its tensors without building a model.
+
+    Args:
+        path: the artifact folder, or ``hf://org/name[@revision]`` (pulled into the Hugging
+            Face cache and its files checked, or with ``stream=True`` read chunk by chunk by
+            HTTP range requests).
+        verify: check every chunk's checksum as it is read (a mismatch is a ``ChecksumError``
+            naming the chunk).
+        workers: decode threads (default: all cores).
+        stream: for ``hf://``, fetch chunks on demand instead of pulling the files.
+
+    Returns:
+        An ``Artifact``: ``.manifest``, ``.groups``, ``read_group(name)``,
+        ``read_tensor(name)``, ``stream(prefetch=2)`` (groups decoded ahead). Close it, or use
+        ``with``, to release its threads and mappings.
+
+    Example:
+        >>> with lct.open("gemma-2b.lct") as art:
+        ...     for group in art.stream(prefetch=2):
+        ...         print(group.name, list(group.tensors))
+    """
     from lct.loader.source import open_source
     return open_source(path, verify=verify, workers=workers, stream=stream)
 

@@ -601,3 +601,21 @@ def test_misused_arguments_are_lct_errors_naming_them(llama_art):
     art.close()
     with pytest.raises(ArtifactClosedError, match="closed"):
         lct.verify(art)
+
+
+def test_a_stream_left_unclosed_ends_quietly(llama_art):
+    """Breaking out of ``for group in art.stream()`` without closing it: the stream was
+    collected on its own prefetch thread, whose finalizer tried to join itself ('Exception
+    ignored in GroupStream.__del__ ... cannot join current thread')."""
+    import subprocess
+    import sys
+    code = ("import lct\n"
+            f"with lct.open({str(llama_art)!r}) as art:\n"
+            "    for g in art.stream(prefetch=2):\n"
+            "        break\n"
+            "print('done')\n")
+    for _ in range(3):
+        out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                             timeout=120)
+        assert out.returncode == 0 and out.stdout.strip() == "done", out.stderr[-2000:]
+        assert "Exception ignored" not in out.stderr, out.stderr[-2000:]

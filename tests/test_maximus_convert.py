@@ -280,3 +280,14 @@ def test_plan_of_an_artifact_with_shards_prices_its_own_shards(mx_art):
     assert p.maximus is None and p.maximus_priced == (1, 5)       # a quarter of 5, at least 1
     res = CliRunner().invoke(cli, ["plan", str(mx_art)])
     assert res.exit_code == 0 and "Maximus 1/5 would" in res.output, res.output
+
+
+def test_load_json_reports_maximus_residency(mx_art):
+    import json as _json
+
+    from lct.cli.main import cli
+    res = CliRunner().invoke(cli, ["load", str(mx_art), "--maximus", "2", "--ids", "1,2,3",
+                                   "--max-new-tokens", "2", "--json"])
+    assert res.exit_code == 0, res.output
+    mx = _json.loads(res.output[res.output.index("{"):])["maximus"]
+    assert mx["num_shards"] == 5 and 1 <= mx["resident_shards"] <= 2 and mx["lookups"] > 0

@@ -112,10 +112,13 @@ class GroupStream:
         return False
 
     def __del__(self):
-        self.close()
+        # A stream left unclosed (a loop broken out of) may be collected on one of its own
+        # prefetch threads, which cannot wait for itself: a finalizer only cancels.
+        self.close(wait=False)
 
-    def close(self) -> None:
-        """Cancel what has not started, wait for what has, release the threads."""
+    def close(self, wait: bool = True) -> None:
+        """Cancel what has not started, wait for what has (unless ``wait`` is False), release
+        the threads."""
         if self._closed:
             return
         self._closed = True
@@ -123,7 +126,7 @@ class GroupStream:
             fut.cancel()
         self._pending.clear()
         if self._pool is not None:
-            self._pool.shutdown(wait=True, cancel_futures=True)
+            self._pool.shutdown(wait=wait, cancel_futures=True)
 
     # Work --------------------------------------------------------------------------------------
     def _chunks_of(self, name: str) -> list:
