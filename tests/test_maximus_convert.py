@@ -100,6 +100,7 @@ def test_plain_lossless_shards(llama_src, tmp_path, counts):
     (json.dumps({"x": 1}), "not a token id"),
     (json.dumps({"9999": 1}), "outside the vocabulary"),
     (json.dumps([1, -2]), "expected an integer >= 0"),
+    (json.dumps([0, 0, 0]), "counts no token at all"),
 ])
 def test_bad_counts_files(llama_src, tmp_path, content, fragment):
     f = tmp_path / "c.json"

@@ -114,6 +114,9 @@ def token_counts(source, vocab_size: int, tokenizer_dir=None) -> tuple:
         counts, kind = _from_json(path, vocab_size), "counts-json"
     else:
         counts, kind = _from_text(path, vocab_size, Path(tokenizer_dir or path)), "text"
+    if int(counts.sum()) == 0:
+        raise SourceError(f"{path}: counts no token at all, so it cannot order the shards; give "
+                          f"text of the kind the model will see, or non-zero counts")
     return counts, {"kind": kind, "path": str(path.absolute()), "tokens": int(counts.sum())}
 
 
