@@ -387,7 +387,8 @@ class Plan:
         items = {"weights": self.weights, "gradients": self.grads,
                  "optimizer states": self.optimizer_states, "master weights": self.master,
                  "activations": self.activations, "logits": self.logits, "loss buffers": self.loss,
-                 "KV cache": self.kv_cache, "optimizer-step temporaries": self.step_temp}
+                 "KV cache": self.kv_cache, "optimizer-step temporaries": self.step_temp,
+                 "quantized-head temporaries": self.head_temp}
         return dict(sorted(((k, v) for k, v in items.items() if v), key=lambda kv: -kv[1]))
 
 
