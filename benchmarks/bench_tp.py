@@ -35,8 +35,9 @@ import subprocess
 import sys
 import time
 from pathlib import Path
+from statistics import median
 
-from bench_load import drop_caches  # this folder is on sys.path when run as a script
+from bench_load import drop_caches, prime_memory  # this folder is on sys.path as a script
 
 PY = sys.executable
 
@@ -103,15 +104,9 @@ def prepare(out: Path) -> tuple:
     return src, art
 
 
-def _median(values: list) -> float:
-    values = sorted(values)
-    mid = len(values) // 2
-    return values[mid] if len(values) % 2 else (values[mid - 1] + values[mid]) / 2
-
-
 def _spread(values: list, fmt: str = "{:.1f}") -> str:
     """The median, with the range when there were several runs."""
-    med = fmt.format(_median(values))
+    med = fmt.format(median(values))
     if len(values) < 2:
         return med
     return f"{med} ({fmt.format(min(values))}-{fmt.format(max(values))})"
@@ -137,8 +132,7 @@ def main() -> None:
 
     def prime():
         if args.prime:
-            subprocess.run([PY, "-c", f"import numpy as np; a = np.ones({args.prime} << 30, "
-                                      f"np.uint8); del a"], check=True)
+            prime_memory(args.prime)
         if args.cold:
             drop_caches()
     script = args.out / "bench_tp_peer.py"
@@ -181,16 +175,16 @@ def main() -> None:
     # A job is ready when its slowest rank is: per run, the latest rank.
     def job(runs, key):
         return [max(r[key] for r in run) for run in runs]
-    single = {k: _median([r[k] for r in singles])
+    single = {k: median([r[k] for r in singles])
               for k in ("bytes_read", "bytes_decoded", "peak_rss_bytes")}
     ratio_read = max(r["bytes_read"] for run in lct_runs for r in run) / single["bytes_read"]
     ratio_dec = max(r["bytes_decoded"] for run in lct_runs for r in run) / \
         single["bytes_decoded"]
-    ratio_rss = _median(job(lct_runs, "peak_rss_bytes")) / single["peak_rss_bytes"]
-    ready, peer_ready = (_median(job(lct_runs, "process_start_to_ready_s")),
-                         _median(job(peer_runs, "ready_s")))
-    first, peer_first = (_median(job(lct_runs, "process_start_to_first_token_s")),
-                         _median(job(peer_runs, "first_token_s")))
+    ratio_rss = median(job(lct_runs, "peak_rss_bytes")) / single["peak_rss_bytes"]
+    ready, peer_ready = (median(job(lct_runs, "process_start_to_ready_s")),
+                         median(job(peer_runs, "ready_s")))
+    first, peer_first = (median(job(lct_runs, "process_start_to_first_token_s")),
+                         median(job(peer_runs, "first_token_s")))
     lines = ["| contender | read GB | decoded GB | peak RSS GB | start to ready s | "
              "start to first token s |", "|---|---|---|---|---|---|"] + \
         ["| " + " | ".join(r) + " |" for r in rows]

@@ -7,7 +7,6 @@ import click
 from lct.cli._util import as_flags, quiet_option, table
 from lct.plan.memory import (
     DEFAULT_LOSS_CHUNK,
-    DEFAULT_MAXIMUS,
     DEFAULT_SEQ,
     DEVICES,
     FORMATS,
@@ -170,7 +169,7 @@ def render(p) -> list:
     lines.append("")
     nf4 = f"quantized embedding/head (LCT) {'save' if p.format == 'lct' else 'would save'} " \
         f"{hb(p.nf4_saving)}"
-    k, n = p.maximus or p.maximus_priced or DEFAULT_MAXIMUS
+    k, n = p.maximus_priced
     verb = ("saves" if p.maximus else "would save") if p.maximus_saving >= 0 else \
         ("costs" if p.maximus else "would cost")
     mx = f"Maximus {k}/{n} {verb} {hb(abs(p.maximus_saving))} on the accelerator"

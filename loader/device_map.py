@@ -184,9 +184,9 @@ def load_mapped(path, device_map, *, max_memory=None, prefetch: int = 2, dtype=N
             full = param_name(model, t.name, names)
             if full is not None:
                 wanted[full] = t.name
-        read = [g for g in art.groups
-                if any(device_of(full, dmap) != "disk" for full, name in wanted.items()
-                       if art.manifest.tensors[name].group == g)]
+        groups_of = {full: art.manifest.tensors[name].group for full, name in wanted.items()}
+        needed = {g for full, g in groups_of.items() if device_of(full, dmap) != "disk"}
+        read = [g for g in art.groups if g in needed]
         if len(read) < len(art.groups):
             stats.notes.append(f"{len(read)} of {len(art.groups)} groups read at load; the rest "
                                f"stay in the artifact until their modules run")
@@ -199,8 +199,7 @@ def load_mapped(path, device_map, *, max_memory=None, prefetch: int = 2, dtype=N
             for group in groups:
                 _install_all(inst, [group], stats)
             s = groups.stats
-        left = {full for full, name in wanted.items()
-                if art.manifest.tensors[name].group not in read}
+        left = {full for full, g in groups_of.items() if g not in needed}
         inst.finish(streamed=left)
         stats.take_stream(s)
         if offloading:

@@ -101,7 +101,7 @@ def load_tp(path, *, tp_plan="auto", prefetch: int = 2, device="cpu", dtype=None
         # stream, which starts at once on the chunks of this rank's pieces.
         future = builder.submit(skeleton)
         chunks = _rank_chunks(art.manifest, dist.get_rank(), dist.get_world_size())
-        with art.stream(prefetch=prefetch, dequantize=True, chunks=chunks) as groups:
+        with art.stream(prefetch=prefetch, chunks=chunks) as groups:
             model = _fill(future, art, groups, stats, keep=nf4 == "keep")
     except Exception as e:  # noqa: BLE001 - every rank must hear of it, whatever it is
         failure = e
@@ -246,14 +246,20 @@ def _quantized_rows(art, info, bufs, pieces, rows: slice):
         if pieces is not None else [art.assemble(info, bufs, dequantize=False)]
     n, cols = rows.stop - rows.start, info.shape[1]
     keep = slice(None) if pieces is not None else rows
+
+    def own(tensors, width):
+        # One copy of this rank's rows: cat makes it of several pieces; a single tensor is a
+        # view of a decoded chunk (or of the whole table), whose rows are copied out.
+        if len(tensors) > 1:
+            return torch.cat([t.reshape(-1, width) for t in tensors])[keep]
+        return tensors[0].reshape(-1, width)[keep].clone()
     if info.encoding == "int8":
-        q = torch.cat([p.q.reshape(-1, cols) for p in parts])[keep].clone()
-        scale = torch.cat([p.scale.reshape(-1) for p in parts])[keep].clone()
-        return Int8Weight(info.name, q, scale, (n, cols), art.lossy_dtype(info))
+        return Int8Weight(info.name, own([p.q for p in parts], cols),
+                          own([p.scale for p in parts], 1).reshape(-1), (n, cols),
+                          art.lossy_dtype(info))
     bs = info.nf4["blocksize"]
-    packed = torch.cat([p.packed.reshape(-1, cols // 2) for p in parts])[keep].clone()
-    absmax = torch.cat([p.absmax.reshape(-1, cols // bs) for p in parts])[keep].clone()
-    return NF4Weight(info.name, packed.reshape(-1), absmax.reshape(-1), (n, cols), bs,
+    return NF4Weight(info.name, own([p.packed for p in parts], cols // 2).reshape(-1),
+                     own([p.absmax for p in parts], cols // bs).reshape(-1), (n, cols), bs,
                      art.lossy_dtype(info))
 
 

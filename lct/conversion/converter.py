@@ -305,7 +305,7 @@ def _maximus_cut(spec, mx: MaximusLayout):
     return cut
 
 
-def _tp_splits(src: Source, specs: dict, n: int) -> dict:
+def _tp_splits(src: Source, specs: dict, n: int, config=None) -> dict:
     """``{group: [(spec, axis)]}``: the 2-D weights the model's own tensor-parallel plan splits
     (column-wise: rows, axis 0; row-wise: columns, axis 1; the embedding by rows), taken out of
     ``specs`` to be written as ``n`` equal pieces. ``n`` must divide the attention and
@@ -315,7 +315,7 @@ def _tp_splits(src: Source, specs: dict, n: int) -> dict:
     slice)."""
     from transformers import AutoConfig
     from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING
-    config = AutoConfig.from_pretrained(src.root)
+    config = config or AutoConfig.from_pretrained(src.root)   # _check_config's, when it read one
     plan = dict(getattr(config, "base_model_tp_plan", None) or {})
     model_cls = MODEL_FOR_CAUSAL_LM_MAPPING.get(type(config), None)
     plan.update(getattr(model_cls, "_tp_plan", None) or {})
@@ -406,7 +406,7 @@ def convert(source: str, out, *, revision: str | None = None, policy: Policy | N
                           "(they were ignored)", option="token_freq")
     src = resolve(source, revision)
     tensors = scan(src)
-    _check_config(src, tensors)
+    config = _check_config(src, tensors)
     table = M.mapping_for(src.model_type)
     tie_flag = bool(src.config.get("tie_word_embeddings", True))
     placed = {name: M.classify(name, table) for name in tensors}
@@ -425,7 +425,7 @@ def convert(source: str, out, *, revision: str | None = None, policy: Policy | N
     hasher.start()
     maximus_layout = _maximus_layout(src, specs, policy, token_freq) \
         if policy.maximus_shards else None
-    splits = _tp_splits(src, specs, policy.tp_pieces) if policy.tp_pieces else {}
+    splits = _tp_splits(src, specs, policy.tp_pieces, config) if policy.tp_pieces else {}
     groups = M.group_order(specs)
     with ThreadPoolExecutor(workers or os.cpu_count() or 1, thread_name_prefix="lct-encode") \
             as pool, ArtifactWriter(out, max_file_size=max_file_size, overwrite=overwrite,
@@ -447,14 +447,15 @@ def convert(source: str, out, *, revision: str | None = None, policy: Policy | N
                          src.skipped_sidecars())
 
 
-def _check_config(src: Source, tensors: dict) -> None:
+def _check_config(src: Source, tensors: dict):
     """Refuse a source whose config.json cannot build the model its tensors belong to (an
     artifact of it would convert, then fail to load): a config transformers cannot read, or a
     causal LM whose parameters have other shapes than the stored tensors. A source without a
-    config, or of a kind that is not a causal LM, is converted as it is."""
+    config, or of a kind that is not a causal LM, is converted as it is. Returns the
+    transformers config (None without config.json)."""
     path = src.root / "config.json"
     if not path.is_file():
-        return
+        return None
     from lct.io.store import confined
     if not confined(path, src.root):
         raise SourceError(f"{path} is a link that leaves the model folder (to "
@@ -471,7 +472,7 @@ def _check_config(src: Source, tensors: dict) -> None:
                           f"({str(e).splitlines()[0][:300]}); an artifact of it would not "
                           f"load") from e
     if type(config) not in MODEL_FOR_CAUSAL_LM_MAPPING:
-        return
+        return config
     try:
         with init_empty_weights(include_buffers=True):
             model = AutoModelForCausalLM.from_config(config)
@@ -485,6 +486,7 @@ def _check_config(src: Source, tensors: dict) -> None:
             raise SourceError(f"{src.root / t.file}: tensor {name!r} is {list(t.shape)}, but "
                               f"config.json builds {list(want)}; the config does not belong "
                               f"to these weights")
+    return config
 
 
 def _find_ties(src: Source, tensors: dict, placed: dict, table, tie_flag: bool) -> dict:

@@ -111,7 +111,7 @@ def _config_dtype(config: Path, cast) -> None:
     """An artifact converted with a cast holds its weights in ``cast``: the exported config says
     so, as ``save_pretrained`` of that model would (``from_pretrained``'s default dtype is the
     config's, which would otherwise cast them back)."""
-    if cast not in C.FLOAT_DTYPES or not config.is_file():
+    if cast is None or not config.is_file():
         return
     try:
         data = json.loads(config.read_text())
@@ -186,7 +186,7 @@ def _export(artifact, out: Path, max_shard_size: int, progress) -> Path:
         for name in art.manifest.side_files():
             if (art.path / name).is_file() and confined(art.path / name, art.path):
                 shutil.copyfile(art.path / name, tmp / name)
-        _config_dtype(tmp / "config.json", art.manifest.policy.get("dtype"))
+        _config_dtype(tmp / "config.json", art.cast_dtype)
         from lct._version import __version__
         (tmp / C.EXPORT_MARKER).write_text(json.dumps(
             {"exported_by": f"lct {__version__}", "artifact_id": art.manifest.artifact_id,

@@ -105,8 +105,7 @@ def verify(artifact, *, against: str | None = None, revision: str | None = None,
         from lct.hub import local_artifact
         artifact = local_artifact(artifact)
     art = artifact if isinstance(artifact, Artifact) else open_artifact(artifact)
-    cast = art.manifest.policy.get("dtype")
-    report = VerifyReport(cast=cast if cast in C.FLOAT_DTYPES else None)
+    report = VerifyReport(cast=art.cast_dtype)
     src_tensors, src = {}, None
     if against is not None:
         from lct.conversion.source import resolve, scan

@@ -48,7 +48,7 @@ def check_artifact(art, *, decode: bool = True, side_files: bool = True, chunks:
     Returns:
         A ``CheckReport``.
     """
-    if getattr(art, "_closed", False):
+    if art.closed:
         from lct.errors import ArtifactClosedError
         raise ArtifactClosedError(f"{art.path}: the artifact is closed; open it again to check "
                                   f"it")

@@ -310,12 +310,20 @@ class Artifact:
         self.release(chunk)
 
     # Tensors ---------------------------------------------------------------------------------
-    def lossy_dtype(self, info: TensorInfo) -> str:
-        """The dtype an NF4/int8 tensor dequantizes to: its source dtype, or the dtype the
-        conversion cast every float tensor to (``policy.dtype``), so that it matches the
-        lossless tensors it runs with."""
+    @property
+    def cast_dtype(self) -> str | None:
+        """The dtype the conversion cast every float tensor to (``policy.dtype``), or None."""
         cast = self.manifest.policy.get("dtype")
-        return cast if cast in C.FLOAT_DTYPES else info.dtype
+        return cast if cast in C.FLOAT_DTYPES else None
+
+    @property
+    def closed(self) -> bool:
+        return self._closed
+
+    def lossy_dtype(self, info: TensorInfo) -> str:
+        """The dtype an NF4/int8 tensor dequantizes to: its source dtype, or ``cast_dtype``, so
+        that it matches the lossless tensors it runs with."""
+        return self.cast_dtype or info.dtype
 
     def tensor_from_buffer(self, info: TensorInfo, buf: np.ndarray, dequantize: bool = True):
         """Build tensor (or piece) ``info`` as a zero-copy view of its decoded chunk ``buf``."""
