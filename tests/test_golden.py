@@ -442,6 +442,7 @@ def test_nf4_odd_tail_is_unreachable():
     ({"policy": {"level": True}}, "'policy.level'"),
     ({"policy": {"frame_size": 1.5}}, "'policy.frame_size'"),
     ({"policy": {"maximus_shards": "5"}}, "'policy.maximus_shards'"),
+    ({"policy": {"tp_pieces": "lots"}}, "'policy.tp_pieces'"),
     ({"policy": {"measured": []}}, "'policy.measured'"),
     ({"policy": {"measured": {"cost_kl": "0.1"}}}, "'policy.measured.cost_kl'"),
     ({"policy": {"measured": {"costs": {"embed": {"nf4": "x"}}}}}, "'policy.measured.costs'"),

@@ -353,7 +353,8 @@ _ARCHITECTURE_KEYS = {"model_type": ("str", "null"), "tie_word_embeddings": ("bo
                       "mapping": ("str",)}
 _POLICY_KEYS = {"mode": ("str",), "nf4": ("strs",), "int8": ("strs",), "blocksize": ("int",),
                 "dtype": ("str", "null"), "codec": ("str",), "level": ("signed",),
-                "frame_size": ("int",), "maximus_shards": ("int", "null"), "measured": ("obj",)}
+                "frame_size": ("int",), "maximus_shards": ("int", "null"),
+                "tp_pieces": ("int",), "measured": ("obj",)}
 _MEASURED_KEYS = {"method": ("str",), "mode": ("str",), "budget_kl": ("num",),
                   "cost_kl": ("num",), "tied": ("bool",), "tokens": ("int",),
                   "seconds": ("num",), "costs": ("costs",)}
