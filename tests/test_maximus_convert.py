@@ -268,7 +268,7 @@ def test_loaded_maximus_table_trains_and_bad_budgets_are_refused(mx_art):
     run = CliRunner().invoke
     for args, want in ((["--maximus", "0"], "at least 1"),
                        (["--maximus", "2", "--layerwise"], "does not go with --layerwise")):
-        res = run(cli, ["load", str(mx_art), "--ids", "1,2,3", *args])
+        res = run(cli, ["load", str(mx_art), "--ids", "1,2,3", *args], catch_exceptions=False)
         assert res.exit_code == 2 and want in res.output and "Traceback" not in res.output, \
             res.output
 
@@ -279,7 +279,7 @@ def test_plan_of_an_artifact_with_shards_prices_its_own_shards(mx_art):
     from lct.plan.memory import plan
     p = plan(str(mx_art))
     assert p.maximus is None and p.maximus_priced == (1, 5)       # a quarter of 5, at least 1
-    res = CliRunner().invoke(cli, ["plan", str(mx_art)])
+    res = CliRunner().invoke(cli, ["plan", str(mx_art)], catch_exceptions=False)
     assert res.exit_code == 0 and "Maximus 1/5 would" in res.output, res.output
 
 
@@ -288,7 +288,7 @@ def test_load_json_reports_maximus_residency(mx_art):
 
     from lct.cli.main import cli
     res = CliRunner().invoke(cli, ["load", str(mx_art), "--maximus", "2", "--ids", "1,2,3",
-                                   "--max-new-tokens", "2", "--json"])
+                                   "--max-new-tokens", "2", "--json"], catch_exceptions=False)
     assert res.exit_code == 0, res.output
     mx = _json.loads(res.output[res.output.index("{"):])["maximus"]
     assert mx["num_shards"] == 5 and 1 <= mx["resident_shards"] <= 2 and mx["lookups"] > 0
