@@ -114,10 +114,12 @@ def convert_cmd(source, output, revision, nf4, int8, budget, calibration, dtype,
     if quiet:
         click.echo(str(rep.path))
         return
+    from lct.io.info import architecture_line
     click.echo(f"wrote {rep.path}: {len(m.groups)} groups, {len(m.tensors)} tensors, "
                f"{human(m.stored_bytes)} from {human(rep.source_bytes)} of tensors "
                f"({m.stored_bytes / max(rep.source_bytes, 1):.3f}x) in {rep.seconds:.1f} s "
                f"({human(rep.mb_per_s * 1e6)}/s)")
+    click.echo(architecture_line(m))
     if rep.decision is not None:
         click.echo(rep.decision.summary())
     else:
@@ -135,6 +137,7 @@ def convert_cmd(source, output, revision, nf4, int8, budget, calibration, dtype,
             f"{name} ({why})" for name, why in rep.skipped_files[:5])
             + (" ..." if len(rep.skipped_files) > 5 else ""), err=True)
     if rep.unmapped:
-        click.echo(f"note: {len(rep.unmapped)} tensors not in the {m.architecture.get('mapping')} "
-                   f"table were kept in group 'misc': {', '.join(rep.unmapped[:5])}"
+        click.echo(f"note: {len(rep.unmapped)} stored tensor(s) that "
+                   f"{m.architecture.get('class')} ignores (as from_pretrained does) were kept "
+                   f"in group 'misc': {', '.join(rep.unmapped[:5])}"
                    + (" ..." if len(rep.unmapped) > 5 else ""), err=True)

@@ -44,6 +44,8 @@ def info_cmd(artifact, as_json, as_manifest, tensors, quiet):
                    f"{m.created_by})")
         click.echo(f"source: {m.source.get('id')}"
                    + (f" @ {m.source['revision']}" if m.source.get("revision") else ""))
+        from lct.io.info import architecture_line
+        click.echo(architecture_line(m))
         p = m.policy
         click.echo(f"policy: {p.get('mode', 'manual')} nf4={_parts(p.get('nf4'))} "
                    f"int8={_parts(p.get('int8'))} blocksize={p.get('blocksize')} "
@@ -63,7 +65,7 @@ def info_cmd(artifact, as_json, as_manifest, tensors, quiet):
         if m.ties:
             click.echo("tied: " + ", ".join(f"{k} -> {v}" for k, v in m.ties.items()))
         if m.unmapped:
-            click.echo(f"unmapped (kept in misc): {', '.join(m.unmapped)}")
+            click.echo(f"not taken by the model (kept in misc): {', '.join(m.unmapped)}")
         if tensors:
             click.echo(table([(t.name, "x".join(map(str, t.shape)), t.dtype, t.encoding, t.group,
                                human(t.nbytes)) for t in m.tensors.values()],

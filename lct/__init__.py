@@ -11,6 +11,7 @@ in a cycle; tests/test_layers.py walks every import (those inside functions too)
     io          lct.io
     kernels     lct.kernels
     hub         lct.hub
+    arch        lct.arch
     loader      lct.loader
     conversion  lct.conversion
     plan        lct.plan
@@ -20,9 +21,10 @@ in a cycle; tests/test_layers.py walks every import (those inside functions too)
 
 ``format`` is what an artifact is byte for byte; ``io`` reads and writes artifacts; ``kernels``
 are the torch modules that compute on LCT's encodings; ``hub`` speaks to the Hugging Face Hub
-(addresses, pull, push, model cards, range reads); ``loader`` builds ready models; ``conversion``
-turns checkpoints into artifacts and back and measures what that costs; ``plan`` is the memory
-planner; ``demo`` builds tiny models; ``cli`` is the ``lct`` command; ``lct`` itself is the API.
+(addresses, pull, push, model cards, range reads); ``arch`` is what transformers knows about an
+architecture (stacks, embeddings, ties, experts, checkpoint renames); ``loader`` builds ready
+models; ``conversion`` turns checkpoints into artifacts and back and measures what that costs;
+``plan`` is the memory planner; ``demo`` builds tiny models; ``cli`` is the ``lct`` command; ``lct`` itself is the API.
 
 Example:
     >>> import lct

@@ -53,6 +53,11 @@ class CorruptChunkError(LCTError, ValueError):
     """A chunk's bytes cannot be decoded to what the manifest declares."""
 
 
+class ArchitectureError(LCTError, ValueError):
+    """transformers cannot build the model, or the stored tensors do not fill the model it
+    builds (a parameter without a tensor, a tensor the model cannot take)."""
+
+
 class PolicyError(LCTError, ValueError):
     """A conversion option cannot be applied (bad blocksize, overflowing cast, unknown dtype)."""
 

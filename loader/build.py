@@ -11,10 +11,10 @@ from __future__ import annotations
 import logging
 import time
 
-from lct.errors import LCTError
+from lct.errors import ArchitectureError, LCTError
 from lct.format import constants as C
 
-from lct.loader.source import LoadStats, open_source, param_name
+from lct.loader.source import LoadStats, open_source
 
 log = logging.getLogger("lct.loader")
 
@@ -26,22 +26,29 @@ NF4_MODES = ("keep", "dequantize")
 DECODE_NICE = 10
 
 
-def build_skeleton(art, dtype=None):
-    """The model for ``art``'s config with parameters on the meta device and real buffers, in
-    ``dtype`` (default: the dtype the artifact stores its layers in, which a ``--dtype`` cast
-    at conversion makes differ from the config's)."""
-    from accelerate import init_empty_weights
-    from transformers import AutoConfig, AutoModelForCausalLM
-
+def build_skeleton(art, dtype=None, tensor_parallel: int | None = None):
+    """The ``lct.arch.model.Architecture`` of ``art``'s config: its model (``.model``) built
+    with the class the artifact was converted for (the manifest's ``architecture.class``; for
+    an artifact that does not say, the first class that takes its tensors), parameters on the
+    meta device and real buffers, in ``dtype`` (default: the dtype the artifact stores its
+    layers in, which a ``--dtype`` cast at conversion makes differ from the config's), and
+    with ``tensor_parallel`` (the world size) distributed as ``hf.build_meta`` says."""
+    from lct.arch import hf
+    from lct.arch.model import Architecture
+    from lct.errors import ArchitectureError
     from lct.loader.source import stored_dtype
     dtype = dtype or stored_dtype(art)
     if not (art.path / "config.json").is_file():
         raise LCTError(f"{art.path}: no config.json in the artifact; cannot build a model "
                        f"(the source had none)")
-    config = AutoConfig.from_pretrained(art.path)
-    with init_empty_weights(include_buffers=False):
-        model = AutoModelForCausalLM.from_config(config, dtype=dtype)
-    return model
+    config = hf.read_config(art.path)
+    name = art.manifest.architecture.get("class")
+    cls = hf.class_by_name(name) if isinstance(name, str) else None
+    if isinstance(name, str) and cls is None:
+        raise ArchitectureError(f"{art.path}: the artifact was converted for {name}, which "
+                                f"transformers {hf.version()} does not have")
+    return Architecture.from_config(config, cls, dtype, names=list(art.manifest.tensors),
+                                    tensor_parallel=tensor_parallel)
 
 
 def import_model_class(path) -> None:
@@ -50,10 +57,10 @@ def import_model_class(path) -> None:
     import json
     from pathlib import Path
     try:
-        import transformers
-        from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
-        model_type = json.loads((Path(path) / "config.json").read_text()).get("model_type")
-        getattr(transformers, MODEL_FOR_CAUSAL_LM_MAPPING_NAMES[model_type])
+        from lct.arch import hf
+        d = json.loads((Path(path) / "config.json").read_text())
+        for name in d.get("architectures") or ():
+            hf.class_by_name(name)
     except Exception:  # noqa: BLE001 - only a timing aid; build_skeleton reports real errors
         pass
 
@@ -75,16 +82,34 @@ def _set(model, full: str, tensor, as_buffer: bool = False) -> None:
 class Installer:
     """Installs decoded groups into a meta-initialised model; NF4 parts kept or dequantized."""
 
-    def __init__(self, model, art, *, device="cpu", dtype=None, nf4: str = "keep",
+    def __init__(self, arch, art, *, device="cpu", dtype=None, nf4: str = "keep",
                  pad_ids=None):
         import torch
         if nf4 not in NF4_MODES:
             raise ValueError(f"nf4 must be one of {NF4_MODES}, got {nf4!r}")
-        self.model, self.art, self.nf4 = model, art, nf4
+        self.arch, self.model, self.art, self.nf4 = arch, arch.model, art, nf4
+        model = arch.model
         self.device = torch.device(device)
         self.dtype = dtype
         self.shapes = {n: tuple(p.shape) for n, p in model.named_parameters(remove_duplicate=False)}
+        # Each parameter's dtype as the skeleton has it: the load's dtype, or float32 where the
+        # model keeps a parameter so (from_pretrained's dtype plan, applied by the skeleton).
+        self.dtypes = {n: p.dtype for n, p in model.named_parameters(remove_duplicate=False)}
         self.names = set(self.shapes) | {n for n, _ in model.named_buffers(remove_duplicate=False)}
+        foreign = arch.foreign(art.manifest.tensors)
+        if foreign:
+            raise ArchitectureError(
+                f"{art.path}: {arch.class_name} has no parameter for {len(foreign)} stored "
+                f"tensor(s), first {foreign[0]!r}; the artifact does not belong to the model its "
+                f"config.json builds")
+        # What is tied and not stored (model names): the model's own ties, and the artifact's
+        # (a head stored once with its embedding). finish() ties them; a quantized table's
+        # tied head shares its codes.
+        stored = {arch.target(n)[0] for n in art.manifest.tensors}
+        ties = dict(arch.ties)
+        ties.update({arch.target(t)[0] or t: arch.target(r)[0]
+                     for t, r in art.manifest.ties.items() if arch.target(r)[0]})
+        self.ties = {t: r for t, r in ties.items() if t not in stored}
         # Given ids are skipped as asked; the config's pad id only while its stored row is zero.
         self.pad_ids, self.pad_given = _pad_ids(model, pad_ids), pad_ids is not None
         self.installed: set = set()
@@ -110,23 +135,41 @@ class Installer:
             self._stream.synchronize()
 
     def install(self, group) -> None:
-        """Install every tensor of a decoded group."""
+        """Install every tensor of a decoded group, under the model's names (transformers'
+        renames and converters applied, ``lct.arch``)."""
         from lct.io.reader import QUANTIZED
         self._done: set = set()
-        for name, t in group.tensors.items():
-            full = param_name(self.model, name, self.names)
-            if full is None or full in self._done:
-                continue  # a name the model does not expose, or a tie already installed
-            self._check_shape(full, name, tuple(t.shape))
+        ties = self.art.manifest.ties
+        group_tensors = {n: t for n, t in group.tensors.items() if n not in ties}
+        for name, t in group_tensors.items():
+            target, pattern = self.arch.target(name)
+            if target is not None and pattern is None:
+                self._check_shape(target, name, tuple(t.shape))
+        tensors = self.arch.to_model(group_tensors, where=str(self.art.path))
+        for full, t in tensors.items():
+            if full in self._done:
+                continue  # a tie already installed
+            if full not in self.shapes and full not in self.names:
+                continue
+            self._check_converted(full, t)
             if isinstance(t, QUANTIZED):
                 if self.nf4 == "keep":
                     self._install_quantized(full, t)
                     continue
                 t = t.dequantize()
-            if self.dtype is not None and t.is_floating_point():
-                t = t.to(self.dtype)
+            want = self.dtypes.get(full, self.dtype)
+            if want is not None and t.is_floating_point() and t.dtype != want:
+                t = t.to(want)
             _set(self.model, full, self._to_device(t))
             self._mark(full)
+
+    def _check_converted(self, full: str, t) -> None:
+        """A converted tensor must come out with the shape the model gives its parameter."""
+        want = self.shapes.get(full)
+        if want is not None and tuple(t.shape) != tuple(want):
+            raise ArchitectureError(f"{self.art.path}: the stored tensors of {full!r} make "
+                                    f"{list(t.shape)}, but the model built from config.json "
+                                    f"expects {list(want)}")
 
     def _check_shape(self, full: str, name: str, shape: tuple) -> None:
         """The stored shape must be the one the config gives the parameter (a manifest edited or
@@ -149,10 +192,10 @@ class Installer:
             codes, scales = self._to_device(w.q), self._to_device(w.scale)
         self._swap(full, w, codes, scales, dtype)
         # A tied head shares the embedding's quantized storage.
-        for tied, real in self.art.manifest.ties.items():
-            tfull = param_name(self.model, tied, self.names) if real == w.name else None
-            if tfull and tfull.rpartition(".")[0] != full.rpartition(".")[0]:
-                self._swap(tfull, w, codes, scales, dtype)
+        for tied, real in self.ties.items():
+            if real == full and tied not in self._done and \
+                    tied.rpartition(".")[0] != full.rpartition(".")[0]:
+                self._swap(tied, w, codes, scales, dtype)
 
     def _swap(self, full: str, w, codes, scales, dtype) -> None:
         """Replace the module owning parameter ``full`` by its NF4 or int8 counterpart
@@ -189,23 +232,28 @@ class Installer:
         self._mark(full)
 
     def finish(self, streamed=()) -> None:
-        """Tie what is tied, and fail if any parameter is still on the meta device (except the
-        ``streamed`` names, which a layer-wise executor installs on demand)."""
+        """Tie what the model ties (a tied parameter the artifact does not store becomes the one
+        it is tied to, as ``from_pretrained`` ties), and fail if any parameter is still on the
+        meta device (except the ``streamed`` names, which a layer-wise executor or a device
+        map installs on demand): never a partial model."""
         self.synchronize()
-        for tied, real in self.art.manifest.ties.items():
-            tfull = param_name(self.model, tied, self.names)
-            rfull = param_name(self.model, real, self.names)
-            if tfull and rfull and tfull not in self.installed and rfull in self.installed:
-                mod_path, _, leaf = tfull.rpartition(".")
-                module = self.model.get_submodule(mod_path)
-                module._parameters[leaf] = self.model.get_parameter(rfull)
-                self.installed.add(tfull)
+        params = dict(self.model.named_parameters(remove_duplicate=False))
+        for tied, real in self.ties.items():
+            t, r = params.get(tied), params.get(real)
+            if t is None or r is None or (t.is_meta == r.is_meta):
+                continue
+            target, source = (tied, real) if t.is_meta else (real, tied)
+            mod_path, _, leaf = target.rpartition(".")
+            module = self.model.get_submodule(mod_path) if mod_path else self.model
+            module._parameters[leaf] = self.model.get_parameter(source)
+            self.installed.add(target)
         streamed = set(streamed)
         missing = [n for n, p in self.model.named_parameters(remove_duplicate=False)
                    if p.is_meta and n not in streamed]
         if missing:
-            raise LCTError(f"{self.art.path}: the artifact has no tensor for {len(missing)} model "
-                           f"parameter(s): {', '.join(missing[:5])}")
+            raise ArchitectureError(f"{self.art.path}: the artifact has no tensor for "
+                                    f"{len(missing)} parameter(s) of {self.arch.class_name}: "
+                                    f"{', '.join(missing[:5])}")
         from lct.kernels import flatten_head
         flatten_head(self.model)
 

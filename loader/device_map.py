@@ -21,34 +21,55 @@ AUTO_MAPS = ("auto", "balanced", "balanced_low_0", "sequential")
 
 class ArtifactWeights(Mapping):
     """The artifact's tensors by the model's parameter names, decoded on access (the group of
-    the last one asked for is kept, so a layer's weights decode once per forward); what the
-    load installed is served from ``installed`` instead."""
+    the last one asked for is kept, so a layer's weights decode once per forward, and converted
+    as the load converts them, ``lct.arch``); what the load installed is served from
+    ``installed`` instead."""
 
-    def __init__(self, art, names: dict, dtype=None, installed: dict | None = None):
-        self.art, self.names, self.dtype = art, names, dtype   # names: model name -> artifact
+    def __init__(self, art, arch, groups_of: dict, dtype=None, installed: dict | None = None):
+        self.art, self.arch, self.dtype = art, arch, dtype
+        self.groups_of = groups_of              # model name -> the groups that fill it
         self.installed = installed or {}
-        self._group, self._tensors = None, {}
+        self._groups, self._tensors = (), {}
         self._lock = threading.Lock()
 
     def __getitem__(self, key: str):
         if key in self.installed:
             return self.installed[key]
-        name = self.names[key]
-        m = self.art.manifest
-        group = m.tensors[m.ties.get(name, name)].group
+        source = self.arch.ties.get(key, key) if key not in self.groups_of else key
+        groups = self.groups_of[source]
         with self._lock:
-            if group != self._group:
-                self._tensors = self.art.read_group(group, dequantize=True)
-                self._group = group
-            tensor = self._tensors[name]
+            if groups != self._groups:
+                tensors = {}
+                for g in groups:
+                    tensors.update(self.art.read_group(g, dequantize=True))
+                self._tensors = self.arch.to_model(tensors, where=str(self.art.path))
+                self._groups = groups
+            tensor = self._tensors[source]
         return tensor.to(self.dtype) if self.dtype is not None and \
             tensor.is_floating_point() else tensor
 
     def __iter__(self):
-        return iter(set(self.names) | set(self.installed))
+        return iter(set(self.groups_of) | set(self.installed))
 
     def __len__(self) -> int:
-        return len(set(self.names) | set(self.installed))
+        return len(set(self.groups_of) | set(self.installed))
+
+
+def groups_filling(arch, manifest) -> dict:
+    """``{model name: tuple of groups}``: the artifact groups whose tensors fill each parameter
+    of the model (one for a renamed tensor, the experts' group for fused experts), and for a
+    tied parameter the artifact does not store, those of the one it is tied to."""
+    out: dict = {}
+    for t in manifest.tensors.values():
+        if arch.target(t.name)[0] is None:
+            continue
+        for name in arch.filled([t.name]):
+            if t.group not in out.setdefault(name, ()):
+                out[name] += (t.group,)
+    for tied, real in arch.ties.items():
+        if tied not in out and real in out:
+            out[tied] = out[real]
+    return out
 
 
 def _device(value, what: str, option: str):
@@ -162,7 +183,7 @@ def load_mapped(path, device_map, *, max_memory=None, prefetch: int = 2, dtype=N
     from accelerate import dispatch_model
 
     from lct.loader.build import Installer, _install_all, build_skeleton
-    from lct.loader.source import LoadStats, open_source, param_name, stored_dtype
+    from lct.loader.source import LoadStats, open_source, stored_dtype
     stats = stats if stats is not None else LoadStats()
     t0 = time.perf_counter()
     art = open_source(path, verify=verify, workers=workers, stream=stream)
@@ -170,7 +191,8 @@ def load_mapped(path, device_map, *, max_memory=None, prefetch: int = 2, dtype=N
     try:
         # The skeleton in the dtype the weights have (build_skeleton's default): accelerate
         # casts what it fetches for a "disk" module to the placeholder's dtype.
-        model = build_skeleton(art, dtype)
+        arch = build_skeleton(art, dtype)
+        model = arch.model
         dmap = resolve(model, device_map, max_memory, dtype or stored_dtype(art))
         devices = set(dmap.values())
         offloading = len(devices) > 1 or "disk" in devices
@@ -178,14 +200,12 @@ def load_mapped(path, device_map, *, max_memory=None, prefetch: int = 2, dtype=N
             nf4 = "dequantize"   # accelerate's hooks move plain parameters only
             stats.notes.append("NF4/int8 parts dequantized: offloaded modules hold plain "
                                "weights")
-        names = {p for p, _ in model.named_parameters(remove_duplicate=False)}
-        wanted = {}
-        for t in art.manifest.tensors.values():
-            full = param_name(model, t.name, names)
-            if full is not None:
-                wanted[full] = t.name
-        groups_of = {full: art.manifest.tensors[name].group for full, name in wanted.items()}
-        needed = {g for full, g in groups_of.items() if device_of(full, dmap) != "disk"}
+        groups_of = groups_filling(arch, art.manifest)
+        params = {n for n, _ in model.named_parameters(remove_duplicate=False)}
+        # A group is read at load when a parameter it fills (or a parameter tied to one it
+        # fills) is on a device other than "disk".
+        needed = {g for name, gs in groups_of.items() if name in params
+                  and device_of(name, dmap) != "disk" for g in gs}
         read = [g for g in art.groups if g in needed]
         if len(read) < len(art.groups):
             stats.notes.append(f"{len(read)} of {len(art.groups)} groups read at load; the rest "
@@ -193,19 +213,19 @@ def load_mapped(path, device_map, *, max_memory=None, prefetch: int = 2, dtype=N
         if not read:
             stats.notes.append("every module is on 'disk': each forward reads the whole model "
                                "from the artifact")
-        inst = Installer(model, art, device="cpu", dtype=dtype, nf4=nf4)
+        inst = Installer(arch, art, device="cpu", dtype=dtype, nf4=nf4)
         from lct.io.stream import GroupStream
         with GroupStream(art, read, prefetch=prefetch) as groups:
             for group in groups:
                 _install_all(inst, [group], stats)
             s = groups.stats
-        left = {full for full, g in groups_of.items() if g not in needed}
+        left = {name for name, gs in groups_of.items() if not set(gs) & needed}
         inst.finish(streamed=left)
         stats.take_stream(s)
         if offloading:
             installed = {n: p for n, p in model.state_dict(keep_vars=True).items()
                          if p.device.type != "meta"}
-            weights = ArtifactWeights(art, wanted, dtype, installed)
+            weights = ArtifactWeights(art, arch, groups_of, dtype, installed)
             model = dispatch_model(model, dmap, state_dict=weights, offload_index={})
             model._lct_artifact = art     # read on demand by the offloaded modules
             closing = "disk" not in devices

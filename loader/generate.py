@@ -66,6 +66,20 @@ def load_tokenizer(path):
     return AutoTokenizer.from_pretrained(path)
 
 
+def check_text_path(model) -> None:
+    """Refuse, in one line, a model that cannot generate text from token ids: one whose input
+    is not token ids (a speech model's audio features) or that does not generate."""
+    name = type(model).__name__
+    main = getattr(model, "main_input_name", "input_ids")
+    if main != "input_ids":
+        raise LCTError(f"{name} takes {main} (not text) as its input: lct load cannot prompt "
+                       f"it; the loaded model works from Python (lct.load)", option="prompt")
+    can = getattr(model, "can_generate", None)
+    if can is not None and not can():
+        raise LCTError(f"{name} does not generate text: lct load cannot prompt it; the loaded "
+                       f"model works from Python (lct.load)", option="prompt")
+
+
 def generate_timed(model, path, prompt: str | None = None, ids=None,
                    max_new_tokens: int = 16) -> GenerationResult:
     """Greedy-generate from ``prompt`` (tokenized with the artifact's tokenizer) or token ``ids``.
@@ -86,6 +100,7 @@ def generate_timed(model, path, prompt: str | None = None, ids=None,
             raise LCTError("no token ids to generate from")
         input_ids = torch.tensor([ids], dtype=torch.long)
     gen = model.model if hasattr(model, "installer") else model
+    check_text_path(gen)
     vocab = gen.get_input_embeddings().num_embeddings
     bad = [int(i) for i in input_ids[0] if not 0 <= int(i) < vocab]
     if bad:
@@ -99,7 +114,10 @@ def generate_timed(model, path, prompt: str | None = None, ids=None,
                              max_new_tokens=max_new_tokens, do_sample=False, streamer=clock,
                              pad_token_id=getattr(gen.config, "pad_token_id", None) or 0)
     total = time.perf_counter() - t0
-    new = out[0, input_ids.shape[1]:]
+    # A decoder-only model returns the prompt and what follows; an encoder-decoder the
+    # decoder's tokens from its start token.
+    new = out[0, 1:] if getattr(gen.config, "is_encoder_decoder", False) else \
+        out[0, input_ids.shape[1]:]
     text = tok.decode(new, skip_special_tokens=True) if tok is not None else " ".join(
         map(str, new.tolist()))
     first = clock.first or (t0 + total)

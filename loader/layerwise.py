@@ -11,20 +11,9 @@ model, because the weights are the same bytes.
 from __future__ import annotations
 
 from lct.errors import LCTError
-from lct.format import constants as C
 from lct.io.stream import GroupStream
 from lct.loader.build import Installer, _is_cuda, build_skeleton, check_device
-from lct.loader.source import open_source, param_name
-
-
-def _common_module(names: list) -> str:
-    parts = [n.split(".")[:-1] for n in names]
-    prefix = []
-    for items in zip(*parts):
-        if len(set(items)) != 1:
-            break
-        prefix.append(items[0])
-    return ".".join(prefix)
+from lct.loader.source import open_source
 
 
 class LayerwiseModel:
@@ -48,32 +37,48 @@ class LayerwiseModel:
                                pin_memory=_is_cuda(device))
         self.prefetch = prefetch
         try:
-            self.model = build_skeleton(self.art, dtype)
-            self.installer = Installer(self.model, self.art, device=device, dtype=dtype, nf4=nf4,
+            arch = build_skeleton(self.art, dtype)
+            self.model = arch.model
+            if len(arch.stacks) != 1:
+                raise LCTError(f"{self.art.path}: layer-wise execution streams one stack of "
+                               f"decoder layers; {arch.class_name} has {len(arch.stacks)} "
+                               f"({', '.join(s.path for s in arch.stacks) or 'none'}): load it "
+                               f"whole (lct.load) or with a device map")
+            self.installer = Installer(arch, self.art, device=device, dtype=dtype, nf4=nf4,
                                        pad_ids=pad_ids)
-            self.layer_groups = [g for g in self.art.groups if g.startswith(C.GROUP_LAYER_PREFIX)]
+            stack = arch.stacks[0]
+            # A block's groups: its own and, for a mixture of experts, its experts' group.
+            units: dict = {}
+            for g in self.art.groups:
+                for t in self.art.manifest.group_tensors(g):
+                    name = arch.target(t.name)[0]
+                    if name is not None and name.startswith(stack.path + "."):
+                        index = int(name[len(stack.path) + 1:].partition(".")[0])
+                        units.setdefault(index, [])
+                        if g not in units[index]:
+                            units[index].append(g)
+            self.layer_groups = [g for i in sorted(units) for g in units[i]]
             resident = [g for g in self.art.groups if g not in self.layer_groups]
             with GroupStream(self.art, resident, prefetch=prefetch) as stream:
                 for group in stream:
                     self.installer.install(group)
             self._modules = {}
+            self._units = {}
             self._placeholders = {}
             streamed: set = set()
-            for g in self.layer_groups:
-                names = [param_name(self.model, t.name, self.installer.names)
-                         for t in self.art.manifest.group_tensors(g)]
-                if None in names:
-                    raise LCTError(f"{self.art.path}: group {g} has tensors the model does not have")
-                module = self.model.get_submodule(_common_module(names))
-                self._modules[g] = module
+            layers = self.model.get_submodule(stack.path)
+            for index, groups in sorted(units.items()):
+                module = layers[index]
+                self._modules[index] = module
+                self._units[index] = groups
                 # Zero-element stand-ins on the target device: they hold no memory, and
                 # model.device (generate() uses it) stays the real device, not meta.
-                self._placeholders[g] = {
+                self._placeholders[index] = {
                     n: torch.nn.Parameter(torch.empty(0, dtype=p.dtype, device=self.installer.device),
                                           requires_grad=False)
                     for n, p in module.named_parameters()}
-                streamed.update(names)
-                self._release(g)
+                streamed.update(f"{stack.path}.{index}.{n}" for n in self._placeholders[index])
+                self._release(index)
             self.installer.finish(streamed)
             if self.installer.device.type != "cpu":
                 self.model.to(self.installer.device)  # buffers (rotary tables) follow
@@ -84,9 +89,9 @@ class LayerwiseModel:
             self.layers_streamed = 0
             self._hooks = [self.model.register_forward_pre_hook(self._start, with_kwargs=True),
                            self.model.register_forward_hook(self._end, with_kwargs=True)]
-            for g, module in self._modules.items():
-                self._hooks.append(module.register_forward_pre_hook(self._make_pre(g)))
-                self._hooks.append(module.register_forward_hook(self._make_post(g)))
+            for index, module in self._modules.items():
+                self._hooks.append(module.register_forward_pre_hook(self._make_pre(index)))
+                self._hooks.append(module.register_forward_hook(self._make_post(index)))
             self.model.eval()
         except BaseException:
             self.close()
@@ -106,30 +111,31 @@ class LayerwiseModel:
             self._stream.close()
             self._stream = None
 
-    def _make_pre(self, g: str):
+    def _make_pre(self, index: int):
         def pre(module, args):
             if self._stream is None:
                 raise LCTError("layer-wise model: a layer ran outside a model forward")
-            group = next(self._stream)
-            if group.name != g:
-                raise LCTError(f"layer-wise model: expected group {g}, the stream gave "
-                               f"{group.name}; layers must run in order")
-            self.installer.install(group)
+            for g in self._units[index]:
+                group = next(self._stream)
+                if group.name != g:
+                    raise LCTError(f"layer-wise model: expected group {g}, the stream gave "
+                                   f"{group.name}; layers must run in order")
+                self.installer.install(group)
             self.resident_layers += 1
             self.max_resident_layers = max(self.max_resident_layers,
                                            self.resident_layers + len(self._stream._pending))
             self.layers_streamed += 1
         return pre
 
-    def _release(self, g: str) -> None:
-        module = self._modules[g]
-        for name, placeholder in self._placeholders[g].items():
+    def _release(self, index: int) -> None:
+        module = self._modules[index]
+        for name, placeholder in self._placeholders[index].items():
             mod_path, _, leaf = name.rpartition(".")
             (module.get_submodule(mod_path) if mod_path else module)._parameters[leaf] = placeholder
 
-    def _make_post(self, g: str):
+    def _make_post(self, index: int):
         def post(module, args, output):
-            self._release(g)
+            self._release(index)
             self.resident_layers -= 1
         return post
 

@@ -52,24 +52,21 @@ def open_source(path, *, verify: bool = True, workers: int | None = None, stream
     return open_artifact(path, verify=verify, workers=workers, pin_memory=pin_memory)
 
 
-def param_name(model, name: str, names: set) -> str | None:
-    """The model's name for artifact tensor ``name``: itself, or under the model's
-    ``base_model_prefix``; None when the model has no such parameter or buffer."""
-    if name in names:
-        return name
-    prefix = getattr(model, "base_model_prefix", "")
-    if prefix and f"{prefix}.{name}" in names:
-        return f"{prefix}.{name}"
-    return None
-
-
 def stored_dtype(art):
-    """The torch dtype the artifact stores its layers in (after any cast at conversion;
-    float32 when they differ)."""
+    """The torch dtype the artifact stores its layers in (after any cast at conversion): the
+    float dtype of most of their elements (a model that keeps a few parameters in float32,
+    as ``_keep_in_fp32_modules`` asks, is still a bfloat16 model), float32 without floats."""
+    import math
+
     import torch
 
     from lct.format import constants as C
     from lct.io.reader import torch_dtype
-    dtypes = {t.stored_dtype if t.encoding == C.ENCODING_PLAIN else t.dtype
-              for t in art.manifest.tensors.values() if t.role == "layer"}
-    return torch_dtype(dtypes.pop()) if len(dtypes) == 1 else torch.float32
+    count: dict = {}
+    for t in art.manifest.tensors.values():
+        if t.role != "layer":
+            continue
+        name = t.stored_dtype if t.encoding == C.ENCODING_PLAIN else t.dtype
+        if name in C.FLOAT_DTYPES:
+            count[name] = count.get(name, 0) + math.prod(t.shape)
+    return torch_dtype(max(count, key=count.get)) if count else torch.float32

@@ -114,32 +114,22 @@ def load_tp(path, *, tp_plan="auto", prefetch: int = 2, device="cpu", dtype=None
 
 
 def _skeleton(art, dtype, device):
-    """The model on the meta device with transformers' tensor-parallel plan applied."""
+    """The model's ``Architecture``, its model on the meta device with transformers'
+    tensor-parallel plan applied."""
     import torch.distributed as dist
-    from transformers import AutoConfig
-    from transformers.distributed import DistributedConfig
-    from transformers.distributed.utils import initialize_distributed_mesh
-    from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING
-    from transformers.utils.generic import ContextManagers
 
-    config = AutoConfig.from_pretrained(art.path)
+    from lct.arch import hf
+    from lct.loader.build import build_skeleton
+    config = hf.read_config(art.path)
     world = dist.get_world_size()
+    text = config.get_text_config() if hasattr(config, "get_text_config") else config
     for what in ("num_attention_heads", "num_key_value_heads"):
-        n = getattr(config, what, None)
+        n = getattr(text, what, None)
         if n is not None and n % world:
             raise LCTError(f"{art.path}: {what} = {n} does not divide over {world} ranks; "
                            f"tensor-parallel attention needs whole heads on every rank")
-    if dtype is None:
-        from lct.loader.source import stored_dtype
-        dtype = stored_dtype(art)
-    model_cls = MODEL_FOR_CAUSAL_LM_MAPPING[type(config)]
-    # As from_pretrained: meta device, the dtype, and ties made after the weights are in (a
-    # tie made now would hide the head from the plan).
-    with ContextManagers(model_cls.get_init_context(dtype, False, False, False)):
-        model = model_cls(config)
-    dcfg = DistributedConfig(tp_size=world, tp_plan="auto")
-    _, mesh_manager = initialize_distributed_mesh(dcfg)
-    return model_cls.maybe_distribute_model(model, dcfg, mesh_manager)
+    arch = build_skeleton(art, dtype, tensor_parallel=world)
+    return arch
 
 
 def _rank_chunks(m, rank: int, world: int) -> set:
@@ -160,30 +150,37 @@ def _fill(future, art, groups, stats, keep: bool = False):
     """Give every parameter of the skeleton ``future`` builds its shard (DTensor) or whole
     tensor from the stream ``groups``. A tensor stored as pieces along the axis the plan splits
     takes only the pieces inside this rank's slice; any other tensor is decoded whole and
-    sliced. Returns the model."""
+    sliced; tensors a converter fuses (experts stored one by one) are converted whole, as the
+    single-process load converts them, then sliced. Returns the model."""
     import torch
-    from torch.distributed.tensor import DTensor
 
-    from lct.loader.source import param_name
-    model = None
+    from lct.arch import hf
+    arch = model = None
     t_install = 0.0
     m = art.manifest
     quantized = {}      # param name -> (tensor info, this rank's rows as NF4/int8, row range)
+    filled = set()
     for group in groups:
         if model is None:
-            model, params, plans, target = _plans(future.result(), art, stats)
+            arch, params, plans, target = _plans(future.result(), art, stats)
+            model = arch.model
         t = time.perf_counter()
+        fused = {}
         for info in m.group_tensors(group.name):
             if info.name not in plans:
                 continue
             full, index, pieces = plans[info.name]
-            module, leaf, ref = params[full]
             for p in (pieces if pieces is not None else info.placements()):
                 if p.chunk not in group.buffers:      # outside the rank's guess: read it now
                     group.buffers[p.chunk] = art.read_chunk(p.chunk)
+            if full is None:                          # an input of a converter
+                fused[info.name] = art.assemble(info, group.buffers)
+                continue
+            module, leaf, ref = params[full]
             if keep and info.encoding != "plain" and _by_rows(index, info):
                 quantized[full] = (info, _quantized_rows(art, info, group.buffers, pieces,
                                                          index[0]), index[0])
+                filled.add(full)
                 continue
             if pieces is not None:
                 # One piece is a chunk of its own: its decoded bytes are the shard, kept as
@@ -192,41 +189,59 @@ def _fill(future, art, groups, stats, keep: bool = False):
                 local = parts[0] if len(parts) == 1 else torch.cat(parts, info.piece_axis)
                 local = local.to(device=target, dtype=ref.dtype)
             else:
-                whole = art.assemble(info, group.buffers)
-                # A slice is copied: a view would keep the whole decoded tensor alive.
-                local = whole[index].to(device=target, dtype=ref.dtype, copy=True,
-                                        memory_format=torch.contiguous_format) \
-                    if index is not None else whole.to(device=target, dtype=ref.dtype)
-            value = DTensor.from_local(local, ref.device_mesh, ref.placements,
-                                       run_check=False, shape=ref.shape,
-                                       stride=ref.stride()) \
-                if isinstance(ref, DTensor) else local
-            param = torch.nn.Parameter(value, requires_grad=value.is_floating_point())
-            param._is_hf_initialized = True
-            module._parameters[leaf] = param
+                local = _slice(art.assemble(info, group.buffers), index, target, ref.dtype)
+            _put(module, leaf, ref, local)
+            filled.add(full)
+        for full, whole in arch.to_model(fused, where=str(art.path)).items():
+            if full in params:
+                module, leaf, ref = params[full]
+                _put(module, leaf, ref, _slice(whole, hf.local_index(ref), target, ref.dtype))
+                filled.add(full)
         t_install += time.perf_counter() - t
     if model is None:
-        model, params, plans, target = _plans(future.result(), art, stats)
+        arch, params, plans, target = _plans(future.result(), art, stats)
+        model = arch.model
     s = groups.stats
     stats.take_stream(s)
     stats.install_s = t_install
     names = set(params)
-    filled = {plans[n][0] for n in plans}
-    filled |= {param_name(model, tied, names) for tied, real in m.ties.items()
-               if plans.get(real, (None,))[0] in quantized}
+    filled |= {tied for tied, real in arch.ties.items() if real in quantized}
     missing = names - filled
-    tied = set(getattr(model, "all_tied_weights_keys", {}) or {})
+    tied = set(arch.ties)
     if missing - tied:
         raise LCTError(f"{art.path}: the artifact lacks {len(missing - tied)} parameter(s) of "
-                       f"the model, first {sorted(missing - tied)[0]!r}")
-    model.tie_weights(missing_keys=missing, recompute_mapping=False)
+                       f"{arch.class_name}, first {sorted(missing - tied)[0]!r}")
+    hf.tie(model, missing)
     for name, buf in list(model.named_non_persistent_buffers()):   # rotary tables, on meta
         mod_name, _, leaf = name.rpartition(".")
         model.get_submodule(mod_name)._buffers[leaf] = torch.empty_like(buf, device=target)
     model.initialize_weights()     # fills only what has no _is_hf_initialized: those buffers
     if quantized:
-        _install_sharded(model, quantized, art, params, names)
+        _install_sharded(model, arch, quantized, params)
     return model.eval()
+
+
+def _slice(whole, index, target, dtype):
+    """This rank's ``index`` of a decoded tensor on ``target`` in ``dtype`` (a slice is copied:
+    a view would keep the whole decoded tensor alive)."""
+    import torch
+    if index is None:
+        return whole.to(device=target, dtype=dtype)
+    return whole[index].to(device=target, dtype=dtype, copy=True,
+                           memory_format=torch.contiguous_format)
+
+
+def _put(module, leaf: str, ref, local) -> None:
+    """Install ``local`` as parameter ``leaf`` of ``module``: a DTensor of ``ref``'s placements
+    when ``ref`` is one."""
+    import torch
+    from torch.distributed.tensor import DTensor
+    value = DTensor.from_local(local, ref.device_mesh, ref.placements, run_check=False,
+                               shape=ref.shape, stride=ref.stride()) \
+        if isinstance(ref, DTensor) else local
+    param = torch.nn.Parameter(value, requires_grad=value.is_floating_point())
+    param._is_hf_initialized = True
+    module._parameters[leaf] = param
 
 
 def _by_rows(index, info) -> bool:
@@ -263,7 +278,7 @@ def _quantized_rows(art, info, bufs, pieces, rows: slice):
                      art.lossy_dtype(info))
 
 
-def _install_sharded(model, quantized: dict, art, params: dict, names: set) -> None:
+def _install_sharded(model, arch, quantized: dict, params: dict) -> None:
     """Put the NF4/int8 tables in: the embedding as a ``ShardedEmbedding`` over this rank's
     rows, the head (or the tied head, on the same rows) as a ``GatheredHead``."""
     import torch
@@ -271,12 +286,9 @@ def _install_sharded(model, quantized: dict, art, params: dict, names: set) -> N
 
     from lct.kernels import Int8Embedding, Int8Linear, NF4Embedding, NF4Linear
     from lct.kernels.sharded import GatheredHead, ShardedEmbedding
-    from lct.loader.source import param_name
     world = dist.get_world_size()
-    heads = {param_name(model, tied, names): param_name(model, real, names)
-             for tied, real in art.manifest.ties.items()}
     targets = [(full, full) for full in quantized] + \
-        [(head, real) for head, real in heads.items() if real in quantized]
+        [(head, real) for head, real in arch.ties.items() if real in quantized]
     for full, source in targets:
         info, w, rows = quantized[source]
         dtype = params[source][2].dtype
@@ -298,7 +310,7 @@ def _install_sharded(model, quantized: dict, art, params: dict, names: set) -> N
                                    scale=None if scale is None or scale.is_meta else scale)
         else:
             if getattr(old, "bias", None) is not None:
-                raise LCTError(f"{art.path}: {mod_path} has a bias; a split quantized head "
+                raise LCTError(f"{mod_path} has a bias; a split quantized head "
                                f"has none (load with nf4='dequantize')", option="nf4")
             local = NF4Linear(w.packed, w.absmax, n, cols, w.blocksize, dtype) if nf4 else \
                 Int8Linear(w.q, w.scale, dtype)
@@ -306,33 +318,44 @@ def _install_sharded(model, quantized: dict, art, params: dict, names: set) -> N
         setattr(parent, leaf, new)
 
 
-def _plans(model, art, stats) -> tuple:
-    """``(model, params, plans, target device)``: the skeleton's parameters by name, and for
-    each artifact tensor the parameter it fills, this rank's slice and the pieces to read."""
+def _plans(arch, art, stats) -> tuple:
+    """``(arch, params, plans, target device)``: the skeleton's parameters by name, and for
+    each artifact tensor the parameter it fills (None for a converter's input), this rank's
+    slice and the pieces to read."""
     import torch
     from torch.distributed.tensor import DTensor
 
-    from lct.loader.source import param_name
+    from lct.arch import hf
+    from lct.errors import ArchitectureError
+    model = arch.model
     params = {}
     for mod_name, module in model.named_modules():
         for leaf, ref in module._parameters.items():
             if ref is not None:
                 params[f"{mod_name}.{leaf}" if mod_name else leaf] = (module, leaf, ref)
-    names = set(params)
+    foreign = arch.foreign(art.manifest.tensors)
+    if foreign:
+        raise ArchitectureError(f"{art.path}: {arch.class_name} has no parameter for "
+                                f"{len(foreign)} stored tensor(s), first {foreign[0]!r}")
     device = next((r.device_mesh.device_type for _, _, r in params.values()
                    if isinstance(r, DTensor)), "cpu")
     target = torch.device("cuda", torch.cuda.current_device()) if device == "cuda" else \
         torch.device("cpu")
-    plans = {}          # artifact name -> (param name, local index, pieces to read or None)
+    plans = {}          # artifact name -> (param name or None, local index, pieces or None)
     for info in art.manifest.tensors.values():
-        full = param_name(model, info.name, names)
+        full, pattern = arch.target(info.name)
         if full is None:
             continue
+        if pattern is not None:
+            plans[info.name] = (None, None, None)
+            continue
+        if full not in params:
+            continue            # a buffer the model makes itself
         ref = params[full][2]
         if tuple(info.shape) != tuple(ref.shape):
             raise LCTError(f"{art.path}: tensor {info.name!r} has shape {tuple(info.shape)}, "
                            f"the model expects {tuple(ref.shape)}")
-        index = _local_index(ref)
+        index = hf.local_index(ref)
         plans[info.name] = (full, index, _pieces_inside(info, index))
     if not any(isinstance(r, DTensor) for _, _, r in params.values()):
         stats.notes.append("the plan shards nothing at this world size: every rank holds whole "
@@ -348,18 +371,7 @@ def _plans(model, art, stats) -> tuple:
         stats.notes.append(f"each rank decodes whole tensors and keeps its slice ({why}: "
                            f"convert with tp_pieces a multiple of {world} to read only a "
                            f"rank's share)")
-    return model, params, plans, target
-
-
-def _local_index(ref):
-    """This rank's slice of a DTensor parameter (a tuple of slices), None for a whole one."""
-    from torch.distributed.tensor import DTensor
-    from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
-    if not isinstance(ref, DTensor):
-        return None
-    shape, offset = compute_local_shape_and_global_offset(ref.shape, ref.device_mesh,
-                                                          ref.placements)
-    return tuple(slice(o, o + n) for o, n in zip(offset, shape))
+    return arch, params, plans, target
 
 
 def _pieces_inside(info, index):

@@ -139,27 +139,36 @@ def test_sharded_source_and_several_data_files(tmp_path):
                 assert torch.equal(art.read_tensor(name), t)
 
 
-def test_unmapped_tensors_kept_in_misc(gemma_src, tmp_path):
+def test_a_tensor_the_model_has_no_place_for_is_refused(gemma_src, tmp_path):
+    """A stored tensor the built model cannot take would be dropped by every load (a partial
+    model when it is half of one, as a Whisper encoder built as a causal LM was): refused at
+    convert, naming it and its file."""
     src = tmp_path / "src"
     shutil.copytree(gemma_src, src)
     extra = {"custom.scale": torch.arange(6, dtype=torch.int32).reshape(2, 3)}
     save_file(extra, src / "extra.safetensors")
-    rep = lct.convert(str(src), tmp_path / "a.lct")
-    assert rep.unmapped == ["custom.scale"]
-    with lct.open(tmp_path / "a.lct") as art:
-        assert art.manifest.tensors["custom.scale"].group == "misc"
-        assert torch.equal(art.read_tensor("custom.scale"), extra["custom.scale"])
+    with pytest.raises(SourceError, match=r"'custom\.scale': GemmaForCausalLM has no parameter"):
+        lct.convert(str(src), tmp_path / "a.lct")
+    assert not (tmp_path / "a.lct").exists()
 
 
-def test_present_head_equal_to_embedding_is_tied(tmp_path):
-    w = torch.randn(64, 32).to(torch.bfloat16)
+def test_a_source_without_config_is_refused(tmp_path):
     src = tmp_path / "src"
     src.mkdir()
-    save_file({"model.embed_tokens.weight": w, "lm_head.weight": w.clone(),
-               "model.norm.weight": torch.ones(32, dtype=torch.bfloat16)}, src / "model.safetensors")
-    (src / "config.json").write_text(json.dumps({"model_type": "llama", "tie_word_embeddings": True,
-                                                 "vocab_size": 64, "hidden_size": 32}))
-    m = lct.convert(str(src), tmp_path / "a.lct", policy=Policy(blocksize=32)).manifest
+    save_file({"model.layers.0.mlp.w": torch.ones(4, 4)}, src / "model.safetensors")
+    with pytest.raises(SourceError, match="no config.json"):
+        lct.convert(str(src), tmp_path / "a.lct")
+    assert not (tmp_path / "a.lct").exists()
+
+
+def test_present_head_equal_to_embedding_is_tied(gemma_src, tmp_path):
+    """A tied head saved beside its embedding (equal contents) is stored once."""
+    src = tmp_path / "src"
+    shutil.copytree(gemma_src, src)
+    tensors = load_file(src / "model.safetensors")
+    tensors["lm_head.weight"] = tensors["model.embed_tokens.weight"].clone()
+    save_file(tensors, src / "model.safetensors")
+    m = lct.convert(str(src), tmp_path / "a.lct").manifest
     assert m.ties == {"lm_head.weight": "model.embed_tokens.weight"}
     assert "lm_head.weight" not in m.tensors
 
@@ -202,11 +211,12 @@ def test_a_cast_artifact_with_lossy_tables_runs_and_exports_in_the_cast_dtype(ll
 
 
 def test_overflowing_cast_is_refused_and_leaves_nothing(tmp_path):
-    src = tmp_path / "src"
-    src.mkdir()
-    big = torch.full((4, 64), 1e6, dtype=torch.float32)
-    save_file({"model.layers.0.mlp.w": big}, src / "model.safetensors")
-    with pytest.raises(PolicyError, match=r"model\.layers\.0\.mlp\.w.*overflows"):
+    from lct.demo import tiny
+    src = tiny.save_tiny(tmp_path / "src", "llama", dtype=torch.float32)
+    tensors = load_file(src / "model.safetensors")
+    tensors["model.layers.0.mlp.up_proj.weight"][0, 0] = 1e6
+    save_file(tensors, src / "model.safetensors")
+    with pytest.raises(PolicyError, match=r"model\.layers\.0\.mlp\.up_proj\.weight.*overflows"):
         lct.convert(str(src), tmp_path / "out" / "a.lct", policy=Policy(dtype="float16"))
     assert not any((tmp_path / "out").iterdir())
 

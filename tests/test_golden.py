@@ -434,6 +434,10 @@ def test_nf4_odd_tail_is_unreachable():
     ({"architecture": "llama"}, "'architecture' must be an object"),
     ({"architecture": {"tie_word_embeddings": "yes"}}, "'architecture.tie_word_embeddings'"),
     ({"architecture": {"model_type": ["llama"]}}, "'architecture.model_type'"),
+    ({"architecture": {"class": 5}}, "'architecture.class'"),
+    ({"architecture": {"stacks": [{"path": "model.layers", "blocks": 2}]}},
+     "'architecture.stacks'"),
+    ({"architecture": {"experts": {"count": "8"}}}, "'architecture.experts.count'"),
     ({"policy": None}, "'policy' must be an object"),
     ({"policy": {"blocksize": "64"}}, "'policy.blocksize'"),
     ({"policy": {"nf4": "embed"}}, "'policy.nf4'"),
@@ -495,7 +499,8 @@ def test_writer_policy_keys_are_the_spec_table(gemma_art):
     assert set(m["source"]) == {"id", "kind", "revision", "files"}
     assert all(re.fullmatch("[0-9a-f]{64}", f["sha256"]) and isinstance(f["size"], int)
                for f in m["source"]["files"].values())
-    assert set(m["architecture"]) == {"model_type", "tie_word_embeddings", "mapping"}
+    assert set(m["architecture"]) == {"model_type", "tie_word_embeddings", "mapping", "class",
+                                      "stacks"}     # and "experts" for a mixture of experts
     assert isinstance(m["architecture"]["tie_word_embeddings"], bool)
     assert re.fullmatch("[0-9a-f]{32}", m["artifact_id"])
 

@@ -20,9 +20,10 @@ from typing import Callable
 import numpy as np
 
 from lct._version import __version__
-from lct.conversion import mapping as M
+from lct.arch import hf
+from lct.arch.model import Architecture
 from lct.conversion.source import Source, resolve, scan
-from lct.errors import PolicyError, SourceError
+from lct.errors import ArchitectureError, PolicyError, SourceError
 from lct.format import constants as C
 from lct.format.codecs import choose_codec
 from lct.format.layout import TensorSpec, layout_group
@@ -305,31 +306,30 @@ def _maximus_cut(spec, mx: MaximusLayout):
     return cut
 
 
-def _tp_splits(src: Source, specs: dict, n: int, config=None) -> dict:
+def _tp_splits(src: Source, specs: dict, n: int, arch: Architecture) -> dict:
     """``{group: [(spec, axis)]}``: the 2-D weights the model's own tensor-parallel plan splits
     (column-wise: rows, axis 0; row-wise: columns, axis 1; the embedding by rows), taken out of
     ``specs`` to be written as ``n`` equal pieces. ``n`` must divide the attention and
     key/value heads and every split layer weight (else no rank degree dividing ``n`` could
     load it; ``PolicyError`` names the first); a vocabulary table whose rows ``n`` does not
     divide, or a lossy one split by columns, stays whole (a rank decodes it and keeps its
-    slice)."""
-    from transformers import AutoConfig
-    from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING
-    config = config or AutoConfig.from_pretrained(src.root)   # _check_config's, when it read one
+    slice). The plan names the model's parameters: a stored tensor is split when it fills one
+    of them as it is (not through a converter)."""
+    model = arch.model
+    config = model.config.get_text_config() if hasattr(model.config, "get_text_config") \
+        else model.config
     plan = dict(getattr(config, "base_model_tp_plan", None) or {})
-    model_cls = MODEL_FOR_CAUSAL_LM_MAPPING.get(type(config), None)
-    plan.update(getattr(model_cls, "_tp_plan", None) or {})
+    plan.update(getattr(type(model), "_tp_plan", None) or {})
     if not plan:
-        raise PolicyError(f"{src.root}: transformers has no tensor-parallel plan for model type "
-                          f"{config.model_type!r}; convert without tp_pieces",
-                          option="tp_pieces")
+        raise PolicyError(f"{src.root}: transformers has no tensor-parallel plan for "
+                          f"{arch.class_name}; convert without tp_pieces", option="tp_pieces")
     for what in ("num_attention_heads", "num_key_value_heads"):
         heads = getattr(config, what, None)
         if heads is not None and heads % n:
             raise PolicyError(f"{src.root}: tp_pieces {n}: {what} = {heads} does not divide "
                               f"into {n}; tensor-parallel ranks need whole heads (pieces must "
                               f"divide {heads})", option="tp_pieces")
-    rules = [(re.compile(r"(?:\w+\.)?" + re.escape(k).replace(r"\*", r"\d+") + r"\.weight"),
+    rules = [(re.compile(r"(?:.+\.)?" + re.escape(k).replace(r"\*", r"\d+") + r"\.weight"),
               0 if style.startswith("colwise") else 1 if style.startswith("rowwise") else None)
              for k, style in plan.items()]
     out: dict = {}
@@ -337,8 +337,9 @@ def _tp_splits(src: Source, specs: dict, n: int, config=None) -> dict:
         for spec in list(group_specs):
             if len(spec.shape) != 2:
                 continue
-            axis = 0 if spec.role == "embed" else next(
-                (a for rx, a in rules if rx.fullmatch(spec.name)), None)
+            target, pattern = arch.target(spec.name)
+            axis = 0 if spec.role == "embed" else None if pattern is not None else next(
+                (a for rx, a in rules if rx.fullmatch(target or "")), None)
             if axis is not None and spec.shape[axis] % n and spec.role not in ("embed", "head"):
                 raise PolicyError(f"{src.root}: tp_pieces {n}: {spec.name} has {spec.shape[axis]} "
                                   f"{'rows' if axis == 0 else 'columns'} along the split, which "
@@ -406,16 +407,16 @@ def convert(source: str, out, *, revision: str | None = None, policy: Policy | N
                           "(they were ignored)", option="token_freq")
     src = resolve(source, revision)
     tensors = scan(src)
-    config = _check_config(src, tensors)
-    table = M.mapping_for(src.model_type)
+    arch = _architecture(src, tensors)
     tie_flag = bool(src.config.get("tie_word_embeddings", True))
-    placed = {name: M.classify(name, table) for name in tensors}
-    unmapped = [n for n, (g, _) in placed.items() if g == C.GROUP_MISC]
-    ties = _find_ties(src, tensors, placed, table, tie_flag)
-    lossy, chosen, decision = _choose(src, tensors, placed, ties, table, policy)
+    placed = {name: arch.place(name) for name in tensors}
+    unmapped = sorted(n for n in tensors if arch.target(n)[0] is None)
+    ties = _find_ties(src, tensors, placed, arch)
+    lossy, chosen, decision = _choose(src, tensors, placed, ties, arch, policy)
     specs = _specs(src, tensors, placed, lossy, chosen, policy)
-    log.info("%s: %d tensors in %d groups; embed/head stored as %s", src.root, len(tensors),
-             len(specs), {r: e for r, e in chosen.items() if r in lossy})
+    log.info("%s: %s, %d tensors in %d groups; embed/head stored as %s", src.root,
+             arch.class_name, len(tensors), len(specs),
+             {r: e for r, e in chosen.items() if r in lossy})
     if decision is not None:
         log.info("%s", decision.summary())
     total = sum(int(np.prod(tensors[s.name].shape)) * C.DTYPE_SIZES[tensors[s.name].dtype]
@@ -425,8 +426,8 @@ def convert(source: str, out, *, revision: str | None = None, policy: Policy | N
     hasher.start()
     maximus_layout = _maximus_layout(src, specs, policy, token_freq) \
         if policy.maximus_shards else None
-    splits = _tp_splits(src, specs, policy.tp_pieces, config) if policy.tp_pieces else {}
-    groups = M.group_order(specs)
+    splits = _tp_splits(src, specs, policy.tp_pieces, arch) if policy.tp_pieces else {}
+    groups = arch.group_order(specs)
     with ThreadPoolExecutor(workers or os.cpu_count() or 1, thread_name_prefix="lct-encode") \
             as pool, ArtifactWriter(out, max_file_size=max_file_size, overwrite=overwrite,
                                     map_fn=pool.map) as writer:
@@ -440,75 +441,65 @@ def convert(source: str, out, *, revision: str | None = None, policy: Policy | N
             groups=groups,
             source={"id": src.id, "kind": src.kind, "revision": src.revision, "files": hashes},
             architecture={"model_type": src.model_type, "tie_word_embeddings": tie_flag,
-                          "mapping": table.name},
+                          "mapping": f"transformers {hf.version()}", **arch.summary()},
             policy=policy.to_dict(chosen, decision), ties=ties, unmapped=unmapped,
             created_by=f"lct {__version__}", maximus=maximus)
     return ConvertReport(manifest, Path(out), time.perf_counter() - t0, total, unmapped, decision,
                          src.skipped_sidecars())
 
 
-def _check_config(src: Source, tensors: dict):
-    """Refuse a source whose config.json cannot build the model its tensors belong to (an
-    artifact of it would convert, then fail to load): a config transformers cannot read, or a
-    causal LM whose parameters have other shapes than the stored tensors. A source without a
-    config, or of a kind that is not a causal LM, is converted as it is. Returns the
-    transformers config (None without config.json)."""
+def _architecture(src: Source, tensors: dict) -> Architecture:
+    """The model the source's config.json builds, read from transformers (``lct.arch``), after
+    checking that the stored tensors fill it: every tensor has a place of the shape it is
+    stored in, and every parameter a tensor (or a tie). Anything else would convert, then fail
+    to load (or load a partial model), so it is refused here, naming the architecture and the
+    first tensor or parameter that does not fit."""
     path = src.root / "config.json"
     if not path.is_file():
-        return None
+        raise SourceError(f"{src.root}: no config.json; LCT reads the model's layers, ties and "
+                          f"checkpoint names from the model transformers builds from it, and "
+                          f"a load needs it too")
     from lct.io.store import confined
     if not confined(path, src.root):
         raise SourceError(f"{path} is a link that leaves the model folder (to "
                           f"{path.resolve()}); LCT copies no file from outside a model folder "
                           f"and an artifact without its config would not load: copy the file "
                           f"in (cp --dereference)")
-    from accelerate import init_empty_weights
-    from transformers import AutoConfig, AutoModelForCausalLM
-    from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING
     try:
-        config = AutoConfig.from_pretrained(src.root)
-    except (ValueError, KeyError, OSError, TypeError) as e:
-        raise SourceError(f"{path}: transformers cannot read this config "
-                          f"({str(e).splitlines()[0][:300]}); an artifact of it would not "
-                          f"load") from e
-    if type(config) not in MODEL_FOR_CAUSAL_LM_MAPPING:
-        return config
-    try:
-        with init_empty_weights(include_buffers=True):
-            model = AutoModelForCausalLM.from_config(config)
-    except Exception as e:  # noqa: BLE001 - whatever the model class raises, named once
-        raise SourceError(f"{path}: transformers cannot build a {config.model_type} model from "
-                          f"this config ({str(e).splitlines()[0][:300]})") from e
-    shapes = {n: tuple(p.shape) for n, p in model.state_dict().items()}
-    for name, t in tensors.items():
-        want = shapes.get(name)
-        if want is not None and want != tuple(t.shape):
-            raise SourceError(f"{src.root / t.file}: tensor {name!r} is {list(t.shape)}, but "
-                              f"config.json builds {list(want)}; the config does not belong "
-                              f"to these weights")
-    return config
+        arch = Architecture.from_folder(src.root, names=list(tensors))
+    except ArchitectureError as e:
+        raise SourceError(str(e) if str(e).startswith(str(path)) else f"{path}: {e}") from e
+    misfits = arch.misfits({n: t.shape for n, t in tensors.items()})
+    if misfits:
+        raise SourceError(f"{path}: {len(misfits)} problem(s) between config.json and the "
+                          f"weights, first: {misfits[0]}; an artifact of them would not load "
+                          f"(is 'architectures' the class they were saved from?)")
+    return arch
 
 
-def _find_ties(src: Source, tensors: dict, placed: dict, table, tie_flag: bool) -> dict:
-    """``{head name: embedding name}`` when the head is the embedding: absent from the
-    checkpoint with ``tie_word_embeddings``, or stored twice with equal contents (then the copy
-    leaves ``placed``)."""
+def _find_ties(src: Source, tensors: dict, placed: dict, arch: Architecture) -> dict:
+    """``{tied name: stored name}``: what the model ties (``arch.ties``, under the config's tie
+    flags) and the checkpoint stores once. A tied tensor stored twice with equal contents (an
+    embedding and its head both saved) is stored once: the copy leaves ``placed``; with other
+    contents both are kept and the model does not tie them (as ``from_pretrained`` does)."""
     import torch
     from safetensors import safe_open
-    embed_name = next((n for n, (g, r) in placed.items() if g == C.GROUP_EMBED and r == "embed"),
-                      None)
-    head_names = [n for n, (g, _) in placed.items() if g == C.GROUP_HEAD]
+    stored = {arch.target(n)[0]: n for n in tensors if arch.target(n)[1] is None}
     ties = {}
-    if embed_name and not head_names and tie_flag and table.head:
-        ties[table.tied_head] = embed_name
-    elif embed_name and len(head_names) == 1 and tie_flag:
-        e, h = tensors[embed_name], tensors[head_names[0]]
-        if e.shape == h.shape and e.dtype == h.dtype:
+    for tied, real in arch.ties.items():
+        if real not in stored:
+            continue
+        copy = stored.get(tied)
+        if copy is None:
+            ties[tied] = stored[real]
+            continue
+        e, h = tensors[stored[real]], tensors[copy]
+        if e.shape == h.shape and e.dtype == h.dtype and copy in placed:
             with safe_open(str(src.root / e.file), framework="pt") as fe, \
                     safe_open(str(src.root / h.file), framework="pt") as fh:
                 if torch.equal(fe.get_tensor(e.name), fh.get_tensor(h.name)):
-                    ties[h.name] = e.name
-                    del placed[h.name]
+                    ties[copy] = e.name
+                    del placed[copy]
     return ties
 
 
@@ -517,7 +508,7 @@ def _lossy_ok(st) -> bool:
     return st.dtype in C.FLOAT_DTYPES and len(st.shape) == 2
 
 
-def _choose(src: Source, tensors: dict, placed: dict, ties: dict, table, policy: Policy) -> tuple:
+def _choose(src: Source, tensors: dict, placed: dict, ties: dict, arch, policy: Policy) -> tuple:
     """``(lossy, chosen, decision)``: the lossy candidates (``{role: first tensor name}``), the
     encoding of each role, and the auto policy's measurement (None when nothing lossy is asked
     for and nothing needs measuring)."""
@@ -536,7 +527,7 @@ def _choose(src: Source, tensors: dict, placed: dict, ties: dict, table, policy:
     if chosen is None or any(chosen[r] != C.ENCODING_PLAIN for r in lossy):
         # auto: measure to choose; a forced lossy encoding: measure what it costs, to say so
         from lct.conversion.policy import decide
-        decision = decide(src, tensors, lossy, bool(ties), table, policy)
+        decision = decide(src, tensors, lossy, bool(ties), arch, policy)
         chosen = decision.chosen
     return lossy, chosen, decision
 
@@ -570,7 +561,8 @@ def _write_groups(writer, groups: list, specs: dict, tensors: dict, src: Source,
     from safetensors import safe_open
     done = 0
     for group in groups:
-        for layout in layout_group(group, specs[group]):
+        bound = C.EXPERT_CHUNK_BYTES if group.endswith(C.GROUP_EXPERTS_SUFFIX) else None
+        for layout in layout_group(group, specs[group], bound):
             files = {tensors[s.name].file for s in layout.specs}
             handles = {f: safe_open(str(src.root / f), framework="pt") for f in files}
             try:

@@ -136,19 +136,18 @@ def proxy_hidden(gamma, beta, cols: int, samples: int = C.PROXY_SAMPLES):
     return z
 
 
-def _final_norm(src, tensors: dict, table):
-    """The final norm's weight (Gemma's ``1 + weight``) and bias from the source, or None."""
-    import re
-
+def _final_norm(src, tensors: dict, arch):
+    """The final norm's weight (``1 + weight`` where the norm scales so, as Gemma's) and bias
+    from the source, or None."""
     from safetensors import safe_open
     found = {}
-    for name, st in tensors.items():
-        if len(st.shape) == 1 and any(re.fullmatch(p, name) for p in table.norm):
-            kind = "bias" if name.endswith("bias") else "weight"
+    for kind, name in arch.final_norm_keys(tensors).items():
+        st = tensors[name]
+        if len(st.shape) == 1:
             with safe_open(str(src.root / st.file), framework="pt") as f:
                 found[kind] = f.get_tensor(name).float()
     gamma = found.get("weight")
-    if gamma is not None and src.model_type in C.NORM_PLUS_ONE:
+    if gamma is not None and arch.plus_one:
         gamma = gamma + 1.0
     return gamma, found.get("bias")
 
@@ -168,10 +167,10 @@ def _candidates(shape, blocksize: int, policy=None, role: str | None = None) -> 
     return out
 
 
-def proxy_costs(src, tensors: dict, lossy: dict, tied: bool, table, policy) -> dict:
+def proxy_costs(src, tensors: dict, lossy: dict, tied: bool, arch, policy) -> dict:
     """Costs per part and candidate by the text-free proxy (see the module docstring)."""
-    gamma, beta = _final_norm(src, tensors, table)
-    softcap = src.config.get("final_logit_softcapping")
+    gamma, beta = _final_norm(src, tensors, arch)
+    softcap = getattr(arch.text_config, "final_logit_softcapping", None)
     costs: dict = {}
     head_name = lossy.get("embed") if tied else lossy.get("head")
     embed = None if tied or "embed" not in lossy else _table(src, tensors[lossy["embed"]])
@@ -224,13 +223,13 @@ def _rel_err(w, candidates, blocksize: int) -> dict:
     return {e: err[e] / max(norm, 1e-30) for e in candidates}
 
 
-def calibration_costs(src, tensors: dict, lossy: dict, tied: bool, policy) -> tuple:
+def calibration_costs(src, tensors: dict, lossy: dict, tied: bool, arch, policy) -> tuple:
     """Costs per part and candidate measured on ``policy.calibration`` text: the source model
     runs once as it is and once per candidate with that table quantized. Returns
     ``(costs, tokens scored)``."""
     import torch
     from torch.nn import functional as F
-    from transformers import AutoModelForCausalLM, AutoTokenizer
+    from transformers import AutoTokenizer
 
     from lct.conversion.quality import DEFAULT_BLOCK, read_texts, token_blocks
     if not any((src.root / n).is_file() for n in ("tokenizer.json", "tokenizer.model")):
@@ -243,7 +242,7 @@ def calibration_costs(src, tensors: dict, lossy: dict, tied: bool, policy) -> tu
         raise PolicyError(f"{policy.calibration}: the text is shorter than two tokens")
     from lct.io.reader import torch_dtype
     dtype = torch_dtype(tensors[next(iter(lossy.values()))].dtype)
-    model = AutoModelForCausalLM.from_pretrained(src.root, dtype=dtype).eval()
+    model = type(arch.model).from_pretrained(src.root, dtype=dtype).eval()
     params = {"embed": model.get_input_embeddings().weight}
     head = model.get_output_embeddings()
     if head is not None:
@@ -298,14 +297,14 @@ def choose(costs: dict, shapes: dict, dtypes: dict, budget: float, blocksize: in
     return chosen, best[0][1]
 
 
-def decide(src, tensors: dict, lossy: dict, tied: bool, table, policy) -> Decision:
+def decide(src, tensors: dict, lossy: dict, tied: bool, arch, policy) -> Decision:
     """Choose the encodings of the embedding and the head (see the module docstring).
 
     Args:
         src: the resolved source; ``tensors``: its ``{name: SourceTensor}``.
         lossy: ``{role: tensor name}`` of the candidate tables.
         tied: the embedding and the head are one stored table.
-        table: the model's group mapping (to find the final norm).
+        arch: the model's ``lct.arch.model.Architecture`` (its final norm).
         policy: the converter's ``Policy`` (budget, blocksize, calibration text).
 
     Raises:
@@ -317,13 +316,13 @@ def decide(src, tensors: dict, lossy: dict, tied: bool, table, policy) -> Decisi
                         policy.budget)
     if policy.calibration:
         try:
-            costs, tokens = calibration_costs(src, tensors, lossy, tied, policy)
+            costs, tokens = calibration_costs(src, tensors, lossy, tied, arch, policy)
         except (OSError, ValueError) as e:
             raise LCTError(f"{src.root}: could not run the model on the calibration text "
                            f"({e})") from e
         method = "calibration"
     else:
-        costs, tokens, method = proxy_costs(src, tensors, lossy, tied, table, policy), 0, "proxy"
+        costs, tokens, method = proxy_costs(src, tensors, lossy, tied, arch, policy), 0, "proxy"
     costs = {part: c for part, c in costs.items() if c}
     log.info("%s costs (mean KL, nats): %s", method, costs)
     shapes, dtypes = {}, {}

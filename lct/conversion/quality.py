@@ -168,23 +168,21 @@ def _take_lossy_from_source(reference, src) -> None:
 
     from lct.conversion.source import scan
     from lct.format import constants as C
-    from lct.loader.source import param_name
     manifest = reference.art.manifest
     lossy = [t.name for t in manifest.tensors.values() if t.encoding != C.ENCODING_PLAIN]
     found = scan(src)
-    names = reference.installer.names
+    arch = reference.installer.arch
     for name in lossy:
         st = found.get(name)
-        full = param_name(reference.model, name, names)
+        full = arch.target(name)[0]
         if st is None or full is None:
             raise LCTError(f"{src.root}: the source has no tensor {name!r} to compare the "
                            f"artifact's lossy one with")
         with safe_open(str(src.root / st.file), framework="pt") as f:
             t = f.get_tensor(name)
         # a tied name (the head of a tied table) may hold its own copy of the stored tensor
-        tied = [param_name(reference.model, k, names) for k, v in manifest.ties.items()
-                if v == name]
-        for target in [full] + [n for n in tied if n]:
+        tied = [k for k, v in arch.ties.items() if v == full]
+        for target in [full] + tied:
             param = reference.model.get_parameter(target)
             if tuple(param.shape) != tuple(t.shape):
                 raise LCTError(f"{src.root}: tensor {name!r} is {list(t.shape)} in the source "

@@ -119,6 +119,7 @@ def verify(artifact, *, against: str | None = None, revision: str | None = None,
                            f"(a different model?)")
         for name in sorted(set(src_tensors) - stored):
             report.failures.append(f"{name}: in the source but not in the artifact")
+    report.failures += model_misfits(art)
     missing = len(report.failures)
     try:
         checked = check_artifact(art, progress=progress, on_group=None if src is None else (
@@ -134,6 +135,23 @@ def verify(artifact, *, against: str | None = None, revision: str | None = None,
                                          max_tokens=max_tokens or DEFAULT_MAX_TOKENS,
                                          progress=quality_progress, layerwise=layerwise)
     return report
+
+
+def model_misfits(art) -> list:
+    """What keeps the artifact's tensors from filling the model its config.json builds (names
+    and shapes against transformers' skeleton on the meta device, with the checkpoint renames
+    and ties the load applies), one line each: a ``verify`` that says OK means the artifact
+    loads as a whole model."""
+    from lct.errors import ArchitectureError
+    from lct.loader.build import build_skeleton
+    if not (art.path / "config.json").is_file():
+        return [f"{art.path}: no config.json, so no model can be built from the artifact"]
+    try:
+        arch = build_skeleton(art)
+    except (ArchitectureError, LCTError) as e:
+        return [f"{art.path / 'config.json'}: {e}"]
+    shapes = {n: t.shape for n, t in art.manifest.tensors.items()}
+    return [f"{art.path}: {m}" for m in arch.misfits(shapes)]
 
 
 def _check_group(art, group, bufs, src, src_tensors, report) -> None:

@@ -38,11 +38,16 @@ def build_model(config, seed: int = 0, dtype=None, std: float = 0.02):
     Parameters are created on the meta device and then filled, so building is fast even for
     Gemma-2B's shape; buffers (rotary tables, masks) are built normally.
     """
-    import torch
     from accelerate import init_empty_weights
     from transformers import AutoModelForCausalLM
     with init_empty_weights(include_buffers=False):
         model = AutoModelForCausalLM.from_config(config)
+    return _fill(model, seed, dtype, std)
+
+
+def _fill(model, seed: int, dtype, std: float):
+    """Fill a meta-built model's parameters with seeded normal values (norms about 1), tie."""
+    import torch
     gen = torch.Generator().manual_seed(seed)
     seen = set()
     for name, p in list(model.named_parameters()):
@@ -92,3 +97,124 @@ def save_tokenizer(out_dir, vocab_size: int = 512) -> None:
     fast = PreTrainedTokenizerFast(tokenizer_object=tok, pad_token="<pad>", bos_token="<bos>",
                                    eos_token="<eos>", unk_token="<unk>")
     fast.save_pretrained(out_dir)
+
+
+# Sizes of a tiny model of any architecture: each config attribute that exists is set to its
+# value (shrinking the defaults of ``CONFIG_MAPPING[model_type]()``), in the config and in each
+# sub-config (text, vision, audio, encoder, decoder).
+TINY_SIZES = {
+    64: ("hidden_size", "d_model", "n_embd", "embed_dim", "dim", "model_dim", "n_embed",
+         "word_embed_proj_dim", "projection_dim", "hidden_dim"),
+    2: ("num_hidden_layers", "n_layer", "num_layers", "n_layers", "decoder_layers",
+        "encoder_layers", "num_decoder_layers", "depth"),
+    4: ("num_attention_heads", "n_head", "n_heads", "encoder_attention_heads",
+        "decoder_attention_heads", "num_heads", "num_local_experts", "num_experts",
+        "n_routed_experts", "moe_num_experts"),
+    16: ("head_dim", "d_kv", "kv_channels", "qk_rope_head_dim", "v_head_dim", "qk_nope_head_dim",
+         "qk_head_dim"),
+    128: ("intermediate_size", "d_ff", "n_inner", "ffn_dim", "encoder_ffn_dim",
+          "decoder_ffn_dim", "ffn_hidden_size", "mlp_dim"),
+    32: ("moe_intermediate_size", "expert_intermediate_size", "shared_expert_intermediate_size",
+         "kv_lora_rank", "q_lora_rank"),
+    256: ("vocab_size",),
+}
+TINY_PAIRS = {"num_key_value_heads": 2, "n_kv_heads": 2, "num_kv_heads": 2,
+              "num_experts_per_tok": 2, "moe_topk": 2, "n_shared_experts": 1,
+              "first_k_dense_replace": 1}
+
+
+def tiny_config(model_type: str, seed_ids: bool = True, **overrides):
+    """A config of ``model_type`` from transformers' defaults with tiny sizes (``TINY_SIZES``),
+    special token ids kept inside the vocabulary, per-layer lists cut to the layers kept, and
+    ``overrides`` on top. May raise whatever the config class raises for a combination it
+    does not accept."""
+    from transformers import CONFIG_MAPPING
+    base = CONFIG_MAPPING[model_type]()
+    d = _shrink(base.to_dict(), base)
+    d.update(overrides)
+    d.pop("model_type", None)
+    d.pop("transformers_version", None)
+    return type(base)(**d)
+
+
+def _shrink(d: dict, cfg) -> dict:
+    """The config dict ``d`` with tiny sizes, recursively for sub-configs."""
+    sizes = {k: v for v, keys in TINY_SIZES.items() for k in keys}
+    sizes.update(TINY_PAIRS)
+    old_layers = next((d[k] for k in TINY_SIZES[2] if isinstance(d.get(k), int)), None)
+    for key, value in list(d.items()):
+        if isinstance(value, dict) and "model_type" in value:
+            d[key] = _shrink(dict(value), None)
+        elif key in sizes and isinstance(value, int) and not isinstance(value, bool) and \
+                value > sizes[key]:
+            d[key] = sizes[key]
+    layers = next((d[k] for k in TINY_SIZES[2] if isinstance(d.get(k), int)), None)
+    heads = next((d[k] for k in TINY_SIZES[4][:6] if isinstance(d.get(k), int)), None)
+    hidden = next((d[k] for k in TINY_SIZES[64] if isinstance(d.get(k), int)), None)
+    for key, value in list(d.items()):
+        if isinstance(value, list) and old_layers and len(value) == old_layers and layers:
+            d[key] = value[:layers]
+        elif isinstance(value, str) and old_layers and old_layers >= 8 and \
+                len(value) == old_layers and layers:
+            d[key] = value[:layers]     # a per-layer pattern string ("M-M*-...")
+    if heads and hidden and "mrope_section" in getattr(_config_class(d), "ignore_keys_at_rope_validation", ()):
+        # multimodal rotary sections (Qwen2-VL's default 16/24/24) add up to half a head
+        rope = dict(d.get("rope_parameters") or {})
+        half = (d.get("head_dim") or hidden // heads) // 2
+        sec = rope.get("mrope_section") or [16, 24, 24]
+        cut = [max(1, half * v // sum(sec)) for v in sec]
+        cut[0] += half - sum(cut)
+        d["rope_parameters"] = {**rope, "mrope_section": cut}
+    vocab = d.get("vocab_size")
+    if isinstance(vocab, int):
+        ids = sorted({k for k, v in d.items() if isinstance(v, int) and not isinstance(v, bool)
+                      and (k.endswith("token_id") or k.endswith("token_index")
+                           or k.endswith("_token")) and v >= vocab})
+        for n, k in enumerate(ids):
+            d[k] = vocab - 1 - n
+    return d
+
+
+def _config_class(d: dict):
+    from transformers import CONFIG_MAPPING
+    return CONFIG_MAPPING[d["model_type"]] if d.get("model_type") in CONFIG_MAPPING else None
+
+
+def build_random(config, model_class=None, seed: int = 0, dtype=None, std: float = 0.02):
+    """``model_class`` (default: the class ``lct.arch.hf.candidate_classes`` puts first) built
+    from ``config`` with seeded random weights, as ``build_model`` fills them."""
+    from lct.arch import hf
+    cls = model_class or hf.candidate_classes(config)[0]
+    return _fill(hf.build_meta(cls, config), seed, dtype, std)
+
+
+def save_tiny_arch(out_dir, model_type: str, seed: int = 0, dtype=None, model_class=None,
+                   **overrides) -> Path:
+    """A tiny random model of any ``model_type`` transformers knows (``tiny_config``), saved
+    with ``save_pretrained`` (safetensors, the class recorded in config.json's
+    ``architectures``)."""
+    import torch
+    config = tiny_config(model_type, **overrides)
+    model = build_random(config, model_class, seed=seed, dtype=dtype or torch.bfloat16)
+    out = Path(out_dir)
+    model.save_pretrained(out)
+    return out
+
+
+def probe_inputs(model, seed: int = 0, tokens: int = 6) -> dict:
+    """Seeded inputs for one forward of ``model``: token ids (and decoder ids for an
+    encoder-decoder), or audio features for a speech model."""
+    import torch
+    gen = torch.Generator().manual_seed(seed)
+    cfg = model.config
+    text = cfg.get_text_config() if hasattr(cfg, "get_text_config") else cfg
+    vocab = getattr(text, "vocab_size", None) or 256
+    ids = torch.randint(3, max(4, min(vocab, 200)), (1, tokens), generator=gen)
+    if getattr(model, "main_input_name", "input_ids") == "input_features":
+        bins = getattr(cfg, "num_mel_bins", 80)
+        frames = 2 * getattr(cfg, "max_source_positions", 1500)
+        return {"input_features": torch.randn(1, bins, frames, generator=gen).to(model.dtype),
+                "decoder_input_ids": ids}
+    if getattr(cfg, "is_encoder_decoder", False):
+        return {"input_ids": ids, "decoder_input_ids": ids}
+    return {"input_ids": ids}

@@ -65,6 +65,9 @@ GROUP_NORM = "norm"
 GROUP_HEAD = "head"
 GROUP_MISC = "misc"
 GROUP_LAYER_PREFIX = "layers."
+GROUP_EXPERTS_SUFFIX = ".experts"       # a block's routed experts: group "layers.N.experts"
+# Bytes of routed-expert tensors at most in one chunk (whole experts: one larger is alone).
+EXPERT_CHUNK_BYTES = 256 << 20
 
 # dtype name -> element size in bytes.
 DTYPE_SIZES = {

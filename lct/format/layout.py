@@ -95,12 +95,20 @@ class ChunkLayout:
         return np.zeros(self.decoded_size, dtype=np.uint8)
 
 
-def layout_group(group: str, specs: list) -> list:
+def layout_group(group: str, specs: list, max_bytes: int | None = None) -> list:
     """Split a group's tensors into chunks by width class and place them 64-byte aligned:
-    ``[ChunkLayout]``."""
-    layouts: dict = {}
+    ``[ChunkLayout]``. With ``max_bytes`` (a block's routed experts, FORMAT.md section 4) a
+    width class takes a new chunk when the next tensor would take its chunk past that size
+    (a tensor larger than it is alone in its chunk)."""
+    layouts: list = []
+    current: dict = {}
     for spec in specs:
-        lay = layouts.setdefault(spec.width_class, ChunkLayout(group, spec.width_class))
+        lay = current.get(spec.width_class)
+        size = spec.nbytes + spec.absmax_nbytes
+        if lay is None or (max_bytes is not None and lay.specs and
+                           align(lay.decoded_size, C.TENSOR_ALIGNMENT) + size > max_bytes):
+            lay = current[spec.width_class] = ChunkLayout(group, spec.width_class)
+            layouts.append(lay)
         pos = align(lay.decoded_size, C.TENSOR_ALIGNMENT)
         lay.offsets[spec.name] = pos
         pos += spec.nbytes
@@ -110,4 +118,4 @@ def layout_group(group: str, specs: list) -> list:
             pos += spec.absmax_nbytes
         lay.decoded_size = pos
         lay.specs.append(spec)
-    return list(layouts.values())
+    return layouts

@@ -346,11 +346,13 @@ def _obj(d: dict, key: str, kind, where: str):
 # absent one reads as empty); a key the spec defines MUST have the type given here, a key it does
 # not define is ignored (section 8). Type tags: "str", "int" (not negative), "signed" (any int),
 # "num" (int or float), "bool", "null", "obj", "strs" (list of strings), "files"
-# (source.files), "costs" (``{part: {encoding: num}}``).
+# (source.files), "costs" (``{part: {encoding: num}}``), "stacks" (architecture.stacks).
 _SOURCE_KEYS = {"id": ("str",), "kind": ("str",), "revision": ("str", "null"),
                 "files": ("files",)}
 _ARCHITECTURE_KEYS = {"model_type": ("str", "null"), "tie_word_embeddings": ("bool",),
-                      "mapping": ("str",)}
+                      "mapping": ("str",), "class": ("str",), "stacks": ("stacks",),
+                      "experts": ("obj",)}
+_EXPERTS_KEYS = {"count": ("int",), "active": ("int", "null"), "layers": ("int",)}
 _POLICY_KEYS = {"mode": ("str",), "nf4": ("strs",), "int8": ("strs",), "blocksize": ("int",),
                 "dtype": ("str", "null"), "codec": ("str",), "level": ("signed",),
                 "frame_size": ("int",), "maximus_shards": ("int", "null"),
@@ -362,7 +364,7 @@ _FREQUENCY_SOURCE_KEYS = {"kind": ("str",), "path": ("str", "null"), "tokens": (
                           "note": ("str",)}
 _INFORMATIVE = {"source": _SOURCE_KEYS, "architecture": _ARCHITECTURE_KEYS,
                 "policy": _POLICY_KEYS}
-_NESTED = {"policy.measured": _MEASURED_KEYS}
+_NESTED = {"policy.measured": _MEASURED_KEYS, "architecture.experts": _EXPERTS_KEYS}
 # What a tensor entry's single placement holds; a pieced entry has these per piece instead.
 _PLACEMENT_KEYS = ("chunk", "offset", "nbytes", "nf4", "int8")
 _SHA256_RE = re.compile("[0-9a-f]{64}")
@@ -387,6 +389,11 @@ def _is(v, tag: str) -> bool:
         return isinstance(v, dict)
     if tag == "strs":
         return isinstance(v, list) and all(isinstance(x, str) for x in v)
+    if tag == "stacks":
+        return isinstance(v, list) and all(
+            isinstance(x, dict) and isinstance(x.get("path"), str)
+            and isinstance(x.get("group_prefix"), str) and _is(x.get("blocks"), "int")
+            for x in v)
     if tag == "costs":
         return isinstance(v, dict) and all(
             isinstance(c, dict) and all(_is(x, "num") for x in c.values()) for c in v.values())
@@ -401,7 +408,8 @@ def _is(v, tag: str) -> bool:
 _TAG_WORDS = {"str": "a string", "int": "a non-negative integer", "signed": "an integer",
               "num": "a number", "bool": "true or false", "null": "null", "obj": "an object",
               "strs": "a list of strings", "costs": "an object {part: {encoding: number}}",
-              "files": 'an object {name: {"sha256": 64 hex digits, "size": integer}}'}
+              "files": 'an object {name: {"sha256": 64 hex digits, "size": integer}}',
+              "stacks": 'a list of {"path": string, "group_prefix": string, "blocks": integer}'}
 
 
 def _check_keys(obj: dict, keys: dict, what: str, where: str) -> None:

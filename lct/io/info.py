@@ -29,6 +29,40 @@ def summarize(manifest) -> list:
     return rows
 
 
+def experts(manifest) -> dict | None:
+    """The routed experts of an artifact (``architecture.experts``) with the bytes of their
+    groups (``layers.N.experts``), or None for a model without them: ``{count, active,
+    layers, groups, stored_bytes, decoded_bytes}``."""
+    from lct.format import constants as C
+    arch = manifest.architecture.get("experts")
+    groups = [g for g in manifest.groups if g.endswith(C.GROUP_EXPERTS_SUFFIX)]
+    if not isinstance(arch, dict) and not groups:
+        return None
+    chunks = [c for g in groups for c in manifest.group_chunks(g)]
+    arch = arch if isinstance(arch, dict) else {}
+    return {"count": arch.get("count"), "active": arch.get("active"),
+            "layers": arch.get("layers", len(groups)), "groups": len(groups),
+            "stored_bytes": sum(c.stored_size for c in chunks),
+            "decoded_bytes": sum(c.decoded_size for c in chunks)}
+
+
+def architecture_line(manifest) -> str:
+    """One line for ``lct info``: the model class, its stacks and its experts."""
+    from lct.units import human
+    a = manifest.architecture
+    stacks = a.get("stacks") if isinstance(a.get("stacks"), list) else []
+    parts = [f"model: {a.get('class') or a.get('model_type') or 'unknown'}"]
+    if stacks:
+        parts.append(", ".join(f"{s.get('path')} ({s.get('blocks')} blocks)" for s in stacks
+                               if isinstance(s, dict)))
+    e = experts(manifest)
+    if e:
+        active = f", {e['active']} active per token" if e["active"] else ""
+        parts.append(f"experts: {e['count']} per layer{active} in {e['layers']} layers, "
+                     f"{human(e['stored_bytes'])} stored / {human(e['decoded_bytes'])} decoded")
+    return "; ".join(parts)
+
+
 def summary(manifest, path) -> dict:
     """What ``lct info --json`` prints (fields in docs/CLI.md): the artifact at a glance, not
     its manifest (``--manifest`` prints that)."""
@@ -53,4 +87,6 @@ def summary(manifest, path) -> dict:
         "ties": m.ties,
         "unmapped": m.unmapped,
         "maximus_shards": m.maximus["num_shards"] if m.maximus else None,
+        "model_class": m.architecture.get("class"),
+        "experts": experts(m),
     }
