@@ -95,6 +95,8 @@ class Installer:
         # Each parameter's dtype as the skeleton has it: the load's dtype, or float32 where the
         # model keeps a parameter so (from_pretrained's dtype plan, applied by the skeleton).
         self.dtypes = {n: p.dtype for n, p in model.named_parameters(remove_duplicate=False)}
+        self.dtypes.update({n: b.dtype for n, b in model.named_buffers(remove_duplicate=False)
+                            if b.is_floating_point()})
         self.names = set(self.shapes) | {n for n, _ in model.named_buffers(remove_duplicate=False)}
         foreign = arch.foreign(art.manifest.tensors)
         if foreign:
@@ -211,6 +213,8 @@ class Installer:
         nf4 = isinstance(w, NF4Weight)
         if isinstance(old, torch.nn.Embedding):
             scale = getattr(old, "embed_scale", None)
+            if isinstance(scale, (int, float)) and not isinstance(scale, bool):
+                scale = torch.tensor(float(scale))      # BioGPT's and XGLM's: a float
             scale = scale.to(self.device) if scale is not None else None
             zero = scales.reshape(w.shape[0], -1) if nf4 else scales.reshape(w.shape[0], 1)
             pad = self.pad_ids if self.pad_given else _padding_only(self.pad_ids, zero,

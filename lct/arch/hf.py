@@ -96,6 +96,7 @@ def build_meta(cls, config, dtype=None, tensor_parallel: int | None = None):
             model = cls._from_config(config, dtype=dtype) if dtype is not None else \
                 cls._from_config(config)
         keep_fp32(model, dtype)
+        init_buffers(model)
         return model
     except ArchitectureError:
         raise
@@ -116,6 +117,19 @@ def _build_distributed(cls, config, dtype, world: int):
     dcfg = DistributedConfig(tp_size=world, tp_plan="auto")
     _, mesh_manager = initialize_distributed_mesh(dcfg)
     return cls.maybe_distribute_model(model, dcfg, mesh_manager)
+
+
+def init_buffers(model) -> None:
+    """Compute the model's buffers (rotary and sinusoidal tables) as ``from_pretrained`` does:
+    by the model's ``_init_weights`` once it is built, outside the dtype context of its
+    construction (a table computed under a bfloat16 default dtype differs: GPT-J's). The
+    parameters are on the meta device, where initialising them costs nothing."""
+    try:
+        for m in model.modules():
+            m.__dict__.pop("_is_hf_initialized", None)   # set by the init at construction
+        model.initialize_weights()
+    except Exception:  # noqa: BLE001 - a model whose init cannot run on meta keeps its buffers
+        pass
 
 
 def keep_fp32(model, dtype) -> None:

@@ -111,7 +111,7 @@ TINY_SIZES = {
         "decoder_attention_heads", "num_heads", "num_local_experts", "num_experts",
         "n_routed_experts", "moe_num_experts"),
     16: ("head_dim", "d_kv", "kv_channels", "qk_rope_head_dim", "v_head_dim", "qk_nope_head_dim",
-         "qk_head_dim"),
+         "rotary_dim", "attention_head_dim", "mamba_headdim"),
     128: ("intermediate_size", "d_ff", "n_inner", "ffn_dim", "encoder_ffn_dim",
           "decoder_ffn_dim", "ffn_hidden_size", "mlp_dim"),
     32: ("moe_intermediate_size", "expert_intermediate_size", "shared_expert_intermediate_size",
@@ -119,7 +119,7 @@ TINY_SIZES = {
     256: ("vocab_size",),
 }
 TINY_PAIRS = {"num_key_value_heads": 2, "n_kv_heads": 2, "num_kv_heads": 2,
-              "num_experts_per_tok": 2, "moe_topk": 2, "n_shared_experts": 1,
+              "num_experts_per_tok": 2, "moe_topk": 2, "moe_k": 2, "n_shared_experts": 1,
               "first_k_dense_replace": 1}
 
 
