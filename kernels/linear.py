@@ -82,17 +82,16 @@ class FlatLinear(nn.Linear):
     state dict, same result as ``nn.Linear`` on the same data."""
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        y = F.linear(x.reshape(-1, self.in_features), self.weight, self.bias)
-        return y.view(*x.shape[:-1], self.out_features)
+        # the weight's own shape, not the attributes: a head whose table was replaced after
+        # construction keeps stale ones (Marian's, built for vocab_size, holds its decoder's)
+        y = F.linear(x.reshape(-1, x.shape[-1]), self.weight, self.bias)
+        return y.view(*x.shape[:-1], y.shape[-1])
 
 
 def flatten_head(model) -> None:
-    """Make a model's dense LM head (an exact ``nn.Linear`` without a bias) a ``FlatLinear`` in
-    place. A head with a bias stays as it is: its 2-D product rounds the bias in once more than
-    the 3-D one does in bfloat16 (GPT-J's, CodeGen's), and the load must give
-    ``from_pretrained``'s logits exactly."""
+    """Make a model's dense LM head (an exact ``nn.Linear``) a ``FlatLinear`` in place."""
     head = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
-    if type(head) is nn.Linear and head.bias is None:
+    if type(head) is nn.Linear:
         head.__class__ = FlatLinear
 
 

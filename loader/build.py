@@ -155,7 +155,7 @@ class Installer:
                 continue
             self._check_converted(full, t)
             if isinstance(t, QUANTIZED):
-                if self.nf4 == "keep":
+                if self.nf4 == "keep" and self._replaceable(full):
                     self._install_quantized(full, t)
                     continue
                 t = t.dequantize()
@@ -180,6 +180,17 @@ class Installer:
         if want is not None and tuple(want) != shape:
             raise LCTError(f"{self.art.path}: tensor {name!r} is stored as {list(shape)}, but the "
                            f"model built from config.json expects {list(want)}")
+
+    def _replaceable(self, full: str) -> bool:
+        """Whether the module owning ``full`` can become an NF4/int8 module: a plain embedding
+        or linear layer (Gemma's scaled embedding too), not one with modules or parameters of
+        its own beside its weight and bias (Inkling's embedding holds a norm): such a table is
+        dequantized into it instead."""
+        import torch
+        module = self.model.get_submodule(full.rpartition(".")[0])
+        own = {n for n, p in module._parameters.items() if p is not None}
+        return isinstance(module, (torch.nn.Embedding, torch.nn.Linear)) and \
+            not any(True for _ in module.children()) and own <= {"weight", "bias"}
 
     def _mark(self, full: str) -> None:
         self.installed.add(full)

@@ -188,6 +188,9 @@ def _fill(future, art, groups, stats, keep: bool = False):
                 parts = [art.tensor_from_buffer(p, group.buffers[p.chunk]) for p in pieces]
                 local = parts[0] if len(parts) == 1 else torch.cat(parts, info.piece_axis)
                 local = local.to(device=target, dtype=ref.dtype)
+            elif index is None:     # whole, or a strided shard (fused gate/up)
+                whole = art.assemble(info, group.buffers).to(dtype=ref.dtype)
+                local = hf.local_shard(whole, ref).to(device=target)
             else:
                 local = _slice(art.assemble(info, group.buffers), index, target, ref.dtype)
             _put(module, leaf, ref, local)
@@ -195,7 +198,8 @@ def _fill(future, art, groups, stats, keep: bool = False):
         for full, whole in arch.to_model(fused, where=str(art.path)).items():
             if full in params:
                 module, leaf, ref = params[full]
-                _put(module, leaf, ref, _slice(whole, hf.local_index(ref), target, ref.dtype))
+                local = hf.local_shard(whole.to(dtype=ref.dtype), ref)
+                _put(module, leaf, ref, local.to(device=target))
                 filled.add(full)
         t_install += time.perf_counter() - t
     if model is None:
@@ -222,11 +226,9 @@ def _fill(future, art, groups, stats, keep: bool = False):
 
 
 def _slice(whole, index, target, dtype):
-    """This rank's ``index`` of a decoded tensor on ``target`` in ``dtype`` (a slice is copied:
-    a view would keep the whole decoded tensor alive)."""
+    """This rank's ``index`` (a tuple of slices) of a decoded tensor on ``target`` in
+    ``dtype`` (a slice is copied: a view would keep the whole decoded tensor alive)."""
     import torch
-    if index is None:
-        return whole.to(device=target, dtype=dtype)
     return whole[index].to(device=target, dtype=dtype, copy=True,
                            memory_format=torch.contiguous_format)
 

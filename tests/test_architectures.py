@@ -8,7 +8,7 @@ import torch
 
 import lct
 from lct.arch import hf
-from lct.demo.tiny import probe_inputs, save_tiny_arch
+from lct.demo.tiny import probe_inputs, save_tiny
 
 # model type -> the class to build (None: the causal LM of its type). Chosen for breadth: dense
 # decoders of many families, mixtures of experts (fused by transformers at load), hybrids with
@@ -23,6 +23,7 @@ ARCHS = {
     "olmo": None, "olmo2": None, "cohere": None, "granite": None, "helium": None,
     "exaone": None, "glm": None, "glm4": None, "persimmon": None, "smollm3": None,
     "xglm": None, "biogpt": None, "codegen": None, "ctrl": None, "nemotron_h": None,
+    "marian": None, "inkling_text": None,
     # mixtures of experts
     "mixtral": None, "qwen2_moe": None, "qwen3_moe": None, "olmoe": None, "phimoe": None,
     "granitemoe": None, "granitemoeshared": None, "glm4_moe": None, "ernie4_5_moe": None,
@@ -61,7 +62,7 @@ def sources(tmp_path_factory):
     def source(model_type):
         if model_type not in made:
             folder = tmp_path_factory.mktemp(f"arch-{model_type}") / "src"
-            made[model_type] = save_tiny_arch(folder, model_type, model_class=_class(model_type),
+            made[model_type] = save_tiny(folder, model_type, model_class=_class(model_type),
                                               **OVERRIDES.get(model_type, {}))
         return made[model_type]
     return source

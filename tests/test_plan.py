@@ -394,9 +394,9 @@ def test_config_sources_and_errors(tmp_path, llama_src, monkeypatch):
         plan(tmp_path / "missing")
     with pytest.raises(ConfigNotFoundError, match="local Hugging Face cache"):
         plan("some-org/not-cached-model")               # HF_HUB_OFFLINE=1 (conftest)
-    (tmp_path / "bert.json").write_text(json.dumps({"model_type": "bert"}))
-    with pytest.raises(PlanError, match="model_type 'bert'"):
-        plan(tmp_path / "bert.json")
+    (tmp_path / "x.json").write_text(json.dumps({"model_type": "no-such-type"}))
+    with pytest.raises(PlanError, match="model_type 'no-such-type' is not one transformers"):
+        plan(tmp_path / "x.json")
     with pytest.raises(PlanError, match="not both"):
         plan(llama_src, vocab_size=10, add_tokens=3)
     with pytest.raises(PlanError, match="optimizer"):
@@ -463,6 +463,25 @@ def test_cli_errors_one_line(run, tmp_path):
     assert res.exit_code == 2 and "--maximus-resident" in res.output
     assert "plan" in run("--help").output
     assert "--add-tokens" in run("plan", "--help").output
+
+
+@pytest.mark.parametrize("model_type", ["mixtral", "t5", "mamba", "bert", "qwen2_moe"])
+def test_any_architecture_is_planned_with_its_exact_parameters(model_type):
+    """Architectures outside the dense decoders the activation counts were checked on: the
+    parameters are the built model's exactly, and the plan says what it only estimates; a
+    mixture of experts says how many of them a token uses."""
+    from lct.arch import hf
+    cfg = tiny.config_for(model_type)
+    model = hf.build_meta(hf.candidate_classes(cfg)[0] if model_type == "t5" else
+                          type(tiny.build_model(cfg)), cfg)
+    model.tie_weights()         # as a loaded model is: a tied parameter counts once
+    p = plan(cfg.to_dict())
+    assert p.params == sum(t.numel() for t in model.parameters())
+    assert p.model_type == model_type and p.total > p.weights > 0
+    if model_type in ("mixtral", "qwen2_moe"):
+        assert any(n.startswith("experts: 4 per layer, 2 of them per token") for n in p.notes)
+    if model_type != "bert":
+        assert any("estimated as for a dense decoder" in n for n in p.notes), p.notes
 
 
 def test_quantized_head_temporaries_are_among_the_items(llama_art):

@@ -415,6 +415,8 @@ def test_cli_under_torchrun_refuses_cuda_without_it_in_one_line(llama_src, tmp_p
         out = _lct_load_tp(art, tmp_path, *extra)
         assert out.returncode == 1, out.stderr[-2000:]
         errors = [ln for ln in out.stderr.splitlines() if ln.startswith("error: ")]
-        assert len(errors) == 2 and all(want in e for e in errors), out.stderr[-2000:]
+        # every rank that gets to print says it in one line; torchrun may stop the second
+        # rank (SIGTERM) once the first has exited, before it prints
+        assert 1 <= len(errors) <= 2 and all(want in e for e in errors), out.stderr[-2000:]
         assert "NCCL" not in out.stderr and "[rank0]: Traceback" not in out.stderr, \
             out.stderr[-2000:]

@@ -154,11 +154,26 @@ def keep_fp32(model, dtype) -> None:
                                                           requires_grad=p.requires_grad)
 
 
-def local_index(param):
-    """This rank's slice of a DTensor parameter (a tuple of slices), None for a whole one."""
-    from torch.distributed.tensor import DTensor
-    from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
+def local_shard(whole, param):
+    """This rank's part of ``whole`` (a full tensor every rank holds) for the DTensor
+    ``param``: whatever its placement (a plain shard, or the strided shard of fused gate/up
+    experts), as ``distribute_tensor`` cuts it, without communication; a copy."""
+    import torch
+    from torch.distributed.tensor import DTensor, distribute_tensor
     if not isinstance(param, DTensor):
+        return whole
+    local = distribute_tensor(whole, param.device_mesh, param.placements,
+                              src_data_rank=None).to_local()
+    return local.clone(memory_format=torch.contiguous_format)
+
+
+def local_index(param):
+    """This rank's slice of a DTensor parameter (a tuple of slices), None for a whole one or
+    one whose part is not a slice (a strided shard: ``local_shard`` cuts those)."""
+    from torch.distributed.tensor import DTensor, Replicate, Shard
+    from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
+    if not isinstance(param, DTensor) or \
+            any(type(p) not in (Shard, Replicate) for p in param.placements):
         return None
     shape, offset = compute_local_shape_and_global_offset(param.shape, param.device_mesh,
                                                           param.placements)

@@ -230,7 +230,10 @@ class Architecture:
 
     def place(self, key: str) -> tuple:
         """``(group, role)`` of checkpoint tensor ``key`` (docs/FORMAT.md section 4)."""
-        name = self.target(key)[0]
+        return self.place_param(self.target(key)[0])
+
+    def place_param(self, name: str | None) -> tuple:
+        """``(group, role)`` of the model's parameter (or buffer) ``name``."""
         if name is None:
             return C.GROUP_MISC, "misc"
         if name == self.embed:

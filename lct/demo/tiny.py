@@ -4,6 +4,8 @@ from __future__ import annotations
 
 from pathlib import Path
 
+# The shapes the tests and the demo use for four model types (a tied Gemma with one key/value
+# head, an untied Llama, a Qwen2, a GPT-2); any other model type gets ``tiny_config``'s.
 TINY_CONFIGS = {
     "gemma": dict(vocab_size=512, hidden_size=128, intermediate_size=256, num_hidden_layers=3,
                   num_attention_heads=4, num_key_value_heads=1, head_dim=32,
@@ -25,24 +27,31 @@ GEMMA_2B = dict(vocab_size=256000, hidden_size=2048, intermediate_size=16384, nu
 
 
 def config_for(arch: str, **overrides):
-    """A transformers config of architecture ``arch`` with the tiny defaults and ``overrides``."""
+    """A transformers config of model type ``arch`` with the tiny shape (``TINY_CONFIGS``, or
+    ``tiny_config``'s for any other type) and ``overrides``."""
     from transformers import AutoConfig
+    if arch not in TINY_CONFIGS:
+        return tiny_config(arch, **overrides)
     kwargs = dict(TINY_CONFIGS[arch])
     kwargs.update(overrides)
     return AutoConfig.for_model(arch, **kwargs)
 
 
-def build_model(config, seed: int = 0, dtype=None, std: float = 0.02):
-    """A causal LM from ``config`` with seeded random normal weights (no slow init).
+def build_model(config, seed: int = 0, dtype=None, std: float = 0.02, model_class=None):
+    """``model_class`` (default: the causal LM of the config's type, else the first class
+    ``lct.arch.hf.candidate_classes`` gives) from ``config`` with seeded random normal weights
+    (no slow init).
 
     Parameters are created on the meta device and then filled, so building is fast even for
     Gemma-2B's shape; buffers (rotary tables, masks) are built normally.
     """
-    from accelerate import init_empty_weights
-    from transformers import AutoModelForCausalLM
-    with init_empty_weights(include_buffers=False):
-        model = AutoModelForCausalLM.from_config(config)
-    return _fill(model, seed, dtype, std)
+    from lct.arch import hf
+    if model_class is None:
+        import transformers.models.auto.modeling_auto as auto
+        name = auto.MODEL_FOR_CAUSAL_LM_MAPPING_NAMES.get(config.model_type)
+        model_class = (hf.class_by_name(name) if name else None) or \
+            hf.candidate_classes(config)[0]
+    return _fill(hf.build_meta(model_class, config), seed, dtype, std)
 
 
 def _fill(model, seed: int, dtype, std: float):
@@ -66,11 +75,14 @@ def _fill(model, seed: int, dtype, std: float):
     return model.eval()
 
 
-def save_tiny(out_dir, arch: str = "gemma", seed: int = 0, dtype=None, **overrides) -> Path:
-    """Build a tiny random ``arch`` model and save it as a Hugging Face folder (safetensors)."""
+def save_tiny(out_dir, arch: str = "gemma", seed: int = 0, dtype=None, model_class=None,
+              **overrides) -> Path:
+    """Build a tiny random model of model type ``arch`` (``config_for``: any type transformers
+    knows) as ``model_class`` (default: ``build_model``'s) and save it as a Hugging Face folder
+    with ``save_pretrained`` (safetensors; config.json's ``architectures`` names the class)."""
     import torch
     config = config_for(arch, **overrides)
-    model = build_model(config, seed=seed, dtype=dtype or torch.bfloat16)
+    model = build_model(config, seed=seed, dtype=dtype or torch.bfloat16, model_class=model_class)
     out = Path(out_dir)
     model.save_pretrained(out, safe_serialization=True)
     return out
@@ -123,28 +135,28 @@ TINY_PAIRS = {"num_key_value_heads": 2, "n_kv_heads": 2, "num_kv_heads": 2,
               "first_k_dense_replace": 1}
 
 
-def tiny_config(model_type: str, seed_ids: bool = True, **overrides):
+def tiny_config(model_type: str, **overrides):
     """A config of ``model_type`` from transformers' defaults with tiny sizes (``TINY_SIZES``),
     special token ids kept inside the vocabulary, per-layer lists cut to the layers kept, and
     ``overrides`` on top. May raise whatever the config class raises for a combination it
     does not accept."""
     from transformers import CONFIG_MAPPING
     base = CONFIG_MAPPING[model_type]()
-    d = _shrink(base.to_dict(), base)
+    d = _shrink(base.to_dict())
     d.update(overrides)
     d.pop("model_type", None)
     d.pop("transformers_version", None)
     return type(base)(**d)
 
 
-def _shrink(d: dict, cfg) -> dict:
+def _shrink(d: dict) -> dict:
     """The config dict ``d`` with tiny sizes, recursively for sub-configs."""
     sizes = {k: v for v, keys in TINY_SIZES.items() for k in keys}
     sizes.update(TINY_PAIRS)
     old_layers = next((d[k] for k in TINY_SIZES[2] if isinstance(d.get(k), int)), None)
     for key, value in list(d.items()):
         if isinstance(value, dict) and "model_type" in value:
-            d[key] = _shrink(dict(value), None)
+            d[key] = _shrink(dict(value))
         elif key in sizes and isinstance(value, int) and not isinstance(value, bool) and \
                 value > sizes[key]:
             d[key] = sizes[key]
@@ -178,27 +190,6 @@ def _shrink(d: dict, cfg) -> dict:
 def _config_class(d: dict):
     from transformers import CONFIG_MAPPING
     return CONFIG_MAPPING[d["model_type"]] if d.get("model_type") in CONFIG_MAPPING else None
-
-
-def build_random(config, model_class=None, seed: int = 0, dtype=None, std: float = 0.02):
-    """``model_class`` (default: the class ``lct.arch.hf.candidate_classes`` puts first) built
-    from ``config`` with seeded random weights, as ``build_model`` fills them."""
-    from lct.arch import hf
-    cls = model_class or hf.candidate_classes(config)[0]
-    return _fill(hf.build_meta(cls, config), seed, dtype, std)
-
-
-def save_tiny_arch(out_dir, model_type: str, seed: int = 0, dtype=None, model_class=None,
-                   **overrides) -> Path:
-    """A tiny random model of any ``model_type`` transformers knows (``tiny_config``), saved
-    with ``save_pretrained`` (safetensors, the class recorded in config.json's
-    ``architectures``)."""
-    import torch
-    config = tiny_config(model_type, **overrides)
-    model = build_random(config, model_class, seed=seed, dtype=dtype or torch.bfloat16)
-    out = Path(out_dir)
-    model.save_pretrained(out)
-    return out
 
 
 def probe_inputs(model, seed: int = 0, tokens: int = 6) -> dict:

@@ -164,8 +164,6 @@ DEFAULT_CALIBRATION_TOKENS = 2048
 PROXY_SAMPLES = 64
 # The proxy's hidden states come from this seed: not 0, which tiny random test models use.
 PROXY_SEED = 7919
-# Final norms that scale by (1 + weight) rather than weight (transformers' Gemma family).
-NORM_PLUS_ONE = ("gemma", "gemma2", "gemma3", "gemma3_text", "recurrent_gemma")
 # Input rows up to which the CPU int8 head takes the fused kernel rather than dequantizing chunks
 # once for all rows (docs/BENCHMARKS.md section 11).
 INT8_FUSED_MAX_ROWS = 24

@@ -44,9 +44,9 @@ DEVICES = ("cuda", "cpu")
 KV_DTYPES = {"bf16": 2, "fp16": 2, "fp32": 4, "fp8": 1}
 PRECISION_DTYPE = {"bf16": "bfloat16", "fp16": "float16", "fp32": "float32", "mixed": "bfloat16"}
 DTYPE_PRECISION = {"bfloat16": "bf16", "float16": "fp16", "float32": "fp32"}
-PARTS = ("embedding", "pos_embedding", "layers", "norm", "head")
+PARTS = ("embedding", "pos_embedding", "layers", "norm", "head", "other")
 ROLE_PART = {"embed": "embedding", "pos_embed": "pos_embedding", "layer": "layers", "norm": "norm",
-             "head": "head"}
+             "head": "head", "misc": "other"}
 DEFAULT_SEQ = 2048
 DEFAULT_LOSS_CHUNK = 1024          # tokens per chunk in the chunked-loss figure
 # MaximusEmbedding's default: a quarter of 32 shards resident (K, N).
@@ -164,9 +164,9 @@ def kv_cache_bytes(dims: Dims, batch: int, seq: int, item: int) -> tuple:
 def _norm_saved(dims: Dims, a: int, width: int, linear_after: bool) -> int:
     """Bytes per token one norm saves for backward, plus the input of the linear that follows
     it, as transformers implements them."""
-    if dims.family == "gpt2":                    # native layer_norm: input, mean and rstd
+    if dims.norm == "layer":                     # native layer_norm: input, mean and rstd
         return a * width + 2 * a + (a * width if linear_after else 0)
-    if dims.family.startswith("gemma"):          # float32 input, rsqrt, normed times (1 + w)
+    if dims.norm == "plus_one":                  # float32 input, rsqrt, normed times (1 + w)
         return 8 * width + 4 + (a * width if linear_after else 0)
     return 4 * width + 4 + a * width + (a * width if linear_after else 0)   # Llama RMSNorm
 
@@ -184,7 +184,7 @@ def train_activations(dims: Dims, batch: int, seq: int, a: int, device: str = "c
     d, t = dims, batch * seq
     h, hd, nh, kv, i = d.hidden, d.head_dim, d.heads, d.kv_heads, d.inter
     labels = 8 + 4 / t                                # shifted labels; the loss's total weight
-    if d.family == "gpt2":
+    if d.conv1d:                                 # GPT-2's block: Conv1D, LayerNorm, dropout
         mask = (a if device == "cpu" else 1) if d.dropout > 0 else 0
         if d.dropout > 0 and device == "cpu":
             # CPU SDPA has no dropout kernel: the math path keeps float32 q, k, v, softmax, mask
@@ -204,21 +204,21 @@ def train_activations(dims: Dims, batch: int, seq: int, a: int, device: str = "c
         attn = 4 * a * nh * hd + nh * seq * (4 + cast + (a if d.attn_softcap else 0))
     else:
         attn = a * (2 * nh * hd + 2 * kv * hd) + 4 * nh
-        if d.family == "phi3":    # v keeps the fused qkv output alive; o_proj gets a copy
+        if d.fused_qkv:           # v keeps the fused qkv output alive; o_proj gets a copy
             attn += a * (nh + 2 * kv) * hd - a * kv * hd + a * nh * hd
-    if d.family == "qwen3":                      # q/k RMSNorms over head_dim
+    if d.qk_norm and d.norm != "plus_one":       # q/k RMSNorms over head_dim (Qwen3)
         attn += nh * (4 * hd + a * hd + 4) + kv * (4 * hd + a * hd + 4)
-    if d.family == "gemma3_text":
+    if d.qk_norm and d.norm == "plus_one":       # q/k (1 + w) norms in float32 (Gemma-3)
         attn += nh * (8 * hd + 4) + kv * (8 * hd + 4)
     layer = 2 * _norm_saved(d, a, h, True) + attn + 4 * a * i
     norm_consts = 0
-    if d.family.startswith("gemma"):             # (1 + w) in float32, once per norm
+    if d.norm == "plus_one":                     # (1 + w) in float32, once per norm
         norms = 2
-        if d.family in ("gemma2", "gemma3_text"):
+        if d.block_norms == 4:                   # norms around the MLP too (Gemma-2, 3)
             layer += 2 * _norm_saved(d, a, h, False)
             norms = 4
         norm_consts = d.layers * norms * 4 * h + 4 * h + a
-        if d.family == "gemma3_text":
+        if d.qk_norm:
             norm_consts += d.layers * 2 * 4 * hd
     softcap = a * d.vocab if d.softcap else 0    # tanh of the soft-capped logits
     other = t * (8 + _norm_saved(d, a, h, True) + softcap + labels)
@@ -459,7 +459,8 @@ def plan(model, *, mode: str = "infer", batch: int = 1, seq: int = DEFAULT_SEQ,
         A ``Plan``; ``total`` is the estimated peak on the accelerator.
 
     Raises:
-        ConfigNotFoundError, PlanError: no config, an unknown family, or a bad option.
+        ConfigNotFoundError, PlanError: no config, a model transformers cannot build, or a bad
+            option.
 
     Example:
         >>> p = plan("google/gemma-2b", mode="train", precision="mixed", memory="80GiB")
@@ -581,7 +582,8 @@ def _plan(cfg: dict, where: str, dims: Dims, base: Dims, manifest, budget, *, mo
         notes.append(f"training forwards should pass use_cache=False; otherwise they also build "
                      f"a KV cache of {human(kv_held, binary=True)}")
     else:
-        head_rows = {"lm_head.weight"} | ({emb.name} if dims.tied else set())
+        head_rows = {s.name for s in specs if s.role == "head"} | \
+            ({emb.name} if dims.tied else set())
         head = C.ENCODING_NF4 if nf4_specs & head_rows else \
             C.ENCODING_INT8 if int8_specs & head_rows else None
         f = _infer_figures(dims, batch, seq, a, device, blocksize, weights, kv_held, logits,
@@ -590,6 +592,17 @@ def _plan(cfg: dict, where: str, dims: Dims, base: Dims, manifest, budget, *, mo
     if dims.attn == "eager":
         notes.append(f"{dims.family} runs eager attention in transformers by default: its "
                      f"seq x seq scores are planned")
+    if not dims.measured:
+        notes.append(f"{dims.family} has {dims.shape}: its parameters, weights, gradients and "
+                     f"optimizer states are exact, its activations and KV cache estimated as "
+                     f"for a dense decoder of its sizes")
+    if dims.experts:
+        e = dims.experts
+        active = f", {e['active']} of them per token" if e["active"] else ""
+        notes.append(f"experts: {e['count']} per layer{active}; {e['params']:,} of the "
+                     f"{sum(s.numel for s in specs):,} parameters are routed experts"
+                     + (f", so a token uses about "
+                        f"{_active_params(specs, e):,}" if e["active"] else ""))
     phases = f["phases"]
     total = max(phases.values())
     result = Plan(
@@ -613,6 +626,13 @@ def _plan(cfg: dict, where: str, dims: Dims, base: Dims, manifest, budget, *, mo
                                     device=device, loss_chunk=loss_chunk, nf4=nf4,
                                     blocksize=blocksize, int8=int8)
     return result
+
+
+def _active_params(specs, experts: dict) -> int:
+    """Parameters a token runs through in a mixture of experts: all but the routed experts,
+    and ``active`` of every ``count`` of those."""
+    total = sum(s.numel for s in specs)
+    return total - experts["params"] + experts["params"] * experts["active"] // experts["count"]
 
 
 def _lossy_roles(manifest, nf4, int8, blocksize) -> tuple:
