@@ -129,6 +129,9 @@ def resolve(model, device_map, max_memory=None, dtype=None) -> dict:
     no_split = getattr(model, "_no_split_modules", None) or []
     max_memory = check_max_memory(max_memory)
     if isinstance(device_map, str):
+        # Tied as the model ties (the loader ties again once the weights are in): accelerate
+        # keeps a table and its tied head together, and says nothing about untied weights.
+        model.tie_weights()
         if device_map not in AUTO_MAPS:
             raise LCTError(f"device_map {device_map!r}: expected one of {AUTO_MAPS} or a "
                            f"{{module: device}} dict", option="device_map")

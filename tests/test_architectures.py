@@ -125,3 +125,40 @@ def _source_tensor(src, name):
             if name in h.keys():
                 return h.get_tensor(name)
     raise KeyError(name)
+
+
+def _partition(model, path: str, device: str) -> dict:
+    """A device map putting module ``path`` on ``device`` and every other module on the CPU,
+    as disjoint subtrees (accelerate wants no module under another one of the map)."""
+    dmap, parts = {}, path.split(".")
+    for k in range(len(parts)):
+        parent = model.get_submodule(".".join(parts[:k])) if k else model
+        prefix = ".".join(parts[:k])
+        for name, _ in parent.named_children():
+            full = f"{prefix}.{name}" if prefix else name
+            if name != parts[k]:
+                dmap[full] = "cpu"
+        for name, _ in parent.named_parameters(recurse=False):
+            dmap[f"{prefix}.{name}" if prefix else name] = "cpu"
+    dmap[path] = device
+    return dmap
+
+
+TIED = sorted(t for t in ARCHS if t in ("gemma", "gemma2", "gpt2", "bloom", "opt", "mpt",
+                                        "gpt_bigcode", "mamba", "falcon_mamba", "t5", "gemma3"))
+
+
+@pytest.mark.parametrize("model_type", TIED)
+def test_tied_embedding_on_disk(model_type, sources, tmp_path):
+    """A device map with the tied embedding left in the artifact ("disk"): the head, tied to
+    it, still answers as the whole model does."""
+    src = sources(model_type)
+    art = tmp_path / "a.lct"
+    lct.convert(str(src), art, policy=lct.Policy(nf4=()))
+    whole = lct.load(art)
+    embed = next(n for n, m in whole.named_modules() if m is whole.get_input_embeddings())
+    assert whole.get_output_embeddings().weight is whole.get_input_embeddings().weight
+    model = lct.load(art, device_map=_partition(whole, embed, "disk"))
+    inputs = probe_inputs(whole)
+    with torch.no_grad():
+        assert torch.equal(model(**inputs).logits, whole(**inputs).logits)

@@ -154,3 +154,58 @@ def test_disk_modules_run_in_the_stored_dtype_with_a_lossy_head(tmp_path):
         assert torch.equal(model(IDS).logits, plain(IDS).logits)
     got = model.generate(IDS, max_new_tokens=4, do_sample=False)
     assert torch.equal(got, plain.generate(IDS, max_new_tokens=4, do_sample=False))
+
+
+@pytest.fixture(scope="module")
+def tied(tmp_path_factory):
+    """A tied Gemma (the head is the embedding's table) and its lossless artifact."""
+    from lct.demo import tiny
+    d = tmp_path_factory.mktemp("tied")
+    src = tiny.save_tiny(d / "src", "gemma")
+    lct.convert(str(src), d / "g.lct", policy=Policy(nf4=()))
+    return src, d / "g.lct"
+
+
+@pytest.mark.parametrize("head", ["cpu", "disk"])
+def test_a_tied_embedding_on_disk_loads(tied, head):
+    """The tied embedding left on disk failed with 'no tensor for lm_head.weight'. A head on
+    disk too fetches the table when it runs, with from_pretrained's logits for the same map; a
+    head on the CPU reads the table at load (from_pretrained refuses that map: 'weight is on
+    the meta device'). Both answer as the whole model does."""
+    from transformers import AutoModelForCausalLM
+    src, art = tied
+    with torch.no_grad():
+        want = lct.load(art, dtype=torch.float32)(IDS).logits
+    dmap = {"model.embed_tokens": "disk", "model.layers": "cpu", "model.norm": "cpu",
+            "model.rotary_emb": "cpu", "lm_head": head}
+    model = lct.load(art, device_map=dmap, dtype=torch.float32)
+    with torch.no_grad():
+        assert torch.equal(model(IDS).logits, want)
+    if head == "disk":
+        ref = AutoModelForCausalLM.from_pretrained(src, device_map=dmap, dtype=torch.float32,
+                                                   offload_folder=str(art.parent / "off"))
+        with torch.no_grad():
+            assert torch.equal(ref(IDS).logits, want)
+
+
+def test_auto_with_a_small_budget_on_a_tied_model(tied):
+    """device_map='auto' with max_memory too small for the whole model: the tied table goes
+    to disk with its head, the load gives from_pretrained's answers, and accelerate sees a
+    tied skeleton (no 'weights are not tied' warning)."""
+    import logging
+    src, art = tied
+    with torch.no_grad():
+        want = lct.load(art, dtype=torch.float32)(IDS).logits
+    records = []
+    handler = logging.Handler()
+    handler.emit = records.append
+    logging.getLogger("accelerate").addHandler(handler)
+    try:
+        model = lct.load(art, device_map="auto", max_memory={"cpu": 400_000},
+                         dtype=torch.float32)
+    finally:
+        logging.getLogger("accelerate").removeHandler(handler)
+    assert "disk" in set(model.hf_device_map.values()), model.hf_device_map
+    assert not [r for r in records if "not tied" in r.getMessage()]
+    with torch.no_grad():
+        assert torch.equal(model(IDS).logits, want)

@@ -182,3 +182,33 @@ def test_prompt_on_an_encoder_decoder_and_a_refusal_for_speech(tmp_path, run):
     assert r.exit_code != 0
     assert "WhisperForConditionalGeneration takes input_features (not text)" in r.output
     assert "Traceback" not in r.output and len(r.output.strip().splitlines()) <= 2
+
+
+@pytest.mark.parametrize("edit, said", [
+    (lambda m: next(t for t in m["tensors"] if t["name"] == "model.norm.weight")
+     .__setitem__("name", "model.final.weight"),
+     ["'model.final.weight': MixtralForCausalLM has no parameter for it",
+      "parameter 'model.norm.weight' of MixtralForCausalLM: no stored tensor fills it"]),
+    (lambda m: next(t for t in m["tensors"] if t["name"] == "lm_head.weight")
+     .__setitem__("name", "lm_head.scale"),
+     ["parameter 'lm_head.weight' of MixtralForCausalLM: no stored tensor fills it"]),
+])
+def test_verify_says_when_the_tensors_do_not_fill_the_model(mixtral_art, tmp_path, edit, said):
+    """A consistently resealed manifest whose tensors no longer fill the model its config
+    builds: every chunk checks out, but verify is not OK and names what does not fit (it said
+    OK for artifacts that could not load), and the load refuses it in one line."""
+    import shutil
+
+    from conftest import manifest_text
+    from lct.errors import ArchitectureError, LCTError
+    art = tmp_path / "a.lct"
+    shutil.copytree(mixtral_art, art)
+    m = json.loads((art / "lct.json").read_text())
+    edit(m)
+    (art / "lct.json").write_text(manifest_text(m, rebind=True))
+    report = lct.verify(art)
+    assert not report.ok
+    for line in said:
+        assert any(line in f for f in report.failures), report.failures
+    with pytest.raises((ArchitectureError, LCTError), match="MixtralForCausalLM"):
+        lct.load(art)
