@@ -122,14 +122,24 @@ def _build_distributed(cls, config, dtype, world: int):
 def init_buffers(model) -> None:
     """Compute the model's buffers (rotary and sinusoidal tables) as ``from_pretrained`` does:
     by the model's ``_init_weights`` once it is built, outside the dtype context of its
-    construction (a table computed under a bfloat16 default dtype differs: GPT-J's). The
-    parameters are on the meta device, where initialising them costs nothing."""
-    try:
-        for m in model.modules():
-            m.__dict__.pop("_is_hf_initialized", None)   # set by the init at construction
-        model.initialize_weights()
-    except Exception:  # noqa: BLE001 - a model whose init cannot run on meta keeps its buffers
-        pass
+    construction (a table computed under a bfloat16 default dtype differs: GPT-J's). Only the
+    modules that hold buffers are initialised (their parameters, if any, are on the meta
+    device, where that costs nothing)."""
+    from transformers import PreTrainedModel
+    owners = {"": model}
+    for name, module in model.named_modules():
+        if isinstance(module, PreTrainedModel):
+            owners[name] = module
+        if not any(True for _ in module.buffers(recurse=False)):
+            continue
+        # the init of the nearest enclosing model (a composite model's towers have their own)
+        parts = name.split(".")
+        owner = next(owners[p] for p in (".".join(parts[:k]) for k in range(len(parts), -1, -1))
+                     if p in owners)
+        try:
+            owner._init_weights(module)
+        except Exception:  # noqa: BLE001 - a module whose init cannot run keeps its buffers
+            pass
 
 
 def keep_fp32(model, dtype) -> None:

@@ -59,6 +59,13 @@ class Architecture:
     final_norm: str | None          # module path of the norm before the head
     plus_one: bool                  # the final norm scales by (1 + weight)
     experts: Experts | None
+    # transformers' transforms for this model, its state dict (names -> meta tensors), the
+    # names of its embedding tables and norm modules; checkpoint names already looked up
+    _renamings: list | None = field(default=None, repr=False)
+    _converters: list | None = field(default=None, repr=False)
+    _meta: dict = field(default_factory=dict, repr=False)
+    _embeddings: set = field(default_factory=set, repr=False)
+    _norms: set = field(default_factory=set, repr=False)
     _targets: dict = field(default_factory=dict, repr=False)
 
     @property
@@ -123,13 +130,10 @@ class Architecture:
         norm = _final_norm(modules, main)
         plus_one = _plus_one(modules[norm]) if norm is not None else False
         experts = _experts(modules, stacks)
-        arch = cls(model, stacks, embed, head, hf.tied_keys(model), norm, plus_one, experts)
-        arch._renamings, arch._converters = hf.conversions(model)
-        arch._meta = {n: t for n, t in model.state_dict(keep_vars=True).items()}
-        arch._embeddings = {n + ".weight" for n, m in modules.items()
-                            if isinstance(m, torch.nn.Embedding)}
-        arch._norms = {n for n, m in modules.items() if _is_norm(m)}
-        return arch
+        return cls(model, stacks, embed, head, hf.tied_keys(model), norm, plus_one, experts,
+                   None, None, dict(model.state_dict(keep_vars=True)),
+                   {n + ".weight" for n, m in modules.items() if isinstance(m, torch.nn.Embedding)},
+                   {n for n, m in modules.items() if _is_norm(m)})
 
     # Checkpoint names -----------------------------------------------------------------------
     def target(self, key: str) -> tuple:
@@ -138,6 +142,11 @@ class Architecture:
         converters; None when the model has no place for it."""
         hit = self._targets.get(key)
         if hit is None:
+            if key in self._meta:       # the model's own name (most checkpoints: no transform)
+                hit = self._targets[key] = (key, None)
+                return hit
+            if self._renamings is None:     # looked up on first need: building them compiles
+                self._renamings, self._converters = hf.conversions(self.model)  # many regexes
             name, pattern = hf.rename_key(key, self._renamings, self._converters,
                                           self.model.base_model_prefix, self._meta)
             hit = self._targets[key] = (name if name in self._meta else None, pattern)
@@ -175,7 +184,7 @@ class Architecture:
         return out
 
     def _pattern_converter(self, pattern: str):
-        return next(c for c in self._converters if pattern in c.source_patterns)
+        return next(c for c in self._converters or () if pattern in c.source_patterns)
 
     def foreign(self, keys) -> list:
         """The checkpoint tensors among ``keys`` the model neither takes nor may ignore."""

@@ -115,8 +115,9 @@ def model_card(manifest, repo_id: str, *, license: str | None = None) -> str:  #
     ratio = f"{stored / source_bytes:.3f}x of the source" if source_bytes else "n/a"
     rows = [
         ("source", origin),
-        ("architecture", f"{arch.get('model_type') or 'unknown'} "
-                         f"(group table `{arch.get('mapping')}`)"),
+        ("architecture", f"{arch.get('model_type') or 'unknown'}"
+                         + (f", `{arch['class']}`" if isinstance(arch.get("class"), str) else "")
+                         + _experts_line(manifest)),
         ("lossless codec", codec_line),
         ("cast", f"`{pol['dtype']}`" if pol.get("dtype") else "none (source dtypes kept)"),
         ("lossy parts", nf4_line),
@@ -160,3 +161,13 @@ safetensors for `from_pretrained`.
 The manifest `lct.json` records the sha256 of every source file and the xxh3 checksum of every
 chunk; `lct verify` checks them.
 """
+
+
+def _experts_line(manifest) -> str:
+    """``, 8 experts per layer (2 active)`` for a mixture of experts, else ``""``."""
+    from lct.io.info import experts
+    e = experts(manifest)
+    if not e or not e["count"]:
+        return ""
+    return f", {e['count']} experts per layer" + (f" ({e['active']} active)" if e["active"]
+                                                  else "")

@@ -600,7 +600,8 @@ def _plan(cfg: dict, where: str, dims: Dims, base: Dims, manifest, budget, *, mo
         e = dims.experts
         active = f", {e['active']} of them per token" if e["active"] else ""
         notes.append(f"experts: {e['count']} per layer{active}; {e['params']:,} of the "
-                     f"{sum(s.numel for s in specs):,} parameters are routed experts"
+                     f"{sum(s.numel for s in specs):,} parameters "
+                     f"({human(e['params'] * a, binary=True)} of weights) are routed experts"
                      + (f", so a token uses about "
                         f"{_active_params(specs, e):,}" if e["active"] else ""))
     phases = f["phases"]
