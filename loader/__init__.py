@@ -4,8 +4,8 @@ ahead), the tensor-parallel one (``tensor_parallel``) or the device-mapped one (
 ``source`` is what they share; the layer-wise executor for models larger than memory
 (``layerwise``) and timed generation (``generate``) sit beside them.
 
-May import: ``lct.hub`` (hf:// sources), ``lct.kernels``, ``lct.io``, ``lct.format`` and the
-leaves.
+May import: ``lct.arch`` (the skeleton and its checkpoint names), ``lct.hub`` (hf:// sources),
+``lct.kernels``, ``lct.io``, ``lct.format`` and the leaves.
 """
 
 from lct.io.stream import Group, GroupStream, StreamStats
