@@ -20,8 +20,10 @@ from lct.format import constants as C
 @quiet_option("the output folder's path")
 def export_cmd(artifact, out_dir, max_shard_size, force, quiet):
     """Write ARTIFACT (a folder or hf://org/name[@rev], pulled first) as a Hugging Face folder
-    (safetensors + config + tokenizer + the other side files) that
-    AutoModelForCausalLM.from_pretrained loads. Lossless tensors come out bit-identical to the
+    (safetensors + config + tokenizer + the other side files) that from_pretrained of the
+    model's class loads (AutoModelForCausalLM for a causal LM; T5ForConditionalGeneration,
+    LlavaForConditionalGeneration, ... for others: config.json's 'architectures' names it;
+    `lct info` shows it). Lossless tensors come out bit-identical to the
     source; NF4 tensors are dequantized exactly as bitsandbytes does, int8 ones as q x scale."""
     from lct.conversion.exporter import export
 

@@ -35,7 +35,9 @@ def _ids(ctx, param, value):
 @click.option("--no-verify", is_flag=True, help="Skip chunk checksums while streaming.")
 @click.option("--layerwise", is_flag=True,
               help="Keep only embedding, head and the prefetch window of layers resident "
-                   "(for models larger than memory); layers stream on every forward.")
+                   "(for models larger than memory); layers stream on every forward. For "
+                   "models with one stack of layers (decoder-only; not T5, Whisper or a "
+                   "vision-language model).")
 @click.option("--maximus", "maximus", type=int, is_flag=False, flag_value=-1, default=None,
               help="Install a MaximusEmbedding from the artifact's shard state (optional value: "
                    "the resident budget in shards, at least 1; alone: the budget the artifact "

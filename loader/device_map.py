@@ -160,7 +160,29 @@ def resolve(model, device_map, max_memory=None, dtype=None) -> dict:
         if device_of(name, dmap) is None:
             raise LCTError(f"device_map places no module above parameter {name!r}",
                            option="device_map")
-    return dmap
+    return disjoint(model, dmap)
+
+
+def disjoint(model, dmap: dict) -> dict:
+    """``dmap`` with no entry inside another (accelerate's dispatch needs that: a module on
+    the CPU with a child on "disk" failed in it, for from_pretrained too): an entry with
+    entries below it gives way to its children and its own parameters and buffers, each on
+    its device unless an entry below names another. Every parameter keeps the device of its
+    nearest entry, as ``device_of`` reads the map given."""
+    out = dict(dmap)
+    while True:
+        split = next((k for k in out if any(o != k and (k == "" or o.startswith(k + "."))
+                                            for o in out)), None)
+        if split is None:
+            return out
+        device = out.pop(split)
+        module = model.get_submodule(split) if split else model
+        at = f"{split}." if split else ""
+        for name, _ in module.named_children():
+            out.setdefault(at + name, device)
+        for name, _ in list(module.named_parameters(recurse=False)) + \
+                list(module.named_buffers(recurse=False)):
+            out.setdefault(at + name, device)
 
 
 def device_of(name: str, dmap: dict):
@@ -199,10 +221,11 @@ def load_mapped(path, device_map, *, max_memory=None, prefetch: int = 2, dtype=N
         dmap = resolve(model, device_map, max_memory, dtype or stored_dtype(art))
         devices = set(dmap.values())
         offloading = len(devices) > 1 or "disk" in devices
-        if offloading and nf4 == "keep":
+        lossy = [t.name for t in art.manifest.tensors.values() if t.encoding != "plain"]
+        if offloading and nf4 == "keep" and lossy:
             nf4 = "dequantize"   # accelerate's hooks move plain parameters only
-            stats.notes.append("NF4/int8 parts dequantized: offloaded modules hold plain "
-                               "weights")
+            stats.notes.append(f"{len(lossy)} NF4/int8 table(s) dequantized: with modules "
+                               f"offloaded, every module holds plain weights")
         groups_of = groups_filling(arch, art.manifest)
         params = {n for n, _ in model.named_parameters(remove_duplicate=False)}
         # A group is read at load when a parameter it fills (or a parameter tied to one it

@@ -33,7 +33,9 @@ def load(path, prefetch: int = 2, device="cpu", dtype=None, nf4: str = "keep",
         device_map, max_memory: place modules as ``from_pretrained(device_map=...)`` does
             (``"auto"`` with ``max_memory``, or ``{module: device}`` with ``"cpu"``/``"disk"``);
             ``"disk"`` modules stay in the artifact and are not read at load
-            (``lct.loader.device_map.load_mapped``).
+            (``lct.loader.device_map.load_mapped``); with any module offloaded, NF4/int8
+            tables are dequantized (accelerate's hooks move plain weights; ``stats.notes``
+            says so). An entry inside another is taken (the nearest one decides).
 
     Example:
         >>> model = lct.load("gemma-2b.lct", prefetch=2)

@@ -109,10 +109,19 @@ def generate_timed(model, path, prompt: str | None = None, ids=None,
     clock = _Clock()
     t0 = time.perf_counter()
     tokenize_s = t0 - t_tok
-    with torch.no_grad():
-        out = model.generate(input_ids, attention_mask=torch.ones_like(input_ids),
-                             max_new_tokens=max_new_tokens, do_sample=False, streamer=clock,
-                             pad_token_id=getattr(gen.config, "pad_token_id", None) or 0)
+    try:
+        with torch.no_grad():
+            out = model.generate(input_ids, attention_mask=torch.ones_like(input_ids),
+                                 max_new_tokens=max_new_tokens, do_sample=False,
+                                 streamer=clock,
+                                 pad_token_id=getattr(gen.config, "pad_token_id", None) or 0)
+    except LCTError:
+        raise
+    except Exception as e:  # noqa: BLE001 - the model's own forward or generate, in one line
+        text = str(e).strip().splitlines()
+        raise LCTError(f"the model loaded, but {type(gen).__name__}.generate failed inside "
+                       f"transformers ({type(e).__name__}: {text[0][:200] if text else ''}); "
+                       f"LCT_DEBUG=1 shows the traceback") from e
     total = time.perf_counter() - t0
     # A decoder-only model returns the prompt and what follows; an encoder-decoder the
     # decoder's tokens from its start token.

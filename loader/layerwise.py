@@ -58,6 +58,7 @@ class LayerwiseModel:
                         if g not in units[index]:
                             units[index].append(g)
             self.layer_groups = [g for i in sorted(units) for g in units[i]]
+            self._index_of = {g: i for i, gs in units.items() for g in gs}
             resident = [g for g in self.art.groups if g not in self.layer_groups]
             with GroupStream(self.art, resident, prefetch=prefetch) as stream:
                 for group in stream:
@@ -122,8 +123,10 @@ class LayerwiseModel:
                                    f"{group.name}; layers must run in order")
                 self.installer.install(group)
             self.resident_layers += 1
+            st = self._stream
+            ahead = {self._index_of[g] for g in st.names[st._next - len(st._pending):st._next]}
             self.max_resident_layers = max(self.max_resident_layers,
-                                           self.resident_layers + len(self._stream._pending))
+                                           self.resident_layers + len(ahead - {index}))
             self.layers_streamed += 1
         return pre
 

@@ -53,15 +53,29 @@ def open_source(path, *, verify: bool = True, workers: int | None = None, stream
 
 
 def stored_dtype(art):
-    """The torch dtype the artifact stores its layers in (after any cast at conversion): the
-    float dtype of most of their elements (a model that keeps a few parameters in float32,
-    as ``_keep_in_fp32_modules`` asks, is still a bfloat16 model), float32 without floats."""
+    """The torch dtype a load builds the model in by default, as ``from_pretrained`` does
+    (its ``dtype="auto"``): the dtype the conversion cast to, else the one config.json names
+    (the text config's for a multimodal model), else the float dtype of most of the layers'
+    stored elements (a model that keeps a few parameters or buffers in float32 is still a
+    bfloat16 model), float32 without floats."""
+    import json
     import math
 
     import torch
 
     from lct.format import constants as C
     from lct.io.reader import torch_dtype
+    if art.cast_dtype:
+        return torch_dtype(art.cast_dtype)
+    try:
+        cfg = json.loads((art.path / "config.json").read_text())
+    except (OSError, ValueError):
+        cfg = {}
+    cfg = cfg if isinstance(cfg, dict) else {}
+    for d in (cfg, cfg.get("text_config") if isinstance(cfg.get("text_config"), dict) else {}):
+        name = d.get("dtype") or d.get("torch_dtype")
+        if isinstance(name, str) and name.removeprefix("torch.") in C.FLOAT_DTYPES:
+            return torch_dtype(name.removeprefix("torch."))
     count: dict = {}
     for t in art.manifest.tensors.values():
         if t.role != "layer":

@@ -28,7 +28,7 @@ ARCHS = {
     "mixtral": None, "qwen2_moe": None, "qwen3_moe": None, "olmoe": None, "phimoe": None,
     "granitemoe": None, "granitemoeshared": None, "glm4_moe": None, "ernie4_5_moe": None,
     "jetmoe": None, "gpt_oss": None, "llama4_text": None, "minimax_m2": None,
-    "flex_olmo": None, "exaone_moe": None,
+    "flex_olmo": None, "exaone_moe": None, "minimax": None,
     # state-space, recurrent and hybrid layers
     "mamba": None, "falcon_mamba": None, "jamba": None, "falcon_h1": None,
     "recurrent_gemma": None, "lfm2": None,

@@ -152,6 +152,14 @@ def test_a_tensor_the_model_has_no_place_for_is_refused(gemma_src, tmp_path):
     assert not (tmp_path / "a.lct").exists()
 
 
+def test_a_mistyped_folder_says_so_offline(tmp_path, monkeypatch):
+    """A single name is a folder or a legacy Hub id: offline, the error says both were
+    looked for."""
+    monkeypatch.chdir(tmp_path)
+    with pytest.raises(SourceError, match="and there is no folder .modle. here"):
+        lct.convert("modle", tmp_path / "a.lct")
+
+
 def test_a_source_without_config_is_refused(tmp_path):
     src = tmp_path / "src"
     src.mkdir()

@@ -471,9 +471,18 @@ def _architecture(src: Source, tensors: dict) -> Architecture:
         raise SourceError(str(e) if str(e).startswith(str(path)) else f"{path}: {e}") from e
     misfits = arch.misfits({n: t.shape for n, t in tensors.items()})
     if misfits:
+        first = misfits[0]
+        if "has no parameter for it" in first:
+            hint = ("LCT keeps every tensor and a load must place each one (from_pretrained "
+                    "would drop it with a warning): remove it from the checkpoint, or name in "
+                    "config.json's 'architectures' the class the weights were saved from")
+        elif "no stored tensor fills it" in first:
+            hint = ("from_pretrained would initialise it at random; LCT never builds a partial "
+                    "model: save the checkpoint whole (save_pretrained)")
+        else:
+            hint = "the config does not belong to these weights"
         raise SourceError(f"{path}: {len(misfits)} problem(s) between config.json and the "
-                          f"weights, first: {misfits[0]}; an artifact of them would not load "
-                          f"(is 'architectures' the class they were saved from?)")
+                          f"weights, first: {first}; {hint}")
     return arch
 
 

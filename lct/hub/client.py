@@ -180,8 +180,12 @@ def hub_fetch(fetch, repo_id: str, revision: str | None, *, not_found, error, of
         return fetch()
     except Exception as e:  # noqa: BLE001 - every Hub failure becomes one clear line
         mapped = hub_error(e, repo_id, revision, action="download")
+        text = str(mapped)
+        if "/" not in repo_id and isinstance(mapped, (HubNotFoundError, HubOfflineError)):
+            # a single name is as likely a mistyped folder as a legacy Hub id ("gpt2")
+            text += f" (and there is no folder {repo_id!r} here)"
         if isinstance(mapped, HubNotFoundError):
-            raise not_found(str(mapped)) from e
+            raise not_found(text) from e
         if isinstance(mapped, HubOfflineError):
-            raise offline(str(mapped)) from e
-        raise error(str(mapped)) from e
+            raise offline(text) from e
+        raise error(text) from e
