@@ -58,6 +58,11 @@ class ArchitectureError(LCTError, ValueError):
     builds (a parameter without a tensor, a tensor the model cannot take)."""
 
 
+class WriteError(LCTError, OSError):
+    """A file LCT was writing could not be written: the disk is full, a quota is reached, the
+    file system is read-only, or permission is denied. Nothing half-written is left."""
+
+
 class PolicyError(LCTError, ValueError):
     """A conversion option cannot be applied (bad blocksize, overflowing cast, unknown dtype)."""
 

@@ -54,11 +54,11 @@ def build_skeleton(art, dtype=None, tensor_parallel: int | None = None):
 def import_model_class(path) -> None:
     """Import the transformers modeling module of the artifact's architecture (so that load
     breakdowns can count it as import time); silently does nothing if that is not possible."""
-    import json
     from pathlib import Path
     try:
         from lct.arch import hf
-        d = json.loads((Path(path) / "config.json").read_text())
+        from lct.format.manifest import read_json
+        d = read_json(Path(path) / "config.json", LCTError)
         for name in d.get("architectures") or ():
             hf.class_by_name(name)
     except Exception:  # noqa: BLE001 - only a timing aid; build_skeleton reports real errors
@@ -490,11 +490,11 @@ def held_budget(art) -> int:
     estimated without transformers (vocabulary, hidden size, layers, MLP width, experts), plus
     64 MiB. An estimate that falls short only makes the load wait for the skeleton sooner; a
     config without these numbers gives the prefetch window's worth (64 MiB)."""
-    import json
+    from lct.format.manifest import read_json
     try:
-        cfg = json.loads((art.path / "config.json").read_text())
+        cfg = read_json(art.path / "config.json", LCTError)
         cfg = {**cfg.get("text_config", {}), **cfg} if isinstance(cfg, dict) else {}
-    except (OSError, ValueError):
+    except (LCTError, TypeError):
         cfg = {}
 
     def get(*keys):

@@ -58,7 +58,6 @@ def stored_dtype(art):
     (the text config's for a multimodal model), else the float dtype of most of the layers'
     stored elements (a model that keeps a few parameters or buffers in float32 is still a
     bfloat16 model), float32 without floats."""
-    import json
     import math
 
     import torch
@@ -67,9 +66,11 @@ def stored_dtype(art):
     from lct.io.reader import torch_dtype
     if art.cast_dtype:
         return torch_dtype(art.cast_dtype)
+    from lct.errors import LCTError
+    from lct.format.manifest import read_json
     try:
-        cfg = json.loads((art.path / "config.json").read_text())
-    except (OSError, ValueError):
+        cfg = read_json(art.path / "config.json", LCTError)
+    except LCTError:
         cfg = {}
     cfg = cfg if isinstance(cfg, dict) else {}
     for d in (cfg, cfg.get("text_config") if isinstance(cfg.get("text_config"), dict) else {}):

@@ -38,7 +38,9 @@ def read_config(folder):
     from pathlib import Path
 
     from transformers import AutoConfig
+    from lct.format.manifest import read_json
     path = Path(folder) / "config.json"
+    read_json(path, ArchitectureError)   # under the caps first: transformers' parser recurses
     try:
         return AutoConfig.from_pretrained(folder)
     except (ValueError, KeyError, OSError, TypeError, AttributeError) as e:

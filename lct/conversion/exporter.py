@@ -27,6 +27,7 @@ from lct.io.writer import (
     make_staging,
     recorded_side_files,
     swap_into_place,
+    write_error,
 )
 
 DEFAULT_SHARD_SIZE = C.EXPORT_SHARD_SIZE
@@ -113,9 +114,10 @@ def _config_dtype(config: Path, cast) -> None:
     config's, which would otherwise cast them back)."""
     if cast is None or not config.is_file():
         return
+    from lct.format.manifest import read_json
     try:
-        data = json.loads(config.read_text())
-    except (OSError, ValueError):
+        data = read_json(config, LCTError)
+    except LCTError:
         return          # a config the source had this way is exported as it is
     if not isinstance(data, dict):
         return
@@ -192,6 +194,11 @@ def _export(artifact, out: Path, max_shard_size: int, progress) -> Path:
             {"exported_by": f"lct {__version__}", "artifact_id": art.manifest.artifact_id,
              "artifact": str(art.path)}, indent=1) + "\n")
         swap_into_place(tmp, out)  # an earlier export (checked) is replaced in one step
+    except OSError as e:
+        mapped = write_error(e, out, "the export")
+        if mapped is not None:
+            raise mapped from e
+        raise
     finally:
         if tmp.exists():
             shutil.rmtree(tmp, ignore_errors=True)

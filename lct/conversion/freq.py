@@ -3,7 +3,6 @@ model's own tokenizer. Never unpickles (``.npy`` is read with ``allow_pickle=Fal
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 
 from lct.errors import SourceError
@@ -26,10 +25,8 @@ def _from_list(values, vocab_size: int, where: str):
 
 
 def _from_json(path: Path, vocab_size: int):
-    try:
-        data = json.loads(path.read_text())
-    except (ValueError, UnicodeDecodeError) as e:
-        raise SourceError(f"{path}: not valid JSON ({e})") from e
+    from lct.format.manifest import read_json
+    data = read_json(path, SourceError)
     if isinstance(data, list):
         return _from_list(data, vocab_size, str(path))
     if isinstance(data, dict):

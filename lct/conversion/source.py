@@ -5,12 +5,12 @@ Pickle checkpoints (``.bin``, ``.pt``, ``.pth``, ``.ckpt``) are refused: LCT nev
 
 from __future__ import annotations
 
-import json
 from dataclasses import dataclass, field
 from pathlib import Path
 
 from lct.errors import PolicyError, SourceError, SourceNotFoundError
 from lct.format import constants as C
+from lct.format.manifest import read_json
 
 PICKLE_SUFFIXES = (".bin", ".pt", ".pth", ".ckpt", ".pkl")
 INDEX_NAME = "model.safetensors.index.json"
@@ -121,16 +121,14 @@ def _local(root: Path, sid: str, kind: str, revision: str | None) -> Source:
     config = {}
     cfg = root / "config.json"
     if cfg.is_file():
-        try:
-            config = json.loads(cfg.read_text())
-        except ValueError as e:
-            raise SourceError(f"{cfg}: not valid JSON ({e})") from e
+        config = read_json(cfg, SourceError)
         if not isinstance(config, dict):
             raise SourceError(f"{cfg}: must hold a JSON object")
     index = root / INDEX_NAME
     if index.is_file():
+        index_data = read_json(index, SourceError)
         try:
-            weight_map = json.loads(index.read_text())["weight_map"]
+            weight_map = index_data["weight_map"]
             files = sorted(set(weight_map.values()))
         except (ValueError, KeyError, TypeError, AttributeError) as e:
             raise SourceError(f"{index}: not a safetensors index (needs a 'weight_map')") from e

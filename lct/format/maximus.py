@@ -145,10 +145,9 @@ def read_state_file(path) -> tuple:
     bad = [k for k in tensors if not k.startswith("maximus.") or ".weight." in k]
     if bad:
         raise MaximusStateError(f"{path}: tensor {bad[0]!r} is outside the maximus.* namespace")
-    try:
-        modules = json.loads(meta.get("modules", "{}"))
-    except ValueError as e:
-        raise MaximusStateError(f"{path}: metadata 'modules' is not JSON") from e
+    from lct.format.manifest import parse_json
+    modules = parse_json(meta.get("modules", "{}"), f"{path}: metadata 'modules'",
+                         MaximusStateError)
     return tensors, modules, path
 
 

@@ -161,6 +161,10 @@ def hub_error(e: BaseException, repo_id: str, revision: str | None = None,
     if isinstance(e, (herr.HFValidationError, ValueError)) and "repo" in str(e).lower() \
             and "id" in str(e).lower():
         return HubURIError(f"{repo_id}: not a valid Hub repo id ({_first_line(e)})")
+    if isinstance(e, OSError) and e.errno is not None:
+        import os
+        on = f" {e.filename}" if getattr(e, "filename", None) else ""
+        return HubError(f"{at}: {action} failed: a local file{on}: {os.strerror(e.errno)}")
     return HubError(f"{at}: {action} failed: {type(e).__name__}: {_first_line(e)}")
 
 

@@ -202,7 +202,11 @@ def pull_detailed(repo_id: str, revision: str | None = None, local_dir=None, tok
             if attempt + 1 < attempts and _transient_status(e):
                 time.sleep(1.0)  # a 5xx or 429: the server may answer a moment later
                 continue
-            raise hub_error(e, repo_id, revision) from e
+            from lct.io.writer import write_error
+            full = write_error(e, Path(local_dir) if local_dir else
+                               Path(hh.constants.HF_HUB_CACHE),
+                               f"{repo_id} into {'it' if local_dir else 'the Hugging Face cache'}")
+            raise (full or hub_error(e, repo_id, revision)) from e
         try:
             files_checked, chunks_checked = verify_download(path, repo_id, revision, local_dir,
                                                             chunks=chunks, progress=progress)

@@ -7,6 +7,7 @@ wrong state raises ``RuntimeError`` naming the state.
 
 from __future__ import annotations
 
+import errno
 import os
 import re
 import shutil
@@ -17,7 +18,7 @@ from pathlib import Path
 
 import numpy as np
 
-from lct.errors import LCTError
+from lct.errors import LCTError, WriteError
 from lct.format import codecs
 from lct.format import constants as C
 from lct.format.codecs import checksum
@@ -161,6 +162,34 @@ def foreign_entry(folder: Path, owned) -> str | None:
     return None
 
 
+# The errors of a write that the user can act on (and the ones a write to a file system LCT
+# does not control may give): a full disk, a quota, a read-only file system, a file too large,
+# no permission, an I/O error.
+WRITE_ERRNOS = frozenset(getattr(errno, n) for n in ("ENOSPC", "EDQUOT", "EROFS", "EFBIG",
+                                                      "EACCES", "EPERM", "EIO")
+                         if hasattr(errno, n))
+
+
+def write_error(e: BaseException, target, what: str = "the artifact"):
+    """The ``WriteError`` for ``e`` when it is an ``OSError`` of writing ``target`` (an errno
+    of ``WRITE_ERRNOS``, and no file named, or one of ``target`` or of its staging folder
+    beside it): one line naming the output and the reason; None for any other error."""
+    if not isinstance(e, OSError) or isinstance(e, LCTError) or e.errno not in WRITE_ERRNOS:
+        return None
+    target = Path(target).absolute()
+    name = getattr(e, "filename", None)
+    if name is not None:
+        path = Path(name).absolute()
+        ours = path == target or target in path.parents or \
+            str(path).startswith(str(target.parent / f".{target.name}."))
+        if not ours:
+            return None     # another file's error (a source read): not the output's
+    reason = os.strerror(e.errno)
+    return WriteError(f"{target}: cannot write {what} ({reason}); nothing was left "
+                      f"half-written" + (": free some space and run it again"
+                                         if e.errno in (errno.ENOSPC, errno.EDQUOT) else ""))
+
+
 def make_staging(tmp: Path, target: Path) -> None:
     """Create the temporary folder beside ``target``; a folder LCT cannot write names the
     user's path, not the temporary one.
@@ -186,13 +215,11 @@ def is_artifact_file(name: str, side_files=C.SIDECAR_FILES) -> bool:
 def recorded_side_files(folder: Path) -> tuple:
     """The side files an existing artifact's manifest records (its own words, untrusted: only
     names that are side-file names), plus the well-known names; what LCT wrote there."""
-    import json
-
-    from lct.format.manifest import is_side_file_name
+    from lct.format.manifest import is_side_file_name, read_json
     try:
-        recorded = json.loads((folder / C.MANIFEST_NAME).read_text())["source"]["files"]
+        recorded = read_json(folder / C.MANIFEST_NAME)["source"]["files"]
         names = [n for n in recorded if is_side_file_name(n)]
-    except (OSError, ValueError, KeyError, TypeError):
+    except (LCTError, KeyError, TypeError):
         names = []
     return tuple(C.SIDECAR_FILES) + tuple(names)
 
@@ -262,6 +289,9 @@ class ArtifactWriter:
     def __exit__(self, exc_type, exc, tb):
         if self.state == "open":
             self.abort()
+        mapped = write_error(exc, self.target)
+        if mapped is not None:
+            raise mapped from exc
         return False
 
     # Data files -------------------------------------------------------------------------------

@@ -49,10 +49,8 @@ def read_config(model, revision: str | None = None) -> tuple:
             raise ConfigNotFoundError(f"{text}: no such folder or file (and not a Hub repo id "
                                       f"like org/name)")
         path = _download_config(text, revision)
-    try:
-        d = json.loads(path.read_text())
-    except (OSError, ValueError) as e:
-        raise PlanError(f"{path}: not a readable JSON file ({e})") from e
+    from lct.format.manifest import read_json
+    d = read_json(path, PlanError)
     if not isinstance(d, dict):
         raise PlanError(f"{path}: must hold a JSON object")
     return d, str(path), artifact

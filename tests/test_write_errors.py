@@ -1,0 +1,99 @@
+"""Writes that fail (issue 22): a full disk, a quota, a read-only file system, no permission,
+during convert, export, pull and push end in one line naming the output, exit 1, and leave
+nothing half-written. The errors are raised where the bytes are written (the artifact
+writer's data file, safetensors' save, huggingface_hub's move into its cache), as the OS
+would raise them."""
+
+import errno
+import os
+
+import pytest
+
+import lct
+from lct.errors import HubError, WriteError
+from test_hub import hub  # noqa: F401 - the loopback Hub fixture
+
+pytestmark = pytest.mark.filterwarnings(  # huggingface_hub's own LFS PUT, not ours
+    "ignore:Use 'content=<...>' to upload raw bytes:DeprecationWarning")
+
+CASES = [errno.ENOSPC, errno.EDQUOT, errno.EROFS, errno.EACCES]
+
+
+def _oserror(code, filename=None):
+    return OSError(code, os.strerror(code), *([str(filename)] if filename else []))
+
+
+@pytest.mark.parametrize("code", CASES)
+def test_convert_on_a_full_or_read_only_disk(gemma_src, tmp_path, monkeypatch, run, code):
+    from lct.io import writer
+    calls = []
+    real = writer.ArtifactWriter.write_stored
+
+    def write_stored(self, *a, **kw):       # on the writer thread, as the disk would fail
+        calls.append(1)
+        if len(calls) == 2:
+            raise _oserror(code)
+        return real(self, *a, **kw)
+    monkeypatch.setattr(writer.ArtifactWriter, "write_stored", write_stored)
+    out = tmp_path / "out"
+    out.mkdir()
+    with pytest.raises(WriteError, match=rf"{out / 'a.lct'}: cannot write the artifact "
+                                         rf"\({os.strerror(code)}\)"):
+        lct.convert(str(gemma_src), out / "a.lct")
+    assert list(out.iterdir()) == []
+    calls.clear()
+    from click.testing import CliRunner
+
+    from lct.cli.main import cli
+    r = CliRunner().invoke(cli, ["convert", str(gemma_src), "-o", str(out / "a.lct"), "-q"])
+    assert r.exit_code == 1 and "Traceback" not in r.output, r.output
+    lines = r.output.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("error: ") and "cannot write" in lines[0]
+    assert list(out.iterdir()) == []
+
+
+def test_a_source_read_error_is_not_called_a_write_error(gemma_src, tmp_path, monkeypatch):
+    """An EACCES naming a file of the source is the source's, not the output's."""
+    from lct.io import writer
+    monkeypatch.setattr(writer.ArtifactWriter, "copy_file", lambda self, src, name=None: (
+        _ for _ in ()).throw(_oserror(errno.EACCES, src)))
+    with pytest.raises(PermissionError) as got:
+        lct.convert(str(gemma_src), tmp_path / "a.lct")
+    assert not isinstance(got.value, WriteError)
+
+
+@pytest.mark.parametrize("code", CASES)
+def test_export_on_a_full_disk(gemma_art, tmp_path, monkeypatch, code):
+    import safetensors.torch
+    monkeypatch.setattr(safetensors.torch, "save_file",
+                        lambda tensors, path, metadata=None: (_ for _ in ()).throw(
+                            _oserror(code, path)))
+    out = tmp_path / "hf"
+    with pytest.raises(WriteError, match=rf"{out}: cannot write the export "
+                                         rf"\({os.strerror(code)}\)"):
+        lct.export(gemma_art, out)
+    assert not out.exists() and list(tmp_path.iterdir()) == []
+
+
+@pytest.mark.parametrize("code", [errno.ENOSPC, errno.EROFS])
+def test_pull_into_a_full_cache_and_push_reading_a_file(gemma_art, hub, monkeypatch, code):
+    import huggingface_hub.file_download as fd
+    lct.hub.push(gemma_art, "alice/g")
+    real = fd._chmod_and_move
+
+    def move(src, dst):
+        raise _oserror(code, dst)
+    monkeypatch.setattr(fd, "_chmod_and_move", move)
+    with pytest.raises(WriteError, match=rf"cannot write alice/g into the Hugging Face cache "
+                                         rf"\({os.strerror(code)}\)"):
+        lct.hub.pull("alice/g")
+    monkeypatch.setattr(fd, "_chmod_and_move", real)
+    assert lct.hub.pull("alice/g").is_dir()          # the next pull is whole
+    from huggingface_hub import HfApi
+
+    def commit(self, *a, **kw):
+        raise _oserror(errno.EACCES, gemma_art / "model-00000.lct")
+    monkeypatch.setattr(HfApi, "create_commit", commit)
+    with pytest.raises(HubError, match=r"push failed: a local file .*model-00000\.lct: "
+                                       r"Permission denied"):
+        lct.hub.push(gemma_art, "alice/g2")
