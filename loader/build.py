@@ -57,7 +57,7 @@ def import_model_class(path) -> None:
     from pathlib import Path
     try:
         from lct.arch import hf
-        from lct.format.manifest import read_json
+        from lct.format.jsontext import read_json
         d = read_json(Path(path) / "config.json", LCTError)
         for name in d.get("architectures") or ():
             hf.class_by_name(name)
@@ -112,6 +112,10 @@ class Installer:
         ties.update({arch.target(t)[0] or t: arch.target(r)[0]
                      for t, r in art.manifest.ties.items() if arch.target(r)[0]})
         self.ties = {t: r for t, r in ties.items() if t not in stored}
+        from lct.loader.source import StoredDtypes
+        check = StoredDtypes(art, arch)
+        for name in art.manifest.tensors:      # all of them, before anything is installed
+            check(name, arch.target(name)[0])
         # Given ids are skipped as asked; the config's pad id only while its stored row is zero.
         self.pad_ids, self.pad_given = _pad_ids(model, pad_ids), pad_ids is not None
         self.installed: set = set()
@@ -490,7 +494,7 @@ def held_budget(art) -> int:
     estimated without transformers (vocabulary, hidden size, layers, MLP width, experts), plus
     64 MiB. An estimate that falls short only makes the load wait for the skeleton sooner; a
     config without these numbers gives the prefetch window's worth (64 MiB)."""
-    from lct.format.manifest import read_json
+    from lct.format.jsontext import read_json
     try:
         cfg = read_json(art.path / "config.json", LCTError)
         cfg = {**cfg.get("text_config", {}), **cfg} if isinstance(cfg, dict) else {}

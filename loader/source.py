@@ -52,6 +52,45 @@ def open_source(path, *, verify: bool = True, workers: int | None = None, stream
     return open_artifact(path, verify=verify, workers=workers, pin_memory=pin_memory)
 
 
+class StoredDtypes:
+    """Checks that a stored tensor's type is the one its manifest entry says the writer stored
+    (the source's, or the conversion's cast), and one the model can hold there: a float
+    parameter as floats of the artifact's dtype (config.json's, or that of most of its layers:
+    MiniMax's float32 buffers outweigh its bfloat16 weights) or float32/float64 (a checkpoint
+    may keep some wider), an integer or bool one as the same type. A tensor edited to another
+    type of the same width (bfloat16 to float16, or to int16) would otherwise load as other
+    values, or fail deep in a kernel. Called as ``check(name, model name)``; raises
+    ``LCTError`` naming the tensor."""
+
+    def __init__(self, art, arch):
+        self.art, self.arch = art, arch
+        self.floats = {str(d).removeprefix("torch.")
+                       for d in (stored_dtype(art), majority_dtype(art)) if d is not None}
+
+    def __call__(self, name: str, target: str | None) -> None:
+        from lct.errors import LCTError
+        from lct.format import constants as C
+        info = self.art.manifest.tensors.get(name)
+        if info is None or target is None:
+            return
+        plain = info.encoding == C.ENCODING_PLAIN
+        stored = info.stored_dtype if plain else self.art.lossy_dtype(info)
+        cast = self.art.cast_dtype
+        where = f"{self.art.path}: tensor {name!r} is stored as {stored}, but"
+        if plain and stored != info.dtype and not (cast and stored == cast and
+                                                   info.dtype in C.FLOAT_DTYPES):
+            raise LCTError(f"{where} its source dtype is {info.dtype} and the conversion cast "
+                           f"nothing to {stored}; the manifest does not describe these weights")
+        ref = self.arch._meta.get(target)
+        allowed = self.floats | {"float32", "float64"} \
+            if ref is None or ref.is_floating_point() else {str(ref.dtype).removeprefix("torch.")}
+        if stored not in allowed:
+            raise LCTError(f"{where} {self.arch.class_name} holds {target!r} as "
+                           f"{' or '.join(sorted(allowed))} in this "
+                           f"{'/'.join(sorted(self.floats))} artifact; the manifest does not "
+                           f"describe these weights")
+
+
 def stored_dtype(art):
     """The torch dtype a load builds the model in by default, as ``from_pretrained`` does
     (its ``dtype="auto"``): the dtype the conversion cast to, else the one config.json names
@@ -67,7 +106,7 @@ def stored_dtype(art):
     if art.cast_dtype:
         return torch_dtype(art.cast_dtype)
     from lct.errors import LCTError
-    from lct.format.manifest import read_json
+    from lct.format.jsontext import read_json
     try:
         cfg = read_json(art.path / "config.json", LCTError)
     except LCTError:
@@ -77,6 +116,15 @@ def stored_dtype(art):
         name = d.get("dtype") or d.get("torch_dtype")
         if isinstance(name, str) and name.removeprefix("torch.") in C.FLOAT_DTYPES:
             return torch_dtype(name.removeprefix("torch."))
+    return majority_dtype(art) or torch.float32
+
+
+def majority_dtype(art):
+    """The float torch dtype of most of the layers' stored elements, or None without floats."""
+    import math
+
+    from lct.format import constants as C
+    from lct.io.reader import torch_dtype
     count: dict = {}
     for t in art.manifest.tensors.values():
         if t.role != "layer":
@@ -84,4 +132,4 @@ def stored_dtype(art):
         name = t.stored_dtype if t.encoding == C.ENCODING_PLAIN else t.dtype
         if name in C.FLOAT_DTYPES:
             count[name] = count.get(name, 0) + math.prod(t.shape)
-    return torch_dtype(max(count, key=count.get)) if count else torch.float32
+    return torch_dtype(max(count, key=count.get)) if count else None

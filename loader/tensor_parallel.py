@@ -343,11 +343,14 @@ def _plans(arch, art, stats) -> tuple:
                    if isinstance(r, DTensor)), "cpu")
     target = torch.device("cuda", torch.cuda.current_device()) if device == "cuda" else \
         torch.device("cpu")
+    from lct.loader.source import StoredDtypes
+    check = StoredDtypes(art, arch)
     plans = {}          # artifact name -> (param name or None, local index, pieces or None)
     for info in art.manifest.tensors.values():
         full, pattern = arch.target(info.name)
         if full is None:
             continue
+        check(info.name, full)
         if pattern is not None:
             plans[info.name] = (None, None, None)
             continue

@@ -38,7 +38,7 @@ def read_config(folder):
     from pathlib import Path
 
     from transformers import AutoConfig
-    from lct.format.manifest import read_json
+    from lct.format.jsontext import read_json
     path = Path(folder) / "config.json"
     read_json(path, ArchitectureError)   # under the caps first: transformers' parser recurses
     try:

@@ -114,7 +114,7 @@ def _config_dtype(config: Path, cast) -> None:
     config's, which would otherwise cast them back)."""
     if cast is None or not config.is_file():
         return
-    from lct.format.manifest import read_json
+    from lct.format.jsontext import read_json
     try:
         data = read_json(config, LCTError)
     except LCTError:

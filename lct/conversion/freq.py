@@ -25,7 +25,7 @@ def _from_list(values, vocab_size: int, where: str):
 
 
 def _from_json(path: Path, vocab_size: int):
-    from lct.format.manifest import read_json
+    from lct.format.jsontext import read_json
     data = read_json(path, SourceError)
     if isinstance(data, list):
         return _from_list(data, vocab_size, str(path))

@@ -10,7 +10,7 @@ from pathlib import Path
 
 from lct.errors import PolicyError, SourceError, SourceNotFoundError
 from lct.format import constants as C
-from lct.format.manifest import read_json
+from lct.format.jsontext import read_json
 
 PICKLE_SUFFIXES = (".bin", ".pt", ".pth", ".ckpt", ".pkl")
 INDEX_NAME = "model.safetensors.index.json"

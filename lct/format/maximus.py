@@ -145,7 +145,7 @@ def read_state_file(path) -> tuple:
     bad = [k for k in tensors if not k.startswith("maximus.") or ".weight." in k]
     if bad:
         raise MaximusStateError(f"{path}: tensor {bad[0]!r} is outside the maximus.* namespace")
-    from lct.format.manifest import parse_json
+    from lct.format.jsontext import parse_json
     modules = parse_json(meta.get("modules", "{}"), f"{path}: metadata 'modules'",
                          MaximusStateError)
     return tensors, modules, path

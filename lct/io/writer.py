@@ -215,7 +215,8 @@ def is_artifact_file(name: str, side_files=C.SIDECAR_FILES) -> bool:
 def recorded_side_files(folder: Path) -> tuple:
     """The side files an existing artifact's manifest records (its own words, untrusted: only
     names that are side-file names), plus the well-known names; what LCT wrote there."""
-    from lct.format.manifest import is_side_file_name, read_json
+    from lct.format.jsontext import read_json
+    from lct.format.manifest import is_side_file_name
     try:
         recorded = read_json(folder / C.MANIFEST_NAME)["source"]["files"]
         names = [n for n in recorded if is_side_file_name(n)]

@@ -49,7 +49,7 @@ def read_config(model, revision: str | None = None) -> tuple:
             raise ConfigNotFoundError(f"{text}: no such folder or file (and not a Hub repo id "
                                       f"like org/name)")
         path = _download_config(text, revision)
-    from lct.format.manifest import read_json
+    from lct.format.jsontext import read_json
     d = read_json(path, PlanError)
     if not isinstance(d, dict):
         raise PlanError(f"{path}: must hold a JSON object")
