@@ -729,3 +729,28 @@ def test_pipeline_downloads_get_the_hub_timeout_and_its_message(hub, monkeypatch
     monkeypatch.setattr(client, "_TIMEOUT", [0.0])    # a client of the program's own
     e = client.hub_error(httpx2.ReadTimeout("no byte"), "alice/x")
     assert isinstance(e, HubOfflineError) and "stopped answering (ReadTimeout)" in str(e)
+
+
+def test_pull_refuses_a_data_file_changed_between_its_chunks(gemma_art, hub, tmp_path):
+    """Issue 22.4: 16 bytes flipped in the middle of a data file, where no chunk lies (the
+    zeros between chunks), passed the pull (data files are checked by their chunks' checksums,
+    not by the Hub's sha256). The gaps are checked now: the pull is refused naming the byte,
+    the file leaves the cache, and a local verify of such a file says the same."""
+    import json
+    lct.hub.push(gemma_art, "alice/gap")
+    m = json.loads((gemma_art / "lct.json").read_text())
+    chunks = sorted((c["offset"], c["offset"] + c["stored_size"]) for c in m["chunks"]
+                    if c["file"] == 0)
+    gap = next((a_end, b_start) for (_, a_end), (b_start, _) in zip(chunks, chunks[1:])
+               if b_start - a_end >= 16)
+    hub.corrupt("alice/gap", "model-00000.lct", offset=gap[0])
+    with pytest.raises(ChecksumError, match=rf"model-00000\.lct: byte {gap[0]} is not zero"):
+        lct.hub.pull("alice/gap")
+    local = tmp_path / "g.lct"
+    shutil.copytree(gemma_art, local)
+    with open(local / "model-00000.lct", "r+b") as f:
+        f.seek(gap[0])
+        f.write(b"\xff" * 16)
+    report = lct.verify(local)
+    assert not report.ok and any(f"byte {gap[0]} is not zero" in x for x in report.failures)
+    assert lct.verify(gemma_art).ok

@@ -62,6 +62,8 @@ def check_artifact(art, *, decode: bool = True, side_files: bool = True, chunks:
     if side_files:
         report.problems += [(None, msg) for msg in art.check_side_files()]
     groups = art.groups if chunks else []
+    if chunks:
+        report.problems += art.check_gaps()
     for i, group in enumerate(groups):
         bufs = {}
         for chunk in m.group_chunks(group):

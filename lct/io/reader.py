@@ -141,6 +141,36 @@ class Artifact:
             if problems:
                 raise ChecksumError(problems[0])
 
+    def check_gaps(self) -> list:
+        """Problems with the bytes of the data files that no chunk holds (FORMAT.md section
+        3): after each file's header, between its chunks and after the last one, every byte
+        MUST be zero; a reader need not read them, a verifying one does, so that every byte of
+        a data file is covered by a check (the header's, the chunks' checksums, these).
+        ``[(file name, message)]``, one per file with a non-zero byte, naming its offset;
+        empty for a remote store (a request per gap: left to the Hub's file hashes)."""
+        if not getattr(self.store, "local", False):
+            return []
+        problems = []
+        by_file: dict = {}
+        for c in self.manifest.chunks:
+            by_file.setdefault(c.file, []).append(c)
+        for index, f in enumerate(self.manifest.files):
+            spans = sorted((c.offset, c.offset + c.stored_size) for c in by_file.get(index, ()))
+            pos = C.DATA_HEADER_SIZE
+            for start, end in spans + [(f["size"], f["size"])]:
+                if start > pos:
+                    gap = self.store.read_range(f["name"], pos, start - pos, f["size"])
+                    data = bytes(gap)
+                    gap.release()
+                    if data.count(0) != len(data):
+                        at = pos + next(k for k, b in enumerate(data) if b)
+                        problems.append((f["name"], f"{self.store.describe(f['name'])}: byte "
+                                        f"{at} is not zero, but it lies between chunks, where "
+                                        f"a data file holds only zeros (the file was changed)"))
+                        break
+                pos = max(pos, end)
+        return problems
+
     def check_side_files(self, names=None) -> list:
         """Problems with the side files ``names`` (config, tokenizer, ...): each one copied from
         the source must still equal the source's size and sha256 recorded in the manifest

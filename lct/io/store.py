@@ -34,6 +34,8 @@ def confined(path: Path, root: Path) -> bool:
 class LocalStore:
     """Data files in a local directory, read through read-only memory maps (zero-copy)."""
 
+    local = True        # reading a range costs no request (a remote store's is False)
+
     def __init__(self, root):
         self.root = Path(root)
         self._maps: dict = {}
