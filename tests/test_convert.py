@@ -534,3 +534,28 @@ def test_export_writes_what_save_pretrained_writes(arch, shard, llama_src, gemma
     index = tmp_path / "hf-out" / "model.safetensors.index.json"
     if index.exists():
         assert (tmp_path / "lct-out" / index.name).read_text() == index.read_text()
+
+
+def test_a_failure_hashing_the_source_ends_the_conversion(gemma_src, tmp_path, monkeypatch):
+    """Issue 22.5: the source files were hashed in a bare thread; its error was printed and the
+    conversion succeeded with the side files unrecorded (which verify then skipped)."""
+    from lct.conversion import converter
+
+    def broken(path):
+        raise OSError(5, "Input/output error", str(path))
+    monkeypatch.setattr(converter, "sha256_file", broken)
+    with pytest.raises(SourceError, match=r"cannot be read to record its hash \(Input/output "
+                                          r"error\)"):
+        lct.convert(str(gemma_src), tmp_path / "a.lct")
+    assert not (tmp_path / "a.lct").exists()
+
+
+def test_the_writer_refuses_a_side_file_without_a_recorded_hash(gemma_src, tmp_path):
+    from lct.io.writer import ArtifactWriter
+    with ArtifactWriter(tmp_path / "a.lct") as w:
+        w.copy_file(gemma_src / "config.json")
+        with pytest.raises(LCTError, match="side file 'config.json' was copied but its hash is "
+                                           "not recorded"):
+            w.finish(groups=[], source={"files": {}}, architecture={}, policy={}, ties={},
+                     unmapped=[], created_by="test")
+    assert not (tmp_path / "a.lct").exists()

@@ -10,7 +10,6 @@ from __future__ import annotations
 import logging
 import os
 import re
-import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
@@ -164,15 +163,22 @@ def _cast(t, target: str, name: str, path):
     return out
 
 
-def _sha_all(src: Source, out: dict) -> None:
+def _sha_all(src: Source) -> dict:
+    """``{file name: {"sha256", "size"}}`` of every source file read: weights and side files."""
+    out = {}
     for fname in src.files + [p.name for p in src.sidecars()]:
         p = src.root / fname
         real = Path(os.path.realpath(p))
         if src.kind == "hub" and re.fullmatch(r"[0-9a-f]{64}", real.name):
             digest = real.name  # the Hub cache names LFS blobs by their sha256
         else:
-            digest = sha256_file(p)
+            try:
+                digest = sha256_file(p)
+            except OSError as e:
+                raise SourceError(f"{p}: cannot be read to record its hash "
+                                  f"({e.strerror or e})") from e
         out[fname] = {"sha256": digest, "size": p.stat().st_size}
+    return out
 
 
 def _write_chunk(writer, layout, policy: Policy, src: Source, get) -> int:
@@ -421,9 +427,11 @@ def convert(source: str, out, *, revision: str | None = None, policy: Policy | N
         log.info("%s", decision.summary())
     total = sum(int(np.prod(tensors[s.name].shape)) * C.DTYPE_SIZES[tensors[s.name].dtype]
                 for g in specs.values() for s in g)
-    hashes: dict = {}
-    hasher = threading.Thread(target=_sha_all, args=(src, hashes), daemon=True)
-    hasher.start()
+    # The source files are hashed beside the encoding; a failure there ends the conversion
+    # (it is the provenance, and what verify checks the side files against).
+    hasher = ThreadPoolExecutor(1, thread_name_prefix="lct-hash")
+    hashes = hasher.submit(_sha_all, src)
+    hasher.shutdown(wait=False)
     maximus_layout = _maximus_layout(src, specs, policy, token_freq) \
         if policy.maximus_shards else None
     splits = _tp_splits(src, specs, policy.tp_pieces, arch) if policy.tp_pieces else {}
@@ -436,10 +444,10 @@ def convert(source: str, out, *, revision: str | None = None, policy: Policy | N
         for p in src.sidecars():
             writer.copy_file(p)
         maximus = maximus_layout.write(writer.staging) if maximus_layout else None
-        hasher.join()
         manifest = writer.finish(
             groups=groups,
-            source={"id": src.id, "kind": src.kind, "revision": src.revision, "files": hashes},
+            source={"id": src.id, "kind": src.kind, "revision": src.revision,
+                    "files": hashes.result()},
             architecture={"model_type": src.model_type, "tie_word_embeddings": tie_flag,
                           "mapping": f"transformers {hf.version()}", **arch.summary()},
             policy=policy.to_dict(chosen, decision), ties=ties, unmapped=unmapped,

@@ -256,6 +256,7 @@ class ArtifactWriter:
         self.chunks: list = []
         self.tensors: list = []
         self.pieced: dict = {}      # name -> (full TensorSpec, row_order, [piece TensorInfo])
+        self.copied: list = []      # side files copied in (each needs a recorded hash)
         self._fh = None
         self._pos = 0
         self._io = ThreadPoolExecutor(1, thread_name_prefix="lct-write")
@@ -397,6 +398,7 @@ class ArtifactWriter:
         if dest.name != Path(dest.name).name or dest.name in ("", ".", ".."):
             raise LCTError(f"refusing side file name {dest.name!r}")
         shutil.copyfile(src, dest)
+        self.copied.append(dest.name)
 
     @property
     def staging(self) -> Path:
@@ -406,8 +408,16 @@ class ArtifactWriter:
     # Finish -----------------------------------------------------------------------------------
     def finish(self, *, groups: list, source: dict, architecture: dict, policy: dict,
                ties: dict, unmapped: list, created_by: str, maximus: dict | None = None) -> Manifest:
-        """Write the manifest, validate it, and move the artifact into place."""
+        """Write the manifest, validate it, and move the artifact into place. Every side file
+        copied in must have its size and sha256 in ``source["files"]``: a reader checks side
+        files against that record, and skips what it does not list."""
         self._require_open()
+        recorded = (source or {}).get("files") or {}
+        unrecorded = [n for n in self.copied if n not in recorded]
+        if unrecorded:
+            raise LCTError(f"{self.target}: side file {unrecorded[0]!r} was copied but its "
+                           f"hash is not recorded; refusing to write an artifact whose side "
+                           f"files cannot be verified")
         self._drain()
         self._io.shutdown(wait=True)
         self._close_file()
