@@ -45,6 +45,8 @@ def push_cmd(artifact, repo_id, revision, private, commit_message, create_pr, li
     click.echo(f"pushed {artifact} to {res.repo_id}@{res.revision}: {len(res.files)} files, "
                f"{human(res.bytes)}, {res.chunks_checked} chunks verified before upload")
     click.echo(f"commit {res.commit_oid}: {res.commit_url}")
+    for name, why in res.skipped:
+        click.echo(f"note: {name} in the artifact folder was not pushed: {why}", err=True)
     if res.pr_url:
         click.echo(f"pull request: {res.pr_url}")
     at = f"@{res.revision}" if res.revision != "main" else ""

@@ -754,3 +754,28 @@ def test_pull_refuses_a_data_file_changed_between_its_chunks(gemma_art, hub, tmp
     report = lct.verify(local)
     assert not report.ok and any(f"byte {gap[0]} is not zero" in x for x in report.failures)
     assert lct.verify(gemma_art).ok
+
+
+def test_push_says_what_in_the_folder_it_does_not_push(gemma_art, hub, tmp_path, run):
+    """Issue 22.6: a README.md in the artifact folder (a link, say) was replaced by the
+    generated card, and a LICENSE that is a folder skipped, without a word; the Maximus state
+    was written 0600 where every other file is 0644."""
+    art = tmp_path / "g.lct"
+    shutil.copytree(gemma_art, art)
+    (tmp_path / "notes.md").write_text("mine")
+    (art / "README.md").symlink_to(tmp_path / "notes.md")
+    (art / "LICENSE").mkdir()
+    res = lct.hub.push(art, "alice/notes")
+    assert dict(res.skipped) == {"README.md": "the model card is generated from the manifest "
+                                              "instead",
+                                 "LICENSE": "a folder or a link to nothing, not a file"}
+    r = run("push", art, "alice/notes2")
+    assert "note: README.md in the artifact folder was not pushed" in r.output
+
+
+def test_the_maximus_state_is_written_as_the_other_files(llama_src, tmp_path):
+    import stat
+    out = tmp_path / "mx.lct"
+    lct.convert(str(llama_src), out, policy=lct.Policy(maximus_shards=4))
+    modes = {p.name: stat.S_IMODE(p.stat().st_mode) for p in out.iterdir()}
+    assert modes["maximus.safetensors"] == modes["lct.json"], modes

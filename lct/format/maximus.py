@@ -116,6 +116,7 @@ def write_state_file(per_module: dict, path) -> Path:
     try:
         save_file(tensors, str(tmp), metadata={"format": C.MAXIMUS_STATE_FORMAT, "version": C.MAXIMUS_STATE_VERSION,
                                                "modules": json.dumps(meta)})
+        os.chmod(tmp, 0o644)        # as the artifact's other files (safetensors writes 0600)
         os.replace(tmp, path)
     finally:
         if tmp.exists():

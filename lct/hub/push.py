@@ -29,14 +29,26 @@ class PushResult:
     files: list = field(default_factory=list)
     bytes: int = 0
     chunks_checked: int = 0
+    skipped: list = field(default_factory=list)     # [(name, why)] in the folder, not pushed
 
 
-def _artifact_files(root: Path, manifest) -> list:
+def _artifact_files(root: Path, manifest) -> tuple:
+    """``(names, skipped)``: the files to push, and ``[(name, why)]`` of those in the folder
+    that are not pushed (a card LCT generates instead, an extra file that is not a file)."""
     names = [C.MANIFEST_NAME] + [f["name"] for f in manifest.files]
     if manifest.maximus:
         names.append(manifest.maximus["file"])
     names += [n for n in manifest.side_files() if (root / n).is_file()]
-    names += [n for n in EXTRA_FILES if (root / n).is_file()]
+    skipped = []
+    for n in EXTRA_FILES:
+        p = root / n
+        if p.is_file():
+            names.append(n)
+        elif p.is_symlink() or p.exists():
+            skipped.append((n, "a folder or a link to nothing, not a file"))
+    card = root / CARD_NAME
+    if card.is_symlink() or card.exists():
+        skipped.append((CARD_NAME, "the model card is generated from the manifest instead"))
     names = list(dict.fromkeys(names))   # a LICENSE carried from the source is listed once
     for n in names:
         if not confined(root / n, root):  # it would publish whatever it points at
@@ -44,7 +56,7 @@ def _artifact_files(root: Path, manifest) -> list:
                            f"refusing to push")
         if not (root / n).is_file():
             raise LCTError(f"{root / n}: missing; refusing to push an incomplete artifact")
-    return names
+    return names, skipped
 
 
 def push(artifact, repo_id: str, revision: str | None = None, private: bool = False,
@@ -82,7 +94,7 @@ def push(artifact, repo_id: str, revision: str | None = None, private: bool = Fa
     repo_id, revision = split_address(repo_id, revision)
     root = Path(artifact)
     manifest, report = _verified(root, verify_progress)
-    names = _artifact_files(root, manifest)
+    names, skipped = _artifact_files(root, manifest)
     card = model_card(manifest, repo_id,
                       license=license or _source_license(manifest, token, endpoint))
     src = manifest.source or {}
@@ -117,7 +129,7 @@ def push(artifact, repo_id: str, revision: str | None = None, private: bool = Fa
     return PushResult(repo_id=repo_id, revision=revision or "main", commit_oid=info.oid,
                       commit_url=info.commit_url, pr_url=info.pr_url,
                       files=names + [CARD_NAME], bytes=total,
-                      chunks_checked=report.chunks_checked)
+                      chunks_checked=report.chunks_checked, skipped=skipped)
 
 
 def _verified(root: Path, progress) -> tuple:

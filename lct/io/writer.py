@@ -12,6 +12,7 @@ import os
 import re
 import shutil
 import struct
+import sys
 import uuid
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
@@ -47,12 +48,13 @@ def check_output_path(target: Path) -> None:
 
 
 class OutputLock:
-    """An exclusive lock on an output path, held while LCT writes it: ``flock`` on a file beside
-    it (``.NAME.lock``), which dies with its process and is deleted on release, so that nothing
-    stays behind. (Not the filelock package: it leaves the file, and deleting it safely needs
-    the inode check in ``acquire``.) While it is held, temporary folders of earlier runs for the
-    same output (``.NAME.tmp-*``, ``.NAME.old-*``) can only be litter of runs that died, and
-    are removed.
+    """An exclusive lock on an output path, held while LCT writes it. On Linux it is a name in
+    the abstract socket namespace (``\\0lct-output-`` and a hash of the path): it exists only
+    while its process holds it, so a writer killed with SIGKILL leaves nothing behind, not even
+    a lock file. Elsewhere it is ``flock`` on a file beside the output (``.NAME.lock``),
+    deleted on release. While it is held, temporary folders of earlier runs for the same
+    output (``.NAME.tmp-*``, ``.NAME.old-*``) can only be litter of runs that died, and are
+    removed.
 
     Raises:
         LCTError: another process holds the lock.
@@ -62,36 +64,16 @@ class OutputLock:
         self.target = target
         self.path = target.parent / f".{target.name}.lock"
         self._fd = None
+        self._sock = None
 
     def acquire(self) -> "OutputLock":
-        import fcntl
         try:
             self.target.parent.mkdir(parents=True, exist_ok=True)
         except OSError as e:
             raise LCTError(f"{self.target}: cannot create {self.target.parent} "
                            f"({e.strerror or e}); choose a writable folder") from e
-        for _ in range(8):
-            try:
-                fd = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o644)
-            except OSError as e:
-                raise LCTError(f"{self.target}: cannot write in {self.target.parent} "
-                               f"({e.strerror or e}); choose a writable folder") from e
-            try:
-                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-            except BlockingIOError:
-                os.close(fd)
-                raise LCTError(f"{self.target}: another LCT process is writing it right now "
-                               f"(lock {self.path}); wait for it to finish") from None
-            try:
-                same = os.stat(self.path).st_ino == os.fstat(fd).st_ino
-            except FileNotFoundError:
-                same = False
-            if same:  # not a file its previous holder deleted while we waited to open it
-                self._fd = fd
-                break
-            os.close(fd)
-        else:
-            raise LCTError(f"{self.target}: could not take the lock {self.path}")
+        if not self._bind():
+            self._flock()
         parent, name = self.target.parent, self.target.name
         old = sorted((p for p in parent.glob(f".{name}.old-*") if p.is_dir() and not p.is_symlink()),
                      key=lambda p: p.stat().st_mtime)
@@ -106,7 +88,55 @@ class OutputLock:
             shutil.rmtree(p, ignore_errors=True)
         return self
 
+    def _busy(self) -> LCTError:
+        return LCTError(f"{self.target}: another LCT process is writing it right now; wait for "
+                        f"it to finish")
+
+    def _bind(self) -> bool:
+        """Take the abstract socket name; False where the platform has no such namespace."""
+        import hashlib
+        import socket
+        if not hasattr(socket, "AF_UNIX") or not sys.platform.startswith("linux"):
+            return False
+        key = hashlib.sha256(str(self.target.resolve()).encode()).hexdigest()[:40]
+        sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        try:
+            sock.bind(f"\0lct-output-{key}")
+        except OSError as e:
+            sock.close()
+            if e.errno == errno.EADDRINUSE:
+                raise self._busy() from None
+            return False
+        self._sock = sock
+        return True
+
+    def _flock(self) -> None:
+        import fcntl
+        for _ in range(8):
+            try:
+                fd = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o644)
+            except OSError as e:
+                raise LCTError(f"{self.target}: cannot write in {self.target.parent} "
+                               f"({e.strerror or e}); choose a writable folder") from e
+            try:
+                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            except BlockingIOError:
+                os.close(fd)
+                raise self._busy() from None
+            try:
+                same = os.stat(self.path).st_ino == os.fstat(fd).st_ino
+            except FileNotFoundError:
+                same = False
+            if same:  # not a file its previous holder deleted while we waited to open it
+                self._fd = fd
+                return
+            os.close(fd)
+        raise LCTError(f"{self.target}: could not take the lock {self.path}")
+
     def release(self) -> None:
+        if self._sock is not None:
+            self._sock.close()
+            self._sock = None
         if self._fd is None:
             return
         try:
