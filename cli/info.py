@@ -31,7 +31,7 @@ def info_cmd(artifact, as_json, as_manifest, tensors, quiet):
             return
         if as_json:
             from lct.io.info import summary
-            click.echo(json.dumps(summary(m, art.path), indent=1))
+            click.echo(json.dumps(summary(m, art.path, art.digest), indent=1))
             return
         if quiet:
             click.echo(f"{art.path}: LCT {m.format_version[0]}.{m.format_version[1]}, "
@@ -44,6 +44,8 @@ def info_cmd(artifact, as_json, as_manifest, tensors, quiet):
                    f"{m.created_by})")
         click.echo(f"source: {m.source.get('id')}"
                    + (f" @ {m.source['revision']}" if m.source.get("revision") else ""))
+        click.echo(f"digest: {art.digest}  (pin it: lct verify ART --expect DIGEST, "
+                   f"lct.load(..., expect=DIGEST))")
         from lct.io.info import architecture_line
         click.echo(architecture_line(m))
         p = m.policy

@@ -33,6 +33,9 @@ def _ids(ctx, param, value):
                    "the model dtype at load.")
 @click.option("--workers", type=int, default=None, help="Decode threads (default: all cores).")
 @click.option("--no-verify", is_flag=True, help="Skip chunk checksums while streaming.")
+@click.option("--expect", default=None, metavar="DIGEST",
+              help="Refuse the artifact unless its manifest has this digest (sha256:..., as "
+                   "lct info prints it).")
 @click.option("--layerwise", is_flag=True,
               help="Keep only embedding, head and the prefetch window of layers resident "
                    "(for models larger than memory); layers stream on every forward. For "
@@ -60,8 +63,8 @@ def _ids(ctx, param, value):
               help="Print the breakdown and the generated text as one JSON object (fields in "
                    "docs/CLI.md).")
 @quiet_option("the generated text (nothing without --prompt or --ids)")
-def load_cmd(artifact, prefetch, device, dtype, nf4, workers, no_verify, layerwise, maximus,
-             stream, tp, prompt, ids, max_new_tokens, as_json, quiet):
+def load_cmd(artifact, prefetch, device, dtype, nf4, workers, no_verify, expect, layerwise,
+             maximus, stream, tp, prompt, ids, max_new_tokens, as_json, quiet):
     """Load ARTIFACT into a transformers model with the prefetching streaming loader and print a
     breakdown: imports, manifest, read, decode, install, time to ready, time to first token (with
     --prompt or --ids), throughput and peak RSS.
@@ -85,7 +88,7 @@ def load_cmd(artifact, prefetch, device, dtype, nf4, workers, no_verify, layerwi
         if layerwise or maximus is not None:
             raise click.UsageError("--tp does not go with --layerwise or --maximus")
         return _load_tp(artifact, prefetch, device, dtype, nf4, workers, no_verify, stream,
-                        prompt, ids, max_new_tokens, as_json, quiet)
+                        prompt, ids, max_new_tokens, as_json, quiet, expect)
 
     from lct import hub
     source = artifact
@@ -119,11 +122,11 @@ def load_cmd(artifact, prefetch, device, dtype, nf4, workers, no_verify, layerwi
     if layerwise:
         model = loader.LayerwiseModel(source if stream else artifact, prefetch=prefetch,
                                       device=device, dtype=tdtype, nf4=nf4, workers=workers,
-                                      verify=not no_verify, stream=stream)
+                                      verify=not no_verify, stream=stream, expect=expect)
     else:
         model = loader.load(source if stream else artifact, prefetch=prefetch, device=device,
                             dtype=tdtype, nf4=nf4, workers=workers, verify=not no_verify,
-                            stats=stats, stream=stream,
+                            stats=stats, stream=stream, expect=expect,
                             maximus=False if maximus is None else (True if maximus < 0 else maximus))
     ready_s = time.perf_counter() - t1
     age_ready = process_age()
@@ -193,7 +196,7 @@ def load_cmd(artifact, prefetch, device, dtype, nf4, workers, no_verify, layerwi
 
 
 def _load_tp(artifact, prefetch, device, dtype, nf4, workers, no_verify, stream, prompt, ids,
-             max_new_tokens, as_json, quiet):
+             max_new_tokens, as_json, quiet, expect=None):
     """``lct load --tp``: one rank of a tensor-parallel load (the process group from torchrun's
     environment); every rank prints its own line, rank 0 the generated text."""
     import os
@@ -221,7 +224,8 @@ def _load_tp(artifact, prefetch, device, dtype, nf4, workers, no_verify, stream,
     try:
         model = loader.load(artifact, prefetch=prefetch, device=device, nf4=nf4,
                             workers=workers, verify=not no_verify, stats=stats, stream=stream,
-                            tp_plan="auto", dtype=getattr(torch, dtype) if dtype else None)
+                            tp_plan="auto", dtype=getattr(torch, dtype) if dtype else None,
+                            expect=expect)
     except LCTError as e:
         # Every rank has the same error (the load agrees on it): the group is left together,
         # the one line printed, and the process ends at once. A normal interpreter exit after

@@ -29,15 +29,23 @@ from lct.cli._util import GroupProgress, quiet_option, table
                    "on every forward (the reference is the artifact with its lossy tensors taken "
                    "from the source), so only the embeddings, heads and two prefetch windows are "
                    "resident.")
+@click.option("--expect", default=None, metavar="DIGEST",
+              help="The manifest must have this digest (sha256:..., as lct info prints it): a "
+                   "pin on every tensor's name, shape, type and place and every chunk's "
+                   "checksum. The checksums alone are xxh3_64, which anyone can compute again "
+                   "after an edit.")
 @click.option("--json", "as_json", is_flag=True,
               help="Print the whole report as JSON (fields in docs/CLI.md) instead of tables.")
 @quiet_option("OK or FAILED (the problems on stderr)")
-def verify_cmd(artifact, against, revision, quality, text, max_tokens, layerwise, as_json, quiet):
+def verify_cmd(artifact, against, revision, quality, text, max_tokens, layerwise, expect,
+               as_json, quiet):
     """Check every chunk of ARTIFACT (a folder or hf://org/name[@rev], pulled first):
     checksum and decode. Exits 1 if anything is wrong.
 
     With --against SOURCE, every tensor is compared with the source: lossless ones bit for bit,
-    NF4/int8 ones by quantizing the source again. With --quality, what the lossy parts cost on text."""
+    NF4/int8 ones by quantizing the source again. With --quality, what the lossy parts cost on
+    text. OK proves the artifact is whole and consistent, not that its manifest is the one its
+    writer wrote: pin it with --expect."""
     from lct.conversion.verifier import verify
 
     if layerwise and not quality:
@@ -49,7 +57,7 @@ def verify_cmd(artifact, against, revision, quality, text, max_tokens, layerwise
     try:
         rep = verify(artifact, against=against, revision=revision, progress=bar,
                      quality=quality, text=text, max_tokens=max_tokens, quality_progress=qbar,
-                     layerwise=layerwise)
+                     layerwise=layerwise, expect=expect)
     finally:
         bar.close()
         qbar.close()

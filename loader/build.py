@@ -355,7 +355,8 @@ def install_maximus(model, art, budget=None, device="cpu"):
 
 def load(path, prefetch: int = 2, device="cpu", dtype=None, nf4: str = "keep",
          workers: int | None = None, *, verify: bool = True, pad_ids=None,
-         stats: LoadStats | None = None, maximus=False, stream: bool = False):
+         stats: LoadStats | None = None, maximus=False, stream: bool = False,
+         expect: str | None = None):
     """Load an LCT artifact into a transformers model ready for ``generate()``.
 
     Args:
@@ -376,6 +377,7 @@ def load(path, prefetch: int = 2, device="cpu", dtype=None, nf4: str = "keep",
             artifact's shard state, hottest shards resident first.
         stream: for an ``hf://`` address, fetch the chunks by HTTP range requests straight
             from the Hub (same prefetch window and checksums) instead of downloading the files.
+        expect: the manifest's digest, as ``lct info`` prints it (``lct.load``'s docstring).
 
     Returns:
         A ``PreTrainedModel`` in eval mode.
@@ -400,7 +402,7 @@ def load(path, prefetch: int = 2, device="cpu", dtype=None, nf4: str = "keep",
     gc.disable()
     try:
         return _load(path, prefetch, device, dtype, nf4, workers, verify, pad_ids, stats,
-                     maximus, stream)
+                     maximus, stream, expect)
     finally:
         if was_enabled:
             gc.enable()
@@ -422,7 +424,8 @@ def check_device(device) -> None:
                            f"device(s)")
 
 
-def _load(path, prefetch, device, dtype, nf4, workers, verify, pad_ids, stats, maximus, stream):
+def _load(path, prefetch, device, dtype, nf4, workers, verify, pad_ids, stats, maximus, stream,
+          expect):
     from concurrent.futures import ThreadPoolExecutor
     check_device(device)
 
@@ -432,7 +435,7 @@ def _load(path, prefetch, device, dtype, nf4, workers, verify, pad_ids, stats, m
     # torch is not imported here: the skeleton thread imports it (with transformers) while
     # the stream already reads and decodes, which needs only numpy and zstd.
     art = open_source(path, verify=verify, workers=workers, stream=stream,
-                      pin_memory=_is_cuda(device))
+                      pin_memory=_is_cuda(device), expect=expect)
     stats.manifest_s = time.perf_counter() - t0
     art.thread_nice = DECODE_NICE
 

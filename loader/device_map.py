@@ -197,7 +197,7 @@ def device_of(name: str, dmap: dict):
 
 def load_mapped(path, device_map, *, max_memory=None, prefetch: int = 2, dtype=None,
                 nf4: str = "keep", workers: int | None = None, verify: bool = True,
-                stats=None, stream: bool = False):
+                stats=None, stream: bool = False, expect: str | None = None):
     """Load ``path`` placing its modules as ``device_map`` says (see the module docstring).
 
     Returns:
@@ -211,7 +211,7 @@ def load_mapped(path, device_map, *, max_memory=None, prefetch: int = 2, dtype=N
     from lct.loader.source import LoadStats, open_source, stored_dtype
     stats = stats if stats is not None else LoadStats()
     t0 = time.perf_counter()
-    art = open_source(path, verify=verify, workers=workers, stream=stream)
+    art = open_source(path, verify=verify, workers=workers, stream=stream, expect=expect)
     closing = True
     try:
         # The skeleton in the dtype the weights have (build_skeleton's default): accelerate

@@ -8,7 +8,8 @@ from lct.errors import LCTError
 
 def load(path, prefetch: int = 2, device="cpu", dtype=None, nf4: str = "keep",
          workers: int | None = None, *, verify: bool = True, pad_ids=None, stats=None,
-         maximus=False, stream: bool = False, tp_plan=None, device_map=None, max_memory=None):
+         maximus=False, stream: bool = False, tp_plan=None, device_map=None, max_memory=None,
+         expect: str | None = None):
     """Load an LCT artifact into a transformers model ready for ``generate()``.
 
     Without ``tp_plan`` or ``device_map`` this is ``lct.loader.build.load``, the prefetching
@@ -27,6 +28,9 @@ def load(path, prefetch: int = 2, device="cpu", dtype=None, nf4: str = "keep",
         stats: a ``LoadStats`` filled with the time and bytes breakdown.
         maximus: ``True`` (or a budget in shards) installs a ``MaximusEmbedding``.
         stream: for ``hf://``, fetch chunks by HTTP range requests instead of the files.
+        expect: the digest the artifact's manifest must have (``sha256:...``, as ``lct info``
+            prints it): a pin on the names, shapes, types and places of every tensor and on
+            every chunk's checksum (an ``hf://`` address at a commit is pinned already).
         tp_plan: ``"auto"`` under an initialised ``torch.distributed`` process group: the
             tensor-parallel model ``from_pretrained(tp_plan="auto")`` builds, each rank keeping
             its shards (``lct.loader.tensor_parallel.load_tp``).
@@ -54,18 +58,19 @@ def load(path, prefetch: int = 2, device="cpu", dtype=None, nf4: str = "keep",
         from lct.loader.device_map import load_mapped
         return load_mapped(path, device_map, max_memory=max_memory, prefetch=prefetch,
                            dtype=dtype, nf4=nf4, workers=workers, verify=verify, stats=stats,
-                           stream=stream)
+                           stream=stream, expect=expect)
     if tp_plan is not None:
         if maximus:
             raise LCTError("Maximus shards and tensor-parallel loading do not go together yet",
                            option="maximus")
         from lct.loader.tensor_parallel import load_tp
         return load_tp(path, tp_plan=tp_plan, prefetch=prefetch, device=device, dtype=dtype,
-                       nf4=nf4, workers=workers, verify=verify, stats=stats, stream=stream)
+                       nf4=nf4, workers=workers, verify=verify, stats=stats, stream=stream,
+                       expect=expect)
     from lct.loader.build import load as load_streamed
     return load_streamed(path, prefetch=prefetch, device=device, dtype=dtype, nf4=nf4,
                          workers=workers, verify=verify, pad_ids=pad_ids, stats=stats,
-                         maximus=maximus, stream=stream)
+                         maximus=maximus, stream=stream, expect=expect)
 
 
 def _check_args(prefetch, dtype, stats, maximus):

@@ -29,12 +29,12 @@ class LayerwiseModel:
 
     def __init__(self, path, prefetch: int = 2, device="cpu", dtype=None, nf4: str = "keep",
                  workers: int | None = None, *, verify: bool = True, pad_ids=None,
-                 stream: bool = False):
+                 stream: bool = False, expect: str | None = None):
         import torch
 
         check_device(device)
         self.art = open_source(path, verify=verify, workers=workers, stream=stream,
-                               pin_memory=_is_cuda(device))
+                               pin_memory=_is_cuda(device), expect=expect)
         self.prefetch = prefetch
         try:
             arch = build_skeleton(self.art, dtype)

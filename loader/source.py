@@ -34,22 +34,34 @@ class LoadStats:
 
 
 def open_source(path, *, verify: bool = True, workers: int | None = None, stream: bool = False,
-                pin_memory: bool = False):
+                pin_memory: bool = False, expect: str | None = None):
     """Open a local artifact or a Hub address ``hf://org/name[@revision]``.
 
     A Hub address is pulled into the Hugging Face cache and its files checked against the Hub's
     hashes (chunk checksums are then verified as they are read), or with ``stream`` its chunks
-    are fetched by HTTP range requests from one pinned commit.
+    are fetched by HTTP range requests from one pinned commit. With ``expect`` (a digest as
+    ``lct info`` prints it) the manifest must be that one (``Artifact.check_digest``).
     """
     from lct.hub import is_hf_uri
     from lct.io.reader import open_artifact
     if is_hf_uri(path):
         if stream:
             from lct.hub.remote import open_remote
-            return open_remote(path, verify=verify, workers=workers, pin_memory=pin_memory)
+            art = open_remote(path, verify=verify, workers=workers, pin_memory=pin_memory)
+            return _pinned(art, expect)
         from lct.hub import pull
         path = pull(path, chunks=not verify)
-    return open_artifact(path, verify=verify, workers=workers, pin_memory=pin_memory)
+    return _pinned(open_artifact(path, verify=verify, workers=workers, pin_memory=pin_memory),
+                   expect)
+
+
+def _pinned(art, expect):
+    try:
+        art.check_digest(expect)
+    except BaseException:
+        art.close()
+        raise
+    return art
 
 
 class StoredDtypes:

@@ -22,14 +22,14 @@ _MESSAGE_BYTES = 2048
 
 def load_tp(path, *, tp_plan="auto", prefetch: int = 2, device="cpu", dtype=None,
             nf4: str = "dequantize", workers: int | None = None, verify: bool = True,
-            stats=None, stream: bool = False):
+            stats=None, stream: bool = False, expect: str | None = None):
     """Load ``path`` tensor-parallel over the initialised default process group.
 
     Args:
         path: the artifact folder or ``hf://org/name[@rev]`` (every rank pulls or streams it).
         tp_plan: ``"auto"``: the model's own plan (``base_model_tp_plan``), as
             ``from_pretrained(tp_plan="auto")`` uses it.
-        prefetch, workers, verify, stream: as ``lct.load``.
+        prefetch, workers, verify, stream, expect: as ``lct.load``.
         device: ``"cpu"`` (gloo) or ``"cuda"`` (each rank's local device, NCCL).
         dtype: the parameters' dtype (default: the dtype the artifact stores its layers in).
         nf4: ``"keep"``: the NF4/int8 embedding and head stay in their encoding, each rank
@@ -68,7 +68,7 @@ def load_tp(path, *, tp_plan="auto", prefetch: int = 2, device="cpu", dtype=None
                               % torch.cuda.device_count())
     art = failure = None
     try:
-        art = open_source(path, verify=verify, workers=workers, stream=stream)
+        art = open_source(path, verify=verify, workers=workers, stream=stream, expect=expect)
     except Exception as e:  # noqa: BLE001 - every rank must hear of it, whatever it is
         failure = e
     # Agree before the skeleton: building it runs collectives (the device mesh), which a rank

@@ -55,3 +55,37 @@ def test_the_artifacts_own_dtypes_load(llama_art, tmp_path):
     lct.convert(str(src), tmp_path / "f32.lct", policy=lct.Policy(nf4=("embed", "head")))
     assert lct.load(tmp_path / "f32.lct").dtype == torch.float32
     assert lct.load(llama_art).dtype == torch.bfloat16
+
+
+def test_an_artifact_is_pinned_by_its_digest(llama_art, tmp_path, run):
+    """Issue 22.7: two tensors of one shape exchanged and the manifest resealed load other
+    weights and verify says OK (its checksums are xxh3, recomputable by anyone); the digest lct
+    info prints pins the manifest: verify --expect and lct.load(expect=) refuse the edit."""
+    from lct.loader import LayerwiseModel
+    with lct.open(llama_art) as a:
+        digest = a.digest
+    assert f"digest: {digest}" in run("info", llama_art).output
+    assert json.loads(run("info", llama_art, "--json").output)["digest"] == digest
+    art = tmp_path / "swapped.lct"
+    shutil.copytree(llama_art, art)
+    m = json.loads((art / "lct.json").read_text())
+    a_, b_ = (next(t for t in m["tensors"] if t["name"] == n)
+              for n in ("model.layers.0.self_attn.q_proj.weight",
+                        "model.layers.0.self_attn.o_proj.weight"))
+    a_["name"], b_["name"] = b_["name"], a_["name"]
+    (art / "lct.json").write_text(manifest_text(m, rebind=True))
+    assert lct.verify(art).ok                              # what verify alone cannot see
+    report = lct.verify(art, expect=digest)
+    assert not report.ok and any("is not the expected" in f for f in report.failures)
+    assert lct.verify(llama_art, expect=digest).ok
+    assert lct.verify(llama_art, expect=digest.removeprefix("sha256:")).ok
+    for load in (lambda: lct.load(art, expect=digest), lambda: LayerwiseModel(art, expect=digest),
+                 lambda: lct.load(art, expect=digest, device_map={"": "cpu"})):
+        with pytest.raises(LCTError, match=f"digest sha256:[0-9a-f]{{64}} is not the expected "
+                                           f"{digest}"):
+            load()
+    lct.load(llama_art, expect=digest)
+    r = run("verify", art, "--expect", digest)
+    assert r.exit_code == 1
+    with pytest.raises(LCTError, match="give sha256:<64 hex digits>"):
+        lct.load(llama_art, expect="abc")

@@ -81,7 +81,8 @@ def _compare(name, info, got, ref) -> TensorCheck:
 
 def verify(artifact, *, against: str | None = None, revision: str | None = None,
            progress=None, quality: bool = False, text=None, max_tokens: int | None = None,
-           quality_progress=None, layerwise: bool = False) -> VerifyReport:
+           quality_progress=None, layerwise: bool = False,
+           expect: str | None = None) -> VerifyReport:
     """Check every chunk of ``artifact``; with ``against``, compare every tensor with the source.
 
     Args:
@@ -95,6 +96,17 @@ def verify(artifact, *, against: str | None = None, revision: str | None = None,
             ``text`` (a file or folder; default: the sample shipped in ``lct.conversion.sample_text``), at
             most ``max_tokens`` scored tokens; ``quality_progress`` is called per block;
             ``layerwise`` streams the layers of both models (for models larger than memory).
+        expect: the digest the manifest must have (``sha256:...``, as ``lct info`` prints
+            it); a different one is a failure.
+
+    What a report that is OK proves: every chunk's stored bytes match their checksum and
+    decode to what the manifest declares, every byte between chunks is zero, the side files
+    are the ones recorded, and the tensors fill the model config.json builds; with
+    ``against``, every tensor equals the source's (lossless ones bit for bit, NF4/int8 ones
+    quantized again). What it does not: that the manifest is the one its writer wrote. Its
+    checksums are xxh3_64, which anyone can compute again after an edit (two tensors of one
+    shape exchanged, say): pin the artifact with ``expect`` (a digest recorded when you
+    trusted it), or pull it at a commit.
 
     Returns:
         A ``VerifyReport``; ``report.ok`` tells whether everything matched.
@@ -106,6 +118,11 @@ def verify(artifact, *, against: str | None = None, revision: str | None = None,
         artifact = local_artifact(artifact)
     art = artifact if isinstance(artifact, Artifact) else open_artifact(artifact)
     report = VerifyReport(cast=art.cast_dtype)
+    if expect is not None:
+        try:
+            art.check_digest(expect)
+        except LCTError as e:
+            report.failures.append(str(e))
     src_tensors, src = {}, None
     if against is not None:
         from lct.conversion.source import resolve, scan

@@ -63,9 +63,9 @@ def architecture_line(manifest) -> str:
     return "; ".join(parts)
 
 
-def summary(manifest, path) -> dict:
+def summary(manifest, path, digest: str | None = None) -> dict:
     """What ``lct info --json`` prints (fields in docs/CLI.md): the artifact at a glance, not
-    its manifest (``--manifest`` prints that)."""
+    its manifest (``--manifest`` prints that); ``digest`` is the open artifact's."""
     m = manifest
     src = m.source_bytes
     return {
@@ -88,5 +88,6 @@ def summary(manifest, path) -> dict:
         "unmapped": m.unmapped,
         "maximus_shards": m.maximus["num_shards"] if m.maximus else None,
         "model_class": m.architecture.get("class"),
+        "digest": digest,
         "experts": experts(m),
     }

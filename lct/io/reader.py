@@ -7,7 +7,9 @@ buffer; tensors are zero-copy views of that buffer.
 
 from __future__ import annotations
 
+import hashlib
 import os
+import re
 import struct
 from concurrent.futures import CancelledError, ThreadPoolExecutor
 from dataclasses import dataclass
@@ -119,7 +121,12 @@ class Artifact:
         size = mpath.stat().st_size
         if size > C.MAX_MANIFEST_BYTES:
             raise ManifestError(f"{mpath}: manifest is {size} bytes, cap is {C.MAX_MANIFEST_BYTES}")
-        self.manifest = Manifest.from_json(mpath.read_bytes(), str(mpath))
+        raw = mpath.read_bytes()
+        self.manifest = Manifest.from_json(raw, str(mpath))
+        # The pin a user can record (lct info prints it) and check (verify/load expect=):
+        # the sha256 of the manifest's bytes, which holds every name, shape, type, place and
+        # chunk checksum.
+        self.digest = "sha256:" + hashlib.sha256(raw).hexdigest()
         self.verify = verify
         self.workers = workers or os.cpu_count() or 1
         # Nice increment of the decode threads (lct.load raises it so that decoding runs on
@@ -140,6 +147,19 @@ class Artifact:
             problems = self.check_side_files(C.MODEL_SIDE_FILES)
             if problems:
                 raise ChecksumError(problems[0])
+
+    def check_digest(self, expect: str | None) -> None:
+        """Raise ``ManifestError`` unless the manifest's digest is ``expect`` (``sha256:`` and
+        64 hex digits, as ``lct info`` prints it; None checks nothing)."""
+        if expect is None:
+            return
+        want = expect if expect.startswith("sha256:") else f"sha256:{expect}"
+        if not re.fullmatch(r"sha256:[0-9a-f]{64}", want):
+            raise ManifestError(f"expected digest {expect!r}: give sha256:<64 hex digits>, as "
+                                f"lct info prints it")
+        if self.digest != want:
+            raise ManifestError(f"{self.path / C.MANIFEST_NAME}: digest {self.digest} is not "
+                                f"the expected {want}: this is not the artifact you pinned")
 
     def check_gaps(self) -> list:
         """Problems with the bytes of the data files that no chunk holds (FORMAT.md section
