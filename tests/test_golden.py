@@ -165,13 +165,13 @@ def _build(root, *, extra_manifest=None):
 
 def _seal_by_the_spec(manifest: dict) -> str:
     """FORMAT.md section 6, written out here from the text (not lct's code): each chunk's
-    binding (a sharded tensor is listed once per piece, with the piece's rows and place), then
-    the manifest checksum over the bytes with its value as 16 zeros."""
-    placed = []                     # (chunk, [name, rows, shape, ..., row_order])
+    binding (a sharded tensor is listed once per piece, with the piece's rows or columns and
+    place), then the manifest checksum over the bytes with its value as 16 zeros."""
+    placed = []                     # (chunk, [name, span, shape, ..., row_order])
     for t in manifest["tensors"]:
         for p in t.get("pieces") or [t]:
             placed.append((p["chunk"], [
-                t["name"], p.get("rows"), t["shape"], t["dtype"], t["stored_dtype"],
+                t["name"], p.get("rows", p.get("cols")), t["shape"], t["dtype"], t["stored_dtype"],
                 t["encoding"], t["role"], t["group"], p["offset"], p["nbytes"], p.get("nf4"),
                 p.get("int8"), t.get("row_order")]))
     for c in manifest["chunks"]:
@@ -931,6 +931,22 @@ def test_writer_maximus_artifact_is_the_spec(llama_src, tmp_path):
     assert not f["shard_score"].any() and not f["resident"].any()
     assert not f["step"].any() and not f["stats"].any()
 
+
+
+def test_writer_bindings_of_column_pieces_are_the_spec(llama_src, tmp_path):
+    """Section 6 on a tensor-parallel artifact (section 2.3's row and column pieces): every
+    chunk's binding the converter wrote is the one the spec's words give, column pieces
+    included (the spec said `rows` where the writer bound a column piece's `cols`)."""
+    out = tmp_path / "tp.lct"
+    lct.convert(str(llama_src), out, policy=lct.Policy(nf4=(), int8=(), tp_pieces=2))
+    written = json.loads((out / "lct.json").read_text())
+    kinds = {k for t in written["tensors"] for p in t.get("pieces", []) for k in ("rows", "cols")
+             if k in p}
+    assert kinds == {"rows", "cols"}
+    by_spec = json.loads(_seal_by_the_spec(json.loads((out / "lct.json").read_text())))
+    assert [c["binding"] for c in by_spec["chunks"]] == [c["binding"] for c in written["chunks"]]
+    with lct.open(out, verify=True):
+        pass
 
 # Section 0: the numbers the spec names are the constants --------------------------------------
 def test_every_constant_the_spec_names_is_in_constants_with_its_value():

@@ -252,7 +252,8 @@ _SUM_RE = re.compile(rb'"manifest_checksum": ?"(' + _CHECKSUM_PATTERN.encode() +
 
 def chunk_bindings(chunks: list, tensors: dict, ties: dict) -> dict:
     """``{chunk id: binding}``: xxh3_64 of a canonical JSON of the chunk's entry (its checksum
-    included) and of every tensor or piece the manifest places in it (name, rows, shape, dtype,
+    included) and of every tensor or piece the manifest places in it (name, the piece's rows or
+    columns, shape, dtype,
     stored dtype, encoding, role, group, offset, nbytes, scales, row order) and the ties to
     them. Any change to what a chunk is said to hold changes its binding."""
     import xxhash
