@@ -6,7 +6,7 @@ safetensors and huggingface_hub are imported where they are needed.
 Layers, bottom to top. A module imports only its own layer and those below, and nothing imports
 in a cycle; tests/test_layers.py walks every import (those inside functions too) to keep it so:
 
-    leaves      lct.errors, lct.units, lct.proc, lct.hashing, lct._version
+    leaves      lct.errors, lct.units, lct.proc, lct.hashing, lct.compat, lct._version
     format      lct.format
     io          lct.io
     kernels     lct.kernels
@@ -25,6 +25,8 @@ are the torch modules that compute on LCT's encodings; ``hub`` speaks to the Hug
 architecture (stacks, embeddings, ties, experts, checkpoint renames); ``loader`` builds ready
 models; ``conversion`` turns checkpoints into artifacts and back and measures what that costs;
 ``plan`` is the memory planner; ``demo`` builds tiny models; ``cli`` is the ``lct`` command; ``lct`` itself is the API.
+The leaves are helpers every layer may use; ``lct.compat`` holds each private API of another
+library that LCT calls, behind one wrapper.
 
 Example:
     >>> import lct

@@ -4,8 +4,9 @@ The class a checkpoint was saved from, the model built without memory, its tied 
 layer blocks and the checkpoint-to-model conversion (renames, expert fusing) that
 ``from_pretrained`` applies. Several of these are semi-public in transformers 5 and move between
 versions (``conversion_mapping``, ``core_model_loading``, ``all_tied_weights_keys``): every call
-LCT makes into them is here, and tests/test_arch.py exercises each, so that an upgrade breaks in
-one place.
+LCT makes into them is here (tests/test_architectures.py runs each on every model type), so that an upgrade breaks in
+one place. The private calls of other libraries (``get_init_context``'s private flags, torch's
+DTensor ``_utils``, huggingface_hub's ``_http``) are wrapped in ``lct.compat``.
 """
 
 from __future__ import annotations
@@ -111,9 +112,11 @@ def _build_distributed(cls, config, dtype, world: int):
     from transformers.distributed import DistributedConfig
     from transformers.distributed.utils import initialize_distributed_mesh
     from transformers.utils.generic import ContextManagers
+
+    from lct.compat import init_context
     # As from_pretrained: meta device, the dtype, and ties made after the weights are in (a
     # tie made now would hide the head from the plan).
-    with ContextManagers(cls.get_init_context(dtype, False, False, False)):
+    with ContextManagers(init_context(cls, dtype)):
         model = cls(config)
     keep_fp32(model, dtype)
     dcfg = DistributedConfig(tp_size=world, tp_plan="auto")
@@ -183,12 +186,13 @@ def local_index(param):
     """This rank's slice of a DTensor parameter (a tuple of slices), None for a whole one or
     one whose part is not a slice (a strided shard: ``local_shard`` cuts those)."""
     from torch.distributed.tensor import DTensor, Replicate, Shard
-    from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
+
+    from lct.compat import dtensor_local_shape_and_offset
     if not isinstance(param, DTensor) or \
             any(type(p) not in (Shard, Replicate) for p in param.placements):
         return None
-    shape, offset = compute_local_shape_and_global_offset(param.shape, param.device_mesh,
-                                                          param.placements)
+    shape, offset = dtensor_local_shape_and_offset(param.shape, param.device_mesh,
+                                                   param.placements)
     return tuple(slice(o, o + n) for o, n in zip(offset, shape))
 
 
@@ -238,6 +242,13 @@ def rename_key(key: str, renamings, converters, prefix: str, meta: dict) -> tupl
     if renamed not in meta and key in meta:
         renamed, pattern = rename_source_key(key, [], [], prefix, meta)
     return renamed, pattern
+
+
+def natural_key(key: str):
+    """The sort key ``from_pretrained`` orders checkpoint names by (numbers as numbers:
+    ``layers.2`` before ``layers.10``), transformers' ``dot_natural_key``."""
+    from transformers.core_model_loading import dot_natural_key
+    return dot_natural_key(key)
 
 
 def new_converter(converter):

@@ -158,10 +158,9 @@ class Architecture:
         by one, fused by the model) are converted as ``from_pretrained`` converts them; a
         converter's inputs must all be in ``tensors``. Tensors the model does not take are
         left out (``foreign`` says which of those matter)."""
-        from transformers.core_model_loading import dot_natural_key
         out: dict = {}
         pending: dict = {}
-        for key in sorted(tensors, key=dot_natural_key):
+        for key in sorted(tensors, key=hf.natural_key):
             name, pattern = self.target(key)
             if name is None:
                 continue

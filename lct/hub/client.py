@@ -45,32 +45,12 @@ def use_timeout(seconds: float | None = None) -> None:
     """Give huggingface_hub's HTTP client (every Hub call LCT makes goes through it) a timeout:
     ``seconds`` without a byte from the Hub (default: ``LCT_HUB_TIMEOUT`` or
     ``C.HUB_TIMEOUT``) ends the call in an error instead of a hang; its own default waits for
-    ever. Left alone when the program installed a client factory of its own."""
-
-    import httpx2
-    from huggingface_hub.utils import _http
+    ever. Left alone when the program installed a client factory of its own (process-wide:
+    ``lct.compat.set_hub_timeout`` says why)."""
+    from lct.compat import set_hub_timeout
     seconds = hub_timeout() if seconds is None else seconds
-    factory = getattr(_http, "_GLOBAL_CLIENT_FACTORY", None)
-    if factory is not _http.default_client_factory and not getattr(factory, "lct", False):
-        _TIMEOUT[0] = 0.0       # the program's own client: not ours to change
-        return
-
-    limit = httpx2.Timeout(seconds, connect=min(seconds, 10.0)).as_dict()
-
-    def with_limit(request):
-        _http.hf_request_event_hook(request)
-        # huggingface_hub passes timeout=None on its API calls, which turns off the client's
-        # default: a request that would wait for ever gets the limit here instead.
-        current = request.extensions.get("timeout") or {}
-        if all(v is None for v in current.values()):
-            request.extensions["timeout"] = dict(limit)
-
-    def client():
-        return httpx2.Client(event_hooks={"request": [with_limit]}, follow_redirects=True,
-                             timeout=httpx2.Timeout(seconds, connect=min(seconds, 10.0)))
-    client.lct = True
-    _http.set_client_factory(client)
-    _TIMEOUT[0] = seconds
+    # 0.0: the program's own client, not ours to change
+    _TIMEOUT[0] = seconds if set_hub_timeout(seconds) else 0.0
 
 
 def _chain(e: BaseException):

@@ -41,9 +41,9 @@ def hub_oids(path: Path) -> tuple:
 
 
 def _lfs_pointer_oid(sha256: str, size: int) -> str:
-    from huggingface_hub.utils.sha import git_hash
-    return git_hash(f"version https://git-lfs.github.com/spec/v1\noid sha256:{sha256}\n"
-                    f"size {size}\n".encode())
+    from lct.hashing import git_blob_id
+    return git_blob_id(f"version https://git-lfs.github.com/spec/v1\noid sha256:{sha256}\n"
+                       f"size {size}\n".encode())
 
 
 def _tree(repo_id: str, revision: str | None, local_dir) -> dict | None:

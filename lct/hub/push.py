@@ -168,7 +168,7 @@ def _check_pushed(root: Path, ops: list, held, repo_id: str, oid: str) -> None:
     Raises:
         HubError: naming the first file the Hub holds otherwise.
     """
-    from huggingface_hub.utils.sha import git_hash
+    from lct.hashing import git_blob_id
     by = {s.rfilename: s for s in (held.siblings or [])}
     for op in ops:
         name = op.path_in_repo
@@ -186,7 +186,7 @@ def _check_pushed(root: Path, ops: list, held, repo_id: str, oid: str) -> None:
         elif s.blob_id is not None:
             data = op.path_or_fileobj if isinstance(op.path_or_fileobj, bytes) else \
                 (root / name).read_bytes()
-            got = None if s.blob_id == git_hash(data) else f"git blob {s.blob_id}"
+            got = None if s.blob_id == git_blob_id(data) else f"git blob {s.blob_id}"
         else:
             # files_metadata=True always brings a hash; a Hub that sends none cannot show
             # that it holds what was sent.
