@@ -4,8 +4,8 @@ The class a checkpoint was saved from, the model built without memory, its tied 
 layer blocks and the checkpoint-to-model conversion (renames, expert fusing) that
 ``from_pretrained`` applies. Several of these are semi-public in transformers 5 and move between
 versions (``conversion_mapping``, ``core_model_loading``, ``all_tied_weights_keys``): every call
-LCT makes into them is here (tests/test_architectures.py runs each on every model type), so that an upgrade breaks in
-one place. The private calls of other libraries (``get_init_context``'s private flags, torch's
+LCT makes into them is here (tests/test_architectures.py runs each on every model type), so that
+an upgrade breaks in one place. The private calls of other libraries (``get_init_context``'s private flags, torch's
 DTensor ``_utils``, huggingface_hub's ``_http``) are wrapped in ``lct.compat``.
 """
 
