@@ -33,10 +33,11 @@ def main() -> None:
     ap.add_argument("--repeats", type=int, default=5)
     ap.add_argument("--rows", default="1,2,4,8,16,24,32,48,64")
     args = ap.parse_args()
-    from lct.format import int8, native, nf4
+    from lct.format import int8, nf4
     from lct.kernels import FlatLinear, Int8Linear, NF4Linear
     from lct.kernels import int8 as kint8
     from lct.kernels import linear as klin
+    from lct.kernels import native
     g = torch.Generator().manual_seed(1)
     w = (torch.randn(args.vocab, args.hidden, generator=g) * 0.02).to(torch.bfloat16)
     dense = FlatLinear(args.hidden, args.vocab, bias=False, dtype=torch.bfloat16)

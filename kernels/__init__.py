@@ -1,9 +1,11 @@
 """Runtime kernels: the torch modules that compute on LCT's encodings. NF4 and int8
 dequantization, NF4, int8 and padding-aware embedding lookups, the NF4 and int8 LM heads, and
 ``MaximusEmbedding`` (with saving and restoring its shard state), and quantized tables split
-by rows over a tensor-parallel group (``sharded``).
+by rows over a tensor-parallel group (``sharded``). The fused CPU matmuls of the NF4 and int8
+heads are the kernels' own compiled loops (``native``, over ``_native.c``).
 
-May import: ``lct.format`` (the codecs, the native loops, the Maximus state file) and the leaves.
+May import: ``lct.format`` (the codecs, the format's native loops and their ``LCT_NATIVE``
+switch, the Maximus state file) and the leaves.
 """
 
 from lct.kernels.embedding import NF4Embedding, PaddedEmbedding, padded_lookup

@@ -37,8 +37,8 @@ def dequantize_rows(q_rows: torch.Tensor, scale_rows: torch.Tensor, dtype: torch
 def use_fused(rows: int) -> bool:
     """Whether a CPU int8 matmul over ``rows`` input rows takes the fused kernel (built, and
     few enough rows that reading codes per row beats one dequantize for all)."""
-    from lct.format import native
-    return native.int8_matmul_available() and 0 < rows <= C.INT8_FUSED_MAX_ROWS
+    from lct.kernels import native
+    return native.available() and 0 < rows <= C.INT8_FUSED_MAX_ROWS
 
 
 def fused_int8_matmul(x2: torch.Tensor, q: torch.Tensor, scale: torch.Tensor,
@@ -46,7 +46,7 @@ def fused_int8_matmul(x2: torch.Tensor, q: torch.Tensor, scale: torch.Tensor,
     """``x2 [M, K] @ (q * scale).T`` through the compiled kernel: codes widened to float32 in
     registers, float32 sums, each row's scale applied once, ``out_dtype`` (bfloat16 or float32)
     written once. Uses torch's intra-op thread count."""
-    from lct.format import native
+    from lct.kernels import native
     m, k = x2.shape
     n = q.shape[0]
     return fused_call(x2, n, out_dtype, lambda x, xb, out, ob: native.int8_matmul(

@@ -14,9 +14,10 @@ import lct
 from lct.conversion.converter import Policy
 from lct.errors import ManifestError, PolicyError
 from lct.format import constants as C
-from lct.format import int8, native
+from lct.format import int8
 from lct.kernels import Int8Embedding, Int8Linear
 from lct.kernels import int8 as kint8
+from lct.kernels import native
 
 # FORMAT.md section 2.2, worked example.
 SPEC_ROW = [0.5, -1.0, 0.25, 0.0, 0.333984375, -0.75, 0.010009765625, 0.98828125]
@@ -73,7 +74,7 @@ def test_integer_tensor_refused():
 # --- fused matmul --------------------------------------------------------------------------
 
 def _isas():
-    if not native.int8_matmul_available():
+    if not native.available():
         return []
     best = native.ISAS.index(native.matmul_isa())
     return list(native.ISAS[: best + 1])
@@ -123,7 +124,7 @@ def test_isas_and_threads_agree():
 
 
 def test_bad_buffers_refused():
-    if not native.int8_matmul_available():
+    if not native.available():
         pytest.skip("extension not built")
     q, scale = _qweight(8, 32)
     with pytest.raises(ValueError, match="do not match"):

@@ -101,8 +101,8 @@ def test_parallel_row_dequantize_is_exact(table, threads, monkeypatch):
 @pytest.mark.parametrize("fused", [True, False])
 def test_nf4_linear_bias(table, fused, monkeypatch):
     _, packed, absmax, full = table
-    from lct.format import native
-    if fused and not native.matmul_available():
+    from lct.kernels import native
+    if fused and not native.available():
         pytest.skip("the compiled extension is not built")
     monkeypatch.setattr(klin, "use_fused", lambda rows: fused)
     bias = torch.randn(V).to(torch.bfloat16)

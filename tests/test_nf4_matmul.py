@@ -6,13 +6,13 @@ import pytest
 import torch
 from torch.nn import functional as F
 
-from lct.format import native, nf4
-from lct.kernels import FlatLinear, NF4Linear, flatten_head
+from lct.format import nf4
+from lct.kernels import FlatLinear, NF4Linear, flatten_head, native
 from lct.kernels import linear as klin
 
 
 def _isas():
-    if not native.matmul_available():
+    if not native.available():
         return []
     best = native.ISAS.index(native.matmul_isa())
     return list(native.ISAS[: best + 1])
@@ -79,7 +79,7 @@ def test_every_isa_agrees_and_threads_do_not_change_the_result():
 
 
 def test_fused_matmul_rejects_mismatched_buffers():
-    if not native.matmul_available():
+    if not native.available():
         pytest.skip("the extension is not built")
     packed, absmax = _weight(8, 64, 64)
     x, out = np.zeros((1, 64), np.float32), np.zeros((1, 8), np.float32)
@@ -114,7 +114,7 @@ def _sliced():
 
 @pytest.mark.parametrize("fused", [True, False])
 def test_nf4_head_sliced_input_equals_fresh_2d(fused, monkeypatch):
-    monkeypatch.setattr(klin, "use_fused", lambda rows: fused and native.matmul_available())
+    monkeypatch.setattr(klin, "use_fused", lambda rows: fused and native.available())
     packed, absmax = _weight(500, 128, 64)
     head = NF4Linear(packed, absmax, 500, 128, 64, torch.bfloat16)
     x = _sliced()
@@ -153,7 +153,7 @@ def test_heads_never_hand_torch_a_3d_input(monkeypatch):
     dense = torch.nn.Linear(128, 300).to(torch.bfloat16)
     dense.__class__ = FlatLinear
     for fused in (True, False):
-        monkeypatch.setattr(klin, "use_fused", lambda rows, f=fused: f and native.matmul_available())
+        monkeypatch.setattr(klin, "use_fused", lambda rows, f=fused: f and native.available())
         NF4Linear(packed, absmax, 300, 128, 64, torch.bfloat16, chunk_rows=100)(_sliced())
     dense(_sliced())
     assert seen and set(seen) == {2}

@@ -1,8 +1,10 @@
-"""The optional compiled inner loops (``lct/format/_native.c``), with a pure numpy fallback.
+"""The format's optional compiled inner loops (``lct/format/_native.c``): the planes join, runs
+of zstd/planes frames, and the NF4 codec; with a pure numpy fallback.
 
 The extension is built by ``pip install`` where a C compiler is present; without one the package
 still installs and every function here gives the same bytes through numpy, only slower. Set
-``LCT_NATIVE=0`` to force the fallback (benchmarks use it for A/B runs).
+``LCT_NATIVE=0`` to force the fallback (benchmarks use it for A/B runs); it also turns off the
+kernels' fused matmuls (``lct.kernels.native``).
 """
 
 from __future__ import annotations
@@ -17,7 +19,14 @@ try:
 except ImportError:  # pragma: no cover - exercised where no compiler was available at install
     _native = None
 
-_ENABLED = _native is not None and os.environ.get("LCT_NATIVE", "1") != "0"
+
+def requested() -> bool:
+    """Whether the environment lets LCT use its compiled loops: ``LCT_NATIVE=0`` says no, for
+    the format's loops here and the kernels' (``lct.kernels.native``)."""
+    return os.environ.get("LCT_NATIVE", "1") != "0"
+
+
+_ENABLED = _native is not None and requested()
 _local = threading.local()  # per-thread scratch of the numpy fallback
 
 
@@ -85,45 +94,3 @@ def nf4_dequant_into(packed: np.ndarray, absmax: np.ndarray, code: np.ndarray, o
     """Dequantize NF4 into ``out`` (float32, or bfloat16 bits as int16 when ``bf16``). Only call
     when ``available()``."""
     _native.nf4_dequant(packed, absmax, code, out, blocksize, 1 if bf16 else 0)
-
-
-def matmul_available() -> bool:
-    """Whether the fused NF4 matmul (``nf4_matmul``) can run."""
-    return _ENABLED and hasattr(_native, "nf4_matmul")
-
-
-def matmul_isa() -> str:
-    """The instruction set the fused NF4 matmul uses on this CPU: ``scalar``, ``avx2`` or
-    ``avx512`` (``LCT_NATIVE_ISA=scalar|avx2`` caps it)."""
-    return _native.nf4_matmul_isa()
-
-
-ISAS = ("scalar", "avx2", "avx512")
-
-
-def nf4_matmul(x: np.ndarray, x_bf16: bool, packed: np.ndarray, absmax: np.ndarray,
-               code: np.ndarray, out: np.ndarray, out_bf16: bool, shape: tuple,
-               blocksize: int, threads: int, isa: str | None = None) -> None:
-    """``out[M, N] = x[M, K] @ W.T`` with ``W`` [N, K] in NF4 (``packed`` [N, K/2], float32
-    ``absmax`` [N, K/blocksize]), accumulated in float32, over ``threads`` threads with the GIL
-    released. ``x``/``out`` are float32, or bfloat16 bits as int16 when the flag says so;
-    ``shape`` is (M, N, K). ``isa`` forces a narrower instruction set (tests). Only call when
-    ``matmul_available()``."""
-    m, n, k = shape
-    _native.nf4_matmul(x, 1 if x_bf16 else 0, packed, absmax, code, out, 1 if out_bf16 else 0,
-                       m, n, k, blocksize, threads, -1 if isa is None else ISAS.index(isa))
-
-
-def int8_matmul(x: np.ndarray, x_bf16: bool, q: np.ndarray, scale: np.ndarray, out: np.ndarray,
-                out_bf16: bool, shape: tuple, threads: int, isa: str | None = None) -> None:
-    """``out[M, N] = x[M, K] @ (q * scale[:, None]).T`` with ``q`` int8 [N, K] and one float32
-    ``scale`` per row, accumulated in float32 over ``threads`` threads with the GIL released;
-    ``x``/``out`` as for ``nf4_matmul``. Only call when ``int8_matmul_available()``."""
-    m, n, k = shape
-    _native.int8_matmul(x, 1 if x_bf16 else 0, q, scale, out, 1 if out_bf16 else 0, m, n, k,
-                        threads, -1 if isa is None else ISAS.index(isa))
-
-
-def int8_matmul_available() -> bool:
-    """Whether the fused int8 matmul can run."""
-    return _ENABLED and hasattr(_native, "int8_matmul")
