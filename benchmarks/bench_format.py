@@ -9,7 +9,7 @@ Usage (from the repository root):
 
 The first run also builds the Gemma-2B-shaped checkpoint (~1 min, ~5 GB in OUT, kept for reuse).
 Without waiting a full run takes ~6.5 min on a quiet 2-core machine; ``--wait-quiet`` adds up to S
-seconds per measurement. Results are in docs/BENCHMARKS.md.
+seconds per measurement. Results are in docs/BENCHMARKS.md, section bench_format.
 
 Sections (each printed as a markdown table; everything is also saved to ``OUT/results.md`` and
 ``OUT/results.json``):

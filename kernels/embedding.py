@@ -6,6 +6,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from lct.errors import OptionError, TokenIdError
 from lct.kernels.nf4 import dequantize_rows
 
 
@@ -20,7 +21,7 @@ def masked_gather(ids: torch.Tensor, rows: int, dim: int, pad_ids, gather,
     """
     flat = ids.reshape(-1)
     if flat.numel() and (int(flat.min()) < 0 or int(flat.max()) >= rows):
-        raise IndexError(f"ids must be in [0, {rows}), got "
+        raise TokenIdError(f"ids must be in [0, {rows}), got "
                          f"{int(flat.min())}..{int(flat.max())}")  # as nn.Embedding refuses
     keep = None if pad_ids is None or pad_ids.numel() == 0 else ~torch.isin(flat, pad_ids)
     out = gather(flat if keep is None else flat[keep])
@@ -69,7 +70,8 @@ class NF4Embedding(nn.Module):
                  dtype: torch.dtype, pad_ids=(), scale: torch.Tensor | None = None):
         super().__init__()
         if embedding_dim % blocksize:
-            raise ValueError(f"blocksize {blocksize} must divide embedding_dim {embedding_dim}")
+            raise OptionError(f"blocksize {blocksize} must divide embedding_dim {embedding_dim}",
+                              option="blocksize")
         self.num_embeddings, self.embedding_dim = num_embeddings, embedding_dim
         self.blocksize, self.dtype = blocksize, dtype
         self.register_buffer("packed", packed.reshape(num_embeddings, embedding_dim // 2))

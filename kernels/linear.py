@@ -7,6 +7,7 @@ import torch
 from torch import nn
 from torch.nn import functional as F
 
+from lct.errors import OptionError
 from lct.format import constants as C
 from lct.kernels.nf4 import dequantize_rows, dequantize_rows_into, quant_state
 
@@ -16,9 +17,9 @@ _FUSED_DTYPES = (torch.bfloat16, torch.float32)
 def use_fused(rows: int) -> bool:
     """Whether a CPU NF4 matmul over ``rows`` input rows takes the fused kernel: it is built,
     and the input is short enough that reading 4-bit codes per row beats dequantizing once
-    (``C.NF4_FUSED_MAX_ROWS``, measured in docs/BENCHMARKS.md)."""
-    from lct.format import native
-    return native.matmul_available() and 0 < rows <= C.NF4_FUSED_MAX_ROWS
+    (``C.NF4_FUSED_MAX_ROWS``, measured in docs/BENCHMARKS.md, bench_head)."""
+    from lct.kernels import native
+    return native.available() and 0 < rows <= C.NF4_FUSED_MAX_ROWS
 
 
 def fused_call(x2: torch.Tensor, n: int, out_dtype: torch.dtype, run) -> torch.Tensor:
@@ -41,8 +42,8 @@ def fused_nf4_matmul(x2: torch.Tensor, packed: torch.Tensor, absmax: torch.Tenso
     [N, K/blocksize]) through the compiled fused kernel: 4-bit codes are read straight from
     ``packed`` and turned into float32 in registers, products are summed in float32, and
     ``out_dtype`` (bfloat16 or float32) is written once. Uses torch's intra-op thread count."""
-    from lct.format import native
     from lct.format.nf4 import code_array
+    from lct.kernels import native
     m, k = x2.shape
     n = packed.shape[0]
     return fused_call(x2, n, out_dtype, lambda x, xb, out, ob: native.nf4_matmul(
@@ -109,7 +110,8 @@ class NF4Linear(nn.Module):
                  chunk_rows: int | None = None):
         super().__init__()
         if in_features % blocksize:
-            raise ValueError(f"blocksize {blocksize} must divide in_features {in_features}")
+            raise OptionError(f"blocksize {blocksize} must divide in_features {in_features}",
+                              option="blocksize")
         self.in_features, self.out_features = in_features, out_features
         if chunk_rows is None:
             width = in_features * dtype.itemsize

@@ -26,7 +26,7 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from lct.errors import MaximusStateError
+from lct.errors import MaximusStateError, OptionError
 from lct.format import constants as C
 from lct.format.maximus import (
     STATS_FIELDS,
@@ -122,21 +122,24 @@ class MaximusEmbedding(nn.Module):
         self.padding_idx = padding_idx
         self.num_shards = min(max_shards, num_embeddings)
         if bucket_size < 1:
-            raise ValueError(f"bucket_size must be >= 1, got {bucket_size}")
+            raise OptionError(f"bucket_size must be >= 1, got {bucket_size}", option="bucket_size")
         self.bucket_size, self.sparse = bucket_size, sparse
         self.load_rate, self.evict_rate, self.decay = load_rate, evict_rate, decay
         if evict_rate > load_rate:
-            raise ValueError("evict_rate must not exceed load_rate (hysteresis)")
+            raise OptionError("evict_rate must not exceed load_rate (hysteresis)",
+                              option="evict_rate")
         self.compute_device = torch.device(device) if device is not None else torch.device("cpu")
 
         counts = torch.zeros(num_embeddings, dtype=torch.int64) if counts is None else \
             torch.as_tensor(counts, dtype=torch.int64).clone()
         if counts.shape != (num_embeddings,):
-            raise ValueError(f"counts must have shape [{num_embeddings}], got {list(counts.shape)}")
+            raise OptionError(f"counts must have shape [{num_embeddings}], got "
+                              f"{list(counts.shape)}", option="counts")
         row_to_id = frequency_order(counts) if row_to_id is None else \
             torch.as_tensor(row_to_id, dtype=torch.int64).clone()
         if not torch.equal(torch.sort(row_to_id).values, torch.arange(num_embeddings)):
-            raise ValueError(f"row_to_id is not a permutation of 0..{num_embeddings - 1}")
+            raise OptionError(f"row_to_id is not a permutation of 0..{num_embeddings - 1}",
+                              option="row_to_id")
         id_to_row = invert_permutation(row_to_id)
         # Shard state is not part of the state dict (save_maximus_state writes it next to the
         # weights); the state dict holds the weight in token-id order, so save_pretrained of a
@@ -162,7 +165,8 @@ class MaximusEmbedding(nn.Module):
         if nf4 is not None:
             packed, absmax, bs = nf4
             if embedding_dim % bs:
-                raise ValueError(f"NF4 blocksize {bs} must divide embedding_dim {embedding_dim}")
+                raise OptionError(f"NF4 blocksize {bs} must divide embedding_dim {embedding_dim}",
+                                  option="nf4")
             packed = packed.reshape(num_embeddings, embedding_dim // 2)
             absmax = absmax.reshape(num_embeddings, embedding_dim // bs)
             if not ordered:
@@ -177,7 +181,7 @@ class MaximusEmbedding(nn.Module):
                 with torch.no_grad():
                     weight[padding_idx].zero_()
         elif weight.shape != (num_embeddings, embedding_dim):
-            raise ValueError(f"weight must be [{num_embeddings}, {embedding_dim}], "
+            raise OptionError(f"weight must be [{num_embeddings}, {embedding_dim}], "
                              f"got {list(weight.shape)}")
         if nf4 is None:
             w = weight.detach() if ordered else weight.detach()[row_to_id]
@@ -432,7 +436,7 @@ class MaximusEmbedding(nn.Module):
         stored permutation differs from the current one. Validates everything first.
 
         Raises:
-            ValueError: a tensor is missing or malformed, or does not fit this module.
+            MaximusStateError: a tensor is missing or malformed, or does not fit this module.
         """
         V, N = self.num_embeddings, self.num_shards
         need = {"maximus.id_to_row": (V,), "maximus.row_to_id": (V,),
@@ -442,15 +446,17 @@ class MaximusEmbedding(nn.Module):
                 "maximus.stats": (len(STATS_FIELDS),)}
         for k, shape in need.items():
             if k not in t:
-                raise ValueError(f"{where}: missing {k}")
+                raise MaximusStateError(f"{where}: missing {k}")
             if tuple(t[k].shape) != shape:
-                raise ValueError(f"{where}: {k} has shape {list(t[k].shape)}, this embedding "
-                                 f"needs {list(shape)} (vocabulary {V}, {N} shards)")
+                raise MaximusStateError(f"{where}: {k} has shape {list(t[k].shape)}, this "
+                                        f"embedding needs {list(shape)} (vocabulary {V}, "
+                                        f"{N} shards)")
         validate_permutation(t, V, where)
         id_to_row, row_to_id = t["maximus.id_to_row"].long(), t["maximus.row_to_id"].long()
         if not torch.equal(t["maximus.shard_offsets"].long(), self.shard_offsets):
-            raise ValueError(f"{where}: shard_offsets {t['maximus.shard_offsets'].tolist()[:4]}... "
-                             f"do not match this embedding's {self.shard_offsets.tolist()[:4]}...")
+            raise MaximusStateError(f"{where}: shard_offsets "
+                                    f"{t['maximus.shard_offsets'].tolist()[:4]}... do not match "
+                                    f"this embedding's {self.shard_offsets.tolist()[:4]}...")
         self.flush_gradients()
         if not torch.equal(row_to_id, self.row_to_id):
             # New row r holds token row_to_id[r], which sits at old row id_to_row[that token]:

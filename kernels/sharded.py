@@ -9,6 +9,8 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from lct.errors import TokenIdError
+
 
 def _collective_dtype(dtype: torch.dtype, group) -> torch.dtype:
     """gloo reduces and gathers no bfloat16: float32 carries it there, exactly."""
@@ -31,7 +33,7 @@ class ShardedEmbedding(nn.Module):
 
     def forward(self, ids: torch.Tensor) -> torch.Tensor:
         if ids.numel() and (int(ids.min()) < 0 or int(ids.max()) >= self.num_embeddings):
-            raise IndexError(f"ids must be in [0, {self.num_embeddings}), got "
+            raise TokenIdError(f"ids must be in [0, {self.num_embeddings}), got "
                              f"{int(ids.min())}..{int(ids.max())}")
         inside = (ids >= self.start) & (ids < self.end)
         out = self.local(torch.where(inside, ids - self.start, 0))

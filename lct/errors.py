@@ -17,6 +17,22 @@ class LCTError(Exception):
         self.option = option
 
 
+class OptionError(LCTError, ValueError):
+    """An argument of a library call is of the wrong kind or out of its range (``option``
+    names it: a prefetch window below 0, a blocksize that does not divide the width)."""
+
+
+class EntryNotFoundError(LCTError, KeyError):
+    """No tensor or group of that name in the artifact. (Printed as its message, not quoted as
+    a ``KeyError``'s key would be.)"""
+
+    __str__ = Exception.__str__
+
+
+class TokenIdError(LCTError, IndexError):
+    """A token id outside the embedding's rows."""
+
+
 class SourceError(LCTError, ValueError):
     """The conversion source is missing, not a model, or in a refused format."""
 
@@ -46,7 +62,8 @@ class ManifestChecksumError(ManifestError, ChecksumError):
 
 
 class ArtifactClosedError(LCTError, RuntimeError):
-    """The artifact was closed while, or before, something read from it."""
+    """The artifact was closed while, or before, something read from it (or a writer was used
+    after it finished or failed)."""
 
 
 class CorruptChunkError(LCTError, ValueError):

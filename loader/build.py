@@ -14,15 +14,14 @@ import time
 from lct.errors import ArchitectureError, LCTError
 from lct.format import constants as C
 
-from lct.loader.source import LoadStats, open_source
+from lct.loader.source import LoadOptions, LoadStats
 
 log = logging.getLogger("lct.loader")
 
-NF4_MODES = ("keep", "dequantize")
 
 # While the skeleton is built (the transformers import: one core of pure Python for seconds),
 # decode threads run at this nice increment, so that the import, which is the critical path,
-# is not slowed by them; they still get every cycle it leaves (docs/BENCHMARKS.md, section 9).
+# is not slowed by them; they still get every cycle it leaves (docs/BENCHMARKS.md, checks by hand).
 DECODE_NICE = 10
 
 
@@ -85,8 +84,6 @@ class Installer:
     def __init__(self, arch, art, *, device="cpu", dtype=None, nf4: str = "keep",
                  pad_ids=None):
         import torch
-        if nf4 not in NF4_MODES:
-            raise ValueError(f"nf4 must be one of {NF4_MODES}, got {nf4!r}")
         self.arch, self.model, self.art, self.nf4 = arch, arch.model, art, nf4
         model = arch.model
         self.device = torch.device(device)
@@ -353,15 +350,13 @@ def install_maximus(model, art, budget=None, device="cpu"):
     return new
 
 
-def load(path, prefetch: int = 2, device="cpu", dtype=None, nf4: str = "keep",
-         workers: int | None = None, *, verify: bool = True, pad_ids=None,
-         stats: LoadStats | None = None, maximus=False, stream: bool = False,
-         expect: str | None = None):
+def load(path, options: LoadOptions | None = None, *, stats: LoadStats | None = None):
     """Load an LCT artifact into a transformers model ready for ``generate()``.
 
     Args:
         path: the artifact directory, or a Hub address ``hf://org/name[@revision]`` (pulled
             into the Hugging Face cache and verified first, unless ``stream``).
+        options: a ``LoadOptions`` (default: its defaults), whose fields are:
         prefetch: groups decoded ahead of the one being installed (0: strictly sequential).
         device: ``"cpu"`` or a CUDA device (pinned host buffers, non-blocking copies).
         dtype: cast floating-point weights to this torch dtype (default: keep stored dtypes).
@@ -372,12 +367,12 @@ def load(path, prefetch: int = 2, device="cpu", dtype=None, nf4: str = "keep",
         pad_ids: ids the NF4 embedding never gathers and returns as zeros (default: the
             config's pad_token_id, and only while its stored row is zero, so that the lookup
             equals transformers' for every input).
-        stats: a ``LoadStats`` to fill with the time breakdown.
         maximus: ``True`` (or a budget in shards) installs a ``MaximusEmbedding`` from the
             artifact's shard state, hottest shards resident first.
         stream: for an ``hf://`` address, fetch the chunks by HTTP range requests straight
             from the Hub (same prefetch window and checksums) instead of downloading the files.
         expect: the manifest's digest, as ``lct info`` prints it (``lct.load``'s docstring).
+        stats: a ``LoadStats`` to fill with the time breakdown.
 
     Returns:
         A ``PreTrainedModel`` in eval mode.
@@ -390,7 +385,7 @@ def load(path, prefetch: int = 2, device="cpu", dtype=None, nf4: str = "keep",
         LCTError subclasses: bad artifact, checksum mismatch (naming the chunk), missing tensors.
 
     Example:
-        >>> model = lct.load("gemma-2b.lct", prefetch=2)
+        >>> model = load("gemma-2b.lct", LoadOptions(prefetch=2))
         >>> model.generate(ids, max_new_tokens=20)
     """
     import gc
@@ -401,8 +396,7 @@ def load(path, prefetch: int = 2, device="cpu", dtype=None, nf4: str = "keep",
     was_enabled = gc.isenabled()
     gc.disable()
     try:
-        return _load(path, prefetch, device, dtype, nf4, workers, verify, pad_ids, stats,
-                     maximus, stream, expect)
+        return _load(path, options or LoadOptions(), stats)
     finally:
         if was_enabled:
             gc.enable()
@@ -424,9 +418,9 @@ def check_device(device) -> None:
                            f"device(s)")
 
 
-def _load(path, prefetch, device, dtype, nf4, workers, verify, pad_ids, stats, maximus, stream,
-          expect):
+def _load(path, options: LoadOptions, stats: LoadStats | None):
     from concurrent.futures import ThreadPoolExecutor
+    device, dtype, nf4, pad_ids = options.device, options.dtype, options.nf4, options.pad_ids
     check_device(device)
 
     from lct.io.stream import GroupStream
@@ -434,8 +428,7 @@ def _load(path, prefetch, device, dtype, nf4, workers, verify, pad_ids, stats, m
     t0 = time.perf_counter()
     # torch is not imported here: the skeleton thread imports it (with transformers) while
     # the stream already reads and decodes, which needs only numpy and zstd.
-    art = open_source(path, verify=verify, workers=workers, stream=stream,
-                      pin_memory=_is_cuda(device), expect=expect)
+    art = options.open(path)
     stats.manifest_s = time.perf_counter() - t0
     art.thread_nice = DECODE_NICE
 
@@ -452,7 +445,7 @@ def _load(path, prefetch, device, dtype, nf4, workers, verify, pad_ids, stats, m
     builder = ThreadPoolExecutor(1, thread_name_prefix="lct-skeleton")
     budget = held_budget(art)
     try:
-        with GroupStream(art, prefetch=prefetch, dequantize=False) as stream:
+        with GroupStream(art, prefetch=options.prefetch, dequantize=False) as stream:
             future = builder.submit(skeleton)
             inst, held, held_bytes = None, [], 0
             for group in stream:
@@ -476,8 +469,8 @@ def _load(path, prefetch, device, dtype, nf4, workers, verify, pad_ids, stats, m
         inst.finish()
         if device != "cpu":
             model.to(device)  # buffers (rotary tables) follow the weights
-        if maximus:
-            install_maximus(model, art, budget=maximus, device=device)
+        if options.maximus:
+            install_maximus(model, art, budget=options.maximus, device=device)
     finally:
         builder.shutdown(wait=True)  # an import cannot be interrupted: let it end, no thread left
         art.close()
@@ -520,11 +513,6 @@ def held_budget(art) -> int:
         (get("max_position_embeddings", "n_positions") or 0) * h
     width = 2 if str(cfg.get("torch_dtype", cfg.get("dtype"))) in ("bfloat16", "float16") else 4
     return min(params * width * 3 // 2 + slack, C.MAX_CHUNK_DECODED * 16)
-
-
-def _is_cuda(device) -> bool:
-    """Whether ``device`` (a string, or a torch.device when torch is already imported) is CUDA."""
-    return (device if isinstance(device, str) else device.type).split(":")[0] == "cuda"
 
 
 def _install_all(inst: Installer, held: list, stats: LoadStats) -> None:

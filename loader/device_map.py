@@ -195,10 +195,9 @@ def device_of(name: str, dmap: dict):
     return None
 
 
-def load_mapped(path, device_map, *, max_memory=None, prefetch: int = 2, dtype=None,
-                nf4: str = "keep", workers: int | None = None, verify: bool = True,
-                stats=None, stream: bool = False, expect: str | None = None):
-    """Load ``path`` placing its modules as ``device_map`` says (see the module docstring).
+def load_mapped(path, device_map, options=None, *, max_memory=None, stats=None):
+    """Load ``path`` placing its modules as ``device_map`` says (see the module docstring),
+    with ``options`` (a ``LoadOptions``; its ``device`` is the map's to give).
 
     Returns:
         The model in eval mode, dispatched with accelerate's hooks when it spans more than one
@@ -208,10 +207,12 @@ def load_mapped(path, device_map, *, max_memory=None, prefetch: int = 2, dtype=N
     from accelerate import dispatch_model
 
     from lct.loader.build import Installer, _install_all, build_skeleton
-    from lct.loader.source import LoadStats, open_source, stored_dtype
+    from lct.loader.source import LoadOptions, LoadStats, stored_dtype
+    options = options or LoadOptions()
+    dtype, nf4 = options.dtype, options.nf4
     stats = stats if stats is not None else LoadStats()
     t0 = time.perf_counter()
-    art = open_source(path, verify=verify, workers=workers, stream=stream, expect=expect)
+    art = options.open(path)
     closing = True
     try:
         # The skeleton in the dtype the weights have (build_skeleton's default): accelerate
@@ -221,7 +222,8 @@ def load_mapped(path, device_map, *, max_memory=None, prefetch: int = 2, dtype=N
         dmap = resolve(model, device_map, max_memory, dtype or stored_dtype(art))
         devices = set(dmap.values())
         offloading = len(devices) > 1 or "disk" in devices
-        lossy = [t.name for t in art.manifest.tensors.values() if t.encoding != "plain"]
+        from lct.format.encodings import is_lossy
+        lossy = [t.name for t in art.manifest.tensors.values() if is_lossy(t.encoding)]
         if offloading and nf4 == "keep" and lossy:
             nf4 = "dequantize"   # accelerate's hooks move plain parameters only
             stats.notes.append(f"{len(lossy)} NF4/int8 table(s) dequantized: with modules "
@@ -241,7 +243,7 @@ def load_mapped(path, device_map, *, max_memory=None, prefetch: int = 2, dtype=N
                                "from the artifact")
         inst = Installer(arch, art, device="cpu", dtype=dtype, nf4=nf4)
         from lct.io.stream import GroupStream
-        with GroupStream(art, read, prefetch=prefetch) as groups:
+        with GroupStream(art, read, prefetch=options.prefetch) as groups:
             for group in groups:
                 _install_all(inst, [group], stats)
             s = groups.stats

@@ -3,10 +3,12 @@ tensor-parallel (``tensor_parallel``) and device-mapped (``device_map``)."""
 
 from __future__ import annotations
 
-from lct.errors import LCTError
+from lct.errors import OptionError
+from lct.io.stream import DEFAULT_PREFETCH
+from lct.loader.source import LoadOptions, LoadStats
 
 
-def load(path, prefetch: int = 2, device="cpu", dtype=None, nf4: str = "keep",
+def load(path, prefetch: int = DEFAULT_PREFETCH, device="cpu", dtype=None, nf4: str = "keep",
          workers: int | None = None, *, verify: bool = True, pad_ids=None, stats=None,
          maximus=False, stream: bool = False, tp_plan=None, device_map=None, max_memory=None,
          expect: str | None = None):
@@ -44,54 +46,34 @@ def load(path, prefetch: int = 2, device="cpu", dtype=None, nf4: str = "keep",
     Example:
         >>> model = lct.load("gemma-2b.lct", prefetch=2)
     """
-    dtype = _check_args(prefetch, dtype, stats, maximus)
+    options = LoadOptions(prefetch=prefetch, device=device, dtype=dtype, nf4=nf4,
+                          workers=workers, verify=verify, stream=stream, expect=expect,
+                          pad_ids=pad_ids, maximus=maximus)
+    _check_stats(stats)
     if max_memory is not None and device_map is None:
-        raise LCTError("max_memory is the budget of device_map='auto'; pass device_map too",
-                       option="max_memory")
+        raise OptionError("max_memory is the budget of device_map='auto'; pass device_map too",
+                          option="max_memory")
     if device_map is not None:
         if tp_plan is not None or maximus:
-            raise LCTError("device_map does not go with tp_plan or Maximus shards",
-                           option="device_map")
+            raise OptionError("device_map does not go with tp_plan or Maximus shards",
+                              option="device_map")
         if str(device) != "cpu":
-            raise LCTError(f"device {str(device)!r} and device_map both given: the map places "
-                           f"every module; put the device in the map", option="device")
+            raise OptionError(f"device {str(device)!r} and device_map both given: the map "
+                              f"places every module; put the device in the map", option="device")
         from lct.loader.device_map import load_mapped
-        return load_mapped(path, device_map, max_memory=max_memory, prefetch=prefetch,
-                           dtype=dtype, nf4=nf4, workers=workers, verify=verify, stats=stats,
-                           stream=stream, expect=expect)
+        return load_mapped(path, device_map, options, max_memory=max_memory, stats=stats)
     if tp_plan is not None:
         if maximus:
-            raise LCTError("Maximus shards and tensor-parallel loading do not go together yet",
-                           option="maximus")
+            raise OptionError("Maximus shards and tensor-parallel loading do not go together "
+                              "yet", option="maximus")
         from lct.loader.tensor_parallel import load_tp
-        return load_tp(path, tp_plan=tp_plan, prefetch=prefetch, device=device, dtype=dtype,
-                       nf4=nf4, workers=workers, verify=verify, stats=stats, stream=stream,
-                       expect=expect)
+        return load_tp(path, options, tp_plan=tp_plan, stats=stats)
     from lct.loader.build import load as load_streamed
-    return load_streamed(path, prefetch=prefetch, device=device, dtype=dtype, nf4=nf4,
-                         workers=workers, verify=verify, pad_ids=pad_ids, stats=stats,
-                         maximus=maximus, stream=stream, expect=expect)
+    return load_streamed(path, options, stats=stats)
 
 
-def _check_args(prefetch, dtype, stats, maximus):
-    """Refuse arguments of the wrong kind with an ``LCTError`` naming them; returns ``dtype`` as
-    a torch dtype (a name such as ``"float16"`` is taken, as the CLI's ``--dtype``)."""
-    if not isinstance(prefetch, int) or isinstance(prefetch, bool) or prefetch < 0:
-        raise LCTError(f"prefetch must be an integer >= 0, got {prefetch!r}", option="prefetch")
-    if stats is not None:
-        from lct.loader.source import LoadStats
-        if not isinstance(stats, LoadStats):
-            raise LCTError(f"stats must be an lct.LoadStats (filled by the load), got "
-                           f"{type(stats).__name__}", option="stats")
-    if isinstance(maximus, int) and not isinstance(maximus, bool) and maximus < 1:
-        raise LCTError(f"maximus {maximus}: a budget is a number of resident shards, at least 1 "
-                       f"(True: the stored policy's)", option="maximus")
-    if isinstance(dtype, str):
-        import torch
-        from lct.format import constants as C
-        name = dtype.removeprefix("torch.")
-        if name not in C.FLOAT_DTYPES:
-            raise LCTError(f"dtype {dtype!r}: expected one of {', '.join(C.FLOAT_DTYPES)} or a "
-                           f"torch dtype", option="dtype")
-        return getattr(torch, name)
-    return dtype
+def _check_stats(stats) -> None:
+    """Refuse a ``stats`` that is not a ``LoadStats`` (the load fills it)."""
+    if stats is not None and not isinstance(stats, LoadStats):
+        raise OptionError(f"stats must be an lct.LoadStats (filled by the load), got "
+                              f"{type(stats).__name__}", option="stats")

@@ -19,6 +19,9 @@ class GenerationResult:
     total_s: float
     first_token_at: float     # time.perf_counter() of the first token
     tokenize_s: float = 0.0   # loading the tokenizer and encoding the prompt, before the call
+    # From the start of the process to the first token (None where /proc says nothing): the
+    # user's time to first token, measured once, here.
+    process_start_to_first_token_s: float | None = None
 
     @property
     def tokens_per_s(self) -> float:
@@ -130,4 +133,7 @@ def generate_timed(model, path, prompt: str | None = None, ids=None,
     text = tok.decode(new, skip_special_tokens=True) if tok is not None else " ".join(
         map(str, new.tolist()))
     first = clock.first or (t0 + total)
-    return GenerationResult(text, int(new.numel()), first - t0, total, first, tokenize_s)
+    from lct.proc import process_age
+    age = process_age()
+    return GenerationResult(text, int(new.numel()), first - t0, total, first, tokenize_s,
+                            None if age is None else age - (time.perf_counter() - first))

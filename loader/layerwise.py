@@ -11,9 +11,9 @@ model, because the weights are the same bytes.
 from __future__ import annotations
 
 from lct.errors import LCTError
-from lct.io.stream import GroupStream
-from lct.loader.build import Installer, _is_cuda, build_skeleton, check_device
-from lct.loader.source import open_source
+from lct.io.stream import DEFAULT_PREFETCH, GroupStream
+from lct.loader.build import Installer, build_skeleton, check_device
+from lct.loader.source import LoadOptions
 
 
 class LayerwiseModel:
@@ -27,14 +27,17 @@ class LayerwiseModel:
         ...     out = lm.generate(ids, max_new_tokens=8)
     """
 
-    def __init__(self, path, prefetch: int = 2, device="cpu", dtype=None, nf4: str = "keep",
-                 workers: int | None = None, *, verify: bool = True, pad_ids=None,
-                 stream: bool = False, expect: str | None = None):
+    def __init__(self, path, prefetch: int = DEFAULT_PREFETCH, device="cpu", dtype=None,
+                 nf4: str = "keep", workers: int | None = None, *, verify: bool = True,
+                 pad_ids=None, stream: bool = False, expect: str | None = None):
         import torch
 
+        options = LoadOptions(prefetch=prefetch, device=device, dtype=dtype, nf4=nf4,
+                              workers=workers, verify=verify, stream=stream, expect=expect,
+                              pad_ids=pad_ids)
+        device, dtype = options.device, options.dtype
         check_device(device)
-        self.art = open_source(path, verify=verify, workers=workers, stream=stream,
-                               pin_memory=_is_cuda(device), expect=expect)
+        self.art = options.open(path)
         self.prefetch = prefetch
         try:
             arch = build_skeleton(self.art, dtype)

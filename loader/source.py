@@ -1,10 +1,69 @@
 """What a load reads from and what it reports: opening a local, pulled or streamed artifact,
-the time and bytes breakdown (``LoadStats``), and the model's name for an artifact tensor.
+the options every loader takes (``LoadOptions``), the time and bytes breakdown (``LoadStats``),
+and the model's name for an artifact tensor.
 Shared by the single-process loader (``build``) and the tensor-parallel one."""
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+
+from lct.errors import OptionError
+from lct.io.stream import DEFAULT_PREFETCH, check_prefetch
+
+NF4_MODES = ("keep", "dequantize")
+
+
+@dataclass(frozen=True)
+class LoadOptions:
+    """How every loader reads and installs an artifact (``lct.load``'s arguments, checked
+    once, here, and passed down whole).
+
+    ``dtype`` is kept as a torch dtype (a name such as ``"float16"`` is taken, as the CLI's
+    ``--dtype``); ``device`` is checked against the machine by the load itself."""
+
+    prefetch: int = DEFAULT_PREFETCH
+    device: object = "cpu"
+    dtype: object = None
+    nf4: str = "keep"
+    workers: int | None = None
+    verify: bool = True
+    stream: bool = False
+    expect: str | None = None
+    pad_ids: object = None
+    maximus: object = False
+
+    def __post_init__(self):
+        check_prefetch(self.prefetch)
+        if self.nf4 not in NF4_MODES:
+            raise OptionError(f"nf4 must be one of {', '.join(NF4_MODES)}, got {self.nf4!r}",
+                              option="nf4")
+        if self.workers is not None and (not isinstance(self.workers, int) or
+                                         isinstance(self.workers, bool) or self.workers < 1):
+            raise OptionError(f"workers must be an integer >= 1 (or None: all cores), got "
+                              f"{self.workers!r}", option="workers")
+        m = self.maximus
+        if isinstance(m, int) and not isinstance(m, bool) and m < 1:
+            raise OptionError(f"maximus {m}: a budget is a number of resident shards, at "
+                              f"least 1 (True: the stored policy's)", option="maximus")
+        if isinstance(self.dtype, str):
+            import torch
+
+            from lct.format import constants as C
+            name = self.dtype.removeprefix("torch.")
+            if name not in C.FLOAT_DTYPES:
+                raise OptionError(f"dtype {self.dtype!r}: expected one of "
+                                  f"{', '.join(C.FLOAT_DTYPES)} or a torch dtype", option="dtype")
+            object.__setattr__(self, "dtype", getattr(torch, name))
+
+    @property
+    def cuda(self) -> bool:
+        """Whether the load's device is a CUDA one (pinned host buffers, non-blocking copies)."""
+        return str(self.device).startswith("cuda")
+
+    def open(self, path):
+        """``open_source`` of ``path`` with these options."""
+        return open_source(path, verify=self.verify, workers=self.workers, stream=self.stream,
+                           pin_memory=self.cuda, expect=self.expect)
 
 
 @dataclass
@@ -53,6 +112,36 @@ def open_source(path, *, verify: bool = True, workers: int | None = None, stream
         path = pull(path, chunks=not verify)
     return _pinned(open_artifact(path, verify=verify, workers=workers, pin_memory=pin_memory),
                    expect)
+
+
+@dataclass(frozen=True)
+class Resolved:
+    """An artifact address made local: ``folder`` holds its config and tokenizer (what the
+    tokenizer and the model class are read from), ``source`` is what the loaders open (the
+    folder, or with ``stream`` the Hub address pinned to the commit ``folder`` came from)."""
+
+    folder: str
+    source: str
+    stream: bool
+
+
+def resolve(path, *, stream: bool = False, verify: bool = True) -> Resolved:
+    """Resolve ``path`` (a folder or ``hf://org/name[@revision]``) once, before a load that
+    also needs its small files: a Hub address is pulled (and checked) into the Hugging Face
+    cache, or with ``stream`` only its small files are, and the chunks are then streamed from
+    that same commit, whatever the branch does meanwhile. ``stream`` is dropped for a local
+    folder (it has nothing to stream from)."""
+    from lct.hub import HF_SCHEME, is_hf_uri, parse_hf_uri
+    path = str(path)
+    if not is_hf_uri(path):
+        return Resolved(path, path, False)
+    if stream:
+        from lct.hub.remote import fetch_small
+        local, sha, _ = fetch_small(path)
+        return Resolved(str(local), f"{HF_SCHEME}{parse_hf_uri(path)[0]}@{sha}", True)
+    from lct.hub import pull
+    local = str(pull(path, chunks=not verify))
+    return Resolved(local, local, False)
 
 
 def _pinned(art, expect):
@@ -109,7 +198,6 @@ def stored_dtype(art):
     (the text config's for a multimodal model), else the float dtype of most of the layers'
     stored elements (a model that keeps a few parameters or buffers in float32 is still a
     bfloat16 model), float32 without floats."""
-    import math
 
     import torch
 

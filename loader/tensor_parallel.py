@@ -11,29 +11,33 @@ success before anyone runs a collective of the model.
 
 from __future__ import annotations
 
+import os
 import time
+from contextlib import contextmanager
 
 from lct import errors
-from lct.errors import LCTError
+from lct.errors import LCTError, OptionError
+from lct.format import constants as C
+from lct.format.encodings import is_lossy
 
 # Bytes of an error message the ranks exchange (UTF-8, cut to fit); no pickle crosses ranks.
 _MESSAGE_BYTES = 2048
 
 
-def load_tp(path, *, tp_plan="auto", prefetch: int = 2, device="cpu", dtype=None,
-            nf4: str = "dequantize", workers: int | None = None, verify: bool = True,
-            stats=None, stream: bool = False, expect: str | None = None):
+def load_tp(path, options=None, *, tp_plan="auto", stats=None):
     """Load ``path`` tensor-parallel over the initialised default process group.
 
     Args:
         path: the artifact folder or ``hf://org/name[@rev]`` (every rank pulls or streams it).
+        options: a ``LoadOptions``; ``prefetch``, ``workers``, ``verify``, ``stream`` and
+            ``expect`` as for ``lct.load``, and:
+            ``device``: ``"cpu"`` (gloo) or ``"cuda"`` (each rank's local device, NCCL);
+            ``dtype``: the parameters' dtype (default: the one the artifact stores its layers
+            in); ``nf4``: ``"keep"``: the NF4/int8 embedding and head stay in their encoding,
+            each rank holding its rows (``lct.kernels.sharded``); ``"dequantize"``: plain
+            DTensors.
         tp_plan: ``"auto"``: the model's own plan (``base_model_tp_plan``), as
             ``from_pretrained(tp_plan="auto")`` uses it.
-        prefetch, workers, verify, stream, expect: as ``lct.load``.
-        device: ``"cpu"`` (gloo) or ``"cuda"`` (each rank's local device, NCCL).
-        dtype: the parameters' dtype (default: the dtype the artifact stores its layers in).
-        nf4: ``"keep"``: the NF4/int8 embedding and head stay in their encoding, each rank
-            holding its rows (``lct.kernels.sharded``); ``"dequantize"``: plain DTensors.
         stats: a ``LoadStats`` filled with this rank's bytes read and decoded and timings.
 
     Returns:
@@ -43,21 +47,20 @@ def load_tp(path, *, tp_plan="auto", prefetch: int = 2, device="cpu", dtype=None
         LCTError: no process group, a plan or model this cannot shard, or any rank's failure
             (on every rank, naming the rank and the chunk).
     """
-    import os
     from concurrent.futures import ThreadPoolExecutor
 
     import torch.distributed as dist
 
     from lct.loader.build import DECODE_NICE
-    from lct.loader.source import LoadStats, open_source
+    from lct.loader.source import LoadOptions, LoadStats
+    options = options or LoadOptions()
+    device, dtype, nf4 = options.device, options.dtype, options.nf4
     if not dist.is_available() or not dist.is_initialized():
         raise LCTError("tensor-parallel loading needs an initialised torch.distributed process "
                        "group (launch with torchrun)", option="tp_plan")
     if tp_plan != "auto":
         raise LCTError(f"tp_plan {tp_plan!r}: only 'auto' (the model's own plan) is supported",
                        option="tp_plan")
-    if nf4 not in ("keep", "dequantize"):
-        raise LCTError(f"nf4 must be 'keep' or 'dequantize', got {nf4!r}", option="nf4")
     from lct.loader.build import check_device
     check_device(device)
     stats = stats if stats is not None else LoadStats()
@@ -68,7 +71,7 @@ def load_tp(path, *, tp_plan="auto", prefetch: int = 2, device="cpu", dtype=None
                               % torch.cuda.device_count())
     art = failure = None
     try:
-        art = open_source(path, verify=verify, workers=workers, stream=stream, expect=expect)
+        art = options.open(path)
     except Exception as e:  # noqa: BLE001 - every rank must hear of it, whatever it is
         failure = e
     # Agree before the skeleton: building it runs collectives (the device mesh), which a rank
@@ -83,7 +86,7 @@ def load_tp(path, *, tp_plan="auto", prefetch: int = 2, device="cpu", dtype=None
     # As the single-process load: decode threads (all cores; splitting them between the ranks
     # measured slower) yield the core to the skeleton's import.
     art.thread_nice = DECODE_NICE
-    lossy = [t.name for t in art.manifest.tensors.values() if t.encoding != "plain"]
+    lossy = [t.name for t in art.manifest.tensors.values() if is_lossy(t.encoding)]
     if lossy:
         stats.notes.append(
             "the NF4/int8 embedding and head stay in their encoding, split by rows over the "
@@ -101,7 +104,7 @@ def load_tp(path, *, tp_plan="auto", prefetch: int = 2, device="cpu", dtype=None
         # stream, which starts at once on the chunks of this rank's pieces.
         future = builder.submit(skeleton)
         chunks = _rank_chunks(art.manifest, dist.get_rank(), dist.get_world_size())
-        with art.stream(prefetch=prefetch, chunks=chunks) as groups:
+        with art.stream(prefetch=options.prefetch, chunks=chunks) as groups:
             model = _fill(future, art, groups, stats, keep=nf4 == "keep")
     except Exception as e:  # noqa: BLE001 - every rank must hear of it, whatever it is
         failure = e
@@ -177,7 +180,7 @@ def _fill(future, art, groups, stats, keep: bool = False):
                 fused[info.name] = art.assemble(info, group.buffers)
                 continue
             module, leaf, ref = params[full]
-            if keep and info.encoding != "plain" and _by_rows(index, info):
+            if keep and is_lossy(info.encoding) and _by_rows(index, info):
                 quantized[full] = (info, _quantized_rows(art, info, group.buffers, pieces,
                                                          index[0]), index[0])
                 filled.add(full)
@@ -270,7 +273,7 @@ def _quantized_rows(art, info, bufs, pieces, rows: slice):
         if len(tensors) > 1:
             return torch.cat([t.reshape(-1, width) for t in tensors])[keep]
         return tensors[0].reshape(-1, width)[keep].clone()
-    if info.encoding == "int8":
+    if info.encoding == C.ENCODING_INT8:
         return Int8Weight(info.name, own([p.q for p in parts], cols),
                           own([p.scale for p in parts], 1).reshape(-1), (n, cols),
                           art.lossy_dtype(info))
@@ -303,7 +306,7 @@ def _install_sharded(model, arch, quantized: dict, params: dict) -> None:
         parent = model.get_submodule(parent_path) if parent_path else model
         old = getattr(parent, leaf)
         n = rows.stop - rows.start
-        nf4 = info.encoding == "nf4"
+        nf4 = info.encoding == C.ENCODING_NF4
         if isinstance(old, torch.nn.Embedding):
             local = NF4Embedding(w.packed, w.absmax, n, cols, w.blocksize, dtype) if nf4 else \
                 Int8Embedding(w.q, w.scale, dtype)
@@ -394,6 +397,40 @@ def _pieces_inside(info, index):
     if not inside or inside[0].span()[0] != want.start or inside[-1].span()[1] != want.stop:
         return None
     return inside
+
+
+@contextmanager
+def rank_group(device="cpu"):
+    """This process's place in a torchrun-launched job: the default process group, initialised
+    from torchrun's environment when none is (gloo on CPU, NCCL on CUDA, after ``device`` is
+    checked, so that a machine without CUDA gets one line rather than NCCL's traceback), and
+    left together (a barrier, then its destruction) when the block ends, also on an error.
+    Yields ``(rank, world size)``."""
+    import torch.distributed as dist
+    if "RANK" not in os.environ and not dist.is_initialized():
+        raise OptionError("tensor-parallel loading runs under torchrun (RANK is not set)",
+                          option="tp")
+    if not dist.is_initialized():
+        from lct.loader.build import check_device
+        check_device(device)
+        dist.init_process_group("nccl" if str(device).startswith("cuda") else "gloo")
+    try:
+        yield dist.get_rank(), dist.get_world_size()
+    finally:
+        try:
+            dist.barrier()
+        finally:
+            dist.destroy_process_group()
+
+
+def in_turn(fn) -> None:
+    """Call ``fn()`` on one rank at a time, in rank order (what the ranks print never
+    interleaves)."""
+    import torch.distributed as dist
+    for turn in range(dist.get_world_size()):
+        if turn == dist.get_rank():
+            fn()
+        dist.barrier()
 
 
 def _agree(failure: BaseException | None) -> None:

@@ -170,3 +170,64 @@ def test_manual_policy_measures_only_what_it_forces(tmp_path):
     assert d.cost == d.costs["embed"]["nf4"] > 0
     m = json.loads((tmp_path / "a.lct" / "lct.json").read_text())
     assert m["policy"]["measured"]["mode"] == "manual" and m["policy"]["nf4"] == ["embed"]
+
+
+def _with_non_finite(src, names=("lm_head.weight", "embed_tokens.weight")):
+    f = next(src.glob("*.safetensors"))
+    sd = load_file(f)
+    for name in list(sd):
+        if name.endswith(names):
+            t = sd[name].clone()
+            t.view(-1)[:4] = torch.tensor([float("nan"), float("inf"), -float("inf"), -0.0])
+            sd[name] = t
+    save_file(sd, f, metadata={"format": "pt"})
+    return sd
+
+
+def test_a_table_holding_nan_or_inf_stays_lossless_bit_for_bit(tmp_path):
+    """The auto policy measured NF4 on a table with a NaN and ended in "tensor: NF4 cannot
+    encode NaN or Inf values" (no file, no tensor, no way out): it keeps such a table
+    lossless and says why; forcing a lossy encoding on it is refused naming the tensor."""
+    src = _source(tmp_path, "llama")
+    sd = _with_non_finite(src)
+    out = tmp_path / "a.lct"
+    lct.convert(str(src), out)
+    enc, m = _encodings(out)
+    assert enc == {"embed": "plain", "head": "plain"}
+    assert set(m["policy"]["measured"]["kept"]) == {"embed", "head"}
+    with lct.open(out) as art:
+        for name in ("lm_head.weight", "model.embed_tokens.weight"):
+            got = art.read_tensor(name)
+            assert torch.equal(got.view(torch.int16), sd[name].view(torch.int16))
+    with pytest.raises(PolicyError, match=r"model.safetensors: tensor 'lm_head.weight' holds "
+                                          r"NaN or Inf values, which NF4 cannot encode"):
+        lct.convert(str(src), tmp_path / "b.lct", policy=Policy(nf4=("head",)))
+
+
+def test_a_nan_cost_is_not_within_the_budget():
+    """``nan > budget`` is False: a calibration run with non-finite logits made NF4 look
+    free."""
+    shapes, dtypes = {"head": (1000, 64)}, {"head": "bfloat16"}
+    chosen, cost = choose({"head": {"nf4": float("nan"), "int8": float("nan")}}, shapes, dtypes,
+                          0.01, 64)
+    assert chosen["head"] == "plain" and cost == 0
+
+
+def test_non_finite_calibration_costs_are_null_in_standard_json(tmp_path):
+    """A NaN in a layer makes every calibration cost NaN: none is within the budget (NF4 was
+    chosen), and the manifest says null where it wrote a bare NaN, which is not JSON."""
+    src = _source(tmp_path, "llama", tokenizer=True)
+    _with_non_finite(src, names=("layers.0.mlp.down_proj.weight",))
+    text = tmp_path / "t.txt"
+    from lct.conversion import sample_text
+    text.write_text(sample_text.PROSE[:2000])
+    out = tmp_path / "c.lct"
+    lct.convert(str(src), out, policy=Policy(calibration=str(text), max_calibration_tokens=64))
+    enc, m = _encodings(out)
+    assert enc == {"embed": "plain", "head": "plain"}
+    raw = (out / "lct.json").read_text()
+    assert "NaN" not in raw
+    json.loads(raw, parse_constant=lambda c: pytest.fail(f"non-standard JSON constant {c}"))
+    assert m["policy"]["measured"]["costs"]["head"] == {"nf4": None, "int8": None}
+    with lct.open(out, verify=True):
+        pass

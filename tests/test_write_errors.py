@@ -97,3 +97,68 @@ def test_pull_into_a_full_cache_and_push_reading_a_file(gemma_art, hub, monkeypa
     with pytest.raises(HubError, match=r"push failed: a local file .*model-00000\.lct: "
                                        r"Permission denied"):
         lct.hub.push(gemma_art, "alice/g2")
+
+
+def test_a_full_disk_in_safetensors_save_is_a_write_error(gemma_art, tmp_path, monkeypatch):
+    """safetensors raises its own SafetensorError ("... (os error 28)"), not an OSError: the
+    export and the Maximus state file printed its traceback (issue 22.8, a real full tmpfs)."""
+    import safetensors.torch
+    from safetensors import SafetensorError
+
+    def save_file(*a, **k):
+        raise SafetensorError("Error while serializing: I/O error: No space left on device "
+                              "(os error 28)")
+    monkeypatch.setattr(safetensors.torch, "save_file", save_file)
+    with pytest.raises(WriteError, match=r"cannot write the export \(No space left on device\)"):
+        lct.export(gemma_art, tmp_path / "hf")
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_a_copy_error_names_its_destination_second(tmp_path):
+    """shutil.copyfile's OSError names the source first and the destination second: a full
+    disk while copying a side file into the staging folder is the output's error."""
+    from lct.io.writer import write_error
+    out = tmp_path / "a.lct"
+    e = OSError(errno.ENOSPC, "No space left on device", "/src/tokenizer.json", None,
+                str(tmp_path / ".a.lct.tmp-1234" / "tokenizer.json"))
+    assert isinstance(write_error(e, out), WriteError)
+    theirs = OSError(errno.EACCES, "Permission denied", "/src/tokenizer.json", None, "/else/x")
+    assert write_error(theirs, out) is None
+
+
+def test_a_full_disk_at_the_last_flush_is_one_error(gemma_src, tmp_path, monkeypatch):
+    """ENOSPC at finish's flush: the abort's close flushed the same buffer again and raised a
+    second ENOSPC over the first (two tracebacks); now one WriteError, nothing left."""
+    import builtins
+
+    import lct.io.writer as writer
+
+    class Full:
+        """A data file on a full disk: its buffered bytes never get out (flush and close
+        fail as the kernel would make them fail)."""
+
+        def __init__(self, *a, **k):
+            self.f = builtins.open(*a, **k)
+
+        def __getattr__(self, name):
+            return getattr(self.f, name)
+
+        def flush(self):
+            raise _oserror(errno.ENOSPC)
+
+        def close(self):
+            self.f.close()
+            raise _oserror(errno.ENOSPC)
+    monkeypatch.setattr(writer, "open", Full, raising=False)
+    out = tmp_path / "out"
+    out.mkdir()
+    with pytest.raises(WriteError, match="No space left on device"):
+        lct.convert(str(gemma_src), out / "a.lct")
+    assert list(out.iterdir()) == []
+
+
+def test_exported_files_are_readable_by_all(gemma_art, tmp_path):
+    """safetensors creates its files 0600; every file of an export is 0644, as LCT's others."""
+    out = lct.export(gemma_art, tmp_path / "hf")
+    modes = {p.name: p.stat().st_mode & 0o777 for p in out.iterdir()}
+    assert set(modes.values()) == {0o644}, modes

@@ -149,7 +149,7 @@ def _planned_shards(art, max_shard_size: int):
 
 
 def _export(artifact, out: Path, max_shard_size: int, progress) -> Path:
-    from safetensors.torch import save_file
+    from lct.format.files import save_safetensors
 
     art = artifact if isinstance(artifact, Artifact) else open_artifact(artifact)
     tmp = out.parent / f".{out.name}.tmp-{uuid.uuid4().hex[:12]}"
@@ -172,8 +172,8 @@ def _export(artifact, out: Path, max_shard_size: int, progress) -> Path:
                 todo[f].discard(name)
                 if not todo[f]:
                     # save_pretrained's call: the same names, order and metadata
-                    save_file({n: pending[f][n] for n in split.filename_to_tensors[f]},
-                              str(tmp / f), metadata={"format": "pt"})
+                    save_safetensors({n: pending[f][n] for n in split.filename_to_tensors[f]},
+                                     tmp / f, {"format": "pt"})
                     pending[f] = {}
             del tensors
             if progress:

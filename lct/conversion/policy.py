@@ -19,15 +19,17 @@ whose cost is within the budget, the one with the fewest stored bytes wins (loss
 from __future__ import annotations
 
 import logging
+import math
 import time
 from dataclasses import dataclass, field
 from itertools import product
 
 from lct.errors import LCTError, PolicyError
 from lct.format import constants as C
+from lct.format.encodings import get_encoding, lossy_encodings
 from lct.format.layout import encoded_bytes
 
-CANDIDATES = (C.ENCODING_NF4, C.ENCODING_INT8)
+CANDIDATES = lossy_encodings()     # the registry's lossy encodings (lct/format/encodings.py)
 log = logging.getLogger(__name__)
 ROW_STEP_BYTES = 64 << 20
 
@@ -45,13 +47,15 @@ class Decision:
     tokens: int = 0                  # calibration tokens scored (0 for the proxy)
     seconds: float = 0.0
     mode: str = "auto"               # "manual": the encodings were forced, only measured
+    kept: dict = field(default_factory=dict)     # role -> why it stays lossless unmeasured
 
     def to_dict(self) -> dict:
         return {"method": self.method, "mode": self.mode, "budget_kl": self.budget,
                 "cost_kl": round(self.cost, 6),
                 "tied": self.tied, "tokens": self.tokens, "seconds": round(self.seconds, 3),
-                "costs": {p: {e: round(v, 6) for e, v in c.items()}
-                          for p, c in self.costs.items()}}
+                **({"kept": self.kept} if self.kept else {}),
+                "costs": {p: {e: round(v, 6) if math.isfinite(v) else None
+                              for e, v in c.items()} for p, c in self.costs.items()}}
 
     def summary(self) -> str:
         """One line for ``lct convert``: the choice, its cost, and what the others cost."""
@@ -62,11 +66,12 @@ class Decision:
             other = ", ".join(f"{e} {v:.4f}" for e, v in self.costs[part].items())
             pick.append(f"{part} {self.chosen[role]} ({other})")
         if self.mode == "manual":
-            over = self.cost > self.budget
+            over = not self.cost <= self.budget      # a NaN cost is not within it
             return (f"policy manual ({self.method} estimate): {'; '.join(pick)}; estimated mean "
                     f"KL {self.cost:.4f} nats, {'OVER' if over else 'within'} the budget "
                     f"{self.budget:g}" + (" (the default auto policy keeps within it)"
                                           if over else ""))
+        pick += [f"{role} plain ({why})" for role, why in self.kept.items()]
         return (f"policy auto ({self.method}): {'; '.join(pick)}; estimated mean KL "
                 f"{self.cost:.4f} nats, budget {self.budget:g}")
 
@@ -74,14 +79,7 @@ class Decision:
 def roundtrip(encoding: str, w, blocksize: int, wf=None):
     """``w`` quantized in ``encoding`` and dequantized again, as float32 (``wf``: ``w`` as
     float32 already, if the caller has it)."""
-    import torch
-    if encoding == C.ENCODING_NF4:
-        from lct.format import nf4
-        packed, absmax = nf4.quantize(w, blocksize)
-        return nf4.dequantize(packed, absmax, tuple(w.shape), blocksize, torch.float32)
-    from lct.format import int8
-    q, scale = int8.quantize_rows(wf if wf is not None else w.float())
-    return q.mul_(scale.unsqueeze(1))   # q * scale, the dequantized value, without int8 codes
+    return get_encoding(encoding).roundtrip(w, blocksize, wf)
 
 
 def _kl(ref_logits, logits) -> float:
@@ -161,7 +159,7 @@ def _table(src, st):
 def _candidates(shape, blocksize: int, policy=None, role: str | None = None) -> tuple:
     """The lossy encodings to measure for a table: NF4 where the block size divides its rows;
     of a manual policy, only the one it forces on ``role``."""
-    out = tuple(e for e in CANDIDATES if e != C.ENCODING_NF4 or shape[1] % blocksize == 0)
+    out = tuple(e for e in CANDIDATES if get_encoding(e).fits(shape, blocksize))
     if policy is not None and not policy.auto:
         out = tuple(e for e in out if e == policy.forced()[role])
     return out
@@ -183,7 +181,7 @@ def proxy_costs(src, tensors: dict, lossy: dict, tied: bool, arch, policy) -> di
         # the embedding's estimate needs the head's cost per unit of relative error: measure
         # the head in the embedding's candidates too
         measured = tuple(dict.fromkeys(cands + tuple(
-            c for c in embed_cands if c != C.ENCODING_NF4 or w.shape[1] % policy.blocksize == 0)))
+            c for c in embed_cands if get_encoding(c).fits(tuple(w.shape), policy.blocksize))))
         hidden = proxy_hidden(gamma if gamma is not None and gamma.numel() == w.shape[1]
                               else None, beta if beta is not None
                               and beta.numel() == w.shape[1] else None, w.shape[1])
@@ -233,8 +231,8 @@ def calibration_costs(src, tensors: dict, lossy: dict, tied: bool, arch, policy)
 
     from lct.conversion.quality import DEFAULT_BLOCK, read_texts, token_blocks
     if not any((src.root / n).is_file() for n in ("tokenizer.json", "tokenizer.model")):
-        raise PolicyError(f"{src.root}: --calibration needs the model's tokenizer, and the "
-                          f"source has none")
+        raise PolicyError(f"{src.root}: a calibration text needs the model's tokenizer, and "
+                          f"the source has none", option="calibration")
     blocks = token_blocks(AutoTokenizer.from_pretrained(src.root),
                           read_texts(policy.calibration), policy.max_calibration_tokens,
                           DEFAULT_BLOCK)
@@ -282,7 +280,7 @@ def choose(costs: dict, shapes: dict, dtypes: dict, budget: float, blocksize: in
     best = None
     for combo in product(*options):
         cost = sum(c for _, c in combo)
-        if cost > budget:
+        if not cost <= budget:      # a NaN cost (non-finite logits) is not within the budget
             continue
         size = sum(encoded_bytes(e, shapes[p], dtypes[p], blocksize)
                    for p, (e, _) in zip(parts, combo))
@@ -311,9 +309,11 @@ def decide(src, tensors: dict, lossy: dict, tied: bool, arch, policy) -> Decisio
         PolicyError: calibration text or tokenizer missing.
     """
     t0 = time.perf_counter()
+    kept = _non_finite(src, tensors, lossy, policy)
+    lossy = {r: n for r, n in lossy.items() if r not in kept}
     if not lossy:
         return Decision({r: C.ENCODING_PLAIN for r in C.LOSSY_ROLES}, tied, "none",
-                        policy.budget)
+                        policy.budget, kept=kept)
     if policy.calibration:
         try:
             costs, tokens = calibration_costs(src, tensors, lossy, tied, arch, policy)
@@ -336,4 +336,23 @@ def decide(src, tensors: dict, lossy: dict, tied: bool, arch, policy) -> Decisio
         cost = sum(c.get(chosen["embed" if p == "embed+head" else p], 0.0)
                    for p, c in costs.items())
     return Decision(chosen, tied, method, policy.budget, costs, cost, tokens,
-                    time.perf_counter() - t0, "auto" if policy.auto else "manual")
+                    time.perf_counter() - t0, "auto" if policy.auto else "manual", kept)
+
+
+def _non_finite(src, tensors: dict, lossy: dict, policy) -> dict:
+    """``{role: reason}`` of the candidate tables holding a NaN or an Inf, which no lossy
+    encoding keeps (lossless keeps them bit for bit): the auto policy leaves them lossless and
+    says so; a policy that forces a lossy encoding on one is refused, naming the tensor."""
+    import torch
+    out = {}
+    for role, name in lossy.items():
+        st = tensors[name]
+        if st.dtype not in C.FLOAT_DTYPES or bool(torch.isfinite(_table(src, st)).all()):
+            continue
+        forced = None if policy.auto else policy.forced().get(role)
+        if forced not in (None, C.ENCODING_PLAIN):
+            raise PolicyError(f"{src.root / st.file}: tensor {name!r} holds NaN or Inf values, "
+                              f"which {get_encoding(forced).label} cannot encode; keep it "
+                              f"lossless", option=forced)
+        out[role] = "holds NaN/Inf: kept lossless, bit for bit"
+    return out

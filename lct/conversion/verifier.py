@@ -7,7 +7,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from lct.errors import LCTError
-from lct.format import constants as C
+from lct.format.encodings import get_encoding
 from lct.io.check import check_artifact
 from lct.io.reader import Artifact, open_artifact
 
@@ -45,8 +45,9 @@ def _compare(name, info, got, ref) -> TensorCheck:
     """``got`` is the stored tensor (an ``NF4Weight``/``Int8Weight`` for lossy ones), ``ref``
     the source's."""
     import torch
-    if info.encoding in (C.ENCODING_NF4, C.ENCODING_INT8):
-        # Both quantizers are deterministic (NF4 bit-exact with bitsandbytes): the source,
+    enc = get_encoding(info.encoding)
+    if enc.lossy:
+        # The quantizers are deterministic (NF4 bit-exact with bitsandbytes): the source,
         # quantized again, must give the stored bytes. Error and cosine are extra information.
         kind = info.encoding
         if tuple(ref.shape) != tuple(got.shape):
@@ -54,24 +55,18 @@ def _compare(name, info, got, ref) -> TensorCheck:
             return TensorCheck(name, kind, False, nan, nan, nan,
                                note=f"shape {tuple(got.shape)} differs from the source's "
                                     f"{tuple(ref.shape)}")
-        if kind == C.ENCODING_NF4:
-            from lct.format.nf4 import quantize
-            codes, scales = quantize(ref, got.blocksize, name)
-            stored = (got.packed, got.absmax)
-        else:
-            from lct.format.int8 import quantize
-            codes, scales = quantize(ref, name)
-            stored = (got.q, got.scale)
+        codes, scales = enc.quantize(ref, getattr(got, "blocksize", None), name)
+        stored = enc.parts(got)
         same = torch.equal(codes.reshape(-1), stored[0].reshape(-1)) and torch.equal(
             scales.reshape(-1), stored[1].reshape(-1).to(scales.dtype))
         # float64: a float32 dot product over tens of millions of elements drifts past 1.
         a, b = got.dequantize().double().reshape(-1), ref.double().reshape(-1)
         err = (a - b).abs()
         cos = torch.nn.functional.cosine_similarity(a, b, dim=0).item() if a.numel() else 1.0
-        label = "NF4" if kind == C.ENCODING_NF4 else "int8"
         return TensorCheck(name, kind, same, err.max().item() if err.numel() else 0.0,
                            err.mean().item() if err.numel() else 0.0, cos,
-                           "" if same else f"{label} codes differ from the source quantized again")
+                           "" if same else f"{enc.label} codes differ from the source "
+                                           f"quantized again")
     if info.stored_dtype != info.dtype:
         ref = ref.to(got.dtype)
     same = got.shape == ref.shape and got.dtype == ref.dtype and torch.equal(

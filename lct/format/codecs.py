@@ -62,8 +62,9 @@ def _zstd():
 
 # The exponent plane is an order-0 source (a few dozen symbols, no repeats worth finding):
 # zstd's Huffman-coded literals are what compress it, and match finding only costs time and
-# ratio. These parameters make matches rare: on bf16 weights the plane compresses 3.07x instead
-# of 2.79x (level 1), encodes 2.2x and decodes 1.8x faster (docs/BENCHMARKS.md).
+# ratio. These parameters make matches rare: the whole artifact is smaller and encodes faster
+# than with the plane at zstd's own levels (docs/BENCHMARKS.md, bench_format: the "hi plane at
+# zstd-N" rows are the writer before this).
 ENTROPY_ONLY = "entropy-only"
 
 

@@ -42,7 +42,7 @@ CODEC_PLANES = "planes"
 CHECKSUM_ALGO = "xxh3_64"
 CHECKSUM_HEX_DIGITS = 16                # a checksum is CHECKSUM_ALGO + ":" + 16 hex digits
 
-# Writer defaults (chosen from docs/BENCHMARKS.md).
+# Writer defaults (chosen from docs/BENCHMARKS.md, bench_format).
 DEFAULT_LEVEL = 1
 ZSTD_LEVELS = (-7, 22)                  # the zstd levels a chunk may be written with
 DEFAULT_FRAME_SIZE = 1024 * 1024
@@ -153,7 +153,7 @@ EXPORT_SHARD_SIZE = "50GB"
 # dequantized weight (kernels/linear.py; the planner models the same chunk).
 NF4_HEAD_CHUNK_BYTES = 128 << 20
 # Input rows up to which the CPU NF4 head takes the fused kernel (4-bit codes read per row) rather
-# than dequantizing chunks once for all rows; measured crossover in docs/BENCHMARKS.md.
+# than dequantizing chunks once for all rows; measured crossover in docs/BENCHMARKS.md, bench_head.
 NF4_FUSED_MAX_ROWS = 24
 
 # The auto policy (lct/conversion/policy.py): the whole artifact's budget for its lossy parts, as a mean KL
@@ -165,7 +165,7 @@ PROXY_SAMPLES = 64
 # The proxy's hidden states come from this seed: not 0, which tiny random test models use.
 PROXY_SEED = 7919
 # Input rows up to which the CPU int8 head takes the fused kernel rather than dequantizing chunks
-# once for all rows (docs/BENCHMARKS.md section 11).
+# once for all rows (docs/BENCHMARKS.md, bench_head).
 INT8_FUSED_MAX_ROWS = 24
 
 # Streaming from the Hub (lct/hub/remote.py): the slowest average a range transfer may have after its

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import math
 
-from lct.errors import PolicyError
+from lct.errors import OptionError, PolicyError
 from lct.format import constants as C
 
 PIECE_ELEMENTS = 1 << 22
@@ -83,8 +83,8 @@ def dequantize(q, scale, shape, dtype=None, out=None):
     if out is None:
         out = torch.empty(rows, cols, dtype=dtype, device=q.device)
     elif out.numel() != rows * cols or out.dtype != dtype or not out.is_contiguous():
-        raise ValueError(f"out must be a contiguous {dtype} tensor of {rows * cols} elements, "
-                         f"got {out.dtype} {tuple(out.shape)}")
+        raise OptionError(f"out must be a contiguous {dtype} tensor of {rows * cols} elements, "
+                          f"got {out.dtype} {tuple(out.shape)}", option="out")
     out2 = out.view(rows, cols)
     step = max(1, PIECE_ELEMENTS // max(cols, 1))
     for r0 in range(0, rows, step):

@@ -10,7 +10,7 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from lct.format import constants as C
-from lct.format.nf4 import absmax_count, packed_size
+from lct.format.encodings import get_encoding
 
 
 def align(n: int, a: int) -> int:
@@ -43,28 +43,19 @@ class TensorSpec:
 
     @property
     def nbytes(self) -> int:
-        if self.encoding == C.ENCODING_NF4:
-            return packed_size(self.numel)
-        if self.encoding == C.ENCODING_INT8:
-            return self.numel
-        return self.numel * C.DTYPE_SIZES[self.stored_dtype]
+        return get_encoding(self.encoding).nbytes(self.shape, self.stored_dtype)
 
     @property
     def absmax_nbytes(self) -> int:
         """Bytes of the float32 scales after the codes: NF4's absmax per block, int8's scale
         per row; 0 for plain tensors."""
-        if self.encoding == C.ENCODING_NF4:
-            return 4 * absmax_count(self.numel, self.blocksize)
-        if self.encoding == C.ENCODING_INT8:
-            from lct.format.int8 import row_shape
-            return 4 * row_shape(self.shape)[0]
-        return 0
+        return get_encoding(self.encoding).scale_nbytes(self.shape, self.blocksize)
 
     @property
     def width_class(self):
         """Tensors of one class share a chunk: each lossy encoding apart, plain tensors by
         element width."""
-        if self.encoding in (C.ENCODING_NF4, C.ENCODING_INT8):
+        if get_encoding(self.encoding).lossy:
             return self.encoding
         return C.DTYPE_SIZES[self.stored_dtype]
 
@@ -73,10 +64,9 @@ def encoded_bytes(encoding: str, shape: tuple, dtype: str,
                   blocksize: int = C.DEFAULT_BLOCKSIZE) -> int:
     """Bytes a tensor of ``shape`` takes in ``encoding`` in its decoded chunk: codes plus
     scales (NF4 absmax, int8 row scales), alignment gaps not counted."""
-    stored = encoding if encoding in (C.ENCODING_NF4, C.ENCODING_INT8) else dtype  # its name
-    spec = TensorSpec("", tuple(shape), dtype, stored, encoding, "", "",
-                      blocksize if encoding == C.ENCODING_NF4 else None)
-    return spec.nbytes + spec.absmax_nbytes
+    enc = get_encoding(encoding)
+    return enc.nbytes(tuple(shape), enc.stored_dtype(dtype)) + \
+        enc.scale_nbytes(tuple(shape), blocksize)
 
 
 @dataclass

@@ -14,7 +14,9 @@ from dataclasses import asdict, dataclass, field, replace
 
 from lct.format import codecs
 from lct.format import constants as C
-from lct.format.nf4 import absmax_count, packed_size
+from lct.format.encodings import get_encoding
+from lct.format.rules import fail as _fail
+from lct.format.rules import integer as _int
 from lct.errors import ManifestChecksumError, ManifestError, UnsupportedVersionError
 from lct.format.jsontext import parse_json
 
@@ -147,8 +149,8 @@ class Manifest:
                 c["binding"] = binds[c["id"]]
             d.pop(CHECKSUM_KEY, None)
             d[CHECKSUM_KEY] = _ZERO_SUM
-            return seal(json.dumps(d, indent=1, sort_keys=False) + "\n")
-        return json.dumps(d, indent=1, sort_keys=False) + "\n"
+            return seal(json.dumps(d, indent=1, sort_keys=False, allow_nan=False) + "\n")
+        return json.dumps(d, indent=1, sort_keys=False, allow_nan=False) + "\n"
 
     @classmethod
     def from_json(cls, text: bytes | str, where: str = "lct.json") -> "Manifest":
@@ -313,16 +315,6 @@ def _check_sealed(raw: bytes, d: dict, where: str) -> None:
             f"with lct.format.manifest.seal)")
 
 
-def _fail(where: str, msg: str):
-    raise ManifestError(f"{where}: {msg}")
-
-
-def _int(v, where: str, what: str, lo: int = 0, hi: int = C.MAX_MANIFEST_INT) -> int:
-    if not isinstance(v, int) or isinstance(v, bool) or not lo <= v <= hi:
-        _fail(where, f"{what} must be an integer in [{lo}, {hi}], got {v!r}")
-    return v
-
-
 def _str(v, where: str, what: str, maxlen: int = C.MAX_NAME_LEN) -> str:
     if not isinstance(v, str) or not 0 < len(v) <= maxlen or "\x00" in v:
         _fail(where, f"{what} must be a non-empty string of at most {maxlen} characters "
@@ -354,7 +346,7 @@ _POLICY_KEYS = {"mode": ("str",), "nf4": ("strs",), "int8": ("strs",), "blocksiz
                 "tp_pieces": ("int",), "measured": ("obj",)}
 _MEASURED_KEYS = {"method": ("str",), "mode": ("str",), "budget_kl": ("num",),
                   "cost_kl": ("num",), "tied": ("bool",), "tokens": ("int",),
-                  "seconds": ("num",), "costs": ("costs",)}
+                  "seconds": ("num",), "costs": ("costs",), "kept": ("obj",)}
 _FREQUENCY_SOURCE_KEYS = {"kind": ("str",), "path": ("str", "null"), "tokens": ("int",),
                           "note": ("str",)}
 _INFORMATIVE = {"source": _SOURCE_KEYS, "architecture": _ARCHITECTURE_KEYS,
@@ -391,7 +383,8 @@ def _is(v, tag: str) -> bool:
             for x in v)
     if tag == "costs":
         return isinstance(v, dict) and all(
-            isinstance(c, dict) and all(_is(x, "num") for x in c.values()) for c in v.values())
+            isinstance(c, dict) and all(x is None or _is(x, "num") for x in c.values())
+            for c in v.values())
     if tag == "files":
         return isinstance(v, dict) and all(
             isinstance(f, dict) and isinstance(f.get("sha256"), str)
@@ -402,7 +395,7 @@ def _is(v, tag: str) -> bool:
 
 _TAG_WORDS = {"str": "a string", "int": "a non-negative integer", "signed": "an integer",
               "num": "a number", "bool": "true or false", "null": "null", "obj": "an object",
-              "strs": "a list of strings", "costs": "an object {part: {encoding: number}}",
+              "strs": "a list of strings", "costs": "an object {part: {encoding: number or null}}",
               "files": 'an object {name: {"sha256": 64 hex digits, "size": integer}}',
               "stacks": 'a list of {"path": string, "group_prefix": string, "blocks": integer}'}
 
@@ -691,69 +684,19 @@ def _placement(t: dict, name: str, shape: tuple, dtype: str, chunks: list,
         _fail(where, f"{w}: group {group!r} differs from its chunk's group {chunk.group!r}")
     offset = _int(t.get("offset"), where, f"{w} offset")
     nbytes = _int(t.get("nbytes"), where, f"{w} nbytes")
-    n = math.prod(shape)
-    nf4 = int8 = None
-    if encoding == C.ENCODING_PLAIN:
-        if not isinstance(stored_dtype, str) or stored_dtype not in C.DTYPE_SIZES:
-            raise UnsupportedVersionError(f"{where}: {w}: unknown stored dtype {stored_dtype!r}")
-        expected = n * C.DTYPE_SIZES[stored_dtype]
-        if nbytes != expected:
-            _fail(where, f"{w}: nbytes {nbytes} != {expected} (shape {shape} x {stored_dtype})")
-        _span_in_chunk(offset, nbytes, chunk, where, w)
-    elif encoding == C.ENCODING_NF4:
-        if stored_dtype != "nf4":
-            _fail(where, f"{w}: nf4 tensor must have stored_dtype 'nf4', got {stored_dtype!r}")
-        if dtype not in C.FLOAT_DTYPES:
-            _fail(where, f"{w}: nf4 tensor must dequantize to one of {C.FLOAT_DTYPES}, got {dtype!r}")
-        nf4 = t.get("nf4")
-        if not isinstance(nf4, dict):
-            _fail(where, f"{w}: nf4 tensor lacks its 'nf4' object")
-        bs = _int(nf4.get("blocksize"), where, f"{w} blocksize", C.NF4_MIN_BLOCKSIZE,
-                  C.NF4_MAX_BLOCKSIZE)
-        if bs % 2 or not shape or shape[-1] % bs:
-            _fail(where, f"{w}: blocksize {bs} must be even and divide the row length")
-        if nbytes != packed_size(n):
-            _fail(where, f"{w}: nf4 nbytes {nbytes} != {packed_size(n)}")
-        a_off = _int(nf4.get("absmax_offset"), where, f"{w} absmax_offset")
-        a_n = _int(nf4.get("absmax_nbytes"), where, f"{w} absmax_nbytes")
-        if a_n != 4 * absmax_count(n, bs):
-            _fail(where, f"{w}: absmax_nbytes {a_n} != {4 * absmax_count(n, bs)}")
-        _span_in_chunk(offset, nbytes, chunk, where, w)
-        _span_in_chunk(a_off, a_n, chunk, where, w + " absmax")
-        nf4 = {"blocksize": bs, "absmax_offset": a_off, "absmax_nbytes": a_n}
-    elif encoding == C.ENCODING_INT8:
-        int8 = _int8_placement(t, w, shape, dtype, stored_dtype, offset, nbytes, chunk, where)
-    else:
-        raise UnsupportedVersionError(f"{where}: {w}: unknown encoding {encoding!r}")
-    for key, enc in (("nf4", C.ENCODING_NF4), ("int8", C.ENCODING_INT8)):
-        if key in t and encoding != enc:
-            _fail(where, f"{w}: has an '{key}' object but its encoding is {encoding!r}")
-    return TensorInfo(name, tuple(shape), dtype, stored_dtype, encoding, role, group, cidx,
-                      offset, nbytes, nf4, row_order=t.get("row_order"), int8=int8)
-
-
-def _int8_placement(t: dict, w: str, shape: tuple, dtype: str, stored_dtype, offset: int,
-                    nbytes: int, chunk: ChunkInfo, where: str) -> dict:
-    """Validate an int8 tensor's codes and per-row scales (FORMAT.md 2.2)."""
-    if stored_dtype != "int8":
-        _fail(where, f"{w}: int8 tensor must have stored_dtype 'int8', got {stored_dtype!r}")
-    if dtype not in C.FLOAT_DTYPES:
-        _fail(where, f"{w}: int8 tensor must dequantize to one of {C.FLOAT_DTYPES}, got {dtype!r}")
-    if len(shape) < 1:
-        _fail(where, f"{w}: an int8 tensor needs at least one dimension")
-    spec = t.get("int8")
-    if not isinstance(spec, dict):
-        _fail(where, f"{w}: int8 tensor lacks its 'int8' object")
-    n, rows = math.prod(shape), math.prod(shape[:-1])
-    if nbytes != n:
-        _fail(where, f"{w}: int8 nbytes {nbytes} != {n}")
-    s_off = _int(spec.get("scale_offset"), where, f"{w} scale_offset")
-    s_n = _int(spec.get("scale_nbytes"), where, f"{w} scale_nbytes")
-    if s_n != 4 * rows:
-        _fail(where, f"{w}: scale_nbytes {s_n} != {4 * rows} (one float32 per row)")
+    enc = get_encoding(encoding, f"{where}: {w}")
+    obj, scales = enc.check(t.get(enc.key) if enc.key else None, w, tuple(shape), dtype,
+                            stored_dtype, nbytes, where)
     _span_in_chunk(offset, nbytes, chunk, where, w)
-    _span_in_chunk(s_off, s_n, chunk, where, w + " scales")
-    return {"scale_offset": s_off, "scale_nbytes": s_n}
+    if scales is not None:
+        _span_in_chunk(scales[0], scales[1], chunk, where,
+                       w + (" absmax" if enc.key == "nf4" else " scales"))
+    for key in ("nf4", "int8"):
+        if key in t and key != enc.key:
+            _fail(where, f"{w}: has an '{key}' object but its encoding is {encoding!r}")
+    placed = {enc.key: obj} if enc.key else {}
+    return TensorInfo(name, tuple(shape), dtype, stored_dtype, encoding, role, group, cidx,
+                      offset, nbytes, row_order=t.get("row_order"), **placed)
 
 
 def _check_maximus(m, tensors: dict, where: str) -> None:

@@ -14,7 +14,7 @@ import os
 import uuid
 from pathlib import Path
 
-from lct.errors import MaximusStateError
+from lct.errors import MaximusStateError, OptionError
 from lct.format import constants as C
 
 STATS_FIELDS = C.MAXIMUS_STATS_FIELDS
@@ -50,7 +50,8 @@ def shard_offsets(num_rows: int, num_shards: int):
 def shard_bounds(num_rows: int, num_shards: int) -> list:
     """``shard_offsets`` as a list of ints (for code that does not import torch)."""
     if not 1 <= num_shards <= num_rows:
-        raise ValueError(f"the number of shards must be in 1..{num_rows}, got {num_shards}")
+        raise OptionError(f"the number of shards must be in 1..{num_rows}, got {num_shards}",
+                          option="maximus_shards")
     size = -(-num_rows // num_shards)
     return [min(i * size, num_rows) for i in range(num_shards + 1)]
 
@@ -105,7 +106,7 @@ def module_tensors(tensors: dict, prefix: str) -> dict:
 
 def write_state_file(per_module: dict, path) -> Path:
     """Write ``{module_path: (tensors, meta)}`` as one state file, atomically."""
-    from safetensors.torch import save_file
+    from lct.format.files import save_safetensors
     tensors, meta = {}, {}
     for mp, (t, m) in per_module.items():
         for k, v in t.items():
@@ -114,9 +115,9 @@ def write_state_file(per_module: dict, path) -> Path:
     path = Path(path)
     tmp = path.with_name(f".{path.name}.tmp-{uuid.uuid4().hex[:8]}")
     try:
-        save_file(tensors, str(tmp), metadata={"format": C.MAXIMUS_STATE_FORMAT, "version": C.MAXIMUS_STATE_VERSION,
-                                               "modules": json.dumps(meta)})
-        os.chmod(tmp, 0o644)        # as the artifact's other files (safetensors writes 0600)
+        save_safetensors(tensors, tmp, {"format": C.MAXIMUS_STATE_FORMAT,
+                                        "version": C.MAXIMUS_STATE_VERSION,
+                                        "modules": json.dumps(meta)})
         os.replace(tmp, path)
     finally:
         if tmp.exists():

@@ -14,7 +14,7 @@ import json
 import math
 
 from lct.format import constants as C
-from lct.errors import PolicyError
+from lct.errors import CorruptChunkError, OptionError, PolicyError
 
 PIECE_ELEMENTS = 1 << 22
 
@@ -172,8 +172,8 @@ def dequantize(packed, absmax, shape, blocksize: int, dtype=None, out=None):
     if out is None:
         out = _empty(n, dtype or torch.float32)
     elif out.numel() != n or out.dtype != (dtype or torch.float32) or not out.is_contiguous():
-        raise ValueError(f"out must be a contiguous {dtype or torch.float32} tensor of {n} "
-                         f"elements, got {out.dtype} {tuple(out.shape)}")
+        raise OptionError(f"out must be a contiguous {dtype or torch.float32} tensor of {n} "
+                          f"elements, got {out.dtype} {tuple(out.shape)}", option="out")
     out = out.view(-1)
     if _dequantize_native(packed, absmax, out, blocksize):
         return out.view(*shape)
@@ -246,8 +246,8 @@ def _dequantize_native(packed, absmax, out, blocksize: int) -> bool:
     flat = packed.reshape(-1)[: packed_size(n)].contiguous()
     am = absmax.reshape(-1)[: absmax_count(n, blocksize)].contiguous()
     if flat.numel() != packed_size(n) or am.numel() != absmax_count(n, blocksize):
-        raise ValueError(f"NF4 data too short for {n} elements: {flat.numel()} packed bytes, "
-                         f"{am.numel()} absmax values (blocksize {blocksize})")
+        raise CorruptChunkError(f"NF4 data too short for {n} elements: {flat.numel()} packed "
+                                f"bytes, {am.numel()} absmax values (blocksize {blocksize})")
     bf16 = out.dtype == torch.bfloat16
     native.nf4_dequant_into(flat.numpy(), am.numpy(), code_array(),
                             out.view(torch.int16).numpy() if bf16 else out.numpy(), blocksize, bf16)

@@ -67,9 +67,9 @@ def check_files(root: Path, repo_id: str, revision: str | None, local_dir=None,
     Not ``HfApi.verify_repo_checksums`` (huggingface_hub 2.4), which compares the same hashes,
     for three measured reasons: it lists the repo over the network, so an offline ``lct pull``
     served from the cache could not be checked; it sha256-hashes the data files, which the
-    chunk checksums already cover (1.8 s more for the 3.1 GB Gemma-2B-shaped artifact on the
-    2-core machine of docs/BENCHMARKS.md, against 0.34 s for the chunk checks LCT runs anyway);
-    and its offline counterpart, the listing ``get_cached_repo_tree`` returns, drops the LFS
+    chunk checksums already cover (1.8 s more for the 3.1 GB Gemma-2B-shaped artifact on this
+    project's 2-core machine, measured by hand, against 0.34 s for the chunk checks LCT runs
+    anyway); and its offline counterpart, the listing ``get_cached_repo_tree`` returns, drops the LFS
     sha256 (an LFS file's id there is its pointer's git oid), so ``hub_oids`` derives both ids
     from one read. tests/test_hub.py holds the cases."""
     tree = _tree(repo_id, revision, local_dir)

@@ -12,7 +12,6 @@ import os
 import re
 import struct
 from concurrent.futures import CancelledError, ThreadPoolExecutor
-from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
@@ -21,7 +20,8 @@ from lct.format import codecs
 from lct.format.codecs import checksum
 from lct.format import constants as C
 from lct.errors import (ArtifactClosedError, ArtifactNotFoundError, ChecksumError,
-                        CorruptChunkError, ManifestError)
+                        CorruptChunkError, EntryNotFoundError, ManifestError)
+from lct.format.encodings import Int8Weight, NF4Weight, get_encoding, torch_dtype
 from lct.format.manifest import ChunkInfo, Manifest, TensorInfo
 from lct.io.store import LocalStore, confined
 
@@ -49,55 +49,6 @@ def _check_data_header(head: bytes, index: int, artifact_id: str, where) -> None
                             f"must be zero")
 
 
-def torch_dtype(name: str):
-    """The torch dtype for an LCT dtype name (LCT's names are torch's)."""
-    import torch
-    if name not in C.DTYPE_SIZES:
-        raise KeyError(name)
-    return getattr(torch, name)
-
-
-@dataclass
-class NF4Weight:
-    """An NF4-encoded tensor as stored: packed codes, absmax, and what it dequantizes to."""
-
-    name: str
-    packed: object       # torch.uint8 [ceil(n/2)]
-    absmax: object       # torch.float32 [ceil(n/blocksize)]
-    shape: tuple
-    blocksize: int
-    dtype: str
-
-    def dequantize(self, dtype=None):
-        """Dequantize to ``dtype`` (default: the source dtype), exactly as bitsandbytes does."""
-        from lct.format import nf4
-        return nf4.dequantize(self.packed, self.absmax, self.shape, self.blocksize,
-                              dtype or torch_dtype(self.dtype))
-
-    def bnb_state_dict(self, prefix: str) -> dict:
-        """bitsandbytes state-dict keys for module path ``prefix`` (``prefix.weight...``)."""
-        from lct.format import nf4
-        return nf4.bnb_state_dict(prefix, self.packed, self.absmax, self.shape,
-                                  self.blocksize, self.dtype)
-
-
-@dataclass
-class Int8Weight:
-    """An int8-encoded tensor as stored: codes, one float32 scale per row, and what it
-    dequantizes to."""
-
-    name: str
-    q: object            # torch.int8 [rows, cols]
-    scale: object        # torch.float32 [rows]
-    shape: tuple
-    dtype: str
-
-    def dequantize(self, dtype=None):
-        """Dequantize to ``dtype`` (default: the source dtype): ``q * scale`` in float32."""
-        from lct.format import int8
-        return int8.dequantize(self.q, self.scale, self.shape, dtype or torch_dtype(self.dtype))
-
-
 QUANTIZED = (NF4Weight, Int8Weight)
 
 
@@ -117,6 +68,11 @@ class Artifact:
             raise ArtifactNotFoundError(f"{self.path}: no such artifact directory")
         mpath = self.path / C.MANIFEST_NAME
         if not mpath.is_file():
+            if (self.path / "config.json").is_file() and any(self.path.glob("*.safetensors")):
+                raise ArtifactNotFoundError(
+                    f"{self.path}: a Hugging Face checkpoint (config.json and safetensors), not "
+                    f"an LCT artifact (no {C.MANIFEST_NAME}): convert it to one first",
+                    option="convert")
             raise ArtifactNotFoundError(f"{self.path}: not an LCT artifact (no {C.MANIFEST_NAME})")
         size = mpath.stat().st_size
         if size > C.MAX_MANIFEST_BYTES:
@@ -271,7 +227,7 @@ class Artifact:
         try:
             return self.manifest.tensors[real]
         except KeyError:
-            raise KeyError(f"{self.path}: no tensor named {name!r}") from None
+            raise EntryNotFoundError(f"{self.path}: no tensor named {name!r}") from None
 
     # Chunks ----------------------------------------------------------------------------------
     def read_stored(self, chunk: ChunkInfo) -> memoryview:
@@ -379,20 +335,13 @@ class Artifact:
         """Build tensor (or piece) ``info`` as a zero-copy view of its decoded chunk ``buf``."""
         import torch
         raw = torch.from_numpy(buf[info.offset: info.offset + info.nbytes])
-        if info.encoding == C.ENCODING_NF4:
-            a = info.nf4["absmax_offset"]
-            absmax = torch.from_numpy(buf[a: a + info.nf4["absmax_nbytes"]]).view(torch.float32)
-            w = NF4Weight(info.name, raw, absmax, info.shape, info.nf4["blocksize"],
-                          self.lossy_dtype(info))
-            return w.dequantize() if dequantize else w
-        if info.encoding == C.ENCODING_INT8:
-            from lct.format.int8 import row_shape
-            a, n = info.int8["scale_offset"], info.int8["scale_nbytes"]
-            scale = torch.from_numpy(buf[a: a + n]).view(torch.float32)
-            w = Int8Weight(info.name, raw.view(torch.int8).view(row_shape(info.shape)), scale,
-                           info.shape, self.lossy_dtype(info))
-            return w.dequantize() if dequantize else w
-        return raw.view(torch_dtype(info.stored_dtype)).view(info.shape)
+        enc = get_encoding(info.encoding)
+        if not enc.lossy:
+            return raw.view(torch_dtype(info.stored_dtype)).view(info.shape)
+        a, n = info.scales_span()
+        w = enc.weight(info, raw, torch.from_numpy(buf[a: a + n]).view(torch.float32),
+                       self.lossy_dtype(info))
+        return w.dequantize() if dequantize else w
 
     def assemble(self, info: TensorInfo, bufs: dict, dequantize: bool = True,
                  id_order: bool = True):
@@ -409,22 +358,9 @@ class Artifact:
                  for p in info.pieces]
         perm = self.maximus_state()["maximus.id_to_row"] \
             if id_order and info.row_order == C.ROW_ORDER_MAXIMUS else None
-        if info.encoding == C.ENCODING_NF4:
-            rows, cols = info.shape
-            bs = info.nf4["blocksize"]
-            packed = torch.cat([p.packed.view(-1, cols // 2) for p in parts])
-            absmax = torch.cat([p.absmax.view(-1, cols // bs) for p in parts])
-            if perm is not None:
-                packed, absmax = packed[perm], absmax[perm]
-            w = NF4Weight(info.name, packed.reshape(-1), absmax.reshape(-1), info.shape, bs,
-                          self.lossy_dtype(info))
-            return w.dequantize() if dequantize else w
-        if info.encoding == C.ENCODING_INT8:
-            q = torch.cat([p.q for p in parts])
-            scale = torch.cat([p.scale for p in parts])
-            if perm is not None:
-                q, scale = q[perm], scale[perm]
-            w = Int8Weight(info.name, q, scale, info.shape, self.lossy_dtype(info))
+        enc = get_encoding(info.encoding)
+        if enc.lossy:
+            w = enc.join(info, parts, perm, self.lossy_dtype(info))
             return w.dequantize() if dequantize else w
         table = torch.cat(parts, dim=info.piece_axis)
         return table[perm] if perm is not None else table
@@ -478,7 +414,8 @@ class Artifact:
         Tied names whose stored tensor is in this group are included under both names.
         """
         if not self.manifest.has_group(group):
-            raise KeyError(f"{self.path}: no group named {group!r}; groups: {self.groups}")
+            raise EntryNotFoundError(f"{self.path}: no group named {group!r}; groups: "
+                                     f"{self.groups}")
         return self.assemble_group(group, self.decode_group(group), dequantize)
 
     def assemble_group(self, group: str, bufs: dict, dequantize: bool = True) -> dict:
@@ -491,16 +428,19 @@ class Artifact:
                 out[tied] = out[real]
         return out
 
-    def stream(self, groups=None, prefetch: int = 2, dequantize: bool = False, chunks=None):
-        """Decoded groups in order, ``prefetch`` of them decoding ahead; see ``GroupStream``.
+    def stream(self, groups=None, prefetch: int | None = None, dequantize: bool = False,
+               chunks=None):
+        """Decoded groups in order, ``prefetch`` of them decoding ahead (default
+        ``DEFAULT_PREFETCH``, 2); see ``GroupStream``.
 
         Example:
             >>> with lct.open("m.lct") as art:
             ...     for group in art.stream(prefetch=2):
             ...         print(group.name, len(group.tensors))
         """
-        from lct.io.stream import GroupStream
-        return GroupStream(self, groups, prefetch=prefetch, dequantize=dequantize, chunks=chunks)
+        from lct.io.stream import DEFAULT_PREFETCH, GroupStream
+        return GroupStream(self, groups, dequantize=dequantize, chunks=chunks,
+                           prefetch=DEFAULT_PREFETCH if prefetch is None else prefetch)
 
     def read_tensor(self, name: str, dequantize: bool = True):
         """One tensor by name (decodes its chunk(s); use ``read_group`` for many)."""

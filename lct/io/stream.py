@@ -19,6 +19,20 @@ from collections import deque
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 
+from lct.errors import EntryNotFoundError, OptionError
+
+# Groups decoded ahead of the one the consumer holds: every loader's and the CLI's default.
+DEFAULT_PREFETCH = 2
+
+
+def check_prefetch(prefetch) -> int:
+    """``prefetch`` if it is a window LCT can run (an integer >= 0), else an ``OptionError``:
+    the one check of it, whichever entry point it came through."""
+    if not isinstance(prefetch, int) or isinstance(prefetch, bool) or prefetch < 0:
+        raise OptionError(f"prefetch must be an integer >= 0, got {prefetch!r}",
+                          option="prefetch")
+    return prefetch
+
 
 @dataclass
 class StreamStats:
@@ -75,18 +89,17 @@ class GroupStream:
         ...         install(group.tensors)
     """
 
-    def __init__(self, artifact, groups=None, *, prefetch: int = 2, dequantize: bool = False,
-                 chunks=None):
+    def __init__(self, artifact, groups=None, *, prefetch: int = DEFAULT_PREFETCH,
+                 dequantize: bool = False, chunks=None):
         self._closed = True          # until the pool exists: close() (and __del__) do nothing
-        if not isinstance(prefetch, int) or isinstance(prefetch, bool) or prefetch < 0:
-            raise ValueError(f"prefetch must be an integer >= 0, got {prefetch!r}")
+        check_prefetch(prefetch)
         self.art = artifact
         if isinstance(groups, str):
             groups = [groups]        # one group by name, not its letters
         self.names = list(groups if groups is not None else artifact.groups)
         unknown = [g for g in self.names if not artifact.manifest.has_group(g)]
         if unknown:
-            raise KeyError(f"{artifact.path}: no group named {unknown[0]!r}")
+            raise EntryNotFoundError(f"{artifact.path}: no group named {unknown[0]!r}")
         self.prefetch = prefetch
         self.dequantize = dequantize
         # Only these chunk ids are read (a tensor-parallel rank's share); None: every chunk.

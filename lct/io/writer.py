@@ -19,10 +19,11 @@ from pathlib import Path
 
 import numpy as np
 
-from lct.errors import LCTError, WriteError
+from lct.errors import ArtifactClosedError, LCTError, OptionError, WriteError
 from lct.format import codecs
 from lct.format import constants as C
 from lct.format.codecs import checksum
+from lct.format.encodings import get_encoding
 from lct.format.layout import ChunkLayout, TensorSpec, align
 from lct.format.manifest import ChunkInfo, Manifest, TensorInfo
 
@@ -207,17 +208,29 @@ def write_error(e: BaseException, target, what: str = "the artifact"):
     if not isinstance(e, OSError) or isinstance(e, LCTError) or e.errno not in WRITE_ERRNOS:
         return None
     target = Path(target).absolute()
-    name = getattr(e, "filename", None)
-    if name is not None:
-        path = Path(name).absolute()
-        ours = path == target or target in path.parents or \
-            str(path).startswith(str(target.parent / f".{target.name}."))
-        if not ours:
-            return None     # another file's error (a source read): not the output's
+    names = [n for n in (getattr(e, "filename", None), getattr(e, "filename2", None))
+             if n is not None]     # a copy's error names its source, then its destination
+    if names and not any(_inside(Path(n).absolute(), target) for n in names):
+        return None         # another file's error (a source read): not the output's
     reason = os.strerror(e.errno)
     return WriteError(f"{target}: cannot write {what} ({reason}); nothing was left "
                       f"half-written" + (": free some space and run it again"
                                          if e.errno in (errno.ENOSPC, errno.EDQUOT) else ""))
+
+
+def _close_quietly(fh) -> None:
+    """Close a file being given up: a second error of its flush (a full disk again) would hide
+    the first."""
+    try:
+        fh.close()
+    except OSError:
+        pass
+
+
+def _inside(path: Path, target: Path) -> bool:
+    """Whether ``path`` is ``target``, in it, or in its staging folder beside it."""
+    return path == target or target in path.parents or \
+        str(path).startswith(str(target.parent / f".{target.name}."))
 
 
 def make_staging(tmp: Path, target: Path) -> None:
@@ -297,7 +310,7 @@ class ArtifactWriter:
     # State machine ----------------------------------------------------------------------------
     def _require_open(self):
         if self.state != "open":
-            raise RuntimeError(f"ArtifactWriter is {self.state}; no more writes allowed")
+            raise ArtifactClosedError(f"ArtifactWriter is {self.state}; no more writes allowed")
 
     def _check_target(self) -> None:
         """Refuse to replace anything but an LCT artifact made only of its own files."""
@@ -340,10 +353,12 @@ class ArtifactWriter:
 
     def _close_file(self):
         if self._fh is not None:
-            self._fh.flush()
-            os.fsync(self._fh.fileno())
-            self._fh.close()
-            self._fh = None
+            fh, self._fh = self._fh, None
+            try:
+                fh.flush()
+                os.fsync(fh.fileno())
+            finally:
+                _close_quietly(fh)      # a failed flush is the error to report, not the close's
 
     def _place(self, stored_size: int) -> tuple:
         start = align(self._pos, C.CHUNK_ALIGNMENT)
@@ -365,8 +380,8 @@ class ArtifactWriter:
         """
         self._require_open()
         if buffer.nbytes != layout.decoded_size:
-            raise ValueError(f"buffer has {buffer.nbytes} bytes, the layout says "
-                             f"{layout.decoded_size}")
+            raise OptionError(f"buffer has {buffer.nbytes} bytes, the layout says "
+                              f"{layout.decoded_size}", option="buffer")
         stored = codecs.get_codec(codec).encode(buffer, params, self.map_fn)
         if codec != C.CODEC_RAW and len(stored) >= buffer.nbytes:
             codec, params, stored = C.CODEC_RAW, {}, buffer.tobytes()
@@ -397,17 +412,13 @@ class ArtifactWriter:
                          layout.decoded_size, codec, dict(params), checksum(stored))
         self.chunks.append(info)
         for spec in layout.specs:
-            nf4 = int8 = None
-            if spec.encoding == C.ENCODING_NF4:
-                nf4 = {"blocksize": spec.blocksize, "absmax_offset": layout.absmax_offsets[spec.name],
-                       "absmax_nbytes": spec.absmax_nbytes}
-            elif spec.encoding == C.ENCODING_INT8:
-                int8 = {"scale_offset": layout.absmax_offsets[spec.name],
-                        "scale_nbytes": spec.absmax_nbytes}
+            enc = get_encoding(spec.encoding)
+            placed = {enc.key: enc.placement(spec.blocksize, layout.absmax_offsets[spec.name],
+                                             spec.absmax_nbytes)} if enc.key else {}
             entry = TensorInfo(spec.name, tuple(spec.shape), spec.dtype, spec.stored_dtype,
                                spec.encoding, spec.role, spec.group, info.id,
-                               layout.offsets[spec.name], spec.nbytes, nf4, rows=spec.rows,
-                               int8=int8, cols=spec.cols)
+                               layout.offsets[spec.name], spec.nbytes, rows=spec.rows,
+                               cols=spec.cols, **placed)
             if spec.piece_of is not None:
                 self.pieced[spec.piece_of][2].append(entry)
             else:
@@ -479,7 +490,7 @@ class ArtifactWriter:
         try:
             self._io.shutdown(wait=True, cancel_futures=True)
             if self._fh is not None:
-                self._fh.close()
+                _close_quietly(self._fh)     # its buffered bytes go with the folder
                 self._fh = None
         finally:
             shutil.rmtree(self.tmp, ignore_errors=True)

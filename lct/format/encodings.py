@@ -1,0 +1,337 @@
+"""Tensor encodings: small registered classes, one per way a tensor's values are kept in a decoded
+chunk (docs/FORMAT.md section 2.2), shaped like the codec registry of ``lct/format/codecs.py``.
+
+An encoding sizes itself (``nbytes``, ``scale_nbytes``: the codes and the float32 scales after
+them), names what the manifest records (``stored_dtype``, its placement object under ``key``),
+validates that object when a manifest is read (``check``), quantizes a source tensor
+(``quantize``, bit-exact and deterministic, so that verify compares bytes), builds the stored
+weight from a decoded chunk and joins pieces (``weight``, ``join``), and says which parts of a
+stored weight a verify compares (``parts``). ``plain`` keeps the values as they are, in a
+dtype; the lossy ones (``lossy``) are the embedding and head tables' candidates, which the
+policy measures and the planner counts. Adding an encoding is adding one class here.
+"""
+
+from __future__ import annotations
+
+import abc
+import math
+from dataclasses import dataclass
+
+from lct.errors import UnsupportedVersionError
+from lct.format import constants as C
+from lct.format.rules import fail as _fail
+from lct.format.rules import integer as _int
+
+def torch_dtype(name: str):
+    """The torch dtype for an LCT dtype name (LCT's names are torch's)."""
+    import torch
+    if name not in C.DTYPE_SIZES:
+        raise UnsupportedVersionError(f"unknown dtype {name!r}: expected one of "
+                                      f"{', '.join(C.DTYPE_SIZES)}")
+    return getattr(torch, name)
+
+
+@dataclass
+class NF4Weight:
+    """An NF4-encoded tensor as stored: packed codes, absmax, and what it dequantizes to."""
+
+    name: str
+    packed: object       # torch.uint8 [ceil(n/2)]
+    absmax: object       # torch.float32 [ceil(n/blocksize)]
+    shape: tuple
+    blocksize: int
+    dtype: str
+
+    def dequantize(self, dtype=None):
+        """Dequantize to ``dtype`` (default: the source dtype), exactly as bitsandbytes does."""
+        from lct.format import nf4
+        return nf4.dequantize(self.packed, self.absmax, self.shape, self.blocksize,
+                              dtype or torch_dtype(self.dtype))
+
+    def bnb_state_dict(self, prefix: str) -> dict:
+        """bitsandbytes state-dict keys for module path ``prefix`` (``prefix.weight...``)."""
+        from lct.format import nf4
+        return nf4.bnb_state_dict(prefix, self.packed, self.absmax, self.shape,
+                                  self.blocksize, self.dtype)
+
+
+@dataclass
+class Int8Weight:
+    """An int8-encoded tensor as stored: codes, one float32 scale per row, and what it
+    dequantizes to."""
+
+    name: str
+    q: object            # torch.int8 [rows, cols]
+    scale: object        # torch.float32 [rows]
+    shape: tuple
+    dtype: str
+
+    def dequantize(self, dtype=None):
+        """Dequantize to ``dtype`` (default: the source dtype): ``q * scale`` in float32."""
+        from lct.format import int8
+        return int8.dequantize(self.q, self.scale, self.shape, dtype or torch_dtype(self.dtype))
+
+
+_REGISTRY: dict[str, "Encoding"] = {}
+
+
+def register(cls: type["Encoding"]) -> type["Encoding"]:
+    """Class decorator: make an encoding available under ``cls.name``."""
+    _REGISTRY[cls.name] = cls()
+    return cls
+
+
+def get_encoding(name: str, where: str = "") -> "Encoding":
+    """The encoding registered as ``name``; ``UnsupportedVersionError`` for another."""
+    try:
+        return _REGISTRY[name]
+    except (KeyError, TypeError):
+        at = f"{where}: " if where else ""
+        raise UnsupportedVersionError(f"{at}unknown encoding {name!r}; this reader knows "
+                                      f"{', '.join(_REGISTRY)}") from None
+
+
+def lossy_encodings() -> tuple:
+    """Names of the lossy encodings, in the order the policy measures them."""
+    return tuple(n for n, e in _REGISTRY.items() if e.lossy)
+
+
+def is_lossy(name: str) -> bool:
+    """Whether ``name`` is a registered lossy encoding."""
+    e = _REGISTRY.get(name)
+    return e is not None and e.lossy
+
+
+class Encoding(abc.ABC):
+    """How a tensor's values are kept (FORMAT.md 2.2)."""
+
+    name: str
+    lossy: bool = True
+    key: str | None = None          # the tensor entry's placement object (its scales), if any
+    label: str = ""                 # for messages: "NF4", "int8"
+    blocked: bool = False           # whether it takes the policy's blocksize (NF4's)
+
+    def stored_dtype(self, dtype: str) -> str:
+        """What the manifest's ``stored_dtype`` says of a ``dtype`` tensor so encoded."""
+        return self.name
+
+    def fits(self, shape: tuple, blocksize: int | None) -> bool:
+        """Whether a tensor of ``shape`` can take this encoding (``blocksize``: NF4's)."""
+        return True
+
+    def check_source(self, shape: tuple, blocksize: int | None, where: str) -> None:
+        """Refuse, with a ``PolicyError`` naming ``where``, a source tensor this encoding
+        cannot take."""
+
+    @abc.abstractmethod
+    def nbytes(self, shape: tuple, stored_dtype: str) -> int:
+        """Bytes of the codes (or values) of a tensor of ``shape``."""
+
+    def scale_nbytes(self, shape: tuple, blocksize: int | None) -> int:
+        """Bytes of the float32 scales placed after the codes (0: none)."""
+        return 0
+
+    def placement(self, blocksize: int | None, scale_offset: int, scale_nbytes: int):
+        """The tensor entry's ``key`` object the writer records (None: no object)."""
+        return None
+
+    def check(self, obj, w: str, shape: tuple, dtype: str, stored_dtype, nbytes: int,
+              where: str) -> tuple:
+        """Validate a tensor entry's encoding fields read from a manifest (FORMAT.md 2.2);
+        returns ``(placement object or None, (scale offset, scale nbytes) or None)``. Raises
+        ``ManifestError`` naming the tensor ``w``."""
+        raise NotImplementedError
+
+    # torch side (imports torch) ------------------------------------------------------------
+    def quantize(self, t, blocksize: int | None, where: str) -> tuple:
+        """``(codes, scales)`` of source tensor ``t`` (lossy encodings)."""
+        raise NotImplementedError
+
+    def roundtrip(self, w, blocksize: int | None, wf=None):
+        """``w`` quantized and dequantized again, as float32 (what the policy measures;
+        ``wf``: ``w`` as float32 already, if the caller has it)."""
+        raise NotImplementedError
+
+    def weight(self, info, raw, scales, dtype: str):
+        """The stored weight of tensor ``info`` from its codes ``raw`` (uint8) and ``scales``
+        (float32) in a decoded chunk: a view, no copy."""
+        raise NotImplementedError
+
+    def join(self, info, parts: list, perm, dtype: str):
+        """The stored weight of a tensor stored as row pieces (``parts``: their weights), rows
+        put back in token-id order by ``perm`` (None: as stored)."""
+        raise NotImplementedError
+
+    def parts(self, weight) -> tuple:
+        """``(codes, scales)`` of a stored weight, as ``quantize`` gives them (verify)."""
+        raise NotImplementedError
+
+
+@register
+class Plain(Encoding):
+    """The values in their (stored) dtype, losslessly."""
+
+    name = C.ENCODING_PLAIN
+    lossy = False
+
+    def stored_dtype(self, dtype: str) -> str:
+        return dtype
+
+    def nbytes(self, shape, stored_dtype):
+        return math.prod(shape) * C.DTYPE_SIZES[stored_dtype]
+
+    def check(self, obj, w, shape, dtype, stored_dtype, nbytes, where):
+        if not isinstance(stored_dtype, str) or stored_dtype not in C.DTYPE_SIZES:
+            raise UnsupportedVersionError(f"{where}: {w}: unknown stored dtype {stored_dtype!r}")
+        expected = math.prod(shape) * C.DTYPE_SIZES[stored_dtype]
+        if nbytes != expected:
+            _fail(where, f"{w}: nbytes {nbytes} != {expected} (shape {shape} x {stored_dtype})")
+        return None, None
+
+
+@register
+class NF4(Encoding):
+    """4-bit NormalFloat codes, two a byte, one float32 absmax per block of ``blocksize``
+    values: bitsandbytes' ``quantize_4bit`` byte for byte."""
+
+    name = C.ENCODING_NF4
+    key = "nf4"
+    label = "NF4"
+    blocked = True
+
+    def fits(self, shape, blocksize):
+        return bool(shape) and blocksize is not None and shape[-1] % blocksize == 0
+
+    def check_source(self, shape, blocksize, where):
+        from lct.format.nf4 import check_blocksize
+        check_blocksize(shape, blocksize, where)
+
+    def nbytes(self, shape, stored_dtype):
+        from lct.format.nf4 import packed_size
+        return packed_size(math.prod(shape))
+
+    def scale_nbytes(self, shape, blocksize):
+        from lct.format.nf4 import absmax_count
+        return 4 * absmax_count(math.prod(shape), blocksize)
+
+    def placement(self, blocksize, scale_offset, scale_nbytes):
+        return {"blocksize": blocksize, "absmax_offset": scale_offset,
+                "absmax_nbytes": scale_nbytes}
+
+    def check(self, obj, w, shape, dtype, stored_dtype, nbytes, where):
+        from lct.format.nf4 import absmax_count, packed_size
+        if stored_dtype != self.name:
+            _fail(where, f"{w}: nf4 tensor must have stored_dtype 'nf4', got {stored_dtype!r}")
+        if dtype not in C.FLOAT_DTYPES:
+            _fail(where, f"{w}: nf4 tensor must dequantize to one of {C.FLOAT_DTYPES}, got "
+                         f"{dtype!r}")
+        if not isinstance(obj, dict):
+            _fail(where, f"{w}: nf4 tensor lacks its 'nf4' object")
+        bs = _int(obj.get("blocksize"), where, f"{w} blocksize", C.NF4_MIN_BLOCKSIZE,
+                  C.NF4_MAX_BLOCKSIZE)
+        if bs % 2 or not shape or shape[-1] % bs:
+            _fail(where, f"{w}: blocksize {bs} must be even and divide the row length")
+        n = math.prod(shape)
+        if nbytes != packed_size(n):
+            _fail(where, f"{w}: nf4 nbytes {nbytes} != {packed_size(n)}")
+        a_off = _int(obj.get("absmax_offset"), where, f"{w} absmax_offset")
+        a_n = _int(obj.get("absmax_nbytes"), where, f"{w} absmax_nbytes")
+        if a_n != 4 * absmax_count(n, bs):
+            _fail(where, f"{w}: absmax_nbytes {a_n} != {4 * absmax_count(n, bs)}")
+        return self.placement(bs, a_off, a_n), (a_off, a_n)
+
+    def quantize(self, t, blocksize, where):
+        from lct.format.nf4 import quantize
+        return quantize(t, blocksize, where)
+
+    def roundtrip(self, w, blocksize, wf=None):
+        import torch
+
+        from lct.format import nf4
+        packed, absmax = nf4.quantize(w, blocksize)
+        return nf4.dequantize(packed, absmax, tuple(w.shape), blocksize, torch.float32)
+
+    def weight(self, info, raw, scales, dtype):
+        return NF4Weight(info.name, raw, scales, info.shape, info.nf4["blocksize"], dtype)
+
+    def join(self, info, parts, perm, dtype):
+        import torch
+
+        cols, bs = info.shape[1], info.nf4["blocksize"]
+        packed = torch.cat([p.packed.view(-1, cols // 2) for p in parts])
+        absmax = torch.cat([p.absmax.view(-1, cols // bs) for p in parts])
+        if perm is not None:
+            packed, absmax = packed[perm], absmax[perm]
+        return NF4Weight(info.name, packed.reshape(-1), absmax.reshape(-1), info.shape, bs,
+                         dtype)
+
+    def parts(self, weight):
+        return weight.packed, weight.absmax
+
+
+@register
+class Int8(Encoding):
+    """int8 codes, one float32 scale per row (absmax / 127), rounded half to even."""
+
+    name = C.ENCODING_INT8
+    key = "int8"
+    label = "int8"
+
+    def fits(self, shape, blocksize):
+        return len(shape) >= 1
+
+    def nbytes(self, shape, stored_dtype):
+        return math.prod(shape)
+
+    def scale_nbytes(self, shape, blocksize):
+        return 4 * math.prod(shape[:-1])
+
+    def placement(self, blocksize, scale_offset, scale_nbytes):
+        return {"scale_offset": scale_offset, "scale_nbytes": scale_nbytes}
+
+    def check(self, obj, w, shape, dtype, stored_dtype, nbytes, where):
+        if stored_dtype != self.name:
+            _fail(where, f"{w}: int8 tensor must have stored_dtype 'int8', got {stored_dtype!r}")
+        if dtype not in C.FLOAT_DTYPES:
+            _fail(where, f"{w}: int8 tensor must dequantize to one of {C.FLOAT_DTYPES}, got "
+                         f"{dtype!r}")
+        if len(shape) < 1:
+            _fail(where, f"{w}: an int8 tensor needs at least one dimension")
+        if not isinstance(obj, dict):
+            _fail(where, f"{w}: int8 tensor lacks its 'int8' object")
+        n, rows = math.prod(shape), math.prod(shape[:-1])
+        if nbytes != n:
+            _fail(where, f"{w}: int8 nbytes {nbytes} != {n}")
+        s_off = _int(obj.get("scale_offset"), where, f"{w} scale_offset")
+        s_n = _int(obj.get("scale_nbytes"), where, f"{w} scale_nbytes")
+        if s_n != 4 * rows:
+            _fail(where, f"{w}: scale_nbytes {s_n} != {4 * rows} (one float32 per row)")
+        return self.placement(None, s_off, s_n), (s_off, s_n)
+
+    def quantize(self, t, blocksize, where):
+        from lct.format.int8 import quantize
+        return quantize(t, where)
+
+    def roundtrip(self, w, blocksize, wf=None):
+        from lct.format import int8
+        q, scale = int8.quantize_rows(wf if wf is not None else w.float())
+        return q.mul_(scale.unsqueeze(1))   # q * scale, the dequantized value, without codes
+
+    def weight(self, info, raw, scales, dtype):
+        import torch
+
+        from lct.format.int8 import row_shape
+        return Int8Weight(info.name, raw.view(torch.int8).view(row_shape(info.shape)), scales,
+                          info.shape, dtype)
+
+    def join(self, info, parts, perm, dtype):
+        import torch
+
+        q = torch.cat([p.q for p in parts])
+        scale = torch.cat([p.scale for p in parts])
+        if perm is not None:
+            q, scale = q[perm], scale[perm]
+        return Int8Weight(info.name, q, scale, info.shape, dtype)
+
+    def parts(self, weight):
+        return weight.q, weight.scale
