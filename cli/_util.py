@@ -32,10 +32,23 @@ class LCTGroup(click.Group):
             self.add_command(getattr(importlib.import_module(f"lct.cli.{module}"), attr), name)
         return super().get_command(ctx, name)
 
+    def resolve_command(self, ctx, args):
+        """click's, with a "did you mean" for a mistyped command (click suggests close option
+        names, not command names)."""
+        try:
+            return super().resolve_command(ctx, args)
+        except click.UsageError as e:
+            import difflib
+            name = click.utils.make_str(args[0]) if args else ""
+            close = difflib.get_close_matches(name, self.list_commands(ctx), n=3)
+            if close and self.get_command(ctx, name) is None:
+                e.message += " Did you mean " + " or ".join(repr(c) for c in close) + "?"
+            raise
+
     def invoke(self, ctx):
         try:
             return super().invoke(ctx)
-        except (LCTError, FileNotFoundError, PermissionError, KeyError) as e:
+        except LCTError as e:
             if os.environ.get("LCT_DEBUG"):
                 traceback.print_exc()
             click.echo(error_line(e), err=True)
@@ -57,15 +70,16 @@ OPTION_HINTS = {
     "ids": "pass token ids with --ids 1,5,9",
     "maximus_shards": "lct convert --maximus-shards N",
     "stream": "drop --stream",
+    "tp": "torchrun --nproc_per_node N -m lct load ARTIFACT --tp",
+    "convert": "lct convert FOLDER -o OUT.lct",
 }
 
 
 def error_line(e: BaseException) -> str:
     """The one line the CLI prints for a library error: its message, and the CLI's hint when
     the error names a parameter."""
-    msg = e.args[0] if isinstance(e, KeyError) and e.args else e
     option = getattr(e, "option", None)
-    return f"error: {msg}" + (f" ({hint_for(option)})" if option else "")
+    return f"error: {e}" + (f" ({hint_for(option)})" if option else "")
 
 
 def hint_for(option: str) -> str:
@@ -171,6 +185,17 @@ class GroupProgress:
         self.bar.set_postfix_str(f"{self.groups} groups, {group}" if self.count else group,
                                  refresh=False)
         self.bar.update(done - self.bar.n)
+
+    def stage(self, text: str) -> None:
+        """A status line on stderr (``desc: text``) for a stage the bar does not measure, fed
+        by the library's ``stage(text)`` callback; it ends a bar still drawn, so that the lines
+        follow the order of the work."""
+        if not self.enabled:
+            return
+        from tqdm import tqdm
+        self.close()
+        self.bar, self.groups = None, 0
+        tqdm.write(f"{self.desc}: {text}", file=sys.stderr)
 
     def close(self) -> None:
         if self.bar is not None:

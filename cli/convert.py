@@ -96,17 +96,19 @@ def convert_cmd(source, output, revision, nf4, int8, budget, calibration, dtype,
     try:
         rep = convert(source, output, revision=revision, policy=policy,
                       max_file_size=max_file_size, workers=workers, overwrite=force, progress=bar,
-                      token_freq=token_freq)
+                      token_freq=token_freq, stage=bar.stage)
     finally:
         bar.close()
     m = rep.manifest
+    from lct.io.info import data_bytes, size_ratio, source_weight_bytes
     from lct.units import human
+    ratio = size_ratio(m)
     if as_json:
         import json
         click.echo(json.dumps({
             "path": str(rep.path), "seconds": rep.seconds, "mb_per_s": rep.mb_per_s,
-            "source_bytes": rep.source_bytes, "stored_bytes": m.stored_bytes,
-            "ratio": m.stored_bytes / max(rep.source_bytes, 1), "groups": len(m.groups),
+            "source_bytes": source_weight_bytes(m), "stored_bytes": m.stored_bytes,
+            "data_bytes": data_bytes(m), "ratio": ratio, "groups": len(m.groups),
             "tensors": len(m.tensors), "policy": m.policy, "ties": m.ties,
             "skipped_files": [{"name": n, "why": w} for n, w in rep.skipped_files],
             "unmapped": rep.unmapped}, indent=1))
@@ -116,9 +118,8 @@ def convert_cmd(source, output, revision, nf4, int8, budget, calibration, dtype,
         return
     from lct.io.info import architecture_line
     click.echo(f"wrote {rep.path}: {len(m.groups)} groups, {len(m.tensors)} tensors, "
-               f"{human(m.stored_bytes)} from {human(rep.source_bytes)} of tensors "
-               f"({m.stored_bytes / max(rep.source_bytes, 1):.3f}x) in {rep.seconds:.1f} s "
-               f"({human(rep.mb_per_s * 1e6)}/s)")
+               f"{human(data_bytes(m))} from {human(source_weight_bytes(m) or 0)} of safetensors "
+               f"({ratio or 0:.3f}x) in {rep.seconds:.1f} s ({human(rep.mb_per_s * 1e6)}/s)")
     click.echo(architecture_line(m))
     if rep.decision is not None:
         click.echo(rep.decision.summary())

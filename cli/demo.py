@@ -9,9 +9,9 @@ from lct.cli._util import quiet_option, table
 
 @click.command("demo", short_help="Run the whole pipeline on a tiny model, offline.")
 @click.option("--workdir", type=click.Path(), default=None,
-              help="Where to put the tiny model, the artifact and the export (default: a new "
-                   "temporary folder, kept so you can inspect it).")
-@quiet_option("the folder of the files it wrote")
+              help="Keep the tiny model, the artifact and the export in this folder to inspect "
+                   "them (default: a temporary folder, removed when the demo ends).")
+@quiet_option("the folder given to --workdir, else OK (FAILED and exit 1 if a check failed)")
 def demo_cmd(workdir, quiet):
     """Build a tiny random Gemma, convert it to LCT, verify it against the source, export it
     back to safetensors and reload it with transformers, then load it with the prefetching
@@ -23,14 +23,15 @@ def demo_cmd(workdir, quiet):
 
     res = run_demo(workdir, log=(lambda *_: None) if quiet else click.echo)
     if quiet:
-        click.echo(str(res.workdir))
-        if not (res.verify_ok and res.load_agrees):
+        ok = res.verify_ok and res.load_agrees
+        click.echo(str(res.workdir) if res.workdir else "OK" if ok else "FAILED")
+        if not ok:
             raise SystemExit(1)
         return
     click.echo(table([(g.group, g.tensors, g.encodings, human(g.stored), human(g.decoded))
                       for g in res.groups], ["group", "tensors", "stored as", "stored", "decoded"]))
     click.echo(f"safetensors {human(res.source_bytes)} -> LCT {human(res.artifact_bytes)} "
-               f"({res.artifact_bytes / res.source_bytes:.3f}x)")
+               f"({res.ratio:.3f}x)")
     if res.policy_line:
         click.echo(res.policy_line)
     click.echo(f"verify: {'OK' if res.verify_ok else 'FAILED'}; lossless tensors bit-identical: "
@@ -47,6 +48,7 @@ def demo_cmd(workdir, quiet):
                f"try it on a real model)")
     click.echo(f"prompt: {res.prompt!r} -> {res.output!r}")
     click.echo(table([(k, f"{v:.2f} s") for k, v in res.timings.items()], ["step", "time"]))
-    click.echo(f"files are in {res.workdir}")
+    click.echo(f"files are in {res.workdir}" if res.workdir else
+               "the files were in a temporary folder, now removed (--workdir DIR keeps them)")
     if not (res.verify_ok and res.load_agrees):
         raise SystemExit(1)

@@ -59,11 +59,12 @@ def info_cmd(artifact, as_json, as_manifest, tensors, quiet):
             click.echo(measured)
         click.echo(table(rows, ["group", "tensors", "stored as", "codec", "stored", "decoded",
                                 "ratio"]))
-        src = m.source_bytes
+        from lct.io.info import RATIO_DEFINITION, data_bytes, size_ratio, source_weight_bytes
+        ratio = size_ratio(m)
         click.echo(f"total: {human(m.stored_bytes)} stored, {human(m.decoded_bytes)} decoded, "
-                   f"{len(m.files)} data file(s)"
-                   + (f"; source files {human(src)} -> {m.stored_bytes / src:.3f}x "
-                      f"(convert's ratio counts tensor bytes only)" if src else ""))
+                   f"{len(m.files)} data file(s) of {human(data_bytes(m))}"
+                   + (f"; {ratio:.3f}x of the source's {human(source_weight_bytes(m))} of "
+                      f"safetensors ({RATIO_DEFINITION})" if ratio else ""))
         if m.ties:
             click.echo("tied: " + ", ".join(f"{k} -> {v}" for k, v in m.ties.items()))
         if m.unmapped:

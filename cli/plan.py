@@ -67,8 +67,9 @@ def _parsed(parser_name: str):
                    "whole table in host memory.")
 @click.option("--memory", callback=_parsed("parse_bytes"), metavar="SIZE", default=None,
               help="Accelerator memory to plan against: 16GiB, 24GB, 512MiB...")
-@click.option("--device", type=click.Choice(DEVICES), default="cuda", show_default=True,
-              help="Whose temporaries to plan: CUDA kernels or the CPU paths.")
+@click.option("--device", type=click.Choice(DEVICES), default=None,
+              help="Whose temporaries to plan: CUDA kernels or the CPU paths. Default: cuda if "
+                   "this machine has a CUDA device (torch.cuda.is_available()), else cpu.")
 @click.option("--loss-chunk", type=click.IntRange(min=1), default=DEFAULT_LOSS_CHUNK,
               show_default=True,
               help="Tokens per chunk for the chunked-loss figure.")
@@ -103,19 +104,15 @@ def plan_cmd(model, mode, batch, seq, vocab_size, add_tokens, precision, optimiz
         return
     if quiet:
         from lct.units import human
-        click.echo(f"peak {human(p.total, binary=True)}" + ("" if p.memory is None else
-                   f"; {'fits in' if p.fits else 'does not fit in'} "
-                   f"{human(p.memory, binary=True)}"))
+        click.echo(f"peak {human(p.total)}" + ("" if p.memory is None else
+                   f"; {'fits in' if p.fits else 'does not fit in'} {human(p.memory)}"))
         return
     click.echo("\n".join(render(p)))
 
 
 def render(p) -> list:
     """The human report of a ``Plan``, as lines."""
-    from functools import partial
-
-    from lct.units import human
-    hb = partial(human, binary=True)
+    from lct.units import human as hb
     train = p.mode == "train"
     what = f"{p.mode}, batch {p.batch} x seq {p.seq}, {p.precision}"
     what += f", {p.optimizer}" if train else f", KV {p.kv_dtype}"
@@ -169,13 +166,7 @@ def render(p) -> list:
     lines.append("")
     nf4 = f"quantized embedding/head (LCT) {'save' if p.format == 'lct' else 'would save'} " \
         f"{hb(p.nf4_saving)}"
-    k, n = p.maximus_priced
-    verb = ("saves" if p.maximus else "would save") if p.maximus_saving >= 0 else \
-        ("costs" if p.maximus else "would cost")
-    mx = f"Maximus {k}/{n} {verb} {hb(abs(p.maximus_saving))} on the accelerator"
-    if p.maximus:
-        mx += f" ({hb(p.host)} in host memory)"
-    lines.append(f"{nf4}; {mx}")
+    lines.append(f"{nf4}; {maximus_line(p)}")
     phases = ", ".join(f"{k} {hb(v)}" for k, v in p.phases.items())
     lines.append(f"peak: {hb(p.total)} at the {p.peak_phase} ({phases})")
     if p.memory is not None:
@@ -197,3 +188,22 @@ def render(p) -> list:
         lines.append(f"artifact: {hb(p.stored)} stored, {hb(p.decoded)} decoded")
     lines += [f"note: {as_flags(n)}" for n in p.notes]
     return lines
+
+
+def maximus_line(p) -> str:
+    """What Maximus K/N does to the accelerator's memory (``p.maximus_saving``): the embedding's
+    table in host memory and K of its N shards on the accelerator, which is less there than the
+    whole table, except on a tied model, whose head keeps the whole table there anyway."""
+    from lct.units import human
+    k, n = p.maximus_priced
+    now = p.maximus is not None
+    where = (f"{k} of {n} embedding shards on the accelerator, the whole table"
+             + (f" of {human(p.host)}" if now else "") + " in host memory")
+    if p.maximus_saving >= 0:
+        return (f"Maximus {k}/{n} ({where}) {'takes' if now else 'would take'} "
+                f"{human(p.maximus_saving)} off the accelerator")
+    tied = any(x.name == "head" and (x.note or "").startswith("tied") for x in p.parts)
+    return (f"Maximus {k}/{n} ({where}) {'adds' if now else 'would add'} "
+            f"{human(-p.maximus_saving)} on the accelerator"
+            + (": the tied head keeps the whole table there, so the resident shards are a "
+               "second copy" if tied else ""))

@@ -61,8 +61,9 @@ def verify_cmd(artifact, against, revision, quality, text, max_tokens, layerwise
     finally:
         bar.close()
         qbar.close()
-    lossy = [t for t in rep.tensors if t.encoding != "plain"]
-    lossless = [t for t in rep.tensors if t.encoding == "plain"]
+    from lct.format.encodings import is_lossy
+    lossy = [t for t in rep.tensors if is_lossy(t.encoding)]
+    lossless = [t for t in rep.tensors if not is_lossy(t.encoding)]
     if as_json:
         import json
         from dataclasses import asdict

@@ -1,10 +1,11 @@
 """Sizes as users write them and as LCT prints them: one rule for every option that takes
 bytes, one formatter for every size shown.
 
-Decimal units (``KB``, ``MB``, ``GB``, ``TB``: powers of 1000) are parsed by huggingface_hub, as
-``save_pretrained(max_shard_size="5GB")`` parses them; binary units (``KiB``, ``MiB``, ``GiB``,
-``TiB``: powers of 1024) as memory is usually given. A number without a unit is refused (is
-``16`` bytes or gigabytes?); integers passed from Python are bytes.
+Decimal units (``KB``, ``MB``, ``GB``, ``TB``: powers of 1000) are read as huggingface_hub's
+``save_pretrained(max_shard_size="5GB")`` reads them (``int(number * 1000**k)``; a test holds the
+two equal); binary units (``KiB``, ``MiB``, ``GiB``, ``TiB``: powers of 1024) as memory is
+usually given. A number without a unit is refused (is ``16`` bytes or gigabytes?); integers
+passed from Python are bytes.
 """
 
 from __future__ import annotations
@@ -35,17 +36,19 @@ def parse_size(value, what: str = "size", option: str | None = None) -> int:
         raise LCTError(f"{what} {value!r} needs a number with a unit: 5GB or 500MB (decimal) "
                        f"or 16GiB or 512MiB (binary)", option=option)
     number, prefix, binary = m.group(1), m.group(2).upper(), m.group(3)
-    if binary:
-        return int(float(number) * 1024 ** ("KMGT".index(prefix) + 1))
-    from huggingface_hub.serialization._base import parse_size_to_int
-    return parse_size_to_int(f"{number}{prefix}B")
+    return int(float(number) * (1024 if binary else 1000) ** ("KMGT".index(prefix) + 1))
 
 
-def human(n: float, binary: bool = False) -> str:
-    """Bytes as a short string: decimal units for file sizes (``1.50 MB``), binary ones for
-    memory (``binary=True``: ``1.50 GiB``)."""
-    base, units = (1024, ("B", "KiB", "MiB", "GiB", "TiB")) if binary else \
-        (1000, ("B", "KB", "MB", "GB", "TB"))
+def human(n: float) -> str:
+    """Bytes as a short string in decimal units (``1.50 MB``, ``16.00 GB``), the one unit system
+    of every size LCT prints: files, memory and plans alike, so that two commands' figures
+    compare as printed (as huggingface_hub prints sizes).
+
+    Example:
+        >>> human(1_500_000), human(2 ** 30)
+        ('1.50 MB', '1.07 GB')
+    """
+    base, units = 1000, ("B", "KB", "MB", "GB", "TB")
     sign, x = ("-" if n < 0 else ""), float(abs(n))
     for unit in units:
         if x < base or unit == units[-1]:

@@ -61,12 +61,15 @@ def run():
 
 @pytest.fixture(params=["native", "numpy"])
 def native_mode(request, monkeypatch):
-    """Run a test once with the compiled loops (lct.format.native) and once with the numpy fallback."""
+    """Run a test once with the compiled loops (lct.format.native, lct.kernels.native) and once
+    with the numpy/torch fallbacks."""
     from lct.format import native
-    if request.param == "native" and native._native is None:
-        pytest.fail("lct.format._native was not built (pip install needs a C compiler); "
-                    "the numpy fallback is still tested")
+    from lct.kernels import native as knative
+    if request.param == "native" and (native._native is None or knative._native is None):
+        pytest.fail("lct.format._native or lct.kernels._native was not built (pip install needs "
+                    "a C compiler); the fallbacks are still tested")
     monkeypatch.setattr(native, "_ENABLED", request.param == "native")
+    monkeypatch.setattr(knative, "_ENABLED", request.param == "native")
     return request.param
 
 

@@ -38,6 +38,15 @@ ARCHS = {
     "qwen2_5_vl": "Qwen2_5_VLForConditionalGeneration", "t5": "T5ForConditionalGeneration",
     "bart": "BartForConditionalGeneration", "whisper": "WhisperForConditionalGeneration",
 }
+# The fast tier's sample (``-m "not slow"``): a dense decoder, a mixture of experts and a tied
+# encoder-decoder; every other model type is marked slow (CI runs them all).
+FAST = ("llama", "mixtral", "t5")
+
+
+def _tiered(model_types) -> list:
+    return [pytest.param(t, marks=() if t in FAST else pytest.mark.slow) for t in model_types]
+
+
 # Sizes a model type needs beyond the tiny defaults (an attention layer among 2 or 3, heads
 # its latent attention divides, a start token).
 OVERRIDES = {
@@ -77,7 +86,7 @@ def _greedy(model, inputs, n=3):
                               pad_token_id=0).tolist()
 
 
-@pytest.mark.parametrize("model_type", sorted(ARCHS))
+@pytest.mark.parametrize("model_type", _tiered(sorted(ARCHS)))
 def test_lossless_round_trip_equals_from_pretrained(model_type, sources, tmp_path):
     src = sources(model_type)
     cls = _class(model_type)
@@ -98,7 +107,7 @@ def test_lossless_round_trip_equals_from_pretrained(model_type, sources, tmp_pat
     assert _greedy(model, inputs) == _greedy(ref, inputs)
 
 
-@pytest.mark.parametrize("model_type", sorted(ARCHS))
+@pytest.mark.parametrize("model_type", _tiered(sorted(ARCHS)))
 def test_default_artifact_loads_within_its_budget(model_type, sources, tmp_path):
     """The default (auto) policy: every lossless tensor as the source has it, the lossy table
     within the budget the policy measured, and a model that runs."""
@@ -148,7 +157,7 @@ TIED = sorted(t for t in ARCHS if t in ("gemma", "gemma2", "gpt2", "bloom", "opt
                                         "gpt_bigcode", "mamba", "falcon_mamba", "t5", "gemma3"))
 
 
-@pytest.mark.parametrize("model_type", TIED)
+@pytest.mark.parametrize("model_type", _tiered(TIED))
 def test_tied_embedding_on_disk(model_type, sources, tmp_path):
     """A device map with the tied embedding left in the artifact ("disk"): the head, tied to
     it, still answers as the whole model does."""

@@ -549,3 +549,42 @@ def test_the_writer_refuses_a_side_file_without_a_recorded_hash(gemma_src, tmp_p
             w.finish(groups=[], source={"files": {}}, architecture={}, policy={}, ties={},
                      unmapped=[], created_by="test")
     assert not (tmp_path / "a.lct").exists()
+
+
+def test_every_stage_after_the_bar_is_announced(gemma_src, tmp_path, monkeypatch):
+    """Issue 22.17: the bar reached 100 % and the conversion went on silently (waiting for the
+    source's sha256, syncing and publishing; before the bar, measuring the lossy encodings).
+    Each stage is told to ``stage`` as it starts, in the order of the work, and the CLI shows
+    them as status lines beside its bar."""
+    import time
+
+    from click.testing import CliRunner
+
+    from lct.cli.main import cli
+    from lct.conversion import converter
+    slow_hash = converter.sha256_file
+
+    def sha(path):              # a source whose hashing outlasts the encoding
+        time.sleep(0.3)
+        return slow_hash(path)
+    monkeypatch.setattr(converter, "sha256_file", sha)
+    events = []
+    lct.convert(str(gemma_src), tmp_path / "a.lct",
+                progress=lambda group, done, total: events.append(("bar", group)),
+                stage=lambda text: events.append(("stage", text)))
+    stages = [text.split()[0] for kind, text in events if kind == "stage"]
+    assert stages == ["reading", "measuring", "encoding", "hashing", "syncing"], events
+    last_bar = max(i for i, (kind, _) in enumerate(events) if kind == "bar")
+    assert [text.split()[0] for _, text in events[last_bar + 1:]] == ["hashing", "syncing"]
+    monkeypatch.delenv("HF_HUB_DISABLE_PROGRESS_BARS", raising=False)
+    monkeypatch.delenv("TQDM_DISABLE", raising=False)
+    res = CliRunner().invoke(cli, ["convert", str(gemma_src), "-o", str(tmp_path / "b.lct")])
+    assert res.exit_code == 0, res.output
+    err = res.stderr
+    for word in ("convert: reading", "convert: measuring NF4 and int8", "convert: hashing",
+                 "convert: syncing the data files to disk and publishing"):
+        assert word in err, err
+    assert err.index("100%") < err.index("convert: hashing"), err
+    quiet = CliRunner().invoke(cli, ["convert", str(gemma_src), "-o", str(tmp_path / "c.lct"),
+                                     "-q"])
+    assert quiet.exit_code == 0 and quiet.stderr == "", quiet.stderr

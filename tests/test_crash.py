@@ -35,6 +35,7 @@ def _run(code: str, env_extra=None):
                             stderr=subprocess.PIPE)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("command", ["convert", "export"])
 def test_sigkill_at_any_instant_leaves_the_old_or_the_new(command, llama_src, llama_art, tmp_path):
     out = tmp_path / "out"
@@ -73,6 +74,7 @@ def test_sigkill_at_any_instant_leaves_the_old_or_the_new(command, llama_src, ll
             assert lct.verify(out).ok
 
 
+@pytest.mark.slow
 def test_sigkill_inside_the_replacement_window(llama_src, tmp_path):
     """Forced: no atomic exchange, and SIGKILL right after the old artifact is moved aside.
     The next run puts the old one back before anything else."""

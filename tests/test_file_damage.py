@@ -73,7 +73,7 @@ def _unused_ranges(path, name: str) -> list:
     return out
 
 
-@pytest.mark.parametrize("kind", ["flip", "truncate"])
+@pytest.mark.parametrize("kind", ["flip", pytest.param("truncate", marks=pytest.mark.slow)])
 def test_every_file_damaged_is_refused(subject, tmp_path, kind):
     path, tensors, logits = subject
     rng = random.Random(f"{kind}-12")

@@ -499,7 +499,7 @@ def test_model_card_mentions_policy_and_sizes(gemma_art):
     assert meta == {"library_name": "lct", "tags": meta["tags"], "license": "mit"}
     assert "base_model" not in meta   # a local source has no Hub id to point at
     for needle in ("lossless codec", "`planes`", "zstd level", "lossy parts", "blocksize",
-                   "Maximus shards", "source tensors", "stored chunks", "x of the source",
+                   "Maximus shards", "source safetensors", "stored chunks", "x, the artifact",
                    "import lct", 'lct.load("hf://org/name", prefetch=2)'):
         assert needle in card, needle
 

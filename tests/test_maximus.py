@@ -192,7 +192,7 @@ def _train(model, opts, batches):
     return losses
 
 
-@pytest.mark.parametrize("kind", ["sgd", "sparseadam"])
+@pytest.mark.parametrize("kind", ["sgd", pytest.param("sparseadam", marks=pytest.mark.slow)])
 def test_save_restore_continue_equals_uninterrupted(gen, tmp_path, kind):
     counts = _counts(gen)
     batches = [zipf_ids(32, gen).view(2, 16) for _ in range(8)]

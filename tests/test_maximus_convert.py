@@ -280,7 +280,8 @@ def test_plan_of_an_artifact_with_shards_prices_its_own_shards(mx_art):
     p = plan(str(mx_art))
     assert p.maximus is None and p.maximus_priced == (1, 5)       # a quarter of 5, at least 1
     res = CliRunner().invoke(cli, ["plan", str(mx_art)], catch_exceptions=False)
-    assert res.exit_code == 0 and "Maximus 1/5 would" in res.output, res.output
+    assert res.exit_code == 0 and "Maximus 1/5 (1 of 5 embedding shards" in res.output, \
+        res.output
 
 
 def test_load_json_reports_maximus_residency(mx_art):

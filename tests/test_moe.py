@@ -119,6 +119,7 @@ def test_info_shows_experts(mixtral_art, run):
     assert e["stored_bytes"] == sum(c.stored_size for c in chunks) > 0
 
 
+@pytest.mark.slow
 def test_tensor_parallel_moe_equals_from_pretrained(mixtral_src, mixtral_art, tmp_path):
     from test_tensor_parallel import launch
     results = launch(2, mixtral_art, mixtral_src, tmp_path / "out")

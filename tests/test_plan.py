@@ -427,10 +427,10 @@ def test_cli_table_and_verdict(run, llama_src, llama_art):
     res = run("plan", llama_src, "--mode", "train", "--seq", "64", "--memory", "1GiB")
     assert res.exit_code == 0, res.output
     for word in ("embedding", "layers", "norm", "head", "gradients", "optimizer", "master",
-                 "logits", "chunked loss", "peak:", "fits in 1.00 GiB", "largest items"):
+                 "logits", "chunked loss", "peak:", "fits in 1.07 GB", "largest items"):
         assert word in res.output, word
     res = run("plan", llama_src, "--seq", "64", "--memory", "512KiB", "--add-tokens", "100")
-    assert "does not fit in 512.00 KiB" in res.output and "to cut:" in res.output
+    assert "does not fit in 524.29 KB" in res.output and "to cut:" in res.output
     assert "KV cache" in res.output and "vocabulary +100 tokens: infer +" in res.output
     res = run("plan", llama_art, "--seq", "64")
     assert "format lct" in res.output and "stored" in res.output and "artifact:" in res.output
@@ -490,3 +490,33 @@ def test_quantized_head_temporaries_are_among_the_items(llama_art):
     p = plan(str(llama_art), seq=2048)
     assert p.head_temp > 0
     assert p.items()["quantized-head temporaries"] == p.head_temp
+
+
+def test_the_device_defaults_to_this_machines(llama_src, run, monkeypatch):
+    """Issue 22.17: `lct plan` planned CUDA's temporaries on a machine without CUDA. The
+    default is decided when a plan needs it: cuda where torch sees a CUDA device, else cpu; an
+    explicit --device wins; --help says so."""
+    for cuda, want in ((False, "cpu"), (True, "cuda")):
+        monkeypatch.setattr(torch.cuda, "is_available", lambda c=cuda: c)
+        assert plan(str(llama_src), seq=8).device == want
+        res = run("plan", llama_src, "--seq", "8")
+        assert res.exit_code == 0 and f"format hf, {want}" in res.output, res.output
+    assert plan(str(llama_src), seq=8, device="cpu").device == "cpu"
+    helptext = " ".join(run("plan", "--help").output.split())
+    assert "Default: cuda if this machine has a CUDA device" in helptext, helptext
+
+
+def test_the_maximus_line_says_what_it_keeps_where(llama_src, gemma_src, run):
+    """Issue 22.17: "Maximus 8/32 would cost 80 MiB" read as an extra cost. The line says
+    where the table and the shards live and what that takes off (an untied embedding) or
+    adds to (a tied one, whose head keeps the whole table there) the accelerator."""
+    import re
+    untied = run("plan", llama_src, "--seq", "8", "--maximus-resident", "8/32").output
+    assert re.search(r"Maximus 8/32 \(8 of 32 embedding shards on the accelerator, the whole "
+                     r"table of [\d.]+ [KMG]B in host memory\) takes [\d.]+ [KMG]B off the "
+                     r"accelerator", untied), untied
+    tied = run("plan", gemma_src, "--seq", "8").output
+    assert re.search(r"Maximus 8/32 \(8 of 32 embedding shards on the accelerator, the whole "
+                     r"table in host memory\) would add [\d.]+ [KMG]B on the accelerator: the "
+                     r"tied head keeps the whole table there", tied), tied
+    assert "cost" not in tied and "cost" not in untied

@@ -16,6 +16,8 @@ import pytest
 import lct
 from lct.conversion.converter import Policy
 
+pytestmark = pytest.mark.slow   # each test spawns a world of ranks that import torch
+
 WORKER = Path(__file__).with_name("tp_worker.py")
 TIMEOUT = 300
 

@@ -23,6 +23,7 @@ from lct.arch import hf
 from lct.arch.model import Architecture
 from lct.conversion.source import Source, resolve, scan
 from lct.errors import ArchitectureError, PolicyError, SourceError
+from lct.format.encodings import get_encoding
 from lct.format import constants as C
 from lct.format.codecs import choose_codec
 from lct.format.layout import TensorSpec, layout_group
@@ -31,6 +32,7 @@ from lct.hashing import sha256_file
 from lct.io.writer import ArtifactWriter
 
 Progress = Callable[[str, int, int], None]
+Stage = Callable[[str], None]      # told what the converter starts now, besides encoding groups
 log = logging.getLogger(__name__)
 
 
@@ -159,7 +161,7 @@ def _cast(t, target: str, name: str, path):
         worst = t[overflow].abs().max().item()
         raise PolicyError(f"{path}: tensor {name!r}: casting {t.dtype} to {target} overflows "
                           f"(|x| up to {worst:.4g} > {torch.finfo(out.dtype).max:.4g}); "
-                          f"keep the source dtype (omit --dtype)")
+                          f"keep the source dtype", option="dtype")
     return out
 
 
@@ -192,14 +194,10 @@ def _write_chunk(writer, layout, policy: Policy, src: Source, get) -> int:
     for s in layout.specs:
         t, path = get(s)
         off = layout.offsets[s.name]
-        if s.encoding in (C.ENCODING_NF4, C.ENCODING_INT8):
+        enc = get_encoding(s.encoding)
+        if enc.lossy:
             where = f"{path}: tensor {s.piece_of or s.name!r}"
-            if s.encoding == C.ENCODING_NF4:
-                from lct.format.nf4 import quantize
-                codes, scales = quantize(t, s.blocksize, where)
-            else:
-                from lct.format.int8 import quantize
-                codes, scales = quantize(t, where)
+            codes, scales = enc.quantize(t, s.blocksize, where)
             buf[off: off + s.nbytes] = codes.reshape(-1).view(torch.uint8).numpy()
             a = layout.absmax_offsets[s.name]
             buf[a: a + s.absmax_nbytes] = scales.view(torch.uint8).numpy()
@@ -378,7 +376,7 @@ def _tp_cut(spec, axis: int, n: int):
 def convert(source: str, out, *, revision: str | None = None, policy: Policy | None = None,
             max_file_size: int = C.DEFAULT_MAX_FILE_SIZE, workers: int | None = None,
             overwrite: bool = False, progress: Progress | None = None,
-            token_freq: str | None = None) -> ConvertReport:
+            token_freq: str | None = None, stage: Stage | None = None) -> ConvertReport:
     """Convert a Hugging Face checkpoint to an LCT artifact.
 
     Args:
@@ -392,6 +390,9 @@ def convert(source: str, out, *, revision: str | None = None, policy: Policy | N
         workers: compression threads (default: all cores).
         overwrite: replace an existing artifact at ``out``.
         progress: called as ``progress(group, bytes_done, bytes_total)`` after each group.
+        stage: called with a short description as each other stage starts (reading the
+            model, measuring the lossy encodings, counting token frequencies, waiting for the
+            source's hashes, publishing), so that no stage runs unannounced.
         token_freq: with ``policy.maximus_shards``: a counts file (.json/.npy) or text
             file/folder tokenized with the model's tokenizer (default: token-id order).
 
@@ -411,14 +412,16 @@ def convert(source: str, out, *, revision: str | None = None, policy: Policy | N
     if token_freq is not None and not policy.maximus_shards:
         raise PolicyError("token frequencies order the Maximus shards: give maximus_shards too "
                           "(they were ignored)", option="token_freq")
+    say = stage or (lambda text: None)
     src = resolve(source, revision)
     tensors = scan(src)
+    say(f"reading {src.id}: {len(tensors)} tensors in {len(src.files)} file(s)")
     arch = _architecture(src, tensors)
     tie_flag = bool(src.config.get("tie_word_embeddings", True))
     placed = {name: arch.place(name) for name in tensors}
     unmapped = sorted(n for n in tensors if arch.target(n)[0] is None)
     ties = _find_ties(src, tensors, placed, arch)
-    lossy, chosen, decision = _choose(src, tensors, placed, ties, arch, policy)
+    lossy, chosen, decision = _choose(src, tensors, placed, ties, arch, policy, say)
     specs = _specs(src, tensors, placed, lossy, chosen, policy)
     log.info("%s: %s, %d tensors in %d groups; embed/head stored as %s", src.root,
              arch.class_name, len(tensors), len(specs),
@@ -432,6 +435,8 @@ def convert(source: str, out, *, revision: str | None = None, policy: Policy | N
     hasher = ThreadPoolExecutor(1, thread_name_prefix="lct-hash")
     hashes = hasher.submit(_sha_all, src)
     hasher.shutdown(wait=False)
+    if policy.maximus_shards and token_freq is not None:
+        say(f"counting token frequencies in {token_freq} for the Maximus shards")
     maximus_layout = _maximus_layout(src, specs, policy, token_freq) \
         if policy.maximus_shards else None
     splits = _tp_splits(src, specs, policy.tp_pieces, arch) if policy.tp_pieces else {}
@@ -439,15 +444,21 @@ def convert(source: str, out, *, revision: str | None = None, policy: Policy | N
     with ThreadPoolExecutor(workers or os.cpu_count() or 1, thread_name_prefix="lct-encode") \
             as pool, ArtifactWriter(out, max_file_size=max_file_size, overwrite=overwrite,
                                     map_fn=pool.map) as writer:
+        say(f"encoding {len(groups)} groups")
         _write_groups(writer, groups, specs, tensors, src, policy, maximus_layout, splits, total,
                       progress)
         for p in src.sidecars():
             writer.copy_file(p)
         maximus = maximus_layout.write(writer.staging) if maximus_layout else None
+        if not hashes.done():
+            say(f"hashing the source files (sha256 of {len(src.files)} weight file(s), "
+                f"recorded for lct verify)")
+        files = hashes.result()
+        say(f"syncing the data files to disk and publishing {out}")
         manifest = writer.finish(
             groups=groups,
             source={"id": src.id, "kind": src.kind, "revision": src.revision,
-                    "files": hashes.result()},
+                    "files": files},
             architecture={"model_type": src.model_type, "tie_word_embeddings": tie_flag,
                           "mapping": f"transformers {hf.version()}", **arch.summary()},
             policy=policy.to_dict(chosen, decision), ties=ties, unmapped=unmapped,
@@ -525,7 +536,8 @@ def _lossy_ok(st) -> bool:
     return st.dtype in C.FLOAT_DTYPES and len(st.shape) == 2
 
 
-def _choose(src: Source, tensors: dict, placed: dict, ties: dict, arch, policy: Policy) -> tuple:
+def _choose(src: Source, tensors: dict, placed: dict, ties: dict, arch, policy: Policy,
+            say: Stage) -> tuple:
     """``(lossy, chosen, decision)``: the lossy candidates (``{role: first tensor name}``), the
     encoding of each role, and the auto policy's measurement (None when nothing lossy is asked
     for and nothing needs measuring)."""
@@ -544,6 +556,9 @@ def _choose(src: Source, tensors: dict, placed: dict, ties: dict, arch, policy: 
     if chosen is None or any(chosen[r] != C.ENCODING_PLAIN for r in lossy):
         # auto: measure to choose; a forced lossy encoding: measure what it costs, to say so
         from lct.conversion.policy import decide
+        if lossy:
+            say(f"measuring NF4 and int8 on {','.join(sorted(lossy))} "
+                f"({'calibration text' if policy.calibration else 'text-free proxy'})")
         decision = decide(src, tensors, lossy, bool(ties), arch, policy)
         chosen = decision.chosen
     return lossy, chosen, decision
@@ -556,18 +571,14 @@ def _specs(src: Source, tensors: dict, placed: dict, lossy: dict, chosen: dict,
     for name, (group, role) in placed.items():
         st = tensors[name]
         encoding = chosen.get(role, C.ENCODING_PLAIN) if _lossy_ok(st) else C.ENCODING_PLAIN
-        stored = st.dtype
-        if encoding == C.ENCODING_NF4:
-            from lct.format.nf4 import check_blocksize
-            check_blocksize(st.shape, policy.blocksize, f"{src.root / st.file}: tensor {name!r}")
-            stored = "nf4"
-        elif encoding == C.ENCODING_INT8:
-            stored = "int8"
-        elif policy.dtype and st.dtype in C.FLOAT_DTYPES:
+        enc = get_encoding(encoding)
+        enc.check_source(st.shape, policy.blocksize, f"{src.root / st.file}: tensor {name!r}")
+        stored = enc.stored_dtype(st.dtype)
+        if not enc.lossy and policy.dtype and st.dtype in C.FLOAT_DTYPES:
             stored = policy.dtype
         specs.setdefault(group, []).append(TensorSpec(
             name, st.shape, st.dtype, stored, encoding, role, group,
-            policy.blocksize if encoding == C.ENCODING_NF4 else None))
+            policy.blocksize if enc.blocked else None))
     return specs
 
 

@@ -11,6 +11,7 @@ from pathlib import Path
 from lct.errors import PolicyError, SourceError, SourceNotFoundError
 from lct.format import constants as C
 from lct.format.jsontext import read_json
+from lct.units import human
 
 PICKLE_SUFFIXES = (".bin", ".pt", ".pth", ".ckpt", ".pkl")
 INDEX_NAME = "model.safetensors.index.json"
@@ -64,10 +65,9 @@ class Source:
             elif not confined(p, self.root):
                 skipped.append((name, "a link that leaves the model folder"))
             elif p.stat().st_size > C.MAX_SIDE_FILE_BYTES:
-                skipped.append((name, f"over {C.MAX_SIDE_FILE_BYTES >> 20} MiB"))
+                skipped.append((name, f"over {human(C.MAX_SIDE_FILE_BYTES)}"))
             elif total + p.stat().st_size > C.MAX_SIDE_FILES_BYTES:
-                skipped.append((name, f"side files over {C.MAX_SIDE_FILES_BYTES >> 20} MiB "
-                                      f"in all"))
+                skipped.append((name, f"side files over {human(C.MAX_SIDE_FILES_BYTES)} in all"))
             else:
                 total += p.stat().st_size
                 kept.append(p)

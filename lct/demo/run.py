@@ -21,9 +21,10 @@ DEMO_CONFIG = dict(vocab_size=8192, hidden_size=256, intermediate_size=1024, num
 class DemoResult:
     """Paths, sizes and timings of one demo run."""
 
-    workdir: Path
+    workdir: Path | None             # None: a temporary folder, removed when the demo ended
     source_bytes: int = 0
     artifact_bytes: int = 0
+    ratio: float = 0.0               # lct.io.info.size_ratio, what convert and info print
     timings: dict = field(default_factory=dict)
     groups: list = field(default_factory=list)   # info.GroupRow
     verify_ok: bool = False
@@ -44,7 +45,17 @@ def _dir_bytes(path: Path, suffix: str) -> int:
 
 
 def run_demo(workdir=None, log=print) -> DemoResult:
-    """Run the demo in ``workdir`` (default: a new temporary folder) and return what it measured."""
+    """Run the demo in ``workdir``, which keeps its files (default: a new temporary folder,
+    removed before this returns, and ``workdir`` None in the result); return what it measured."""
+    if workdir is not None:
+        return _run(Path(workdir), log)
+    with tempfile.TemporaryDirectory(prefix="lct-demo-", ignore_cleanup_errors=True) as tmp:
+        res = _run(Path(tmp), log)
+    res.workdir = None
+    return res
+
+
+def _run(work: Path, log) -> DemoResult:
     import torch
     from transformers.utils import logging as hf_logging
 
@@ -54,9 +65,9 @@ def run_demo(workdir=None, log=print) -> DemoResult:
     from lct.conversion.exporter import export
     from lct.conversion.verifier import verify
     from lct.demo import tiny
-    from lct.io.info import summarize
+    from lct.format.encodings import get_encoding, is_lossy
+    from lct.io.info import size_ratio, summarize
 
-    work = Path(workdir or tempfile.mkdtemp(prefix="lct-demo-"))
     work.mkdir(parents=True, exist_ok=True)
     res = DemoResult(work)
 
@@ -73,19 +84,20 @@ def run_demo(workdir=None, log=print) -> DemoResult:
     t = time.perf_counter()
     rep = convert(str(src), work / "model.lct", overwrite=True)
     res.timings["convert"] = time.perf_counter() - t
-    encs = sorted({t.encoding for t in rep.manifest.tensors.values() if t.encoding != "plain"})
-    res.lossy = ",".join(e.upper() if e == "nf4" else e for e in encs) or "none"
+    encs = sorted({t.encoding for t in rep.manifest.tensors.values() if is_lossy(t.encoding)})
+    res.lossy = ",".join(get_encoding(e).label for e in encs) or "none"
     res.policy_line = rep.decision.summary() if rep.decision is not None else ""
     res.artifact_bytes = _dir_bytes(work / "model.lct", ".lct")
     res.groups = summarize(rep.manifest)
+    res.ratio = size_ratio(rep.manifest)
 
     t = time.perf_counter()
     ver = verify(work / "model.lct", against=str(src))
     res.timings["verify --against"] = time.perf_counter() - t
     res.verify_ok = ver.ok
-    plain = [c for c in ver.tensors if c.encoding == "plain"]
+    plain = [c for c in ver.tensors if not is_lossy(c.encoding)]
     res.lossless_identical = f"{sum(c.ok for c in plain)}/{len(plain)}"
-    nf4 = [c for c in ver.tensors if c.encoding != "plain"]
+    nf4 = [c for c in ver.tensors if is_lossy(c.encoding)]
     res.nf4_cosine = min((c.cosine for c in nf4), default=1.0)
 
     t = time.perf_counter()

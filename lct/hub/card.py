@@ -109,10 +109,13 @@ def model_card(manifest, repo_id: str, *, license: str | None = None) -> str:  #
                         f"{order}")
     else:
         maximus_line = "none"
-    source_bytes = manifest.source_bytes
+    from lct.io.info import RATIO_DEFINITION, data_bytes as files_bytes, size_ratio, \
+        source_weight_bytes
+    source_bytes = source_weight_bytes(manifest)
     stored = manifest.stored_bytes
-    data_bytes = sum(f["size"] for f in manifest.files)  # opening checked them on disk
-    ratio = f"{stored / source_bytes:.3f}x of the source" if source_bytes else "n/a"
+    data_bytes = files_bytes(manifest)  # opening checked them on disk
+    r = size_ratio(manifest)
+    ratio = "n/a" if r is None else f"{r:.3f}x, {RATIO_DEFINITION.partition(': ')[2]}"
     rows = [
         ("source", origin),
         ("architecture", f"{arch.get('model_type') or 'unknown'}"
@@ -124,10 +127,10 @@ def model_card(manifest, repo_id: str, *, license: str | None = None) -> str:  #
         ("Maximus shards", maximus_line),
         ("groups / tensors / chunks",
          f"{len(manifest.groups)} / {len(manifest.tensors)} / {len(manifest.chunks)}"),
-        ("source tensors", human(source_bytes) if source_bytes else "unknown"),
-        ("stored chunks", f"{human(stored)} ({ratio})"),
+        ("source safetensors", human(source_bytes) if source_bytes else "unknown"),
+        ("stored chunks", human(stored)),
         ("decoded size", human(manifest.decoded_bytes)),
-        ("data files", f"{len(manifest.files)} file(s), {human(data_bytes)}"),
+        ("data files", f"{len(manifest.files)} file(s), {human(data_bytes)} ({ratio})"),
         ("written by", f"`{manifest.created_by}`, format "
                        f"{'.'.join(map(str, manifest.format_version))}"),
     ]

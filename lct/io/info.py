@@ -4,6 +4,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from lct.format.encodings import is_lossy
+
 
 @dataclass
 class GroupRow:
@@ -15,6 +17,38 @@ class GroupRow:
     decoded: int
 
 
+# What every size ratio LCT prints means (``size_ratio``), in the words the CLI shows.
+RATIO_DEFINITION = "size ratio: the artifact's .lct data files ÷ the source's .safetensors files"
+
+
+def source_weight_bytes(manifest) -> int | None:
+    """Bytes of the source's ``*.safetensors`` files, as recorded in ``source.files`` (None
+    when the manifest records none)."""
+    files = manifest.source.get("files")
+    sizes = [f.get("size") for n, f in files.items() if n.endswith(".safetensors")] \
+        if isinstance(files, dict) else []
+    return sum(sizes) if sizes and all(isinstance(s, int) for s in sizes) else None
+
+
+def data_bytes(manifest) -> int:
+    """Bytes of the artifact's data files on disk (chunks, headers and alignment padding)."""
+    return sum(f["size"] for f in manifest.files)
+
+
+def size_ratio(manifest) -> float | None:
+    """The one size ratio LCT prints (``lct convert``, ``lct info``, ``lct demo``, their
+    ``--json``): ``RATIO_DEFINITION``, the bytes of the artifact's data files over those of the
+    source's safetensors files. Both count headers and padding; the side files (config,
+    tokenizer), copied unchanged, count in neither. None when the source sizes are unknown.
+
+    Example:
+        >>> size_ratio(lct.open("gemma.lct").manifest)
+        0.614
+    """
+    src = source_weight_bytes(manifest)
+    return data_bytes(manifest) / src if src else None
+
+
 def summarize(manifest) -> list:
     """One ``GroupRow`` per group of ``manifest``, in load order."""
     rows = []
@@ -23,7 +57,7 @@ def summarize(manifest) -> list:
         tensors = manifest.group_tensors(g)
         rows.append(GroupRow(
             g, len(tensors),
-            ",".join(sorted({t.stored_dtype if t.encoding == "plain" else t.encoding for t in tensors})),
+            ",".join(sorted({t.encoding if is_lossy(t.encoding) else t.stored_dtype for t in tensors})),
             ",".join(sorted({c.codec for c in chunks})),
             sum(c.stored_size for c in chunks), sum(c.decoded_size for c in chunks)))
     return rows
@@ -67,7 +101,6 @@ def summary(manifest, path, digest: str | None = None) -> dict:
     """What ``lct info --json`` prints (fields in docs/CLI.md): the artifact at a glance, not
     its manifest (``--manifest`` prints that); ``digest`` is the open artifact's."""
     m = manifest
-    src = m.source_bytes
     return {
         "path": str(path),
         "format_version": f"{m.format_version[0]}.{m.format_version[1]}",
@@ -80,8 +113,9 @@ def summary(manifest, path, digest: str | None = None) -> dict:
         "tensors": len(m.tensors),
         "stored_bytes": m.stored_bytes,
         "decoded_bytes": m.decoded_bytes,
-        "source_bytes": src,
-        "ratio": m.stored_bytes / src if src else None,
+        "source_bytes": source_weight_bytes(m),
+        "data_bytes": data_bytes(m),
+        "ratio": size_ratio(m),
         "data_files": len(m.files),
         "side_files": m.side_files(),
         "ties": m.ties,

@@ -254,7 +254,8 @@ def nf4_head_transient(vocab: int, hidden: int, tokens: int, a: int, blocksize: 
     if device == "cuda":
         return vocab * hidden * a
     from lct.format import native
-    if native.matmul_available() and 0 < tokens <= C.NF4_FUSED_MAX_ROWS:
+    from lct.kernels import native as knative
+    if knative.available() and 0 < tokens <= C.NF4_FUSED_MAX_ROWS:
         return tokens * hidden * (4 + a)  # the fused kernel: x split into float32, x made contiguous
     rows = min(vocab, max(1, C.NF4_HEAD_CHUNK_BYTES // (hidden * a)))
     temporaries = tokens * rows * a
@@ -270,8 +271,8 @@ def int8_head_transient(vocab: int, hidden: int, tokens: int, a: int) -> int:
     output): on the CPU up to ``INT8_FUSED_MAX_ROWS`` tokens the fused kernel reads the codes in
     place and copies the input as float32; otherwise (and on CUDA) ``NF4_HEAD_CHUNK_BYTES`` of
     rows are dequantized at a time, through a float32 product, beside the rows' output slice."""
-    from lct.format import native
-    if native.int8_matmul_available() and 0 < tokens <= C.INT8_FUSED_MAX_ROWS:
+    from lct.kernels import native
+    if native.available() and 0 < tokens <= C.INT8_FUSED_MAX_ROWS:
         return tokens * hidden * (4 + a)
     rows = min(vocab, max(1, C.NF4_HEAD_CHUNK_BYTES // (hidden * a)))
     return rows * hidden * (4 + a) + tokens * rows * a
@@ -418,11 +419,18 @@ def parse_bytes(text) -> int:
         raise PlanError(str(e)) from None
 
 
+def default_device() -> str:
+    """The device a plan is for unless told: ``"cuda"`` when torch sees a CUDA device on this
+    machine, else ``"cpu"`` (asked when a plan needs it, not at import)."""
+    import torch
+    return "cuda" if torch.cuda.is_available() else "cpu"
+
+
 def plan(model, *, mode: str = "infer", batch: int = 1, seq: int = DEFAULT_SEQ,
          vocab_size: int | None = None, add_tokens: int | None = None,
          precision: str | None = None, optimizer: str = "adamw", kv_dtype: str | None = None,
          format: str | None = None, maximus_resident=None, memory=None,  # noqa: A002
-         device: str = "cuda", loss_chunk: int = DEFAULT_LOSS_CHUNK,
+         device: str | None = None, loss_chunk: int = DEFAULT_LOSS_CHUNK,
          nf4: tuple | None = None, blocksize: int | None = None,
          revision: str | None = None, int8: tuple | None = None) -> Plan:
     """Plan the memory of MODEL for inference or a training step.
@@ -447,7 +455,8 @@ def plan(model, *, mode: str = "infer", batch: int = 1, seq: int = DEFAULT_SEQ,
             N shards on the accelerator and the whole table in host memory.
         memory: the accelerator's memory ("16GiB", "24GB", "512MiB" or bytes) for ``fits``.
         device: "cuda" (foreach optimizers, bitsandbytes' NF4 matmul) or "cpu" (single-tensor
-            optimizers, LCT's chunked NF4 head, CPU attention kernels): whose temporaries.
+            optimizers, LCT's chunked NF4 head, CPU attention kernels): whose temporaries;
+            default: this machine's (``default_device()``).
         loss_chunk: tokens per chunk for the chunked-loss figure.
         nf4, int8, blocksize: the NF4 and int8 parts ("embed", "head") and the NF4 block size
             of ``format="lct"``, as ``lct convert --nf4/--int8/--blocksize`` (default: an
@@ -467,6 +476,7 @@ def plan(model, *, mode: str = "infer", batch: int = 1, seq: int = DEFAULT_SEQ,
         >>> p.params, p.fits
         (2506172416, True)
     """
+    device = device or default_device()
     for value, allowed, what in ((mode, MODES, "mode"), (format or "hf", FORMATS, "format"),
                                  (device, DEVICES, "device"), (optimizer, OPTIMIZERS, "optimizer")):
         if value not in allowed:
@@ -580,7 +590,7 @@ def _plan(cfg: dict, where: str, dims: Dims, base: Dims, manifest, budget, *, mo
                            optimizer, precision, trainable, largest, state_bytes, chunk)
         f.update(kv=0, kv_window=0)
         notes.append(f"training forwards should pass use_cache=False; otherwise they also build "
-                     f"a KV cache of {human(kv_held, binary=True)}")
+                     f"a KV cache of {human(kv_held)}")
     else:
         head_rows = {s.name for s in specs if s.role == "head"} | \
             ({emb.name} if dims.tied else set())
@@ -601,7 +611,7 @@ def _plan(cfg: dict, where: str, dims: Dims, base: Dims, manifest, budget, *, mo
         active = f", {e['active']} of them per token" if e["active"] else ""
         notes.append(f"experts: {e['count']} per layer{active}; {e['params']:,} of the "
                      f"{sum(s.numel for s in specs):,} parameters "
-                     f"({human(e['params'] * a, binary=True)} of weights) are routed experts"
+                     f"({human(e['params'] * a)} of weights) are routed experts"
                      + (f", so a token uses about "
                         f"{_active_params(specs, e):,}" if e["active"] else ""))
     phases = f["phases"]
