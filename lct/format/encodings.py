@@ -142,6 +142,18 @@ class Encoding(abc.ABC):
         ``ManifestError`` naming the tensor ``w``."""
         raise NotImplementedError
 
+    def _check_common(self, obj, w: str, dtype: str, stored_dtype, where: str) -> None:
+        """What every lossy encoding's entry must say: its name as ``stored_dtype``, a float
+        dtype to dequantize to, and its placement object."""
+        n = self.name
+        if stored_dtype != n:
+            _fail(where, f"{w}: {n} tensor must have stored_dtype {n!r}, got {stored_dtype!r}")
+        if dtype not in C.FLOAT_DTYPES:
+            _fail(where, f"{w}: {n} tensor must dequantize to one of {C.FLOAT_DTYPES}, got "
+                         f"{dtype!r}")
+        if not isinstance(obj, dict):
+            _fail(where, f"{w}: {n} tensor lacks its {self.key!r} object")
+
     # torch side (imports torch) ------------------------------------------------------------
     def quantize(self, t, blocksize: int | None, where: str) -> tuple:
         """``(codes, scales)`` of source tensor ``t`` (lossy encodings)."""
@@ -220,13 +232,7 @@ class NF4(Encoding):
 
     def check(self, obj, w, shape, dtype, stored_dtype, nbytes, where):
         from lct.format.nf4 import absmax_count, packed_size
-        if stored_dtype != self.name:
-            _fail(where, f"{w}: nf4 tensor must have stored_dtype 'nf4', got {stored_dtype!r}")
-        if dtype not in C.FLOAT_DTYPES:
-            _fail(where, f"{w}: nf4 tensor must dequantize to one of {C.FLOAT_DTYPES}, got "
-                         f"{dtype!r}")
-        if not isinstance(obj, dict):
-            _fail(where, f"{w}: nf4 tensor lacks its 'nf4' object")
+        self._check_common(obj, w, dtype, stored_dtype, where)
         bs = _int(obj.get("blocksize"), where, f"{w} blocksize", C.NF4_MIN_BLOCKSIZE,
                   C.NF4_MAX_BLOCKSIZE)
         if bs % 2 or not shape or shape[-1] % bs:
@@ -290,15 +296,9 @@ class Int8(Encoding):
         return {"scale_offset": scale_offset, "scale_nbytes": scale_nbytes}
 
     def check(self, obj, w, shape, dtype, stored_dtype, nbytes, where):
-        if stored_dtype != self.name:
-            _fail(where, f"{w}: int8 tensor must have stored_dtype 'int8', got {stored_dtype!r}")
-        if dtype not in C.FLOAT_DTYPES:
-            _fail(where, f"{w}: int8 tensor must dequantize to one of {C.FLOAT_DTYPES}, got "
-                         f"{dtype!r}")
+        self._check_common(obj, w, dtype, stored_dtype, where)
         if len(shape) < 1:
             _fail(where, f"{w}: an int8 tensor needs at least one dimension")
-        if not isinstance(obj, dict):
-            _fail(where, f"{w}: int8 tensor lacks its 'int8' object")
         n, rows = math.prod(shape), math.prod(shape[:-1])
         if nbytes != n:
             _fail(where, f"{w}: int8 nbytes {nbytes} != {n}")
