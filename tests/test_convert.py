@@ -588,3 +588,34 @@ def test_every_stage_after_the_bar_is_announced(gemma_src, tmp_path, monkeypatch
     quiet = CliRunner().invoke(cli, ["convert", str(gemma_src), "-o", str(tmp_path / "c.lct"),
                                      "-q"])
     assert quiet.exit_code == 0 and quiet.stderr == "", quiet.stderr
+
+
+def _config_edited(src, tmp_path, **edits):
+    out = tmp_path / "edited"
+    shutil.copytree(src, out)
+    cfg = json.loads((out / "config.json").read_text())
+    cfg.update(edits)
+    (out / "config.json").write_text(json.dumps(cfg))
+    return out
+
+
+@pytest.mark.parametrize("layers", [1, 3])
+def test_a_layer_count_that_is_not_the_weights_is_named(llama_src, tmp_path, layers):
+    """num_hidden_layers 1 (or 3) with 2 layers stored: the error said to remove tensors from
+    the checkpoint or rename the class; it names the two counts now."""
+    src = _config_edited(llama_src, tmp_path, num_hidden_layers=layers)
+    with pytest.raises(SourceError, match=rf"config.json builds {layers} blocks of "
+                                          rf"model.layers, the checkpoint holds 2"):
+        lct.convert(str(src), tmp_path / "a.lct")
+
+
+def test_more_experts_per_token_than_experts_is_refused(tmp_path):
+    """num_experts_per_tok 8 of 4 experts converted and verified OK, then failed inside
+    generate's router."""
+    from lct.demo import tiny
+    src = tiny.save_tiny(tmp_path / "mixtral", "mixtral")
+    experts = json.loads((src / "config.json").read_text())["num_local_experts"]
+    src = _config_edited(src, tmp_path, num_experts_per_tok=experts + 1)
+    with pytest.raises(SourceError, match=rf"routes each token to {experts + 1} experts .* "
+                                          rf"of the {experts} each layer has"):
+        lct.convert(str(src), tmp_path / "a.lct")

@@ -162,3 +162,59 @@ def test_exported_files_are_readable_by_all(gemma_art, tmp_path):
     out = lct.export(gemma_art, tmp_path / "hf")
     modes = {p.name: p.stat().st_mode & 0o777 for p in out.iterdir()}
     assert set(modes.values()) == {0o644}, modes
+
+
+def _as_unprivileged(cmd: list) -> list:
+    """``cmd`` as a process on which mode bits apply: root without its DAC capabilities."""
+    import shutil
+    if os.geteuid() != 0:
+        return cmd
+    if shutil.which("setpriv") is None:
+        pytest.skip("root without setpriv: mode bits do not apply")
+    return ["setpriv", "--bounding-set=-dac_override,-dac_read_search,-fowner", *cmd]
+
+
+@pytest.mark.parametrize("what", ["convert", "export"])
+def test_force_onto_a_read_only_output_is_refused_before_any_work(gemma_src, gemma_art,
+                                                                 tmp_path, what):
+    """--force onto a 0555 artifact or export succeeded, put the new output in place and left
+    the whole old one in a hidden staging folder it could not empty: now one line first."""
+    import shutil
+    import subprocess
+    import sys
+    out = tmp_path / "out"
+    if what == "convert":
+        shutil.copytree(gemma_art, out)
+        cmd = ["convert", str(gemma_src), "-o", str(out), "--force", "-q"]
+    else:
+        lct.export(gemma_art, out)
+        cmd = ["export", str(gemma_art), str(out), "--force", "-q"]
+    before = sorted(p.name for p in out.iterdir())
+    out.chmod(0o555)
+    try:
+        r = subprocess.run(_as_unprivileged([sys.executable, "-m", "lct", *cmd]),
+                           capture_output=True, text=True, timeout=300)
+        assert r.returncode == 1, r.stderr[-2000:]
+        assert r.stderr.strip().splitlines() == [
+            f"error: {out}: cannot replace it: its files cannot be removed (permission "
+            f"denied, or the folder is read-only); nothing was written"]
+        assert sorted(p.name for p in tmp_path.iterdir()) == ["out"]
+        assert sorted(p.name for p in out.iterdir()) == before
+    finally:
+        out.chmod(0o755)
+
+
+def test_a_dead_writers_staging_folder_is_swept_by_the_next_writer(gemma_src, tmp_path):
+    """kill -9 left .OTHER.tmp-* (a partial artifact) beside its output, removed only by a
+    later run writing that same output: a writer in the same folder removes the staging
+    folders whose output no process is writing, and leaves the live ones."""
+    from lct.io.writer import OutputLock
+    dead = tmp_path / ".gone.lct.tmp-0123abcd"
+    dead.mkdir()
+    (dead / "model-00000.lct").write_bytes(b"partial")
+    live = tmp_path / ".busy.lct.tmp-4567ef01"
+    (tmp_path / ".notours").mkdir()            # not LCT's pattern: never touched
+    with OutputLock(tmp_path / "busy.lct"):    # a writer of busy.lct, at work
+        live.mkdir()
+        lct.convert(str(gemma_src), tmp_path / "new.lct")
+    assert not dead.exists() and live.is_dir() and (tmp_path / ".notours").is_dir()

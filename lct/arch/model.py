@@ -236,6 +236,19 @@ class Architecture:
                 for n in self.unfilled(shapes)]
         return out
 
+    def blocks_disagree(self, names) -> tuple | None:
+        """``(stack path, blocks the config builds, blocks the checkpoint holds)`` of the first
+        stack for which the checkpoint ``names`` hold another number of blocks than the config
+        builds (a ``num_hidden_layers`` that is not the weights'); None when none does."""
+        import re
+        for s in self.stacks:
+            pat = re.compile(re.escape(s.path) + r"\.(\d+)\.")
+            held = [int(m.group(1)) for n in names
+                    for m in [pat.search(self.target(n)[0] or n)] if m]
+            if held and max(held) + 1 != s.count:
+                return s.path, s.count, max(held) + 1
+        return None
+
     def place(self, key: str) -> tuple:
         """``(group, role)`` of checkpoint tensor ``key`` (docs/FORMAT.md section 4)."""
         return self.place_param(self.target(key)[0])
@@ -415,4 +428,8 @@ def _experts(modules: dict, stacks: list) -> Experts | None:
                         if isinstance(k, int) and not isinstance(k, bool):
                             active = k
                             break
+    if count and active and active > count:
+        raise ArchitectureError(f"the config routes each token to {active} experts "
+                                f"(num_experts_per_tok or top_k) of the {count} each layer "
+                                f"has: no model can run so (generate fails in its router)")
     return Experts(count, active, layers) if count else None

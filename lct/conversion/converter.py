@@ -491,7 +491,13 @@ def _architecture(src: Source, tensors: dict) -> Architecture:
     misfits = arch.misfits({n: t.shape for n, t in tensors.items()})
     if misfits:
         first = misfits[0]
-        if "has no parameter for it" in first:
+        beyond = arch.blocks_disagree(tensors)
+        if beyond is not None:
+            stack, built, held = beyond
+            hint = (f"config.json builds {built} blocks of {stack}, the checkpoint holds "
+                    f"{held}: the config's layer count (num_hidden_layers or its like) does "
+                    f"not belong to these weights")
+        elif "has no parameter for it" in first:
             hint = ("LCT keeps every tensor and a load must place each one (from_pretrained "
                     "would drop it with a warning): remove it from the checkpoint, or name in "
                     "config.json's 'architectures' the class the weights were saved from")

@@ -22,6 +22,7 @@ from lct.io.reader import Artifact, open_artifact
 from lct.io.store import confined
 from lct.io.writer import (
     OutputLock,
+    check_replaceable,
     check_output_path,
     foreign_entry,
     make_staging,
@@ -70,6 +71,7 @@ def _check_target(out: Path, overwrite: bool, side_files=C.SIDECAR_FILES) -> Non
                        f"replace the folder (move it first)")
     if not overwrite:
         raise LCTError(f"{out} already exists", option="overwrite")
+    check_replaceable(out)
 
 
 def export(artifact, out_dir, *, max_shard_size=DEFAULT_SHARD_SIZE, overwrite: bool = False,

@@ -8,6 +8,7 @@ wrong state raises ``RuntimeError`` naming the state.
 from __future__ import annotations
 
 import errno
+import logging
 import os
 import re
 import shutil
@@ -28,6 +29,8 @@ from lct.format.layout import ChunkLayout, TensorSpec, align
 from lct.format.manifest import ChunkInfo, Manifest, TensorInfo
 
 SYNC_EVERY = 256 * 1024 * 1024
+
+log = logging.getLogger(__name__)
 
 
 def check_output_path(target: Path) -> None:
@@ -86,8 +89,32 @@ class OutputLock:
             os.replace(old[-1], self.target)
             litter.remove(old[-1])
         for p in litter:
-            shutil.rmtree(p, ignore_errors=True)
+            remove_tree(p)
+        self._sweep_others()
         return self
+
+    def _sweep_others(self) -> None:
+        """Remove the staging folders (``.X.tmp-*``) beside this output that belong to other
+        outputs no process is writing (their lock is free: a writer takes it before it makes
+        its staging folder), so that a run killed with SIGKILL does not leave a partial
+        artifact hidden in the folder until someone writes that same output again."""
+        if self._sock is None:
+            return      # without the abstract namespace, taking another lock makes a file
+        own = self.target.name
+        for p in self.target.parent.iterdir():
+            m = _STAGING_RE.fullmatch(p.name)
+            if m is None or m.group(1) == own or not p.is_dir() or p.is_symlink():
+                continue
+            other = OutputLock(self.target.parent / m.group(1))
+            try:
+                if not other._bind():
+                    return
+            except LCTError:
+                continue    # being written right now
+            try:
+                remove_tree(p)
+            finally:
+                other.release()
 
     def _busy(self) -> LCTError:
         return LCTError(f"{self.target}: another LCT process is writing it right now; wait for "
@@ -154,6 +181,33 @@ class OutputLock:
         self.release()
 
 
+_STAGING_RE = re.compile(r"\.(.+)\.tmp-[0-9a-f]+")
+
+
+def remove_tree(p: Path) -> None:
+    """Remove a folder LCT wrote (a staging folder, an old output); what cannot be removed is
+    said, naming the folder, instead of staying behind unseen."""
+    failed = []
+    shutil.rmtree(p, onerror=lambda fn, path, info: failed.append((path, info[1])))
+    if failed:
+        path, exc = failed[0]
+        log.warning("could not remove %s (%s: %s); remove it by hand", p, path,
+                    getattr(exc, "strerror", None) or exc)
+
+
+def check_replaceable(target: Path) -> None:
+    """Refuse, before any work, to replace an existing non-empty ``target`` whose files this
+    process cannot delete (a read-only or immutable folder): the new output would be put in
+    place and the old one left behind in a staging folder.
+
+    Raises:
+        WriteError: naming ``target``.
+    """
+    if target.is_dir() and any(target.iterdir()) and not os.access(target, os.W_OK | os.X_OK):
+        raise WriteError(f"{target}: cannot replace it: its files cannot be removed "
+                         f"(permission denied, or the folder is read-only); nothing was written")
+
+
 def _exchange(a: Path, b: Path) -> bool:
     """Swap two paths in one step (Linux ``renameat2(RENAME_EXCHANGE)``); False where the
     kernel, the C library or the filesystem cannot."""
@@ -176,12 +230,12 @@ def swap_into_place(new: Path, target: Path) -> None:
         os.replace(new, target)
         return
     if _exchange(new, target):
-        shutil.rmtree(new, ignore_errors=True)  # now holds the old one
+        remove_tree(new)    # now holds the old one
         return
     trash = target.parent / f".{target.name}.old-{uuid.uuid4().hex[:12]}"
     os.replace(target, trash)
     os.replace(new, target)
-    shutil.rmtree(trash, ignore_errors=True)
+    remove_tree(trash)
 
 
 def foreign_entry(folder: Path, owned) -> str | None:
@@ -327,6 +381,7 @@ class ArtifactWriter:
                            f"artifact; refusing to replace the folder (move it first)")
         if not self.overwrite:
             raise LCTError(f"{self.target} already exists", option="overwrite")
+        check_replaceable(self.target)
 
     def __enter__(self):
         return self
