@@ -15,7 +15,7 @@ import time
 
 import torch
 
-from lct.kernels import MaximusEmbedding
+from lct.kernels.maximus import MaximusEmbedding, MaximusPolicy
 
 
 def zipf_ranks(vocab: int, n: int, s: float, seed: int) -> torch.Tensor:
@@ -68,8 +68,9 @@ def main() -> None:
         ref_sparse(ids).sum().backward()
     rows.append(("nn.Embedding (sparse grad)", timed(step_sparse, args.steps, batches), None))
 
-    mx = MaximusEmbedding(V, H, max_shards=args.shards, budget_shards=budget, counts=counts,
-                          weight=weight, sparse=True)
+    mx = MaximusEmbedding(V, H, policy=MaximusPolicy(num_shards=args.shards, budget_shards=budget,
+                                                     sparse=True),
+                          counts=counts, weight=weight)
     def step_mx(ids):
         mx.weight.grad = None
         mx(ids).sum().backward()

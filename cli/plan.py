@@ -5,6 +5,7 @@ from __future__ import annotations
 import click
 
 from lct.cli._util import as_flags, quiet_option, table
+from lct.cli.convert import _parse_parts
 from lct.plan.memory import (
     DEFAULT_LOSS_CHUNK,
     DEFAULT_SEQ,
@@ -14,6 +15,8 @@ from lct.plan.memory import (
     MODES,
     OPTIMIZERS,
     PRECISIONS,
+    PlanOptions,
+    plan,
 )
 
 
@@ -53,10 +56,10 @@ def _parsed(parser_name: str):
 @click.option("--format", "fmt", type=click.Choice(FORMATS), default=None,
               help="hf: dense weights; lct: LCT's quantized embedding and head (frozen in training). "
                    "Default: lct for an LCT artifact, else hf.")
-@click.option("--nf4", "nf4", default=None, metavar="PARTS",
+@click.option("--nf4", "nf4", default=None, callback=_parse_parts, metavar="PARTS",
               help="With --format lct and no artifact: the NF4 parts, as lct convert --nf4 "
                    "(none, embed, head or embed,head).")
-@click.option("--int8", "int8", default=None, metavar="PARTS",
+@click.option("--int8", "int8", default=None, callback=_parse_parts, metavar="PARTS",
               help="With --format lct and no artifact: the int8 parts, as lct convert --int8. "
                    "Default with neither: embed,head in int8, what the auto policy picks for "
                    "trained models.")
@@ -90,15 +93,12 @@ def plan_cmd(model, mode, batch, seq, vocab_size, add_tokens, precision, optimiz
     weight, optimizer and KV-cache bytes are exact; activations and the peak are estimates
     (docs/PLAN.md; benchmarks/bench_plan.py measures them).
     """
-    from lct.plan.memory import plan
-    if vocab_size is not None and add_tokens is not None:
-        raise click.UsageError("give --vocab-size or --add-tokens, not both")
-    from lct.cli.convert import _parse_parts
-    nf4, int8 = _parse_parts(None, None, nf4), _parse_parts(None, None, int8)
-    p = plan(model, mode=mode, batch=batch, seq=seq, vocab_size=vocab_size,
-             add_tokens=add_tokens, precision=precision, optimizer=optimizer, kv_dtype=kv_dtype,
-             format=fmt, maximus_resident=maximus_resident, memory=memory, device=device,
-             loss_chunk=loss_chunk, nf4=nf4, blocksize=blocksize, revision=revision, int8=int8)
+    options = PlanOptions(mode=mode, batch=batch, seq=seq, vocab_size=vocab_size,
+                          add_tokens=add_tokens, precision=precision, optimizer=optimizer,
+                          kv_dtype=kv_dtype, format=fmt, maximus_resident=maximus_resident,
+                          memory=memory, device=device, loss_chunk=loss_chunk, nf4=nf4,
+                          blocksize=blocksize, revision=revision, int8=int8)
+    p = plan(model, options=options)
     if as_json:
         click.echo(p.to_json(), nl=False)
         return

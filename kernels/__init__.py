@@ -13,6 +13,7 @@ from lct.kernels.int8 import Int8Embedding, Int8Linear
 from lct.kernels.linear import FlatLinear, NF4Linear, flatten_head
 from lct.kernels.maximus import (
                                  MaximusEmbedding,
+                                 MaximusPolicy,
                                  MaximusStats,
                                  load_maximus_state,
                                  save_maximus_state,
@@ -20,5 +21,6 @@ from lct.kernels.maximus import (
 from lct.kernels.nf4 import dequantize, dequantize_rows
 
 __all__ = ["FlatLinear", "Int8Embedding", "Int8Linear", "flatten_head", "MaximusEmbedding",
-           "MaximusStats", "NF4Embedding", "NF4Linear", "PaddedEmbedding", "padded_lookup",
+           "MaximusPolicy", "MaximusStats", "NF4Embedding", "NF4Linear", "PaddedEmbedding",
+           "padded_lookup",
            "dequantize", "dequantize_rows", "load_maximus_state", "save_maximus_state"]

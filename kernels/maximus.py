@@ -10,7 +10,8 @@ copy, the rest are misses and read host memory.
 Residency follows an exponentially decayed access rate per shard with hysteresis: a shard is loaded
 when its rate rises above ``load_rate`` and may be evicted when it falls below ``evict_rate``,
 under a hard budget of ``budget_shards`` that is never exceeded; a shard needed by the current
-batch is never evicted.
+batch is never evicted. These knobs are one ``MaximusPolicy`` (``lct.format.maximus``), checked
+when it is made and saved as the state file's ``policy``.
 
 Forward equals ``nn.Embedding`` exactly. Gradients are coalesced per unique id within a batch with
 the same kernel ``nn.Embedding`` uses, optionally accumulated over ``bucket_size`` steps before
@@ -20,7 +21,7 @@ summed over the same steps. Pad ids are never gathered, yield zeros and get zero
 
 from __future__ import annotations
 
-from dataclasses import dataclass, fields
+from dataclasses import dataclass, fields, replace
 from pathlib import Path
 
 import torch
@@ -30,6 +31,7 @@ from lct.errors import MaximusStateError, OptionError
 from lct.format import constants as C
 from lct.format.maximus import (
     STATS_FIELDS,
+    MaximusPolicy,
     default_budget,
     frequency_order,
     invert_permutation,
@@ -88,14 +90,12 @@ class MaximusEmbedding(nn.Module):
 
     Args:
         num_embeddings, embedding_dim, padding_idx: as ``nn.Embedding``.
-        max_shards: number of shards N (the last may be shorter).
-        bucket_size: backward passes whose coalesced gradients are summed before they are
-            written to ``weight.grad`` (1: every step).
-        budget_shards / budget_bytes: hard cap on resident shards (default: a quarter of them).
+        policy: the ``MaximusPolicy``: shards N (at most ``num_embeddings``; the last may be
+            shorter), resident budget (default: a quarter of the shards), gradient bucket,
+            load/evict rates, decay, sparse gradients (default: ``MaximusPolicy()``). The module
+            keeps it resolved as ``self.policy``: N capped, the budget in shards.
         pad_ids: extra ids treated like ``padding_idx`` (zeros, never gathered, no gradient).
-        sparse: ``weight.grad`` as a sparse COO tensor (for SGD/SparseAdam) or dense.
         device: the compute device for resident shards (default: the host, i.e. CPU).
-        load_rate / evict_rate / decay: residency policy (accesses per step, decay per step).
         weight: initial weights in id order [V, H] (default: ``nn.Embedding``'s init).
         counts: token counts [V] that define the frequency order (default: id order).
         nf4: ``(packed, absmax, blocksize)`` to serve an NF4 table instead of a dense weight
@@ -103,31 +103,30 @@ class MaximusEmbedding(nn.Module):
         row_to_id: an explicit frequency order (overrides the one derived from ``counts``).
         ordered: ``weight``/``nf4`` are already in row (frequency) order.
         scale: optional output multiplier, like Gemma's scaled embedding.
+
+    Raises:
+        OptionError: a table, order or ``policy`` that does not fit (``option`` names it).
+
+    Example:
+        >>> m = MaximusEmbedding(V, H, 0, MaximusPolicy(num_shards=32, budget_shards=8),
+        ...                      counts=counts, weight=old.weight.detach())
     """
 
     def __init__(self, num_embeddings: int, embedding_dim: int, padding_idx: int | None = None,
-                 max_shards: int = C.DEFAULT_MAXIMUS_SHARDS, bucket_size: int = C.DEFAULT_MAXIMUS_POLICY["bucket_size"],
-                 *, budget_shards: int | None = None, budget_bytes: int | None = None, pad_ids=(),
-                 sparse: bool = C.DEFAULT_MAXIMUS_POLICY["sparse"], device=None,
-                 load_rate: float = C.DEFAULT_MAXIMUS_POLICY["load_rate"],
-                 evict_rate: float = C.DEFAULT_MAXIMUS_POLICY["evict_rate"],
-                 decay: float = C.DEFAULT_MAXIMUS_POLICY["decay"],
-                 weight: torch.Tensor | None = None, counts=None, dtype=None, nf4=None,
-                 row_to_id: torch.Tensor | None = None, ordered: bool = False,
-                 scale: torch.Tensor | None = None):
+                 policy: MaximusPolicy | None = None, *, weight: torch.Tensor | None = None,
+                 counts=None, dtype=None, nf4=None, row_to_id: torch.Tensor | None = None,
+                 ordered: bool = False, scale: torch.Tensor | None = None, pad_ids=(),
+                 device=None):
         super().__init__()
+        policy = MaximusPolicy() if policy is None else policy
+        if not isinstance(policy, MaximusPolicy):
+            raise OptionError(f"policy must be a MaximusPolicy, got {type(policy).__name__}",
+                              option="policy")
         if padding_idx is not None and padding_idx < 0:
             padding_idx += num_embeddings
         self.num_embeddings, self.embedding_dim = num_embeddings, embedding_dim
         self.padding_idx = padding_idx
-        self.num_shards = min(max_shards, num_embeddings)
-        if bucket_size < 1:
-            raise OptionError(f"bucket_size must be >= 1, got {bucket_size}", option="bucket_size")
-        self.bucket_size, self.sparse = bucket_size, sparse
-        self.load_rate, self.evict_rate, self.decay = load_rate, evict_rate, decay
-        if evict_rate > load_rate:
-            raise OptionError("evict_rate must not exceed load_rate (hysteresis)",
-                              option="evict_rate")
+        num_shards = min(policy.num_shards, num_embeddings)
         self.compute_device = torch.device(device) if device is not None else torch.device("cpu")
 
         counts = torch.zeros(num_embeddings, dtype=torch.int64) if counts is None else \
@@ -148,13 +147,13 @@ class MaximusEmbedding(nn.Module):
         self.register_buffer("row_to_id", row_to_id, **buf)
         self.register_buffer("id_to_row", id_to_row, **buf)
         self.register_buffer("token_counts", counts, **buf)
-        self.register_buffer("shard_offsets", shard_offsets(num_embeddings, self.num_shards), **buf)
+        self.register_buffer("shard_offsets", shard_offsets(num_embeddings, num_shards), **buf)
         # Equal shards (the last may be shorter); offsets never change after construction
         # (load_state_tensors refuses others), so the width is a plain int for the hot path.
         self.rows_per_shard = int(self.shard_offsets[1] - self.shard_offsets[0])
-        self.register_buffer("shard_score", torch.zeros(self.num_shards, dtype=torch.float32), **buf)
+        self.register_buffer("shard_score", torch.zeros(num_shards, dtype=torch.float32), **buf)
         self.register_buffer("shard_last_access_step",
-                             torch.full((self.num_shards,), -1, dtype=torch.int64), **buf)
+                             torch.full((num_shards,), -1, dtype=torch.int64), **buf)
         pads = set(int(p) for p in pad_ids)
         if padding_idx is not None:
             pads.add(padding_idx)
@@ -182,7 +181,7 @@ class MaximusEmbedding(nn.Module):
                     weight[padding_idx].zero_()
         elif weight.shape != (num_embeddings, embedding_dim):
             raise OptionError(f"weight must be [{num_embeddings}, {embedding_dim}], "
-                             f"got {list(weight.shape)}")
+                              f"got {list(weight.shape)}", option="weight")
         if nf4 is None:
             w = weight.detach() if ordered else weight.detach()[row_to_id]
             self.weight = nn.Parameter(w.clone() if ordered else w)
@@ -190,11 +189,14 @@ class MaximusEmbedding(nn.Module):
         shard_bytes = self.rows_per_shard * (
             encoded_size(embedding_dim, self.nf4[2]) if self.nf4 is not None
             else embedding_dim * self.weight.element_size())
-        if budget_shards is None and budget_bytes is None:
-            budget_shards = default_budget(self.num_shards)
-        if budget_bytes is not None:
-            budget_shards = min(budget_shards or self.num_shards, budget_bytes // shard_bytes)
-        self.budget_shards = max(0, min(int(budget_shards), self.num_shards))
+        budget = policy.budget_shards
+        if budget is None and policy.budget_bytes is None:
+            budget = default_budget(num_shards)
+        if policy.budget_bytes is not None:
+            budget = min(budget or num_shards, policy.budget_bytes // shard_bytes)
+        # The policy in effect, the one saved: N capped by the rows, the budget in shards.
+        self.policy = replace(policy, num_shards=num_shards, budget_bytes=None,
+                              budget_shards=max(0, min(int(budget), num_shards)))
         self.register_buffer("scale", scale, persistent=False)
         self.stats = MaximusStats()
         self.resident: dict = {}          # shard -> device copy of its rows
@@ -205,6 +207,16 @@ class MaximusEmbedding(nn.Module):
         self._pin_host()
 
     # Geometry -------------------------------------------------------------------------------
+    @property
+    def num_shards(self) -> int:
+        """Shards N in effect (``policy.num_shards``)."""
+        return self.policy.num_shards
+
+    @property
+    def budget_shards(self) -> int:
+        """The hard cap on resident shards in effect (``policy.budget_shards``)."""
+        return self.policy.budget_shards
+
     def shard_of_rows(self, rows: torch.Tensor) -> torch.Tensor:
         """Shard index of each row."""
         return torch.div(rows, self.rows_per_shard, rounding_mode="floor")
@@ -254,10 +266,10 @@ class MaximusEmbedding(nn.Module):
         """Hysteresis under the budget; shards in ``needed`` are never evicted."""
         need = set(needed.tolist())
         score = self.shard_score
-        for s in [s for s in self.resident if s not in need and score[s] < self.evict_rate]:
+        for s in [s for s in self.resident if s not in need and score[s] < self.policy.evict_rate]:
             self._evict(s)
         candidates = [s for s in torch.argsort(score, descending=True, stable=True).tolist()
-                      if s not in self.resident and score[s] > self.load_rate]
+                      if s not in self.resident and score[s] > self.policy.load_rate]
         for s in candidates:
             if len(self.resident) >= self.budget_shards:
                 # Make room only by evicting a colder shard that this batch does not need.
@@ -328,7 +340,8 @@ class MaximusEmbedding(nn.Module):
         step = self.stats.steps
         shards = self.shard_of_rows(rows)
         per_shard = torch.bincount(shards, minlength=self.num_shards).to(torch.float32)
-        self.shard_score.mul_(self.decay).add_(per_shard * (1 - self.decay))
+        decay = self.policy.decay
+        self.shard_score.mul_(decay).add_(per_shard * (1 - decay))
         touched = per_shard > 0
         self.shard_last_access_step[touched] = step
         self.stats.steps += 1
@@ -350,7 +363,7 @@ class MaximusEmbedding(nn.Module):
             acc.index_add_(0, inv2[len(prev_rows):], grad)
             self._pending = (all_rows, acc)
         self._backwards += 1
-        if self._backwards % self.bucket_size == 0:
+        if self._backwards % self.policy.bucket_size == 0:
             self.flush_gradients()
 
     def flush_gradients(self) -> None:
@@ -359,7 +372,7 @@ class MaximusEmbedding(nn.Module):
             return
         rows, grad = self._pending
         self._pending = None
-        if self.sparse:
+        if self.policy.sparse:
             g = torch.sparse_coo_tensor(rows.unsqueeze(0), grad, self.weight.shape,
                                         is_coalesced=True, check_invariants=False)
         else:
@@ -367,7 +380,7 @@ class MaximusEmbedding(nn.Module):
             g[rows] = grad
         self.weight.grad = g if self.weight.grad is None else self.weight.grad + g
         self._dirty.update(self.shard_of_rows(rows).unique().tolist()
-                           if self.sparse else range(self.num_shards))
+                           if self.policy.sparse else range(self.num_shards))
 
     # Views and state -------------------------------------------------------------------------
     def id_ordered_weight(self) -> torch.Tensor:
@@ -423,13 +436,10 @@ class MaximusEmbedding(nn.Module):
             "maximus.stats": torch.tensor(self.stats.as_list(), dtype=torch.int64),
         }
 
-    def policy(self) -> dict:
-        """The residency policy and geometry, for the state file's metadata."""
+    def policy_metadata(self) -> dict:
+        """The state file's ``policy`` (FORMAT.md section 9): geometry and ``self.policy``."""
         return {"num_embeddings": self.num_embeddings, "embedding_dim": self.embedding_dim,
-                "num_shards": self.num_shards, "budget_shards": self.budget_shards,
-                "bucket_size": self.bucket_size, "load_rate": self.load_rate,
-                "evict_rate": self.evict_rate, "decay": self.decay, "sparse": self.sparse,
-                "padding_idx": self.padding_idx}
+                **self.policy.to_metadata(), "padding_idx": self.padding_idx}
 
     def load_state_tensors(self, t: dict, where: str = "maximus state") -> None:
         """Restore shard state from ``state_tensors()`` output, re-ordering the weights if the
@@ -484,7 +494,7 @@ class MaximusEmbedding(nn.Module):
             # A fresh plan from real frequencies: start with the hottest shards resident, their
             # rate at the load threshold, so that they stay until the stream shows otherwise.
             resident = list(range(self.budget_shards))
-            self.shard_score[resident] = self.load_rate
+            self.shard_score[resident] = self.policy.load_rate
         for s in resident[: self.budget_shards]:
             self._load(s)
             self.stats.shard_loads -= 1
@@ -499,8 +509,8 @@ class MaximusEmbedding(nn.Module):
 
     def extra_repr(self) -> str:
         return (f"{self.num_embeddings}, {self.embedding_dim}, shards={self.num_shards}, "
-                f"budget={self.budget_shards}, bucket_size={self.bucket_size}, "
-                f"sparse={self.sparse}")
+                f"budget={self.budget_shards}, bucket_size={self.policy.bucket_size}, "
+                f"sparse={self.policy.sparse}")
 
 
 # Saving and restoring the shard state of a model's MaximusEmbedding modules --------------
@@ -527,7 +537,7 @@ def save_maximus_state(model, path, *, frequency_source: str | None = None) -> P
         path.mkdir(parents=True, exist_ok=True)
         path = path / C.MAXIMUS_FILE
     return write_state_file(
-        {mp: (m.state_tensors(), {"policy": m.policy(), "frequency_source":
+        {mp: (m.state_tensors(), {"policy": m.policy_metadata(), "frequency_source":
                                   frequency_source or getattr(m, "frequency_source", None)})
          for mp, m in mods.items()}, path)
 
@@ -545,11 +555,11 @@ def load_maximus_state(model, path) -> None:
         raise MaximusStateError(f"{path}: state for modules {sorted(modules)}, the model has "
                                 f"MaximusEmbedding at {sorted(mods)}")
     for mp, m in mods.items():
-        pol = modules[mp].get("policy", {})
+        pol, own_pol = modules[mp].get("policy", {}), m.policy_metadata()
         for k in ("num_embeddings", "embedding_dim", "num_shards"):
-            if pol.get(k) != m.policy()[k]:
+            if pol.get(k) != own_pol[k]:
                 raise MaximusStateError(f"{path}: {mp or 'module'}: {k} is {pol.get(k)} in the "
-                                        f"state, {m.policy()[k]} in the model")
+                                        f"state, {own_pol[k]} in the model")
         own = module_tensors(tensors, state_key(mp, "maximus."))
         validate_state(own, modules, mp, m.num_embeddings, m.embedding_dim, m.num_shards,
                        where=f"{path}: {mp or 'module'}")

@@ -305,8 +305,11 @@ def install_maximus(model, art, budget=None, device="cpu"):
     first, up to ``budget`` shards (default: the stored policy's budget); the rest stay in host
     memory. Returns the new module.
     """
+    from dataclasses import replace
+
     import torch
 
+    from lct.format.maximus import MaximusPolicy
     from lct.kernels import Int8Embedding, MaximusEmbedding, NF4Embedding
     m = art.manifest.maximus
     if m is None:
@@ -318,13 +321,11 @@ def install_maximus(model, art, budget=None, device="cpu"):
     parent_path, _, leaf = module_path.rpartition(".")
     parent = model.get_submodule(parent_path) if parent_path else model
     old = getattr(parent, leaf)
-    kw = dict(max_shards=policy.get("num_shards", m["num_shards"]),
-              budget_shards=budget if isinstance(budget, int) and not isinstance(budget, bool)
-              else policy.get("budget_shards"),
-              **{k: policy.get(k, C.DEFAULT_MAXIMUS_POLICY[k])
-                 for k in ("load_rate", "evict_rate", "decay")},
-              device=device,
-              row_to_id=state["maximus.row_to_id"], counts=state["maximus.token_freq"])
+    stored = MaximusPolicy.from_metadata(policy, where=str(art.path / m["file"]))
+    if isinstance(budget, int) and not isinstance(budget, bool):
+        stored = replace(stored, budget_shards=budget)
+    kw = {"policy": stored, "device": device, "row_to_id": state["maximus.row_to_id"],
+          "counts": state["maximus.token_freq"]}
     scale = getattr(old, "scale", None) if isinstance(old, NF4Embedding) else \
         getattr(old, "embed_scale", None)
     pads = state.get("maximus.pad_ids", torch.zeros(0, dtype=torch.int64)).tolist()

@@ -311,12 +311,13 @@ def _batch(shards, per_shard, seed=0):
 
 def test_maximus_hot_shards_on_cuda_cold_in_pinned_host_memory():
     from lct.kernels import MaximusEmbedding
+    from lct.kernels.maximus import MaximusPolicy
     g = torch.Generator().manual_seed(4)
     ref = torch.nn.Embedding(V, H)
     with torch.no_grad():
         ref.weight.copy_(torch.randn(V, H, generator=g))
-    m = _fresh(MaximusEmbedding(V, H, max_shards=8, budget_shards=2, weight=ref.weight.detach(),
-                                counts=_counts(), device=CUDA))
+    m = _fresh(MaximusEmbedding(V, H, policy=MaximusPolicy(num_shards=8, budget_shards=2),
+                                weight=ref.weight.detach(), counts=_counts(), device=CUDA))
     m.weight.requires_grad_(False)
     assert m.budget_shards == 2 and sorted(m.resident) == [0, 1]      # the two hottest
     assert all(c.is_cuda for c in m.resident.values())
@@ -352,10 +353,12 @@ def test_maximus_hot_shards_on_cuda_cold_in_pinned_host_memory():
 def test_maximus_nf4_shards_on_cuda_equal_gather_then_dequantize():
     from lct.format import nf4
     from lct.kernels import MaximusEmbedding
+    from lct.kernels.maximus import MaximusPolicy
     _bnb()
     packed, absmax, _ = _nf4_table(V, H, bs=64, seed=5)
     full = nf4.dequantize(packed, absmax, (V, H), 64, torch.bfloat16)
-    m = _fresh(MaximusEmbedding(V, H, max_shards=8, budget_shards=3, nf4=(packed, absmax, 64),
+    m = _fresh(MaximusEmbedding(V, H, policy=MaximusPolicy(num_shards=8, budget_shards=3),
+                                nf4=(packed, absmax, 64),
                                 counts=_counts(), dtype=torch.bfloat16, pad_ids=(2,),
                                 device=CUDA))
     assert sorted(m.resident) == [0, 1, 2]

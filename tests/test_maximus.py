@@ -8,7 +8,7 @@ import torch
 
 from lct.errors import MaximusStateError
 from lct.kernels import MaximusEmbedding
-from lct.kernels.maximus import load_maximus_state, save_maximus_state
+from lct.kernels.maximus import MaximusPolicy, load_maximus_state, save_maximus_state
 
 V, H = 1000, 16
 
@@ -36,8 +36,9 @@ def test_forward_backward_equal_nn_embedding(gen, sparse, bucket, dist):
     with torch.no_grad():
         ref.weight[0].normal_()  # a non-zero pad row: pads must still yield zeros
     perm_counts = _counts(gen)
-    m = MaximusEmbedding(V, H, padding_idx=0, max_shards=8, bucket_size=bucket, sparse=sparse,
-                         weight=ref.weight.detach(), counts=perm_counts, budget_shards=2)
+    m = MaximusEmbedding(V, H, padding_idx=0, policy=MaximusPolicy(
+        num_shards=8, budget_shards=2, bucket_size=bucket, sparse=sparse),
+        weight=ref.weight.detach(), counts=perm_counts)
     for step in range(6):
         ids = zipf_ids(120, gen).view(4, 30) if dist == "zipf" else \
             torch.randint(0, V, (4, 30), generator=gen)
@@ -64,15 +65,17 @@ def test_forward_backward_equal_nn_embedding(gen, sparse, bucket, dist):
 
 
 def test_bucket_delays_gradients(gen):
-    m = MaximusEmbedding(V, H, max_shards=4, bucket_size=3, counts=_counts(gen))
+    m = MaximusEmbedding(V, H, policy=MaximusPolicy(num_shards=4, bucket_size=3),
+                         counts=_counts(gen))
     for i in range(3):
         m(torch.randint(0, V, (10,), generator=gen)).sum().backward()
         assert (m.weight.grad is None) == (i < 2)
 
 
 def test_budget_never_exceeded_and_batch_shards_kept(gen):
-    m = MaximusEmbedding(V, H, max_shards=16, budget_shards=4, counts=_counts(gen),
-                         load_rate=0.3, evict_rate=0.05)
+    m = MaximusEmbedding(V, H, policy=MaximusPolicy(num_shards=16, budget_shards=4,
+                                                    load_rate=0.3, evict_rate=0.05),
+                         counts=_counts(gen))
     worst = 0
     for step in range(200):
         shift = (step // 50) * 250  # the hot set moves: loads and evictions must happen
@@ -93,7 +96,8 @@ def test_residency_reproducible(gen):
     stream = [zipf_ids(50, gen) for _ in range(60)]
     runs = []
     for _ in range(2):
-        m = MaximusEmbedding(V, H, max_shards=10, budget_shards=3, counts=counts)
+        m = MaximusEmbedding(V, H, policy=MaximusPolicy(num_shards=10, budget_shards=3),
+                             counts=counts)
         trace = []
         with torch.no_grad():
             for ids in stream:
@@ -104,7 +108,8 @@ def test_residency_reproducible(gen):
 
 
 def test_zipf_hot_shards_hit(gen):
-    m = MaximusEmbedding(V, H, max_shards=8, budget_shards=2, counts=_counts(gen))
+    m = MaximusEmbedding(V, H, policy=MaximusPolicy(num_shards=8, budget_shards=2),
+                         counts=_counts(gen))
     with torch.no_grad():
         for _ in range(50):
             m(zipf_ids(256, gen))
@@ -116,8 +121,9 @@ def test_nf4_shards_equal_gather_then_dequantize(gen):
     w = (torch.randn(V, 64, generator=gen) * 0.02).to(torch.bfloat16)
     packed, absmax = nf4.quantize(w, 64)
     full = nf4.dequantize(packed, absmax, (V, 64), 64, torch.bfloat16)
-    m = MaximusEmbedding(V, 64, max_shards=6, nf4=(packed, absmax, 64), counts=_counts(gen),
-                         dtype=torch.bfloat16, budget_shards=2, pad_ids=(5,))
+    m = MaximusEmbedding(V, 64, policy=MaximusPolicy(num_shards=6, budget_shards=2),
+                         nf4=(packed, absmax, 64), counts=_counts(gen), dtype=torch.bfloat16,
+                         pad_ids=(5,))
     for _ in range(3):
         ids = zipf_ids(90, gen).view(3, 30)
         ids[0, 0] = 5
@@ -133,9 +139,9 @@ def test_nf4_state_with_another_order_moves_the_rows(gen):
     w = (torch.randn(V, 64, generator=gen) * 0.02).to(torch.bfloat16)
     packed, absmax = nf4.quantize(w, 64)
     full = nf4.dequantize(packed, absmax, (V, 64), 64, torch.bfloat16)
-    m = MaximusEmbedding(V, 64, max_shards=5, nf4=(packed, absmax, 64), counts=_counts(gen),
-                         dtype=torch.bfloat16)
-    other = MaximusEmbedding(V, 64, max_shards=5, nf4=(packed, absmax, 64),
+    m = MaximusEmbedding(V, 64, policy=MaximusPolicy(num_shards=5), nf4=(packed, absmax, 64),
+                         counts=_counts(gen), dtype=torch.bfloat16)
+    other = MaximusEmbedding(V, 64, policy=MaximusPolicy(num_shards=5), nf4=(packed, absmax, 64),
                              counts=_counts(torch.Generator().manual_seed(7)),
                              dtype=torch.bfloat16)
     assert not torch.equal(m.row_to_id, other.row_to_id)
@@ -166,8 +172,8 @@ def _tiny_model(seed=0):
 def _install(model, counts, sparse=True, bucket=1):
     old = model.model.embed_tokens
     model.model.embed_tokens = MaximusEmbedding(
-        V, old.embedding_dim, padding_idx=0, max_shards=8, budget_shards=2, counts=counts,
-        weight=old.weight.detach(), sparse=sparse, bucket_size=bucket)
+        V, old.embedding_dim, padding_idx=0, counts=counts, weight=old.weight.detach(),
+        policy=MaximusPolicy(num_shards=8, budget_shards=2, sparse=sparse, bucket_size=bucket))
     return model
 
 
@@ -227,9 +233,9 @@ def test_save_restore_continue_equals_uninterrupted(gen, tmp_path, kind):
 
 
 def test_bad_state_files(gen, tmp_path):
-    m = MaximusEmbedding(V, H, max_shards=8, counts=_counts(gen))
+    m = MaximusEmbedding(V, H, policy=MaximusPolicy(num_shards=8), counts=_counts(gen))
     path = save_maximus_state(m, tmp_path / "s")
-    other = MaximusEmbedding(V, H, max_shards=4)
+    other = MaximusEmbedding(V, H, policy=MaximusPolicy(num_shards=4))
     with pytest.raises(MaximusStateError, match="num_shards"):
         load_maximus_state(other, path)
     with pytest.raises(MaximusStateError, match="no Maximus state"):
@@ -254,3 +260,48 @@ def test_bad_state_files(gen, tmp_path):
     with pytest.raises(MaximusStateError, match="pad_ids must be token ids"):
         load_maximus_state(m, tmp_path / "pads.safetensors")
     assert torch.equal(m.id_ordered_weight(), before)  # nothing changed
+
+
+def test_policy_is_frozen_checked_and_round_trips_through_the_state_file(gen, tmp_path):
+    import dataclasses
+    import json
+
+    from safetensors import safe_open
+
+    from lct.errors import OptionError
+    from lct.format import constants as C
+    policy = MaximusPolicy()
+    assert (policy.num_shards, policy.budget_shards) == (C.DEFAULT_MAXIMUS_SHARDS, None)
+    assert {k: getattr(policy, k) for k in C.DEFAULT_MAXIMUS_POLICY} == C.DEFAULT_MAXIMUS_POLICY
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        policy.bucket_size = 4
+    for option, bad in (("num_shards", 0), ("budget_shards", -1), ("budget_bytes", -1),
+                        ("bucket_size", 0), ("bucket_size", True), ("decay", 1.5),
+                        ("load_rate", float("nan")), ("evict_rate", 0.5), ("sparse", "yes")):
+        with pytest.raises(OptionError) as e:
+            MaximusPolicy(**{option: bad})
+        assert e.value.option == option, (option, bad)
+    with pytest.raises(OptionError) as e:                    # replace() checks again
+        dataclasses.replace(policy, evict_rate=0.9)
+    assert e.value.option == "evict_rate"
+
+    # The module keeps the policy in effect: N capped by the rows, the budget in shards.
+    asked = MaximusPolicy(num_shards=8, budget_bytes=3 * 125 * H * 4, bucket_size=2,
+                          load_rate=0.4, evict_rate=0.1, decay=0.8, sparse=False)
+    m = MaximusEmbedding(V, H, policy=asked, counts=_counts(gen))
+    assert m.policy == dataclasses.replace(asked, budget_bytes=None, budget_shards=3)
+    assert (m.num_shards, m.budget_shards) == (8, 3)
+    assert MaximusEmbedding(5, H, policy=MaximusPolicy(num_shards=8)).policy.num_shards == 5
+    with pytest.raises(OptionError, match="budget_bytes"):
+        asked.to_metadata()                                 # not in the file: resolve it first
+    path = save_maximus_state(m, tmp_path / "s")
+    with safe_open(str(path), "pt") as f:
+        saved = json.loads(f.metadata()["modules"])[""]["policy"]
+    assert list(saved) == ["num_embeddings", "embedding_dim", "num_shards", "budget_shards",
+                           "bucket_size", "load_rate", "evict_rate", "decay", "sparse",
+                           "padding_idx"]
+    assert MaximusPolicy.from_metadata(saved) == m.policy
+    assert m.policy.to_metadata() == {k: saved[k] for k in m.policy.to_metadata()}
+    assert MaximusPolicy.from_metadata({"num_shards": 8}) == MaximusPolicy(num_shards=8)
+    with pytest.raises(MaximusStateError, match="s.safetensors: policy decay"):
+        MaximusPolicy.from_metadata(dict(saved, decay=-1), where="s.safetensors")

@@ -236,11 +236,13 @@ def test_a_saved_maximus_state_beside_the_weights_is_not_converted_as_weights(ll
     import shutil
 
     from lct.kernels import MaximusEmbedding, save_maximus_state
+    from lct.kernels.maximus import MaximusPolicy
     src = tmp_path / "ckpt"
     shutil.copytree(llama_src, src)
     model = lct.load(lct.convert(str(llama_src), tmp_path / "a.lct", policy=Policy(nf4=())).path)
     emb = model.get_input_embeddings()
-    model.set_input_embeddings(MaximusEmbedding(V, emb.embedding_dim, max_shards=4,
+    model.set_input_embeddings(MaximusEmbedding(V, emb.embedding_dim,
+                                                policy=MaximusPolicy(num_shards=4),
                                                 weight=emb.weight.detach()))
     save_maximus_state(model, src)
     assert (src / "maximus.safetensors").is_file()

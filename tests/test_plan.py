@@ -336,10 +336,11 @@ def test_training_phases_and_chunked_loss():
 def test_maximus_resident_bytes_equal_module(llama_src):
     from lct.format.maximus import initial_state
     from lct.kernels import MaximusEmbedding
+    from lct.kernels.maximus import MaximusPolicy
     V, H = 384, 128
     p = plan(llama_src, mode="infer", seq=16, maximus_resident="3/5")
     counts = torch.arange(V, 0, -1)
-    m = MaximusEmbedding(V, H, max_shards=5, budget_shards=3, counts=counts,
+    m = MaximusEmbedding(V, H, policy=MaximusPolicy(num_shards=5, budget_shards=3), counts=counts,
                          weight=torch.zeros(V, H, dtype=torch.bfloat16))
     m.load_state_tensors(initial_state(counts, 5))
     emb = {q.name: q for q in p.parts}["embedding"]
@@ -520,3 +521,87 @@ def test_the_maximus_line_says_what_it_keeps_where(llama_src, gemma_src, run):
                      r"table in host memory\) would add [\d.]+ [KMG]B on the accelerator: the "
                      r"tied head keeps the whole table there", tied), tied
     assert "cost" not in tied and "cost" not in untied
+
+
+# Each bad option: (keywords, the one-line message plan() has always given, the option it names).
+BAD_OPTIONS = [
+    (dict(mode="x"), "mode 'x' is not one of infer, train", "mode"),
+    (dict(format="x"), "format 'x' is not one of hf, lct", "format"),
+    (dict(device="x"), "device 'x' is not one of cuda, cpu", "device"),
+    (dict(optimizer="lion"), "optimizer 'lion' is not one of adamw, sgd, adafactor, adamw-8bit",
+     "optimizer"),
+    (dict(precision="x"), "precision 'x' is not one of bf16, fp16, fp32, mixed", "precision"),
+    (dict(kv_dtype="x"), "KV dtype 'x' is not one of bf16, fp16, fp32, fp8", "kv_dtype"),
+    (dict(batch=0), "batch must be a positive integer, got 0", "batch"),
+    (dict(seq="3"), "seq must be a positive integer, got '3'", "seq"),
+    (dict(loss_chunk=0), "loss chunk must be a positive integer, got 0", "loss_chunk"),
+    (dict(vocab_size=3, add_tokens=3),
+     "give a new vocabulary size or a number of tokens to add, not both", "add_tokens"),
+    (dict(vocab_size=0), "the vocabulary size must be >= 1, got 0", "vocab_size"),
+    (dict(maximus_resident="x"), "maximus resident fraction 'x' must be K/N, like 8/32",
+     "maximus_resident"),
+    (dict(maximus_resident="5/4"), "maximus resident fraction 5/4: need 0 <= K <= N and N >= 1",
+     "maximus_resident"),
+    (dict(memory="12XB"), "memory '12XB' needs a number with a unit: 5GB or 500MB (decimal) or "
+     "16GiB or 512MiB (binary)", "memory"),
+    (dict(nf4=("x",)), "nf4 parts ('x',) must be among ('embed', 'head')", "nf4"),
+    (dict(int8=("x",)), "int8 parts ('x',) must be among ('embed', 'head')", "int8"),
+    (dict(nf4=("head",), int8=("head",)), "nf4 ('head',) and int8 ('head',) name the same part",
+     "nf4"),
+    (dict(blocksize=3), "NF4 blocksize 3 must be a positive even integer", "blocksize"),
+]
+
+
+def test_plan_options_are_checked_once_when_built_and_frozen(llama_src):
+    """Issue 22.11: the options were fanned through plan (18 parameters), _plan (20) and
+    _remedies. They are one frozen PlanOptions now, checked and normalized when built, and
+    passed down whole; plan()'s keywords build the same object."""
+    import dataclasses
+    import inspect
+
+    from lct.plan.memory import PlanOptions, _plan, _remedies
+    o = PlanOptions(mode="train", seq=16, memory="1GiB", maximus_resident="2/8", nf4=["head"])
+    assert (o.memory, o.maximus_resident, o.nf4) == (2**30, (2, 8), ("head",))
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        o.batch = 2
+    assert o == PlanOptions(mode="train", seq=16, memory=2**30, maximus_resident=(2, 8),
+                            nf4=("head",))
+    for kw, text, option in BAD_OPTIONS:
+        with pytest.raises(PlanError) as built:
+            PlanOptions(**kw)
+        assert str(built.value) == text and built.value.option == option, kw
+        with pytest.raises(PlanError) as planned:
+            plan(llama_src, **kw)
+        assert str(planned.value) == text and planned.value.option == option, kw
+    # What needs the model is checked when planning, naming its option too.
+    with pytest.raises(PlanError, match="more shards than the") as e:
+        plan(llama_src, maximus_resident="1/100000")
+    assert e.value.option == "maximus_resident"
+    with pytest.raises(PlanError, match="must be >= 1") as e:
+        plan(llama_src, add_tokens=-10**9)
+    assert e.value.option == "add_tokens"
+
+    # The keywords and the object agree, down to their defaults.
+    kw = dict(mode="train", seq=16, memory="1GiB", maximus_resident="2/8", nf4=("head",),
+              format="lct", device="cpu")
+    assert plan(llama_src, options=PlanOptions(**kw)).to_dict() == plan(llama_src, **kw).to_dict()
+    with pytest.raises(PlanError, match="not both") as e:
+        plan(llama_src, options=o, batch=2)
+    assert e.value.option == "options"
+    params = inspect.signature(plan).parameters
+    assert {k: p.default for k, p in params.items() if k not in ("model", "options")} == \
+        {f.name: f.default for f in dataclasses.fields(PlanOptions)}
+    assert len(inspect.signature(_plan).parameters) <= 8
+    assert len(inspect.signature(_remedies).parameters) <= 8
+
+
+def test_cli_leaves_the_checks_to_the_library(run, llama_src):
+    """Issue 22.11: `lct plan` builds PlanOptions and does not check again what it checks; a
+    library error names its flag."""
+    res = run("plan", llama_src, "--vocab-size", "10", "--add-tokens", "3")
+    assert res.exit_code == 1 and res.output.count("\n") == 1, res.output
+    assert "not both" in res.output and "--add-tokens" in res.output
+    res = run("plan", llama_src, "--blocksize", "3")
+    assert res.exit_code == 1 and "(--blocksize)" in res.output, res.output
+    res = run("plan", llama_src, "--nf4", "bogus")
+    assert res.exit_code == 2 and "--nf4" in res.output, res.output

@@ -10,8 +10,11 @@ See docs/FORMAT.md, section 9.
 from __future__ import annotations
 
 import json
+import math
 import os
 import uuid
+from dataclasses import dataclass, fields
+from numbers import Integral, Real
 from pathlib import Path
 
 from lct.errors import MaximusStateError, OptionError
@@ -39,6 +42,98 @@ def default_budget(num_shards: int) -> int:
     """Shards resident on the accelerator unless told otherwise: a quarter, at least one."""
     return max(1, num_shards // 4)
 
+
+@dataclass(frozen=True)
+class MaximusPolicy:
+    """How a ``MaximusEmbedding`` shards its table and keeps shards resident; checked once, here.
+
+    Its fields, but ``budget_bytes``, are the residency keys of the state file's ``policy``
+    metadata (FORMAT.md section 9); the defaults are ``DEFAULT_MAXIMUS_SHARDS`` and
+    ``DEFAULT_MAXIMUS_POLICY``.
+
+    Args:
+        num_shards: shards N the vocabulary is split into (a module takes at most one a row).
+        budget_shards: hard cap on resident shards (None: ``default_budget(N)``, or what
+            ``budget_bytes`` allows).
+        budget_bytes: the cap in bytes of shard copies instead (or as well: the smaller wins);
+            a module resolves it to ``budget_shards``, which is what is saved.
+        bucket_size: backward passes whose coalesced gradients are summed before they reach
+            ``weight.grad`` (1: every step).
+        load_rate / evict_rate: a shard is loaded above ``load_rate`` accesses per step and may
+            be evicted below ``evict_rate`` (hysteresis: ``evict_rate <= load_rate``).
+        decay: per-step decay of the access rate, in [0, 1].
+        sparse: ``weight.grad`` as a sparse COO tensor (SGD, SparseAdam) or dense.
+
+    Raises:
+        OptionError: a field out of its range or of the wrong kind; ``option`` names it.
+
+    Example:
+        >>> policy = MaximusPolicy(num_shards=32, budget_shards=8, bucket_size=4)
+        >>> MaximusPolicy.from_metadata(policy.to_metadata()) == policy
+        True
+    """
+
+    num_shards: int = C.DEFAULT_MAXIMUS_SHARDS
+    budget_shards: int | None = None
+    budget_bytes: int | None = None
+    bucket_size: int = C.DEFAULT_MAXIMUS_POLICY["bucket_size"]
+    load_rate: float = C.DEFAULT_MAXIMUS_POLICY["load_rate"]
+    evict_rate: float = C.DEFAULT_MAXIMUS_POLICY["evict_rate"]
+    decay: float = C.DEFAULT_MAXIMUS_POLICY["decay"]
+    sparse: bool = C.DEFAULT_MAXIMUS_POLICY["sparse"]
+
+    def __post_init__(self):
+        def whole(name, low, optional=False):
+            v = getattr(self, name)
+            if optional and v is None:
+                return
+            if not isinstance(v, Integral) or isinstance(v, bool) or v < low:
+                raise OptionError(f"{name} must be an integer >= {low}, got {v!r}", option=name)
+        whole("num_shards", 1)
+        whole("budget_shards", 0, optional=True)
+        whole("budget_bytes", 0, optional=True)
+        whole("bucket_size", 1)
+        for name in ("load_rate", "evict_rate", "decay"):
+            v = getattr(self, name)
+            if not isinstance(v, Real) or isinstance(v, bool) or math.isnan(v):
+                raise OptionError(f"{name} must be a number, got {v!r}", option=name)
+        if not 0 <= self.decay <= 1:
+            raise OptionError(f"decay must be in [0, 1], got {self.decay}", option="decay")
+        if self.evict_rate > self.load_rate:
+            raise OptionError(f"evict_rate {self.evict_rate} must not exceed load_rate "
+                              f"{self.load_rate} (hysteresis)", option="evict_rate")
+        if not isinstance(self.sparse, bool):
+            raise OptionError(f"sparse must be True or False, got {self.sparse!r}",
+                              option="sparse")
+
+    def to_metadata(self) -> dict:
+        """The residency keys of the state file's ``policy`` (FORMAT.md section 9), in order.
+
+        Raises:
+            OptionError: ``budget_bytes`` is set: the file holds a budget in shards, which a
+                module resolves (``MaximusEmbedding.policy`` is resolved).
+        """
+        if self.budget_bytes is not None:
+            raise OptionError("budget_bytes is not saved: resolve it to budget_shards first "
+                              "(a MaximusEmbedding's policy is resolved)", option="budget_bytes")
+        return {f.name: getattr(self, f.name) for f in fields(self) if f.name != "budget_bytes"}
+
+    @classmethod
+    def from_metadata(cls, policy: dict, where: str | None = None) -> MaximusPolicy:
+        """The policy of a state file's ``policy`` dict; keys it lacks take their defaults and
+        the geometry keys (``num_embeddings``, ``embedding_dim``, ``padding_idx``) are not
+        policy. With ``where`` (the file), a bad value is a ``MaximusStateError`` naming it.
+
+        Raises:
+            OptionError: a value out of range (``MaximusStateError`` when ``where`` is given).
+        """
+        keys = {f.name for f in fields(cls)} - {"budget_bytes"}
+        try:
+            return cls(**{k: v for k, v in policy.items() if k in keys})
+        except OptionError as e:
+            if where is None:
+                raise
+            raise MaximusStateError(f"{where}: policy {e}") from e
 
 
 def shard_offsets(num_rows: int, num_shards: int):

@@ -25,7 +25,7 @@ from __future__ import annotations
 import json
 import math
 import re
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 
 from lct.errors import PlanError
@@ -401,10 +401,12 @@ def parse_resident(text) -> tuple:
     else:
         m = re.fullmatch(r"\s*(\d+)\s*/\s*(\d+)\s*", str(text))
         if not m:
-            raise PlanError(f"maximus resident fraction {text!r} must be K/N, like 8/32")
+            raise PlanError(f"maximus resident fraction {text!r} must be K/N, like 8/32",
+                            option="maximus_resident")
         k, n = int(m.group(1)), int(m.group(2))
     if not (isinstance(k, int) and isinstance(n, int) and n >= 1 and 0 <= k <= n):
-        raise PlanError(f"maximus resident fraction {k}/{n}: need 0 <= K <= N and N >= 1")
+        raise PlanError(f"maximus resident fraction {k}/{n}: need 0 <= K <= N and N >= 1",
+                        option="maximus_resident")
     return k, n
 
 
@@ -416,7 +418,7 @@ def parse_bytes(text) -> int:
     try:
         return parse_size(text, "memory")
     except LCTError as e:
-        raise PlanError(str(e)) from None
+        raise PlanError(str(e), option="memory") from None
 
 
 def default_device() -> str:
@@ -426,13 +428,124 @@ def default_device() -> str:
     return "cuda" if torch.cuda.is_available() else "cpu"
 
 
+@dataclass(frozen=True)
+class PlanOptions:
+    """What a plan is asked for, checked once, when the object is built.
+
+    The fields are ``plan()``'s keyword arguments, with the same meanings and defaults.
+    Construction checks each against its allowed values (``MODES``, ``FORMATS``, ``DEVICES``,
+    ``OPTIMIZERS``, ``PRECISIONS``, ``KV_DTYPES``, ``C.LOSSY_ROLES``) and keeps them normalized:
+    ``maximus_resident`` as ``(K, N)``, ``memory`` as bytes, ``nf4``/``int8`` as tuples.
+    ``None`` for ``precision``, ``kv_dtype``, ``format`` and ``device`` means the model's (or
+    this machine's) default, which ``resolved`` fills in once the model is read. What needs
+    the model (a vocabulary grown below one token, more Maximus shards than rows, a blocksize
+    that does not divide a row) is checked when planning.
+
+    Raises:
+        PlanError: a bad option, in one line; ``option`` names it.
+
+    Example:
+        >>> opts = PlanOptions(mode="train", batch=4, precision="mixed", memory="80GiB")
+        >>> opts.memory
+        85899345920
+        >>> plan("google/gemma-2b", options=opts).fits
+        True
+    """
+
+    mode: str = "infer"
+    batch: int = 1
+    seq: int = DEFAULT_SEQ
+    vocab_size: int | None = None
+    add_tokens: int | None = None
+    precision: str | None = None
+    optimizer: str = "adamw"
+    kv_dtype: str | None = None
+    format: str | None = None
+    maximus_resident: tuple | str | None = None
+    memory: int | str | None = None
+    device: str | None = None
+    loss_chunk: int = DEFAULT_LOSS_CHUNK
+    nf4: tuple | None = None
+    blocksize: int | None = None
+    revision: str | None = None
+    int8: tuple | None = None
+
+    def __post_init__(self):
+        def keep(name, value):
+            object.__setattr__(self, name, value)
+        keep("format", self.format or None)
+        keep("device", self.device or None)
+        for value, allowed, what in (
+                (self.mode, MODES, "mode"), (self.format, FORMATS, "format"),
+                (self.device, DEVICES, "device"), (self.optimizer, OPTIMIZERS, "optimizer"),
+                (self.precision, PRECISIONS, "precision"), (self.kv_dtype, KV_DTYPES, "KV dtype")):
+            if value not in allowed and (value is not None or what in ("mode", "optimizer")):
+                raise PlanError(f"{what} {value!r} is not one of {', '.join(allowed)}",
+                                option=what.lower().replace(" ", "_"))
+        for value, what in ((self.batch, "batch"), (self.seq, "seq"),
+                            (self.loss_chunk, "loss chunk")):
+            if not isinstance(value, int) or value < 1:
+                raise PlanError(f"{what} must be a positive integer, got {value!r}",
+                                option=what.replace(" ", "_"))
+        if self.vocab_size is not None and self.add_tokens is not None:
+            raise PlanError("give a new vocabulary size or a number of tokens to add, not both",
+                            option="add_tokens")
+        if self.vocab_size is not None and self.vocab_size < 1:
+            raise PlanError(f"the vocabulary size must be >= 1, got {self.vocab_size}",
+                            option="vocab_size")
+        if self.maximus_resident is not None:
+            keep("maximus_resident", parse_resident(self.maximus_resident))
+        if self.memory is not None:
+            keep("memory", parse_bytes(self.memory))
+        for parts, what in ((self.nf4, "nf4"), (self.int8, "int8")):
+            if parts is not None and any(r not in C.LOSSY_ROLES for r in parts):
+                raise PlanError(f"{what} parts {tuple(parts)!r} must be among {C.LOSSY_ROLES}",
+                                option=what)
+            if parts is not None:
+                keep(what, tuple(parts))
+        if set(self.nf4 or ()) & set(self.int8 or ()):
+            raise PlanError(f"nf4 {self.nf4!r} and int8 {self.int8!r} name the same part",
+                            option="nf4")
+        b = self.blocksize
+        if b is not None and (not isinstance(b, int) or b < 2 or b % 2):
+            raise PlanError(f"NF4 blocksize {b!r} must be a positive even integer",
+                            option="blocksize")
+
+    def new_vocab(self, base_vocab: int) -> int | None:
+        """The vocabulary to plan for instead of the config's ``base_vocab`` (None: keep it).
+
+        Raises:
+            PlanError: ``add_tokens`` takes the vocabulary below one token.
+        """
+        if self.vocab_size is not None or self.add_tokens is None:
+            return self.vocab_size
+        new = base_vocab + self.add_tokens
+        if new < 1:
+            raise PlanError(f"the vocabulary size must be >= 1, got {new}", option="add_tokens")
+        return new
+
+    def resolved(self, base: Dims, manifest) -> PlanOptions:
+        """These options with the defaults that depend on the model filled in: the format
+        ("lct" for an artifact, else "hf"), the precision (the artifact's or config's dtype,
+        else bf16), the KV dtype (the activation dtype) and the device (``default_device()``)."""
+        precision = self.precision
+        if precision is None:
+            stored = (manifest.policy.get("dtype") if manifest else None) or base.dtype
+            precision = DTYPE_PRECISION.get(stored or "", "bf16")
+        return replace(
+            self, precision=precision, format=self.format or ("lct" if manifest else "hf"),
+            kv_dtype=self.kv_dtype or (precision if precision in ("fp32", "fp16") else "bf16"),
+            device=self.device or default_device())
+
+
 def plan(model, *, mode: str = "infer", batch: int = 1, seq: int = DEFAULT_SEQ,
          vocab_size: int | None = None, add_tokens: int | None = None,
          precision: str | None = None, optimizer: str = "adamw", kv_dtype: str | None = None,
          format: str | None = None, maximus_resident=None, memory=None,  # noqa: A002
          device: str | None = None, loss_chunk: int = DEFAULT_LOSS_CHUNK,
          nf4: tuple | None = None, blocksize: int | None = None,
-         revision: str | None = None, int8: tuple | None = None) -> Plan:
+         revision: str | None = None, int8: tuple | None = None,
+         options: PlanOptions | None = None) -> Plan:
     """Plan the memory of MODEL for inference or a training step.
 
     Args:
@@ -463,92 +576,72 @@ def plan(model, *, mode: str = "infer", batch: int = 1, seq: int = DEFAULT_SEQ,
             artifact's policy, else both parts in int8, what the auto policy picks for the
             trained models measured in docs/BENCHMARKS.md, and 64).
         revision: Hub revision for a Hub id.
+        options: all of the above as one ``PlanOptions``, instead of the keywords.
 
     Returns:
         A ``Plan``; ``total`` is the estimated peak on the accelerator.
 
     Raises:
         ConfigNotFoundError, PlanError: no config, a model transformers cannot build, or a bad
-            option.
+            option (``option`` names it).
 
     Example:
         >>> p = plan("google/gemma-2b", mode="train", precision="mixed", memory="80GiB")
         >>> p.params, p.fits
         (2506172416, True)
     """
-    device = device or default_device()
-    for value, allowed, what in ((mode, MODES, "mode"), (format or "hf", FORMATS, "format"),
-                                 (device, DEVICES, "device"), (optimizer, OPTIMIZERS, "optimizer")):
-        if value not in allowed:
-            raise PlanError(f"{what} {value!r} is not one of {', '.join(allowed)}")
-    if precision is not None and precision not in PRECISIONS:
-        raise PlanError(f"precision {precision!r} is not one of {', '.join(PRECISIONS)}")
-    if kv_dtype is not None and kv_dtype not in KV_DTYPES:
-        raise PlanError(f"KV dtype {kv_dtype!r} is not one of {', '.join(KV_DTYPES)}")
-    for value, what in ((batch, "batch"), (seq, "seq"), (loss_chunk, "loss chunk")):
-        if not isinstance(value, int) or value < 1:
-            raise PlanError(f"{what} must be a positive integer, got {value!r}")
-    if vocab_size is not None and add_tokens is not None:
-        raise PlanError("give a new vocabulary size or a number of tokens to add, not both")
-    mx = parse_resident(maximus_resident) if maximus_resident is not None else None
-    budget = parse_bytes(memory) if memory is not None else None
-    for parts, what in ((nf4, "nf4"), (int8, "int8")):
-        if parts is not None and any(r not in C.LOSSY_ROLES for r in parts):
-            raise PlanError(f"{what} parts {tuple(parts)!r} must be among {C.LOSSY_ROLES}")
-    if set(nf4 or ()) & set(int8 or ()):
-        raise PlanError(f"nf4 {tuple(nf4)!r} and int8 {tuple(int8)!r} name the same part")
-    if blocksize is not None and (not isinstance(blocksize, int) or blocksize < 2 or blocksize % 2):
-        raise PlanError(f"NF4 blocksize {blocksize!r} must be a positive even integer")
-
-    cfg, where, artifact = read_config(model, revision)
+    asked = PlanOptions(mode=mode, batch=batch, seq=seq, vocab_size=vocab_size,
+                        add_tokens=add_tokens, precision=precision, optimizer=optimizer,
+                        kv_dtype=kv_dtype, format=format, maximus_resident=maximus_resident,
+                        memory=memory, device=device, loss_chunk=loss_chunk, nf4=nf4,
+                        blocksize=blocksize, revision=revision, int8=int8)
+    if options is not None:
+        if asked != PlanOptions():
+            raise PlanError("give options=PlanOptions(...) or keyword options, not both",
+                            option="options")
+        asked = options
+    cfg, where, artifact = read_config(model, asked.revision)
     base = model_dims(cfg, where)
-    new_vocab = vocab_size if vocab_size is not None else \
-        base.vocab + add_tokens if add_tokens is not None else None
-    if new_vocab is not None and new_vocab < 1:
-        raise PlanError(f"the vocabulary size must be >= 1, got {new_vocab}")
+    new_vocab = asked.new_vocab(base.vocab)
     manifest = _manifest(artifact) if artifact is not None else None
-    format = format or ("lct" if manifest is not None else "hf")  # noqa: A001
-    if precision is None:
-        stored = (manifest.policy.get("dtype") if manifest else None) or base.dtype
-        precision = DTYPE_PRECISION.get(stored or "", "bf16")
-    kv_dtype = kv_dtype or (precision if precision in ("fp32", "fp16") else "bf16")
-    options = dict(mode=mode, batch=batch, seq=seq, precision=precision, optimizer=optimizer,
-                   kv_dtype=kv_dtype, format=format, mx=mx, device=device, loss_chunk=loss_chunk,
-                   nf4=None if nf4 is None else tuple(nf4), blocksize=blocksize,
-                   int8=None if int8 is None else tuple(int8))
+    options = asked.resolved(base, manifest)
     dims = model_dims(cfg, where, new_vocab) if new_vocab else base
-    result = _plan(cfg, where, dims, base, manifest, budget, **options)
+    result = _plan(where, dims, base, manifest, options)
     result.model = where if isinstance(model, dict) else str(model)
     if new_vocab is not None and new_vocab != base.vocab:
         result.vocab_delta = {}
         for m in MODES:
-            opts = dict(options, mode=m)
-            old = _plan(cfg, where, base, base, manifest, None, remedies=False, **opts).total
-            new = result.total if m == mode else _plan(
-                cfg, where, dims, base, manifest, None, remedies=False, **opts).total
+            opts = replace(options, mode=m)
+            old = _plan(where, base, base, manifest, opts, remedies=False).total
+            new = result.total if m == options.mode else _plan(
+                where, dims, base, manifest, opts, remedies=False).total
             result.vocab_delta[m] = new - old
     return result
 
 
-def _plan(cfg: dict, where: str, dims: Dims, base: Dims, manifest, budget, *, mode, batch, seq,
-          precision, optimizer, kv_dtype, format, mx, device, loss_chunk, nf4,  # noqa: A002
-          blocksize, int8=None, remedies: bool = True) -> Plan:
-    """One plan: the parameters by part, what the quantized tables and Maximus change, then the
-    peak of each phase (training or inference) against ``budget``."""
+def _plan(where: str, dims: Dims, base: Dims, manifest, options: PlanOptions, *,
+          remedies: bool = True) -> Plan:
+    """One plan of ``dims`` (``base``: the config's, before a vocabulary change) with resolved
+    ``options``: the parameters by part, what the quantized tables and Maximus change, then the
+    peak of each phase (training or inference) against ``options.memory``."""
+    o = options
+    mode, batch, seq, precision, optimizer, device = \
+        o.mode, o.batch, o.seq, o.precision, o.optimizer, o.device
     train = mode == "train"
     a = 4 if precision == "fp32" else 2                  # weight, gradient and activation bytes
     state_bytes = 4 if precision in ("fp32", "mixed") else 2
-    nf4_roles, int8_roles, blocksize = _lossy_roles(manifest, nf4, int8, blocksize)
+    nf4_roles, int8_roles, blocksize = _lossy_roles(manifest, o.nf4, o.int8, o.blocksize)
     shards = (manifest.maximus or {}).get("num_shards") if manifest else None
+    mx = o.maximus_resident
     if mx is not None:
         if mx[1] > dims.vocab:
             raise PlanError(f"maximus resident {mx[0]}/{mx[1]}: more shards than the "
-                            f"{dims.vocab} rows of the vocabulary")
+                            f"{dims.vocab} rows of the vocabulary", option="maximus_resident")
         shards = shards or mx[1]
 
     specs = parameter_specs(dims)
     layout = lct_layout(specs, PRECISION_DTYPE[precision], nf4_roles, blocksize, shards,
-                        int8_roles) if format == "lct" else None
+                        int8_roles) if o.format == "lct" else None
     nf4_specs = {s.name for s in specs if layout is not None and s.role in nf4_roles
                  and len(s.shape) == 2}
     int8_specs = {s.name for s in specs if layout is not None and s.role in int8_roles
@@ -583,8 +676,8 @@ def _plan(cfg: dict, where: str, dims: Dims, base: Dims, manifest, budget, *, mo
                                                          "master"))
     t = batch * seq
     logits = a * t * dims.vocab
-    kv_held, kv_window = kv_cache_bytes(dims, batch, seq, KV_DTYPES[kv_dtype])
-    chunk = min(loss_chunk, t)
+    kv_held, kv_window = kv_cache_bytes(dims, batch, seq, KV_DTYPES[o.kv_dtype])
+    chunk = min(o.loss_chunk, t)
     if train:
         f = _train_figures(dims, parts, batch, seq, a, device, weights, master, opt, grads,
                            optimizer, precision, trainable, largest, state_bytes, chunk)
@@ -619,23 +712,19 @@ def _plan(cfg: dict, where: str, dims: Dims, base: Dims, manifest, budget, *, mo
     result = Plan(
         model=where, model_type=dims.family, mode=mode, device=device, batch=batch, seq=seq,
         vocab_size=dims.vocab, base_vocab_size=base.vocab, precision=precision,
-        optimizer=optimizer if train else None, kv_dtype=kv_dtype, format=format, maximus=mx,
-        memory=budget, parts=plist, params=total_of("params"), trainable_params=trainable,
+        optimizer=optimizer if train else None, kv_dtype=o.kv_dtype, format=o.format, maximus=mx,
+        memory=o.memory, parts=plist, params=total_of("params"), trainable_params=trainable,
         weights=weights, grads=grads, optimizer_states=opt, master=master,
         activations=f["activations"], logits=logits, loss=f["loss"],
         loss_chunked=f["loss_chunked"], loss_chunk=chunk, logits_saving=f["logits_saving"],
         kv_cache=f["kv"], kv_cache_window=f["kv_window"], step_temp=f["step"],
         nf4_saving=nf4_saving, maximus_saving=maximus_saving, host=total_of("host"),
-        phases=phases, total=total, fits=None if budget is None else total <= budget,
+        phases=phases, total=total, fits=None if o.memory is None else total <= o.memory,
         head_temp=f.get("head_temp", 0), maximus_priced=tuple(priced),
         stored=manifest.stored_bytes if manifest else None,
         decoded=manifest.decoded_bytes if manifest else None, notes=notes)
     if remedies:
-        result.remedies = _remedies(result, cfg, where, dims, base, manifest, mode=mode,
-                                    batch=batch, seq=seq, precision=precision,
-                                    optimizer=optimizer, kv_dtype=kv_dtype, format=format, mx=mx,
-                                    device=device, loss_chunk=loss_chunk, nf4=nf4,
-                                    blocksize=blocksize, int8=int8)
+        result.remedies = _remedies(result, where, dims, base, manifest, o)
     return result
 
 
@@ -780,35 +869,38 @@ def _infer_figures(dims, batch, seq, a, device, blocksize, weights, kv_held, log
                 logits_saving=logits - a * batch * V, head_temp=head_temp)
 
 
-def _remedies(p: Plan, cfg, where, dims, base, manifest, **opts) -> list:
-    """Plan each remedy again and keep those that lower the peak."""
+def _remedies(p: Plan, where: str, dims: Dims, base: Dims, manifest,
+              options: PlanOptions) -> list:
+    """Plan each remedy again (``options`` with one change) and keep those that lower the
+    peak."""
+    o = options
     tries = []
-    if opts["format"] == "hf":
+    if o.format == "hf":
         tries.append(("format=lct (quantized embedding/head)", dict(format="lct")))
-    if opts["mx"] is None and not dims.tied:
+    if o.maximus_resident is None and not dims.tied:
+        n = min(DEFAULT_MAXIMUS[1], dims.vocab)   # K above N keeps every row, as K = N does
         tries.append((f"maximus_resident={DEFAULT_MAXIMUS[0]}/{DEFAULT_MAXIMUS[1]}",
-                      dict(mx=(DEFAULT_MAXIMUS[0], min(DEFAULT_MAXIMUS[1], dims.vocab)))))
-    if opts["mode"] == "train":
-        if opts["optimizer"] != "adamw-8bit":
+                      dict(maximus_resident=(min(DEFAULT_MAXIMUS[0], n), n))))
+    if o.mode == "train":
+        if o.optimizer != "adamw-8bit":
             tries.append(("optimizer=adamw-8bit", dict(optimizer="adamw-8bit")))
-        if opts["precision"] in ("fp32", "mixed"):
+        if o.precision in ("fp32", "mixed"):
             tries.append(("precision=bf16", dict(precision="bf16")))
-    elif opts["kv_dtype"] != "fp8":
+    elif o.kv_dtype != "fp8":
         tries.append(("kv_dtype=fp8", dict(kv_dtype="fp8")))
-    if opts["batch"] > 1:
-        tries.append((f"batch={opts['batch'] // 2}", dict(batch=opts["batch"] // 2)))
-    if opts["seq"] > 1:
-        tries.append((f"seq={opts['seq'] // 2}", dict(seq=opts["seq"] // 2)))
+    if o.batch > 1:
+        tries.append((f"batch={o.batch // 2}", dict(batch=o.batch // 2)))
+    if o.seq > 1:
+        tries.append((f"seq={o.seq // 2}", dict(seq=o.seq // 2)))
     out = []
     for label, change in tries:
         try:
-            other = _plan(cfg, where, dims, base, manifest, None, remedies=False,
-                          **dict(opts, **change))
+            other = _plan(where, dims, base, manifest, replace(o, **change), remedies=False)
         except PlanError:
             continue
         if other.total < p.total:
             out.append((label, p.total - other.total))
-    if opts["mode"] == "train" and p.logits_saving > 0:
+    if o.mode == "train" and p.logits_saving > 0:
         out.append((f"chunked loss ({p.loss_chunk} tokens a chunk)", p.logits_saving))
     return sorted((c for c in out if c[1] > 0), key=lambda c: -c[1])
 
