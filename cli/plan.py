@@ -6,7 +6,8 @@ import click
 
 from lct.cli._util import as_flags, quiet_option, table
 from lct.cli.convert import _parse_parts
-from lct.plan.memory import (
+from lct.plan.memory import plan
+from lct.plan.options import (
     DEFAULT_LOSS_CHUNK,
     DEFAULT_SEQ,
     DEVICES,
@@ -16,16 +17,16 @@ from lct.plan.memory import (
     OPTIMIZERS,
     PRECISIONS,
     PlanOptions,
-    plan,
 )
 
 
 def _parsed(parser_name: str):
-    """A click callback that parses a value with ``lct.plan.memory.<parser_name>`` (None stays None)."""
+    """A click callback that parses a value with ``lct.plan.options.<parser_name>`` (None stays
+    None)."""
     def callback(ctx, param, value):
         if value is None:
             return None
-        import lct.plan.memory as lp
+        import lct.plan.options as lp
         try:
             return getattr(lp, parser_name)(value)
         except lp.PlanError as e:

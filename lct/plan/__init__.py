@@ -5,6 +5,7 @@ May import: ``lct.arch`` (the model built from the config), ``lct.hub`` (a Hub i
 ``lct.io``, ``lct.format`` and the leaves.
 """
 
-from lct.plan.memory import Plan, PlanOptions, plan
+from lct.plan.memory import Plan, plan
+from lct.plan.options import PlanOptions
 
 __all__ = ["Plan", "PlanOptions", "plan"]
