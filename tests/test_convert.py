@@ -619,3 +619,13 @@ def test_more_experts_per_token_than_experts_is_refused(tmp_path):
     with pytest.raises(SourceError, match=rf"routes each token to {experts + 1} experts .* "
                                           rf"of the {experts} each layer has"):
         lct.convert(str(src), tmp_path / "a.lct")
+
+
+def test_a_config_field_of_the_wrong_type_is_one_line(llama_src, tmp_path):
+    """"hidden_size": "128" raised huggingface_hub's strict-dataclass error (a bare Exception)
+    through transformers' config parser as a traceback."""
+    src = _config_edited(llama_src, tmp_path, hidden_size=str(json.loads(
+        (llama_src / "config.json").read_text())["hidden_size"]))
+    with pytest.raises(SourceError, match=r"config.json: transformers cannot read this config "
+                                          r"\(.*hidden_size.*expected int, got str"):
+        lct.convert(str(src), tmp_path / "a.lct")

@@ -52,8 +52,13 @@ def read_config(folder):
 
 
 def _first_line(e: BaseException) -> str:
-    text = str(e).strip().splitlines()
-    return (text[0] if text else type(e).__name__)[:300]
+    """The gist of a library's error in one line: its first line, and the next one too when
+    the first only announces it ("Validation error for field 'hidden_size':")."""
+    text = [t.strip() for t in str(e).strip().splitlines() if t.strip()]
+    if not text:
+        return type(e).__name__
+    line = text[0] if not text[0].endswith(":") or len(text) < 2 else f"{text[0]} {text[1]}"
+    return line[:300]
 
 
 def class_by_name(name: str):
