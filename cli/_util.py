@@ -8,7 +8,7 @@ import traceback
 
 import click
 
-from lct.errors import LCTError
+from lct.errors import INTERRUPTED, INTERRUPTED_STATUS, LCTError
 
 
 class LCTGroup(click.Group):
@@ -59,8 +59,8 @@ class LCTGroup(click.Group):
             click.echo(f"error: {e.format_message()} (see {where} --help)", err=True)
             sys.exit(2)
         except KeyboardInterrupt:
-            click.echo("interrupted; nothing was left half-written", err=True)
-            sys.exit(130)
+            click.echo(INTERRUPTED, err=True)
+            sys.exit(INTERRUPTED_STATUS)
 
 
 # What to do about a library error that names a parameter (``LCTError.option``), in the CLI's

@@ -47,7 +47,9 @@ def cli(verbose):
 
 
 def main():
-    """Console-script entry point."""
+    """The group as a program (``python -m lct.cli.main``). The ``lct`` console script and
+    ``python -m lct`` are ``lct.__main__.main``, which also answers a Ctrl-C before and after
+    the group runs and skips the interpreter's slow teardown."""
     cli(prog_name="lct")
 
 

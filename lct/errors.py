@@ -118,3 +118,9 @@ class PlanError(LCTError, ValueError):
 
 class ConfigNotFoundError(PlanError, FileNotFoundError):
     """No ``config.json`` where MODEL points (folder, artifact, file or Hub repo)."""
+
+
+# What a Ctrl-C prints, and the exit status, wherever it lands in a command (lct/__main__.py
+# outside the command, lct.cli's group inside it, after the library's cleanup).
+INTERRUPTED = "interrupted; nothing was left half-written"
+INTERRUPTED_STATUS = 130        # 128 + SIGINT, as a shell reports a process SIGINT ended

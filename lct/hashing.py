@@ -5,21 +5,54 @@ hub layer all need it."""
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
+import threading
+from concurrent.futures import CancelledError
+from contextvars import ContextVar
 
 _BLOCK = 1 << 20    # bytes read at a time
+
+# The event that stops sha256_file in this thread (set by ``stop_when``), so that a hash a caller
+# no longer needs (a conversion that failed or was interrupted) ends within one block, not after
+# gigabytes; sha256_file keeps its one argument (callers and tests substitute it).
+_stop: ContextVar[threading.Event | None] = ContextVar("lct_hash_stop", default=None)
+
+
+@contextlib.contextmanager
+def stop_when(event: threading.Event):
+    """Within this block, every ``sha256_file`` in the current thread raises ``CancelledError``
+    at its next block once ``event`` is set.
+
+    Example:
+        >>> cancel = threading.Event()
+        >>> with stop_when(cancel):       # doctest: +SKIP
+        ...     sha256_file("model.safetensors")    # another thread may cancel.set()
+    """
+    token = _stop.set(event)
+    try:
+        yield
+    finally:
+        _stop.reset(token)
 
 
 def sha256_file(path) -> str:
     """Hex sha256 of the file at ``path``, read in blocks.
 
+    Raises:
+        OSError: the file cannot be read.
+        CancelledError: inside ``stop_when(event)``, the event was set (checked once a block).
+
     Example:
         >>> sha256_file("config.json")   # doctest: +SKIP
         '3f1c...'
     """
+    stop = _stop.get()
     h = hashlib.sha256()
     with open(path, "rb") as f:
         while block := f.read(_BLOCK):
+            if stop is not None and stop.is_set():
+                raise CancelledError(f"{path}: hashing stopped (no longer needed)")
             h.update(block)
     return h.hexdigest()
 

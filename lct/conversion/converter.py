@@ -10,6 +10,7 @@ from __future__ import annotations
 import logging
 import os
 import re
+import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
@@ -28,7 +29,7 @@ from lct.format import constants as C
 from lct.format.codecs import choose_codec
 from lct.format.layout import TensorSpec, layout_group
 from lct.format.manifest import Manifest
-from lct.hashing import sha256_file
+from lct.hashing import sha256_file, stop_when
 from lct.io.writer import ArtifactWriter
 
 Progress = Callable[[str, int, int], None]
@@ -165,21 +166,23 @@ def _cast(t, target: str, name: str, path):
     return out
 
 
-def _sha_all(src: Source) -> dict:
-    """``{file name: {"sha256", "size"}}`` of every source file read: weights and side files."""
+def _sha_all(src: Source, cancel: threading.Event) -> dict:
+    """``{file name: {"sha256", "size"}}`` of every source file read: weights and side files.
+    Raises ``CancelledError`` within one block once ``cancel`` is set."""
     out = {}
-    for fname in src.files + [p.name for p in src.sidecars()]:
-        p = src.root / fname
-        real = Path(os.path.realpath(p))
-        if src.kind == "hub" and re.fullmatch(r"[0-9a-f]{64}", real.name):
-            digest = real.name  # the Hub cache names LFS blobs by their sha256
-        else:
-            try:
-                digest = sha256_file(p)
-            except OSError as e:
-                raise SourceError(f"{p}: cannot be read to record its hash "
-                                  f"({e.strerror or e})") from e
-        out[fname] = {"sha256": digest, "size": p.stat().st_size}
+    with stop_when(cancel):
+        for fname in src.files + [p.name for p in src.sidecars()]:
+            p = src.root / fname
+            real = Path(os.path.realpath(p))
+            if src.kind == "hub" and re.fullmatch(r"[0-9a-f]{64}", real.name):
+                digest = real.name  # the Hub cache names LFS blobs by their sha256
+            else:
+                try:
+                    digest = sha256_file(p)
+                except OSError as e:
+                    raise SourceError(f"{p}: cannot be read to record its hash "
+                                      f"({e.strerror or e})") from e
+            out[fname] = {"sha256": digest, "size": p.stat().st_size}
     return out
 
 
@@ -238,7 +241,7 @@ class MaximusLayout:
 
 
 def _maximus_layout(src: Source, specs: dict, policy: Policy, token_freq) -> MaximusLayout:
-    from lct.format.maximus import default_budget, initial_state
+    from lct.format.maximus import MaximusPolicy, default_budget, initial_state
     embed = next((s for s in specs.get(C.GROUP_EMBED, []) if s.role == "embed"), None)
     if embed is None or len(embed.shape) != 2:
         raise PolicyError(f"{src.root}: Maximus shards need a 2-D token embedding; none found",
@@ -272,10 +275,10 @@ def _maximus_layout(src: Source, specs: dict, policy: Policy, token_freq) -> Max
                 specs[group].remove(spec)
                 pieced.setdefault(group, []).append(spec)
                 names.append(spec.name)
-    meta = {"policy": {"num_embeddings": rows, "embedding_dim": dim,
-                       "num_shards": int(state["maximus.shard_offsets"].numel() - 1),
-                       "budget_shards": default_budget(n), "padding_idx": pads[0] if pads else None,
-                       **C.DEFAULT_MAXIMUS_POLICY},
+    policy = MaximusPolicy(num_shards=int(state["maximus.shard_offsets"].numel() - 1),
+                           budget_shards=default_budget(n))
+    meta = {"policy": {"num_embeddings": rows, "embedding_dim": dim, **policy.to_metadata(),
+                       "padding_idx": pads[0] if pads else None},
             "frequency_source": freq_source}
     return MaximusLayout(state, meta, embed.name.rpartition(".")[0], pieced, names)
 
@@ -432,37 +435,43 @@ def convert(source: str, out, *, revision: str | None = None, policy: Policy | N
                 for g in specs.values() for s in g)
     # The source files are hashed beside the encoding; a failure there ends the conversion
     # (it is the provenance, and what verify checks the side files against).
+    # An error or a Ctrl-C part-way through sets ``cancel``: the hashing stops within one block
+    # instead of reading the rest of the source before the process can exit.
+    cancel = threading.Event()
     hasher = ThreadPoolExecutor(1, thread_name_prefix="lct-hash")
-    hashes = hasher.submit(_sha_all, src)
+    hashes = hasher.submit(_sha_all, src, cancel)
     hasher.shutdown(wait=False)
-    if policy.maximus_shards and token_freq is not None:
-        say(f"counting token frequencies in {token_freq} for the Maximus shards")
-    maximus_layout = _maximus_layout(src, specs, policy, token_freq) \
-        if policy.maximus_shards else None
-    splits = _tp_splits(src, specs, policy.tp_pieces, arch) if policy.tp_pieces else {}
-    groups = arch.group_order(specs)
-    with ThreadPoolExecutor(workers or os.cpu_count() or 1, thread_name_prefix="lct-encode") \
-            as pool, ArtifactWriter(out, max_file_size=max_file_size, overwrite=overwrite,
-                                    map_fn=pool.map) as writer:
-        say(f"encoding {len(groups)} groups")
-        _write_groups(writer, groups, specs, tensors, src, policy, maximus_layout, splits, total,
-                      progress)
-        for p in src.sidecars():
-            writer.copy_file(p)
-        maximus = maximus_layout.write(writer.staging) if maximus_layout else None
-        if not hashes.done():
-            say(f"hashing the source files (sha256 of {len(src.files)} weight file(s), "
-                f"recorded for lct verify)")
-        files = hashes.result()
-        say(f"syncing the data files to disk and publishing {out}")
-        manifest = writer.finish(
-            groups=groups,
-            source={"id": src.id, "kind": src.kind, "revision": src.revision,
-                    "files": files},
-            architecture={"model_type": src.model_type, "tie_word_embeddings": tie_flag,
-                          "mapping": f"transformers {hf.version()}", **arch.summary()},
-            policy=policy.to_dict(chosen, decision), ties=ties, unmapped=unmapped,
-            created_by=f"lct {__version__}", maximus=maximus)
+    try:
+        if policy.maximus_shards and token_freq is not None:
+            say(f"counting token frequencies in {token_freq} for the Maximus shards")
+        maximus_layout = _maximus_layout(src, specs, policy, token_freq) \
+            if policy.maximus_shards else None
+        splits = _tp_splits(src, specs, policy.tp_pieces, arch) if policy.tp_pieces else {}
+        groups = arch.group_order(specs)
+        with ThreadPoolExecutor(workers or os.cpu_count() or 1, thread_name_prefix="lct-encode") \
+                as pool, ArtifactWriter(out, max_file_size=max_file_size, overwrite=overwrite,
+                                        map_fn=pool.map) as writer:
+            say(f"encoding {len(groups)} groups")
+            _write_groups(writer, groups, specs, tensors, src, policy, maximus_layout, splits,
+                          total, progress)
+            for p in src.sidecars():
+                writer.copy_file(p)
+            maximus = maximus_layout.write(writer.staging) if maximus_layout else None
+            if not hashes.done():
+                say(f"hashing the source files (sha256 of {len(src.files)} weight file(s), "
+                    f"recorded for lct verify)")
+            files = hashes.result()
+            say(f"syncing the data files to disk and publishing {out}")
+            manifest = writer.finish(
+                groups=groups,
+                source={"id": src.id, "kind": src.kind, "revision": src.revision,
+                        "files": files},
+                architecture={"model_type": src.model_type, "tie_word_embeddings": tie_flag,
+                              "mapping": f"transformers {hf.version()}", **arch.summary()},
+                policy=policy.to_dict(chosen, decision), ties=ties, unmapped=unmapped,
+                created_by=f"lct {__version__}", maximus=maximus)
+    finally:
+        cancel.set()        # done by now on success
     return ConvertReport(manifest, Path(out), time.perf_counter() - t0, total, unmapped, decision,
                          src.skipped_sidecars())
 
