@@ -126,10 +126,11 @@ class LCTModelLoader(BaseModelLoader):
                 loaded = model.load_weights(weights)
             finally:
                 weights.close()
+        from lct.units import human
         s = self.stats
-        logger.info("Loading weights took %.2f seconds (LCT: %d groups, %.1f MiB read, "
-                    "%.1f MiB decoded, prefetch %d)", time.perf_counter() - t0, s.groups,
-                    s.bytes_read / 2**20, s.bytes_decoded / 2**20, self.options["prefetch"])
+        logger.info("Loading weights took %.2f seconds (LCT: %d groups, %s read, %s decoded, "
+                    "prefetch %d)", time.perf_counter() - t0, s.groups, human(s.bytes_read),
+                    human(s.bytes_decoded), self.options["prefetch"])
         if model_config.quantization is None and loaded is not None:
             try:    # vLLM's own check, with its exemptions (quantization scales)
                 DefaultModelLoader.track_weights_loading(self, model, loaded, quantized=False)
