@@ -106,7 +106,7 @@ class Encoding(abc.ABC):
     """How a tensor's values are kept (FORMAT.md 2.2)."""
 
     name: str
-    lossy: bool = True
+    lossy: bool = False
     key: str | None = None          # the tensor entry's placement object (its scales), if any
     label: str = ""                 # for messages: "NF4", "int8"
     blocked: bool = False           # whether it takes the policy's blocksize (NF4's)
@@ -135,12 +135,19 @@ class Encoding(abc.ABC):
         """The tensor entry's ``key`` object the writer records (None: no object)."""
         return None
 
+    @abc.abstractmethod
     def check(self, obj, w: str, shape: tuple, dtype: str, stored_dtype, nbytes: int,
               where: str) -> tuple:
         """Validate a tensor entry's encoding fields read from a manifest (FORMAT.md 2.2);
         returns ``(placement object or None, (scale offset, scale nbytes) or None)``. Raises
         ``ManifestError`` naming the tensor ``w``."""
-        raise NotImplementedError
+
+
+class LossyEncoding(Encoding):
+    """An encoding of the embedding and head tables: codes and float32 scales, quantized from
+    the source and dequantized at load."""
+
+    lossy = True
 
     def _check_common(self, obj, w: str, dtype: str, stored_dtype, where: str) -> None:
         """What every lossy encoding's entry must say: its name as ``stored_dtype``, a float
@@ -155,28 +162,28 @@ class Encoding(abc.ABC):
             _fail(where, f"{w}: {n} tensor lacks its {self.key!r} object")
 
     # torch side (imports torch) ------------------------------------------------------------
+    @abc.abstractmethod
     def quantize(self, t, blocksize: int | None, where: str) -> tuple:
         """``(codes, scales)`` of source tensor ``t`` (lossy encodings)."""
-        raise NotImplementedError
 
+    @abc.abstractmethod
     def roundtrip(self, w, blocksize: int | None, wf=None):
         """``w`` quantized and dequantized again, as float32 (what the policy measures;
         ``wf``: ``w`` as float32 already, if the caller has it)."""
-        raise NotImplementedError
 
+    @abc.abstractmethod
     def weight(self, info, raw, scales, dtype: str):
         """The stored weight of tensor ``info`` from its codes ``raw`` (uint8) and ``scales``
         (float32) in a decoded chunk: a view, no copy."""
-        raise NotImplementedError
 
+    @abc.abstractmethod
     def join(self, info, parts: list, perm, dtype: str):
         """The stored weight of a tensor stored as row pieces (``parts``: their weights), rows
         put back in token-id order by ``perm`` (None: as stored)."""
-        raise NotImplementedError
 
+    @abc.abstractmethod
     def parts(self, weight) -> tuple:
         """``(codes, scales)`` of a stored weight, as ``quantize`` gives them (verify)."""
-        raise NotImplementedError
 
 
 @register
@@ -184,7 +191,6 @@ class Plain(Encoding):
     """The values in their (stored) dtype, losslessly."""
 
     name = C.ENCODING_PLAIN
-    lossy = False
 
     def stored_dtype(self, dtype: str) -> str:
         return dtype
@@ -202,7 +208,7 @@ class Plain(Encoding):
 
 
 @register
-class NF4(Encoding):
+class NF4(LossyEncoding):
     """4-bit NormalFloat codes, two a byte, one float32 absmax per block of ``blocksize``
     values: bitsandbytes' ``quantize_4bit`` byte for byte."""
 
@@ -276,7 +282,7 @@ class NF4(Encoding):
 
 
 @register
-class Int8(Encoding):
+class Int8(LossyEncoding):
     """int8 codes, one float32 scale per row (absmax / 127), rounded half to even."""
 
     name = C.ENCODING_INT8
