@@ -121,36 +121,182 @@ class LCTModelLoader(BaseModelLoader):
         with open_source(path, verify=self.options["verify"],
                          workers=self.options["workers"]) as art:
             _check_ties(art, model_config)
-            weights = self._weights(art, model_config.dtype)
+            shares = rank_shares(model, art.manifest,
+                                 quantized=model_config.quantization is not None)
+            weights = self._weights(art, model_config.dtype, shares)
             try:
                 loaded = model.load_weights(weights)
             finally:
                 weights.close()
         from lct.units import human
         s = self.stats
-        logger.info("Loading weights took %.2f seconds (LCT: %d groups, %s read, %s decoded, "
-                    "prefetch %d)", time.perf_counter() - t0, s.groups, human(s.bytes_read),
-                    human(s.bytes_decoded), self.options["prefetch"])
+        from vllm.distributed import (get_tensor_model_parallel_rank,
+                                      get_tensor_model_parallel_world_size)
+        world = get_tensor_model_parallel_world_size()
+        share = f"; rank {get_tensor_model_parallel_rank()} of {world}: {len(shares)} " \
+                f"tensor(s) read by the pieces of its share" if world > 1 else ""
+        logger.info("Loading weights took %.2f seconds (LCT: %d groups, %s (%d bytes) read, %s "
+                    "decoded, prefetch %d%s)", time.perf_counter() - t0, s.groups,
+                    human(s.bytes_read), s.bytes_read, human(s.bytes_decoded),
+                    self.options["prefetch"], share)
         if model_config.quantization is None and loaded is not None:
             try:    # vLLM's own check, with its exemptions (quantization scales)
                 DefaultModelLoader.track_weights_loading(self, model, loaded, quantized=False)
             except ValueError as e:
                 raise ArchitectureError(f"{path}: {e}") from e
 
-    def _weights(self, art, dtype):
+    def _weights(self, art, dtype, shares=None):
         """(checkpoint name, tensor) of every stored tensor, group by group, tied names
-        skipped; lossy tables dequantized and cast to ``dtype``."""
+        skipped; lossy tables dequantized and cast to ``dtype``. ``shares``
+        (``{name: (axis, start, stop)}``, from ``rank_shares``): of those tensors only the
+        pieces that cover the range are read, into a tensor of the full shape whose other
+        rows or columns are never written (vLLM's weight loader narrows to the range)."""
         from lct.format.encodings import get_encoding
-        tensors, ties = art.manifest.tensors, art.manifest.ties
-        with art.stream(prefetch=self.options["prefetch"], dequantize=True) as stream:
+        m = art.manifest
+        shares = shares or {}
+        chunks = None
+        if shares:
+            chunks = {p.chunk for t in m.tensors.values() for p in t.placements()
+                      if t.name not in shares or _overlaps(p, shares[t.name])}
+        with art.stream(prefetch=self.options["prefetch"], dequantize=True,
+                        chunks=chunks) as stream:
             self.stats = stream.stats
             for group in stream:
-                for name, t in group.tensors.items():
-                    if name in ties:
+                for info in m.group_tensors(group.name):
+                    if info.name in m.ties:
                         continue
-                    if get_encoding(tensors[name].encoding).lossy and t.dtype != dtype:
+                    if info.name in shares:
+                        t = _partial(art, info, shares[info.name], group.buffers)
+                    else:
+                        t = art.assemble(info, group.buffers, dequantize=True)
+                    if get_encoding(info.encoding).lossy and t.dtype != dtype:
                         t = t.to(dtype)
-                    yield name, t
+                    yield info.name, t
+
+
+def rank_shares(model, manifest, quantized: bool = False) -> dict:
+    """``{checkpoint name: (axis, start, stop)}``: the tensors of which this tensor-parallel
+    rank's vLLM ``model`` keeps one range (``start:stop`` along ``axis``) and that the artifact
+    stores as pieces, so that only the pieces covering the range need to be read.
+
+    The range is the one vLLM's own weight loader narrows to, read from the module the tensor
+    loads into: a column-parallel linear (fused qkv and gate_up included) keeps rows
+    ``rank * n : (rank + 1) * n`` of each part, a row-parallel one those columns, a
+    vocabulary-parallel embedding or head its vocabulary shard's rows. A tensor whose module is
+    not found under its checkpoint name (or the fused name ``packed_modules_mapping`` gives),
+    whose sizes disagree, that a k/v head replicated over ranks loads into, or that is stored
+    in frequency order, is read whole, as are all tensors of a quantized model (``quantized``)
+    and of one rank.
+    """
+    from vllm.distributed import (get_tensor_model_parallel_rank,
+                                  get_tensor_model_parallel_world_size)
+    world = get_tensor_model_parallel_world_size()
+    if world == 1 or quantized:
+        return {}
+    rank = get_tensor_model_parallel_rank()
+    fused = {part: (whole, i) for whole, parts in
+             (getattr(model, "packed_modules_mapping", None) or {}).items()
+             for i, part in enumerate(parts)}
+    mapper = getattr(model, "hf_to_vllm_mapper", None)
+    out = {}
+    for t in manifest.tensors.values():
+        if not t.pieces or t.row_order is not None or len(t.shape) != 2 \
+                or not t.name.endswith(".weight"):
+            continue
+        name, part = _vllm_name(mapper, t.name)
+        if name is None or part is None:
+            continue
+        share = _module_share(model, name[:-len(".weight")], part, fused, t.shape, rank, world)
+        if share is not None and share[0] == t.piece_axis:
+            out[t.name] = share
+    return out
+
+
+# vLLM's shard ids of a fused qkv projection's parts, in the order of its output_sizes.
+_QKV_SHARDS = ("q", "k", "v")
+
+
+def _vllm_name(mapper, name: str) -> tuple:
+    """The name vLLM's model gives checkpoint tensor ``name`` (its ``hf_to_vllm_mapper``, where
+    it has one) and the index of the fused module's part it loads into: 0 when it is not
+    fused; ``(None, None)`` when the model drops it or loads it into several parts."""
+    if mapper is None:
+        return name, 0
+    if hasattr(mapper, "_map_name_with_shard"):     # vLLM >= 0.32: renames and fused parts
+        mapped = mapper._map_name_with_shard(name)
+        if mapped is None:
+            return None, None
+        name, shard = mapped
+    else:
+        name, shard = mapper.map_name(name), None
+    if shard is None:
+        return name, 0
+    if isinstance(shard, int):
+        return name, shard
+    return (name, _QKV_SHARDS.index(shard)) if shard in _QKV_SHARDS else (None, None)
+
+
+def _module_share(model, path: str, part: int, fused: dict, shape, rank: int, world: int):
+    """``(axis, start, stop)`` that the vLLM module at ``path`` (part ``part`` of it, or the
+    fused module ``fused`` names it a part of) keeps of a checkpoint tensor of ``shape`` on
+    ``rank``; None when not known."""
+    from vllm.model_executor.layers.linear import ColumnParallelLinear, RowParallelLinear
+    from vllm.model_executor.layers.vocab_parallel_embedding import VocabParallelEmbedding
+    parent, _, leaf = path.rpartition(".")
+    try:
+        module = model.get_submodule(path)
+    except AttributeError:
+        if leaf not in fused:
+            return None
+        whole, part = fused[leaf]
+        try:
+            module = model.get_submodule(f"{parent}.{whole}" if parent else whole)
+        except AttributeError:
+            return None
+    rows, cols = shape
+    if isinstance(module, VocabParallelEmbedding):
+        si = module.shard_indices
+        if getattr(module, "tp_size", 1) != world or rows != module.org_vocab_size:
+            return None
+        return 0, si.org_vocab_start_index, si.org_vocab_end_index
+    if getattr(module, "tp_size", None) != world or getattr(module, "tp_rank", None) != rank:
+        return None
+    if isinstance(module, RowParallelLinear):
+        if part or cols != module.input_size or cols % world:
+            return None
+        n = cols // world
+        return 1, rank * n, (rank + 1) * n
+    if isinstance(module, ColumnParallelLinear):
+        sizes = getattr(module, "output_sizes", None) or [module.output_size]
+        if part >= len(sizes) or rows != sizes[part] or rows % world:
+            return None
+        if part and getattr(module, "num_kv_head_replicas", 1) != 1:
+            return None         # a k/v head shared by ranks: vLLM picks rank // replicas
+        n = rows // world
+        return 0, rank * n, (rank + 1) * n
+    return None
+
+
+def _overlaps(piece, share) -> bool:
+    lo, hi = piece.span()
+    return lo < share[2] and share[1] < hi
+
+
+def _partial(art, info, share, bufs):
+    """Tensor ``info`` in its full shape, holding (at least) range ``share`` from the pieces
+    that overlap it; the rest is left unwritten (never touched, so never resident)."""
+    import torch
+    _, start, stop = share
+    out = None
+    for p in info.pieces:
+        if not _overlaps(p, share):
+            continue
+        piece = art.tensor_from_buffer(p, bufs[p.chunk], dequantize=True)
+        if out is None:
+            out = torch.empty(info.shape, dtype=piece.dtype)
+        lo, hi = p.span()
+        (out[lo:hi] if info.piece_axis == 0 else out[:, lo:hi]).copy_(piece)
+    return out
 
 
 def _check_ties(art, model_config) -> None:
@@ -170,4 +316,4 @@ def _check_ties(art, model_config) -> None:
                                 option="hf_overrides")
 
 
-__all__ = ["LOAD_FORMAT", "LCTModelLoader", "loader_options", "register"]
+__all__ = ["LOAD_FORMAT", "LCTModelLoader", "loader_options", "rank_shares", "register"]

@@ -31,12 +31,12 @@ def main():
     from vllm import LLM, SamplingParams
     from vllm.distributed import cleanup_dist_env_and_memory
     models, fmt, extra = json.loads(sys.argv[1]), sys.argv[2], json.loads(sys.argv[3])
-    max_model_len, max_tokens = int(sys.argv[5]), int(sys.argv[6])
+    max_model_len, max_tokens, tp = int(sys.argv[5]), int(sys.argv[6]), int(sys.argv[7])
     runs = []
     for model in models:
         llm = LLM(model=model, load_format=fmt, dtype="bfloat16", enforce_eager=True,
-                  max_model_len=max_model_len, distributed_executor_backend="uni", seed=0,
-                  model_loader_extra_config=extra)
+                  max_model_len=max_model_len, seed=0, model_loader_extra_config=extra,
+                  tensor_parallel_size=tp, distributed_executor_backend="uni" if tp == 1 else "mp")
         out = llm.generate(json.loads(sys.argv[4]),
                            SamplingParams(temperature=0, max_tokens=max_tokens), use_tqdm=False)
         runs.append([list(o.outputs[0].token_ids) for o in out])
@@ -115,12 +115,18 @@ def _steps(steps) -> None:
 @pytest.fixture(scope="session")
 def models(tmp_path_factory):
     """``{name: folder}``: tiny Llama, Gemma (tied) and Mixtral (MoE) sources, their lossless
-    artifacts, the Llama's default artifact (lossy embedding/head) and its ``lct export``."""
+    artifacts (and the Llama's and Mixtral's with two tensor-parallel pieces, ``-tp2``), the
+    Llama's default artifact (lossy embedding/head; ``lossy-tp2`` in two pieces) and their
+    ``lct export``s."""
     d = tmp_path_factory.mktemp("vllm-models")
     py = _main_python()
     _steps([[py, "-c", BUILD_TINY, str(d), json.dumps(TINY)],
             *[_lct(py, "convert", d / name, "-o", d / f"{name}.lct", "--nf4", "none")
               for name in TINY],
+            *[_lct(py, "convert", d / name, "-o", d / f"{name}-tp2.lct", "--nf4", "none",
+                   "--tp-pieces", 2) for name in ("llama", "mixtral")],
+            _lct(py, "convert", d / "llama", "-o", d / "lossy-tp2.lct", "--tp-pieces", 2),
+            _lct(py, "export", d / "lossy-tp2.lct", d / "lossy-tp2-export"),
             _lct(py, "convert", d / "llama", "-o", d / "lossy.lct"),
             _lct(py, "export", d / "lossy.lct", d / "lossy-export")])
     return {p.name: p for p in d.iterdir()}
@@ -157,15 +163,23 @@ def engine_env(tmp_path_factory):
 
 
 def generate(env, model, load_format="auto", extra=None, multiprocess=False,
-             max_model_len=256, max_tokens=16):
+             max_model_len=256, max_tokens=16, tp=1):
     """vLLM's greedy generation of ``PROMPTS`` in a fresh process (the engine in it, or with
-    ``multiprocess`` in the engine core process vLLM spawns); ``model`` is a folder, or a
-    list of folders served one after the other in that process."""
+    ``multiprocess`` in the engine core process vLLM spawns; ``tp`` > 1: that many
+    tensor-parallel worker processes, each bound to its share of this process's cores);
+    ``model`` is a folder, or a list of folders served one after the other in that process."""
     env = dict(env, VLLM_ENABLE_V1_MULTIPROCESSING="1" if multiprocess else "0")
+    if tp > 1:      # vLLM's CPU workers bind to NUMA nodes unless told which cores are theirs
+        cores = sorted(os.sched_getaffinity(0))
+        if len(cores) < tp:
+            pytest.skip(f"{tp} tensor-parallel CPU workers need {tp} cores, this has {len(cores)}")
+        per = len(cores) // tp
+        env["VLLM_CPU_OMP_THREADS_BIND"] = "|".join(
+            ",".join(map(str, cores[r * per:(r + 1) * per])) for r in range(tp))
     folders = [str(m) for m in model] if isinstance(model, list) else [str(model)]
     return _run([sys.executable, "-c", GENERATE, json.dumps(folders), load_format,
                  json.dumps(extra or {}), json.dumps(PROMPTS), str(max_model_len),
-                 str(max_tokens)], env=env, timeout=ENGINE_TIMEOUT)
+                 str(max_tokens), str(tp)], env=env, timeout=ENGINE_TIMEOUT * tp)
 
 
 def tokens(res) -> list:
@@ -232,6 +246,34 @@ def test_the_spawned_engine_core_registers_the_loader_itself(models, engine_env,
     ``vllm.general_plugins`` entry point, not through the parent's registration."""
     got = generate(engine_env, models["llama.lct"], "lct", multiprocess=True)
     assert tokens(got) == [reference["llama"]]
+
+
+# "... (LCT: G groups, X (N bytes) read, ...; rank R of W: T tensor(s) read by the pieces of
+# its share)": one per tensor-parallel worker.
+RANK_READ = re.compile(r"\((\d+) bytes\) read, .*; rank (\d+) of (\d+): (\d+) tensor\(s\) read")
+
+
+def test_two_ranks_serve_the_default_loaders_tokens_each_reading_its_share(models, engine_env):
+    """``tensor_parallel_size=2``: each worker reads, of every weight stored as pieces, only
+    the pieces of the rows or columns its layers keep (fused qkv and gate_up, the vocabulary
+    shards of the embedding and head), and serves the tokens vLLM's default loader serves at two
+    ranks from the source. The Mixtral's experts sit in one chunk per layer: read by both."""
+    names = ["llama", "lossy-tp2-export", "mixtral"]
+    ref = tokens(generate(engine_env, [models[n] for n in names], tp=2))
+    arts = ["llama-tp2.lct", "lossy-tp2.lct", "mixtral-tp2.lct"]
+    got = generate(engine_env, [models[a] for a in arts], "lct", tp=2)
+    assert tokens(got) == ref
+    reads = [tuple(map(int, m)) for m in RANK_READ.findall(got.stdout + got.stderr)]
+    assert sorted(r[1:3] for r in reads) == sorted([(0, 2), (1, 2)] * len(arts)), reads
+    for art, (r0, r1) in zip(arts, zip(reads[0::2], reads[1::2])):
+        manifest = json.loads((models[art] / "lct.json").read_text())
+        stored = sum(c["stored_size"] for c in manifest["chunks"])
+        pieced = sum(1 for t in manifest["tensors"] if t.get("pieces"))
+        for nbytes, _, _, shared in (r0, r1):
+            assert shared == pieced, (art, shared, pieced)   # every pieced tensor by its share
+            # half of what is pieced, all of the rest (norms; the Mixtral's experts)
+            assert nbytes < stored * (0.6 if art != "mixtral-tp2.lct" else 0.9), \
+                (art, nbytes, stored)
 
 
 def test_a_damaged_chunk_stops_the_engine_with_lcts_error(models, engine_env, tmp_path):
