@@ -23,11 +23,19 @@ Example:
 
 Options (``model_loader_extra_config``): ``prefetch`` (groups decoded ahead, default
 ``lct.io.stream.DEFAULT_PREFETCH``), ``workers`` (decode threads, default all cores),
-``verify`` (check every chunk's checksum, default True).
+``verify`` (check every chunk's checksum, default True), ``stream`` (a Hub repo's chunks are
+range-requested from one pinned commit instead of pulled first, default False).
 
-The model's folder is an artifact folder (vLLM reads its config.json and tokenizer before any
-loader runs); ``hf://org/name[@revision]`` is resolved by ``download_model`` (pulled and
-checked), but vLLM itself does not read a config from such an address.
+The model is an artifact folder, or the Hub repo id of an artifact (``org/name``, with vLLM's
+``--revision``): vLLM reads config.json and the tokenizer from either before any loader runs,
+then ``download_model`` pulls the repo into the Hugging Face cache, checked against the Hub's
+hashes (or fetches its small files, with ``stream``). vLLM itself reads no config from an
+``hf://`` address: give it the repo id.
+
+Tensor parallel (``tensor_parallel_size`` > 1): each rank reads, of the weights the artifact
+stores as pieces (``lct convert --tp-pieces N``), only the pieces that cover the rows or columns
+its own layers keep (``rank_shares``); everything else, MoE experts included (a layer's experts
+share one chunk), is read whole by every rank, which vLLM's weight loaders then narrow.
 """
 
 from __future__ import annotations
@@ -48,7 +56,7 @@ except ImportError as e:                                    # pragma: no cover
 
 LOAD_FORMAT = "lct"
 # model_loader_extra_config keys the loader takes, and their defaults.
-DEFAULTS = {"prefetch": DEFAULT_PREFETCH, "workers": None, "verify": True}
+DEFAULTS = {"prefetch": DEFAULT_PREFETCH, "workers": None, "verify": True, "stream": False}
 
 # Under "vllm." so that vLLM's logging shows it, beside its own loaders' "Loading weights took".
 logger = init_logger(f"vllm.{__name__}")
@@ -56,8 +64,26 @@ logger = init_logger(f"vllm.{__name__}")
 
 def register() -> None:
     """Register ``LCTModelLoader`` as vLLM load format ``lct`` (the ``vllm.general_plugins``
-    entry point; vLLM calls it once in each of its processes)."""
+    entry point; vLLM calls it once in each of its processes), and tell vLLM that LCT's data
+    files are weights."""
     register_model_loader(LOAD_FORMAT)(LCTModelLoader)
+    _data_files_are_weights()
+
+
+def _data_files_are_weights() -> None:
+    """Add LCT's data files to the patterns vLLM leaves out when it snapshots a Hub repo's
+    "non-weight" files for the tokenizer (``repo_utils._WEIGHT_FILE_PATTERNS``, vLLM 0.32):
+    without it, serving ``org/name`` downloads every chunk before the loader runs, and the
+    ``stream`` option streams nothing. A vLLM without that list needs nothing."""
+    from lct.format import constants as C
+    try:
+        from vllm.transformers_utils import repo_utils
+    except ImportError:                                     # pragma: no cover
+        return
+    patterns = getattr(repo_utils, "_WEIGHT_FILE_PATTERNS", None)
+    pattern = C.DATA_FILE_TEMPLATE.replace("{index:05d}", "*")     # model-*.lct
+    if isinstance(patterns, list) and pattern not in patterns:
+        patterns.append(pattern)
 
 
 def loader_options(extra) -> dict:
@@ -69,7 +95,7 @@ def loader_options(extra) -> dict:
 
     Example:
         >>> loader_options({"prefetch": 4})
-        {'prefetch': 4, 'workers': None, 'verify': True}
+        {'prefetch': 4, 'workers': None, 'verify': True, 'stream': False}
     """
     extra = {} if extra is None else extra
     if not isinstance(extra, dict):
@@ -82,9 +108,10 @@ def loader_options(extra) -> dict:
                           f"{', '.join(map(repr, unknown))} for load format {LOAD_FORMAT!r}; "
                           f"it takes {', '.join(DEFAULTS)}", option="model_loader_extra_config")
     opts = {**DEFAULTS, **extra}
-    if not isinstance(opts["verify"], bool):
-        raise OptionError(f"verify must be true or false, got {opts['verify']!r}",
-                          option="verify")
+    for flag in ("verify", "stream"):
+        if not isinstance(opts[flag], bool):
+            raise OptionError(f"{flag} must be true or false, got {opts[flag]!r}",
+                              option=flag)
     from lct.loader.source import LoadOptions
     LoadOptions(prefetch=opts["prefetch"], workers=opts["workers"])    # LCT's one check of them
     return opts
@@ -97,14 +124,22 @@ class LCTModelLoader(BaseModelLoader):
         super().__init__(load_config)
         self.options = loader_options(load_config.model_loader_extra_config)
         self.stats = None            # the last load's StreamStats
+        self._resolution = None      # (address, lct.loader.source.Resolved) once resolved
 
-    def _path(self, model_config) -> str:
-        from lct.loader.source import resolve
-        return resolve(model_config.model, verify=self.options["verify"]).source
+    def _resolved(self, model_config):
+        """The artifact ``model_config.model`` names, resolved once per loader (a Hub repo is
+        pulled, or its small files fetched for streaming, once)."""
+        address = artifact_address(model_config.model, model_config.revision)
+        if self._resolution is None or self._resolution[0] != address:
+            from lct.loader.source import resolve
+            self._resolution = address, resolve(address, stream=self.options["stream"],
+                                                verify=self.options["verify"])
+        return self._resolution[1]
 
     def download_model(self, model_config) -> None:
-        """Make the artifact local (a folder is already; ``hf://`` is pulled and checked)."""
-        self._path(model_config)
+        """Make the artifact local: a folder is; a Hub repo is pulled and checked (or, with
+        the ``stream`` option, only its small files are fetched)."""
+        self._resolved(model_config)
 
     def load_weights(self, model, model_config) -> None:
         """Stream the artifact's tensors into ``model.load_weights`` and check that every
@@ -116,10 +151,11 @@ class LCTModelLoader(BaseModelLoader):
                 the config ties to the embedding.
         """
         from lct.loader.source import open_source
-        path = self._path(model_config)
         t0 = time.perf_counter()
-        with open_source(path, verify=self.options["verify"],
-                         workers=self.options["workers"]) as art:
+        resolved = self._resolved(model_config)
+        path = resolved.source
+        with open_source(path, verify=self.options["verify"], workers=self.options["workers"],
+                         stream=resolved.stream) as art:
             _check_ties(art, model_config)
             shares = rank_shares(model, art.manifest,
                                  quantized=model_config.quantization is not None)
@@ -299,6 +335,23 @@ def _partial(art, info, share, bufs):
     return out
 
 
+def artifact_address(model: str, revision: str | None = None) -> str:
+    """What LCT opens for vLLM's ``model``: a local folder as it is; a Hub repo id
+    (``org/name``, which vLLM has already read config.json and the tokenizer from) as
+    ``hf://org/name@revision``, with vLLM's ``revision``.
+
+    Example:
+        >>> artifact_address("org/gemma-2b-lct", "v1")
+        'hf://org/gemma-2b-lct@v1'
+    """
+    import os
+
+    from lct.hub import HF_SCHEME, is_hf_uri, is_repo_id
+    if is_hf_uri(model) or os.path.isdir(model) or not is_repo_id(model):
+        return model
+    return f"{HF_SCHEME}{model}@{revision}" if revision else f"{HF_SCHEME}{model}"
+
+
 def _check_ties(art, model_config) -> None:
     """Refuse an artifact that stores a head of its own where the config ties the head to the
     embedding: vLLM's model, built tied, would drop it. (For a safetensors folder vLLM finds
@@ -316,4 +369,5 @@ def _check_ties(art, model_config) -> None:
                                 option="hf_overrides")
 
 
-__all__ = ["LOAD_FORMAT", "LCTModelLoader", "loader_options", "rank_shares", "register"]
+__all__ = ["LOAD_FORMAT", "LCTModelLoader", "artifact_address", "loader_options", "rank_shares",
+           "register"]

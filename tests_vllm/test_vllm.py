@@ -276,6 +276,43 @@ def test_two_ranks_serve_the_default_loaders_tokens_each_reading_its_share(model
                 (art, nbytes, stored)
 
 
+@pytest.fixture
+def hub(models, engine_env, tmp_path):
+    """The loopback Hub server (tests/hub_server.py: the Hub's protocol, in memory) holding the
+    tiny Llama's lossless artifact as ``alice/llama-lct``, pushed by ``lct push`` as a user
+    pushes; yields ``(server, env)``, env pointing huggingface_hub (vLLM's and LCT's) at it,
+    online, with a cache of its own."""
+    sys.path.insert(0, str(ROOT / "tests"))
+    try:
+        from hub_server import HubServer
+    finally:
+        sys.path.pop(0)
+    with HubServer(tokens={"tok-alice": "alice"}) as server:
+        env = {k: v for k, v in engine_env.items() if not k.startswith(("HF_", "HUGGING"))}
+        env.update(HF_ENDPOINT=server.url, HF_TOKEN="tok-alice", HF_HOME=str(tmp_path / "hf"),
+                   HF_HUB_DISABLE_XET="1", HF_HUB_DISABLE_PROGRESS_BARS="1")
+        pushed = _run(_lct(_main_python(), "push", models["llama.lct"], "alice/llama-lct"),
+                      env=env, timeout=300)
+        assert pushed.returncode == 0, pushed.stderr
+        yield server, env
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_a_hub_repo_serves_pulled_or_streamed(hub, reference, stream):
+    """``LLM(model="org/name", load_format="lct")``: vLLM reads config.json and the tokenizer
+    from the Hub, the loader pulls the artifact (checked against the Hub's hashes) or, with
+    ``stream``, range-requests its chunks from the commit it pinned; the default loader's
+    tokens either way."""
+    server, env = hub
+    server.clear_log()
+    got = generate(env, "alice/llama-lct", "lct", {"stream": stream})
+    assert tokens(got) == [reference["llama"]]
+    data = [r for r in server.log if r["file"] and r["file"].endswith(".lct")
+            and r["method"] == "GET"]
+    assert data, server.log
+    assert all(r["range"] for r in data) == stream, [r for r in data if not r["range"]]
+
+
 def test_a_damaged_chunk_stops_the_engine_with_lcts_error(models, engine_env, tmp_path):
     art = tmp_path / "damaged.lct"
     shutil.copytree(models["llama.lct"], art)
@@ -302,15 +339,25 @@ def test_options_are_checked_in_one_line():
     from lct.errors import OptionError
     from lct.io.stream import DEFAULT_PREFETCH
     assert loader_options(None) == {"prefetch": DEFAULT_PREFETCH, "workers": None,
-                                    "verify": True}
+                                    "verify": True, "stream": False}
     assert loader_options({"prefetch": 0, "workers": 1, "verify": False})["prefetch"] == 0
     for bad, words in [({"prefech": 3}, "unknown option(s) 'prefech'"),
                        ({"prefetch": -1}, "prefetch must be an integer >= 0"),
                        ({"workers": 0}, "workers must be an integer >= 1"),
-                       ({"verify": "yes"}, "verify must be true or false")]:
+                       ({"verify": "yes"}, "verify must be true or false"),
+                       ({"stream": 1}, "stream must be true or false")]:
         with pytest.raises(OptionError) as e:
             loader_options(bad)
         assert words in str(e.value) and "\n" not in str(e.value)
+
+
+def test_an_artifact_address_is_a_folder_or_a_hub_repo(tmp_path):
+    from lct.loader.vllm import artifact_address
+    assert artifact_address(str(tmp_path)) == str(tmp_path)
+    assert artifact_address("alice/llama-lct") == "hf://alice/llama-lct"
+    assert artifact_address("alice/llama-lct", "v2") == "hf://alice/llama-lct@v2"
+    assert artifact_address("hf://alice/x@main", "v2") == "hf://alice/x@main"
+    assert artifact_address("./missing/folder") == "./missing/folder"   # LCT names it missing
 
 
 def test_the_entry_point_registers_the_load_format():
@@ -324,3 +371,6 @@ def test_the_entry_point_registers_the_load_format():
     load_general_plugins()
     from lct.loader.vllm import LCTModelLoader
     assert isinstance(get_model_loader(LoadConfig(load_format="lct")), LCTModelLoader)
+    # vLLM's snapshot of a repo's "non-weight" files (for the tokenizer) leaves LCT's chunks
+    from vllm.transformers_utils.repo_utils import _WEIGHT_FILE_PATTERNS
+    assert "model-*.lct" in _WEIGHT_FILE_PATTERNS
