@@ -58,7 +58,7 @@ import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from bench_load import (PRELUDE, SHORT_PROMPT, drop_caches, med, prepare_gemma,  # noqa: E402
+from bench_load import (PRELUDE, SHORT_PROMPT, drop_caches, med, prepare_gemma,  # noqa: I001
                         prepare_smollm2, settle)
 
 PY = sys.executable
@@ -102,7 +102,8 @@ def main():
     with open("/proc/self/status") as f:
         hwm = [int(x.split()[1]) * 1024 for x in f if x.startswith("VmHWM:")][0]
     print("RESULT " + json.dumps({"import_s": imported, "ready_s": ready, "ttft_s": first,
-                                  "done_s": _age(),
+                                  "done_s": _age(), "cpus": sorted(os.sched_getaffinity(0)),
+                                  "torch_threads": __import__("torch").get_num_threads(),
                                   "tokens": list(out[0].outputs[0].token_ids), "vm_hwm": hwm,
                                   **times}), flush=True)
     os._exit(0)         # measured; vLLM's teardown (seconds) is not
@@ -150,7 +151,7 @@ def error_line(text: str) -> str:
 def can_import(args, module: str) -> str | None:
     """None where ``module`` imports in vLLM's environment (with --extras); else why not."""
     res = subprocess.run([args.vllm_python, "-c", f"import {module}"], capture_output=True,
-                         text=True, env=engine_env(args, True), timeout=300)
+                         text=True, env=engine_env(args, True), timeout=300, check=False)
     if res.returncode == 0:
         return None
     where = f" (PYTHONPATH={args.extras})" if args.extras else " (no --extras given)"
@@ -206,17 +207,14 @@ def prepare(model: str, work: Path) -> dict:
 
 
 def machine(args) -> str:
-    cpu = "unknown CPU"
-    try:
-        cpu = next(x.split(":", 1)[1].strip() for x in open("/proc/cpuinfo")
-                   if x.startswith("model name"))
-    except (OSError, StopIteration):
-        pass
-    mem = next((int(x.split()[1]) / 2**20 for x in open("/proc/meminfo")
+    info = Path("/proc/cpuinfo").read_text().splitlines()
+    cpu = next((x.split(":", 1)[1].strip() for x in info if x.startswith("model name")), "CPU ?")
+    mem = next((int(x.split()[1]) / 2**20 for x in Path("/proc/meminfo").read_text().splitlines()
                 if x.startswith("MemTotal")), 0)
     vers = subprocess.run([args.vllm_python, "-c", "import vllm, torch, transformers; "
                            "print(vllm.__version__, torch.__version__, transformers.__version__)"],
-                          capture_output=True, text=True, env=engine_env(args, False)).stdout.split()
+                          capture_output=True, text=True, env=engine_env(args, False),
+                          check=False).stdout.split()
     v = f"vLLM {vers[0]}, torch {vers[1]}, transformers {vers[2]}" if len(vers) == 3 else "vLLM ?"
     return (f"{os.cpu_count()} CPUs (nproc {len(os.sched_getaffinity(0))}), {cpu}, "
             f"{mem:.0f} GiB RAM, {platform.system()} {platform.release()}; {v}; "
@@ -317,9 +315,8 @@ def render(model: str, folders: dict, results: dict, why: dict, cold: bool, reps
             out.append(None if v is None or not b else v / b)
         return cell(out)
 
-    def gb(rows):
-        v = med(rows, "peak_rss")
-        return None if v is None else v / 1e9
+    def col(r, key, nd=2, scale=1):
+        return cell([None if (v := med(r[ph], key)) is None else v / scale for ph in phases], nd)
 
     ref = next((r["tokens"] for ph in ("warm", "cold") for r in results.get(BASE, {}).get(ph, [])),
                None)
@@ -328,21 +325,27 @@ def render(model: str, folders: dict, results: dict, why: dict, cold: bool, reps
              f"{size(folders['art']):.2f} GB, lossless {size(folders['lossless']):.2f} GB. Medians "
              f"of {reps} interleaved runs, each a fresh process; each cell is"
              + (" cold / warm (cold: page cache dropped before the run)." if cold else " warm."),
-             "", "| contender | vLLM \"Loading weights took\" s | load_weights s (timed here) | "
-             "× auto | ready s | × auto | first token s | × auto | peak RSS GB | × auto | "
-             "tokens = auto |", "|---|---|---|---|---|---|---|---|---|---|---|"]
+             "",
+             "| contender | vLLM \"Loading weights took\" s | load_weights s (timed here) | × auto "
+             "| ready s | × auto | first token s | × auto | peak RSS GB | × auto | tokens = auto |",
+             "|---|---|---|---|---|---|---|---|---|---|---|"]
     for name, r in results.items():
         rows = [x for ph in phases for x in r[ph]]
         if not rows:
             continue
         same = "–" if ref is None or name == BASE else \
             ("yes" if all(x["tokens"] == ref for x in rows) else "no")
-        lines.append(
-            f"| {name} | {cell([med(r[ph], 'weights_s') for ph in phases])} | "
-            f"{cell([med(r[ph], 'load_weights_s') for ph in phases])} | "
-            f"{ratio(name, 'load_weights_s')} | {cell([med(r[ph], 'ready_s') for ph in phases], 1)} | {ratio(name, 'ready_s')} | "
-            f"{cell([med(r[ph], 'ttft_s') for ph in phases], 1)} | {ratio(name, 'ttft_s')} | "
-            f"{cell([gb(r[ph]) for ph in phases])} | {ratio(name, 'peak_rss')} | {same} |")
+        cells = [name, col(r, "weights_s"), col(r, "load_weights_s"),
+                 ratio(name, "load_weights_s"), col(r, "ready_s", 1), ratio(name, "ready_s"),
+                 col(r, "ttft_s", 1), ratio(name, "ttft_s"), col(r, "peak_rss", 2, 1e9),
+                 ratio(name, "peak_rss"), same]
+        lines.append("| " + " | ".join(cells) + " |")
+    lines += ["", "× auto: the median over the default loader's, measured in the same invocation. "
+                  "vLLM's line: the default loader's clock starts at the first tensor it is asked "
+                  "for, LCT's at its load_weights; runai_streamer's loader logs none. load_weights "
+                  "timed here: the loader's method, the same clock for all. Ready: process start "
+                  "to LLM() returned; first token: to a 1-token greedy generate returned; tokens: "
+                  f"the {NEW_TOKENS} greedy tokens that follow, against auto's."]
     imp = [med(r[ph], "import_s") for r in results.values() for ph in phases if r[ph]]
     if imp:
         lines += ["", f"Of ready, importing vLLM (process start to `from vllm import LLM` done): "

