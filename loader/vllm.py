@@ -171,10 +171,13 @@ class LCTModelLoader(BaseModelLoader):
         world = get_tensor_model_parallel_world_size()
         share = f"; rank {get_tensor_model_parallel_rank()} of {world}: {len(shares)} " \
                 f"tensor(s) read by the pieces of its share" if world > 1 else ""
+        # vLLM's own words first (its benchmarks and users grep them), then LCT's breakdown:
+        # the decode threads' read and decode time, and what the model waited for them.
         logger.info("Loading weights took %.2f seconds (LCT: %d groups, %s (%d bytes) read, %s "
-                    "decoded, prefetch %d%s)", time.perf_counter() - t0, s.groups,
+                    "decoded, prefetch %d; threads read %.2f s, decoded %.2f s, the model "
+                    "waited %.2f s%s)", time.perf_counter() - t0, s.groups,
                     human(s.bytes_read), s.bytes_read, human(s.bytes_decoded),
-                    self.options["prefetch"], share)
+                    self.options["prefetch"], s.read_s, s.decode_s, s.wait_s, share)
         if model_config.quantization is None and loaded is not None:
             try:    # vLLM's own check, with its exemptions (quantization scales)
                 DefaultModelLoader.track_weights_loading(self, model, loaded, quantized=False)
