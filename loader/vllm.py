@@ -41,11 +41,14 @@ share one chunk), is read whole by every rank, which vLLM's weight loaders then 
 from __future__ import annotations
 
 import time
+from collections import deque
 
 from lct.errors import ArchitectureError, MissingDependencyError, OptionError
 from lct.io.stream import DEFAULT_PREFETCH
 
 try:
+    from vllm.distributed import (get_tensor_model_parallel_rank,
+                                  get_tensor_model_parallel_world_size)
     from vllm.logger import init_logger
     from vllm.model_executor.model_loader import register_model_loader
     from vllm.model_executor.model_loader.base_loader import BaseModelLoader
@@ -124,6 +127,7 @@ class LCTModelLoader(BaseModelLoader):
         super().__init__(load_config)
         self.options = loader_options(load_config.model_loader_extra_config)
         self.stats = None            # the last load's StreamStats
+        self.recycled = 0            # bytes the last load decoded into recycled buffers
         self._resolution = None      # (address, lct.loader.source.Resolved) once resolved
 
     def _resolved(self, model_config):
@@ -166,18 +170,17 @@ class LCTModelLoader(BaseModelLoader):
                 weights.close()
         from lct.units import human
         s = self.stats
-        from vllm.distributed import (get_tensor_model_parallel_rank,
-                                      get_tensor_model_parallel_world_size)
         world = get_tensor_model_parallel_world_size()
         share = f"; rank {get_tensor_model_parallel_rank()} of {world}: {len(shares)} " \
                 f"tensor(s) read by the pieces of its share" if world > 1 else ""
         # vLLM's own words first (its benchmarks and users grep them), then LCT's breakdown:
         # the decode threads' read and decode time, and what the model waited for them.
         logger.info("Loading weights took %.2f seconds (LCT: %d groups, %s (%d bytes) read, %s "
-                    "decoded, prefetch %d; threads read %.2f s, decoded %.2f s, the model "
-                    "waited %.2f s%s)", time.perf_counter() - t0, s.groups,
-                    human(s.bytes_read), s.bytes_read, human(s.bytes_decoded),
-                    self.options["prefetch"], s.read_s, s.decode_s, s.wait_s, share)
+                    "decoded (%s into recycled buffers), prefetch %d; threads read %.2f s, "
+                    "decoded %.2f s, the model waited %.2f s%s)", time.perf_counter() - t0,
+                    s.groups, human(s.bytes_read), s.bytes_read, human(s.bytes_decoded),
+                    human(self.recycled), self.options["prefetch"], s.read_s, s.decode_s,
+                    s.wait_s, share)
         if model_config.quantization is None and loaded is not None:
             try:    # vLLM's own check, with its exemptions (quantization scales)
                 DefaultModelLoader.track_weights_loading(self, model, loaded, quantized=False)
@@ -197,8 +200,13 @@ class LCTModelLoader(BaseModelLoader):
         if shares:
             chunks = {p.chunk for t in m.tensors.values() for p in t.placements()
                       if t.name not in shares or _overlaps(p, shares[t.name])}
-        with art.stream(prefetch=self.options["prefetch"], dequantize=True,
-                        chunks=chunks) as stream:
+        # vLLM copies every tensor into its parameter, so a group's buffers are decoded into
+        # again once the model is done with them: a few tensors later (the model's loader
+        # may hold the last one or two it was given), and only if no tensor views them still.
+        done = deque()      # (group, tensors handed over when its last one was)
+        handed = 0
+        with art.stream(prefetch=self.options["prefetch"], dequantize=True, chunks=chunks,
+                        recycle=True) as stream:
             self.stats = stream.stats
             for group in stream:
                 for info in m.group_tensors(group.name):
@@ -211,6 +219,12 @@ class LCTModelLoader(BaseModelLoader):
                     if get_encoding(info.encoding).lossy and t.dtype != dtype:
                         t = t.to(dtype)
                     yield info.name, t
+                    del t
+                    handed += 1
+                    while done and handed - done[0][1] >= _RECYCLE_AFTER:
+                        done.popleft()[0].recycle()
+                done.append((group, handed))
+            self.recycled = stream.pool.reused
 
 
 def rank_shares(model, manifest, quantized: bool = False) -> dict:
@@ -227,8 +241,6 @@ def rank_shares(model, manifest, quantized: bool = False) -> dict:
     in frequency order, is read whole, as are all tensors of a quantized model (``quantized``)
     and of one rank.
     """
-    from vllm.distributed import (get_tensor_model_parallel_rank,
-                                  get_tensor_model_parallel_world_size)
     world = get_tensor_model_parallel_world_size()
     if world == 1 or quantized:
         return {}
@@ -251,6 +263,8 @@ def rank_shares(model, manifest, quantized: bool = False) -> dict:
     return out
 
 
+# Tensors handed to the model after a group's last one before its buffers are decoded into again.
+_RECYCLE_AFTER = 4
 # vLLM's shard ids of a fused qkv projection's parts, in the order of its output_sizes.
 _QKV_SHARDS = ("q", "k", "v")
 

@@ -124,8 +124,8 @@ def test_load_on_cuda_decodes_into_pinned_buffers_and_copies_without_staging(lla
     pinned = []
     real_decode = Artifact.decode
 
-    def decode(self, chunk, stored):
-        out = real_decode(self, chunk, stored)
+    def decode(self, chunk, stored, out=None):
+        out = real_decode(self, chunk, stored, out)
         pinned.append((chunk.group, bool(torch.from_numpy(out).is_pinned())))
         return out
 

@@ -336,8 +336,8 @@ def test_prefetch_reads_ahead_while_the_consumer_holds_a_group(llama_art, monkey
             threads.add(threading.current_thread().name)
         return real_read(self, chunk)
 
-    def decode(self, chunk, stored):
-        out = real_decode(self, chunk, stored)
+    def decode(self, chunk, stored, out=None):
+        out = real_decode(self, chunk, stored, out)
         with lock:
             decoded_chunks.append(chunk.id)
         return out
@@ -418,6 +418,32 @@ def test_stream_yields_zero_copy_views(llama_art):
             info = art.tensor_info("model.layers.0.mlp.up_proj.weight")
             buf = group.buffers[info.chunk]
             assert t.data_ptr() == buf.ctypes.data + info.offset
+
+
+@pytest.mark.parametrize("prefetch", [0, 1])
+def test_a_recycling_stream_decodes_into_handed_back_buffers_never_into_viewed_ones(llama_art,
+                                                                                  prefetch):
+    """``recycle``: the buffers of a group the consumer hands back (``Group.recycle``) are
+    decoded into again by a later group of the same size, whose tensors are still right; a
+    group whose tensor is still alive is not handed back, and that tensor keeps its values."""
+    with lct.open(llama_art) as art:
+        names = [g for g in art.groups if g.startswith("layers.")][:2] * 2
+        want = {g: {n: t.clone() for n, t in art.read_group(g).items()} for g in names[:2]}
+        with art.stream(names, prefetch=prefetch, recycle=True) as stream:
+            for i, group in enumerate(stream):
+                got = group.tensors
+                for name, t in got.items():
+                    assert torch.equal(t, want[group.name][name]), (i, name)
+                if i == 0:
+                    kept_name, kept = next(iter(got.items()))
+                    del got, t
+                    assert group.recycle() == 0          # ``kept`` still views its buffer
+                else:
+                    del got, t
+                    assert group.recycle() > 0
+                assert group.buffers == {}
+            assert stream.pool.reused > 0
+        assert torch.equal(kept, want[names[0]][kept_name])
 
 
 @pytest.mark.parametrize("arch", ["gemma", "llama"])

@@ -20,7 +20,7 @@ from lct.format import codecs
 from lct.format.codecs import checksum
 from lct.format import constants as C
 from lct.errors import (ArtifactClosedError, ArtifactNotFoundError, ChecksumError,
-                        CorruptChunkError, EntryNotFoundError, ManifestError)
+                        CorruptChunkError, EntryNotFoundError, ManifestError, OptionError)
 from lct.format.encodings import Int8Weight, NF4Weight, get_encoding, torch_dtype
 from lct.format.manifest import ChunkInfo, Manifest, TensorInfo
 from lct.io.store import LocalStore, confined
@@ -267,13 +267,17 @@ class Artifact:
                                 f"offset {chunk.offset}) checksum mismatch: expected "
                                 f"{chunk.checksum}, found {found}")
 
-    def decode(self, chunk: ChunkInfo, stored) -> np.ndarray:
-        """Decode a chunk's stored bytes into a fresh uint8 buffer of its decoded size."""
+    def decode(self, chunk: ChunkInfo, stored, out: np.ndarray | None = None) -> np.ndarray:
+        """Decode a chunk's stored bytes into ``out`` (a uint8 buffer of its decoded size, as
+        a stream recycles them) or a fresh one."""
         codec = codecs.get_codec(chunk.codec)
         where = f"{self.path / self.manifest.files[chunk.file]['name']}: chunk {chunk.id} ({chunk.group})"
         codec.check_stored(stored, chunk.decoded_size, chunk.params, where)  # before allocating
+        if out is not None and (out.dtype != np.uint8 or out.size != chunk.decoded_size):
+            raise OptionError(f"{where}: out must be a uint8 buffer of {chunk.decoded_size} "
+                              f"bytes, got {out.dtype} of {out.size}", option="out")
         try:
-            out = self._alloc(chunk.decoded_size)
+            out = self._alloc(chunk.decoded_size) if out is None else out
         except MemoryError:
             raise CorruptChunkError(f"{where}: declares {chunk.decoded_size:,} decoded bytes, "
                                     f"more than this machine can allocate") from None
@@ -429,9 +433,10 @@ class Artifact:
         return out
 
     def stream(self, groups=None, prefetch: int | None = None, dequantize: bool = False,
-               chunks=None):
+               chunks=None, recycle: bool = False):
         """Decoded groups in order, ``prefetch`` of them decoding ahead (default
-        ``DEFAULT_PREFETCH``, 2); see ``GroupStream``.
+        ``DEFAULT_PREFETCH``, 2); with ``recycle``, buffers the consumer hands back
+        (``Group.recycle``) are decoded into again; see ``GroupStream``.
 
         Example:
             >>> with lct.open("m.lct") as art:
@@ -439,7 +444,7 @@ class Artifact:
             ...         print(group.name, len(group.tensors))
         """
         from lct.io.stream import DEFAULT_PREFETCH, GroupStream
-        return GroupStream(self, groups, dequantize=dequantize, chunks=chunks,
+        return GroupStream(self, groups, dequantize=dequantize, chunks=chunks, recycle=recycle,
                            prefetch=DEFAULT_PREFETCH if prefetch is None else prefetch)
 
     def read_tensor(self, name: str, dequantize: bool = True):

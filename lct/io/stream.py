@@ -13,6 +13,7 @@ what has, so no thread outlives it.
 
 from __future__ import annotations
 
+import sys
 import threading
 import time
 from collections import deque
@@ -63,11 +64,28 @@ class Group:
     (``lct.load`` imports it beside the decode).
     """
 
-    __slots__ = ("name", "buffers", "_art", "_dequantize", "_tensors")
+    __slots__ = ("name", "buffers", "_art", "_dequantize", "_tensors", "_pool")
 
-    def __init__(self, name: str, buffers: dict, art, dequantize: bool = False):
+    def __init__(self, name: str, buffers: dict, art, dequantize: bool = False, pool=None):
         self.name, self.buffers = name, buffers
         self._art, self._dequantize, self._tensors = art, dequantize, None
+        self._pool = pool
+
+    def recycle(self) -> int:
+        """Hand this group's decoded buffers back to its stream (one made with ``recycle``),
+        which decodes later groups into them instead of into fresh memory; a buffer that a
+        tensor still views is left alone (it is freed with its last view, never reused).
+        The group is empty afterwards. Returns the bytes handed back."""
+        self._tensors = None
+        buffers, self.buffers = self.buffers, {}
+        given = 0
+        while buffers:
+            _, buf = buffers.popitem()
+            # references: ``buf`` and getrefcount's argument; any more is a live view
+            if self._pool is not None and sys.getrefcount(buf) == 2:
+                self._pool.put(buf)
+                given += buf.size
+        return given
 
     @property
     def tensors(self) -> dict:
@@ -80,6 +98,40 @@ class Group:
         return f"Group({self.name!r}, {len(self.buffers)} chunk(s))"
 
 
+class BufferPool:
+    """Decoded-chunk buffers handed back by the consumer (``Group.recycle``), reused for chunks
+    of the same decoded size: memory already touched, where a fresh buffer's first touch costs
+    a page fault per page (on some VMs 1-2 s per GB). Holds at most ``limit`` buffers."""
+
+    def __init__(self, limit: int):
+        self.limit = limit
+        self._free: dict = {}            # decoded size -> [buffers]
+        self._count = 0
+        self._lock = threading.Lock()
+        self.reused = 0                  # bytes decoded into recycled buffers
+
+    def put(self, buf) -> None:
+        with self._lock:
+            if self._count < self.limit:
+                self._free.setdefault(buf.size, []).append(buf)
+                self._count += 1
+
+    def take(self, size: int):
+        """A recycled buffer of ``size`` bytes, or None."""
+        with self._lock:
+            free = self._free.get(size)
+            if not free:
+                return None
+            self._count -= 1
+            self.reused += size
+            return free.pop()
+
+    def clear(self) -> None:
+        with self._lock:
+            self._free.clear()
+            self._count = 0
+
+
 class GroupStream:
     """Iterator over decoded groups of an artifact with a bounded prefetch window.
 
@@ -90,7 +142,7 @@ class GroupStream:
     """
 
     def __init__(self, artifact, groups=None, *, prefetch: int = DEFAULT_PREFETCH,
-                 dequantize: bool = False, chunks=None):
+                 dequantize: bool = False, chunks=None, recycle: bool = False):
         self._closed = True          # until the pool exists: close() (and __del__) do nothing
         check_prefetch(prefetch)
         self.art = artifact
@@ -104,6 +156,10 @@ class GroupStream:
         self.dequantize = dequantize
         # Only these chunk ids are read (a tensor-parallel rank's share); None: every chunk.
         self.chunks = None if chunks is None else frozenset(chunks)
+        # With ``recycle``, groups the consumer is done with (``Group.recycle``) are decoded
+        # into again: a consumer that copies the tensors out (a serving engine's weight
+        # loader) then touches fresh memory only for the first window's groups.
+        self.pool = BufferPool(limit=prefetch + 2) if recycle else None
         self.stats = StreamStats()
         self._next = 0               # next group index to submit
         self._given = 0              # groups handed to the consumer
@@ -140,6 +196,8 @@ class GroupStream:
         self._pending.clear()
         if self._pool is not None:
             self._pool.shutdown(wait=wait, cancel_futures=True)
+        if self.pool is not None:
+            self.pool.clear()
 
     # Work --------------------------------------------------------------------------------------
     def _chunks_of(self, name: str) -> list:
@@ -154,13 +212,14 @@ class GroupStream:
             stored = art.read_stored(chunk)
             t1 = time.perf_counter()
             try:
-                buf = art.decode(chunk, stored)
+                out = self.pool.take(chunk.decoded_size) if self.pool is not None else None
+                buf = art.decode(chunk, stored, out)
             finally:
                 art.release_stored(chunk, stored)
             t2 = time.perf_counter()
             self.stats.add(t1 - t0, t2 - t1, chunk.stored_size, chunk.decoded_size)
             buffers[chunk.id] = buf
-        return Group(name, buffers, art, self.dequantize)
+        return Group(name, buffers, art, self.dequantize, self.pool)
 
     def _advise(self, upto: int) -> None:
         """Ask the store to read groups up to index ``upto`` into the page cache (once each):
