@@ -84,9 +84,8 @@ def _data_files_are_weights() -> None:
     except ImportError:                                     # pragma: no cover
         return
     patterns = getattr(repo_utils, "_WEIGHT_FILE_PATTERNS", None)
-    pattern = C.DATA_FILE_TEMPLATE.replace("{index:05d}", "*")     # model-*.lct
-    if isinstance(patterns, list) and pattern not in patterns:
-        patterns.append(pattern)
+    if isinstance(patterns, list) and C.DATA_FILE_GLOB not in patterns:
+        patterns.append(C.DATA_FILE_GLOB)
 
 
 def loader_options(extra) -> dict:

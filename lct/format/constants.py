@@ -7,6 +7,7 @@ MAX_VERSION_NUMBER = 0xFFFF             # major and minor are u16s in the data f
 MANIFEST_NAME = "lct.json"
 DATA_FILE_TEMPLATE = "model-{index:05d}.lct"
 DATA_FILE_PATTERN = r"model-[0-9]{5}\.lct"
+DATA_FILE_GLOB = "model-*.lct"            # the same names as a glob (tools that take globs)
 DATA_MAGIC = b"LCTDATA\x00"
 DATA_HEADER_SIZE = 4096
 # The data file header's fields (FORMAT.md section 3): magic, u16 major, u16 minor,

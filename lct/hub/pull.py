@@ -148,7 +148,7 @@ def verify_download(root: Path, repo_id: str, revision: str | None = None, local
                            f"again, or pull a fixed commit (@sha)")
         raise ArtifactNotFoundError(f"{at}: not an LCT artifact (no {C.MANIFEST_NAME} in the "
                                     f"repo)")
-    data_names = {n.name for n in root.glob("model-*.lct")}
+    data_names = {n.name for n in root.glob(C.DATA_FILE_GLOB)}
     files_checked, problems = check_files(root, repo_id, revision, local_dir, skip=data_names)
     chunks_checked = 0
     if not problems:
