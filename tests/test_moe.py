@@ -72,6 +72,42 @@ def test_experts_groups_are_the_spec(mixtral_src, tmp_path, monkeypatch):
     assert torch.equal(_logits(lct.load(out)), _logits(_ref(mixtral_src)))
 
 
+def _expert_specs(experts: int, rows: int = 64, cols: int = 32) -> list:
+    from lct.format.layout import TensorSpec
+    return [TensorSpec(f"model.layers.0.mlp.experts.{e}.{w}.weight", (rows, cols), "bfloat16",
+                       "bfloat16", C.ENCODING_PLAIN, "layer", "layers.0.experts")
+            for w in ("w1", "w2", "w3") for e in range(experts)]      # not in expert order
+
+
+def _experts_of(layout) -> list:
+    return sorted({int(s.name.split(".experts.")[1].split(".")[0]) for s in layout.specs})
+
+
+@pytest.mark.parametrize("experts,per_chunk", [(4, 1), (8, 1), (16, 2), (60, 8), (128, 16)])
+def test_expert_chunks_hold_whole_experts_for_up_to_eight_expert_parallel_ranks(experts,
+                                                                              per_chunk):
+    """Section 4: a routed-expert group's chunks hold whole experts in expert order, at most
+    ceil(experts / EXPERT_CHUNKS) of them, so that an expert-parallel rank of up to 8 reads
+    only chunks of its own experts (a rank of E/8 experts: exactly its chunks)."""
+    from lct.format.layout import layout_group
+    layouts = layout_group("layers.0.experts", _expert_specs(experts))
+    held = [_experts_of(lay) for lay in layouts]
+    assert [e for h in held for e in h] == list(range(experts))      # each expert once, in order
+    assert max(map(len, held)) == per_chunk and len(layouts) == -(-experts // per_chunk)
+    for lay, h in zip(layouts, held):
+        assert len(lay.specs) == 3 * len(h)                           # all of each expert's tensors
+
+
+def test_an_expert_larger_than_the_bound_spans_chunks_alone(monkeypatch):
+    from lct.format.layout import layout_group
+    one = 64 * 32 * 2
+    monkeypatch.setattr(C, "EXPERT_CHUNK_BYTES", 2 * one)     # two of an expert's three tensors
+    layouts = layout_group("layers.0.experts", _expert_specs(3))
+    assert [_experts_of(lay) for lay in layouts] == [[0], [0], [1], [1], [2], [2]]
+    assert [len(lay.specs) for lay in layouts] == [2, 1] * 3
+    assert all(lay.decoded_size <= 2 * one for lay in layouts)
+
+
 def test_streamed_layerwise_and_dequantized_loads_equal_from_pretrained(mixtral_src,
                                                                         mixtral_art):
     from lct.loader import LayerwiseModel

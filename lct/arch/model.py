@@ -18,7 +18,7 @@ from lct.arch import hf
 from lct.errors import ArchitectureError
 from lct.format import constants as C
 
-EXPERTS_MODULE = "experts"      # the module name transformers gives a layer's routed experts
+EXPERTS_MODULE = C.EXPERTS_MODULE
 
 
 @dataclass(frozen=True)

@@ -604,8 +604,7 @@ def _write_groups(writer, groups: list, specs: dict, tensors: dict, src: Source,
     from safetensors import safe_open
     done = 0
     for group in groups:
-        bound = C.EXPERT_CHUNK_BYTES if group.endswith(C.GROUP_EXPERTS_SUFFIX) else None
-        for layout in layout_group(group, specs[group], bound):
+        for layout in layout_group(group, specs[group]):
             files = {tensors[s.name].file for s in layout.specs}
             handles = {f: safe_open(str(src.root / f), framework="pt") for f in files}
             try:

@@ -67,8 +67,13 @@ GROUP_HEAD = "head"
 GROUP_MISC = "misc"
 GROUP_LAYER_PREFIX = "layers."
 GROUP_EXPERTS_SUFFIX = ".experts"       # a block's routed experts: group "layers.N.experts"
-# Bytes of routed-expert tensors at most in one chunk (whole experts: one larger is alone).
+EXPERTS_MODULE = "experts"      # the module name transformers gives a layer's routed experts
+# A routed-expert group's chunks (FORMAT.md section 4): whole experts, at most this many bytes
+# (an expert larger than it spans chunks, split between its tensors) ...
 EXPERT_CHUNK_BYTES = 256 << 20
+# ... and at most ceil(experts / EXPERT_CHUNKS) experts, so that each of up to this many
+# expert-parallel ranks reads only chunks that hold its own experts.
+EXPERT_CHUNKS = 8
 
 # dtype name -> element size in bytes.
 DTYPE_SIZES = {

@@ -5,6 +5,7 @@ count with it."""
 
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -85,27 +86,79 @@ class ChunkLayout:
         return np.zeros(self.decoded_size, dtype=np.uint8)
 
 
-def layout_group(group: str, specs: list, max_bytes: int | None = None) -> list:
+def layout_group(group: str, specs: list) -> list:
     """Split a group's tensors into chunks by width class and place them 64-byte aligned:
-    ``[ChunkLayout]``. With ``max_bytes`` (a block's routed experts, FORMAT.md section 4) a
-    width class takes a new chunk when the next tensor would take its chunk past that size
-    (a tensor larger than it is alone in its chunk)."""
-    layouts: list = []
-    current: dict = {}
+    ``[ChunkLayout]``. A block's routed experts (group ``*.experts``, FORMAT.md section 4) are
+    chunked by whole experts, in expert order (``expert_units``): at most
+    ``EXPERT_CHUNK_BYTES`` and ``ceil(experts / EXPERT_CHUNKS)`` experts to a chunk (an expert
+    larger than the bound spans chunks, split between its tensors; a tensor larger than it is
+    alone in its chunk), then the fused tensors of all experts in chunks within the bound."""
+    if not group.endswith(C.GROUP_EXPERTS_SUFFIX):
+        return _layout_units(group, [specs])
+    experts, fused = expert_units(specs)
+    return _layout_units(group, experts, C.EXPERT_CHUNK_BYTES,
+                         -(-len(experts) // C.EXPERT_CHUNKS)) + \
+        _layout_units(group, fused, C.EXPERT_CHUNK_BYTES)
+
+
+def expert_units(specs: list) -> tuple:
+    """``(experts, fused)``: a routed-expert group's tensors stored one expert at a time
+    (checkpoint names ``….experts.{E}.…``) as one list of specs per expert, in expert order;
+    and the others (tensors of all experts at once), one list per tensor."""
+    by_expert: dict = {}
+    fused = []
     for spec in specs:
-        lay = current.get(spec.width_class)
-        size = spec.nbytes + spec.absmax_nbytes
-        if lay is None or (max_bytes is not None and lay.specs and
-                           align(lay.decoded_size, C.TENSOR_ALIGNMENT) + size > max_bytes):
-            lay = current[spec.width_class] = ChunkLayout(group, spec.width_class)
-            layouts.append(lay)
-        pos = align(lay.decoded_size, C.TENSOR_ALIGNMENT)
-        lay.offsets[spec.name] = pos
-        pos += spec.nbytes
-        if spec.absmax_nbytes:
-            pos = align(pos, C.TENSOR_ALIGNMENT)
-            lay.absmax_offsets[spec.name] = pos
-            pos += spec.absmax_nbytes
-        lay.decoded_size = pos
-        lay.specs.append(spec)
+        m = _EXPERT_INDEX.search(spec.name)
+        if m is None:
+            fused.append([spec])
+        else:
+            by_expert.setdefault(int(m.group(1)), []).append(spec)
+    return [by_expert[e] for e in sorted(by_expert)], fused
+
+
+def _layout_units(group: str, units: list, max_bytes: int | None = None,
+                  per_chunk: int | None = None) -> list:
+    """Lay out ``units`` (lists of specs, in order) by width class: a unit starts a new chunk
+    of its width when the chunk holds ``per_chunk`` units already or the whole unit would take
+    it past ``max_bytes``; inside a unit, a tensor that would take it past ``max_bytes`` does."""
+    layouts: list = []
+    current: dict = {}          # width class -> (ChunkLayout, units in it)
+
+    def size(spec):
+        return spec.nbytes + spec.absmax_nbytes
+
+    for unit in units:
+        started = set()
+        for spec in unit:
+            wc = spec.width_class
+            lay, n = current.get(wc, (None, 0))
+            if wc not in started:       # the unit's first tensor of this width: whole unit?
+                whole = sum(align(size(s), C.TENSOR_ALIGNMENT) for s in unit
+                            if s.width_class == wc)
+                full = lay is not None and lay.specs and (
+                    per_chunk is not None and n >= per_chunk or max_bytes is not None and
+                    align(lay.decoded_size, C.TENSOR_ALIGNMENT) + whole > max_bytes)
+                if lay is None or full:
+                    lay, n = ChunkLayout(group, wc), 0
+                    layouts.append(lay)
+                n += 1
+                started.add(wc)
+            elif max_bytes is not None and lay.specs and \
+                    align(lay.decoded_size, C.TENSOR_ALIGNMENT) + size(spec) > max_bytes:
+                lay, n = ChunkLayout(group, wc), 1      # an expert larger than the bound
+                layouts.append(lay)
+            current[wc] = (lay, n)
+            pos = align(lay.decoded_size, C.TENSOR_ALIGNMENT)
+            lay.offsets[spec.name] = pos
+            pos += spec.nbytes
+            if spec.absmax_nbytes:
+                pos = align(pos, C.TENSOR_ALIGNMENT)
+                lay.absmax_offsets[spec.name] = pos
+                pos += spec.absmax_nbytes
+            lay.decoded_size = pos
+            lay.specs.append(spec)
     return layouts
+
+
+# An expert stored one by one: its index in the checkpoint name ("….experts.3.w1.weight").
+_EXPERT_INDEX = re.compile(rf"(?:^|\.){C.EXPERTS_MODULE}\.(\d+)\.")
