@@ -34,16 +34,21 @@ hashes (or fetches its small files, with ``stream``). vLLM itself reads no confi
 
 Tensor parallel (``tensor_parallel_size`` > 1): each rank reads, of the weights the artifact
 stores as pieces (``lct convert --tp-pieces N``), only the pieces that cover the rows or columns
-its own layers keep (``rank_shares``); everything else, MoE experts included (a layer's experts
-share one chunk), is read whole by every rank, which vLLM's weight loaders then narrow.
+its own layers keep (``rank_shares``); everything else is read whole by every rank, which
+vLLM's weight loaders then narrow. MoE experts: with tensor parallel alone vLLM splits each
+expert's rows over the ranks, so every rank reads them all; with expert parallel
+(``enable_expert_parallel``) a rank holds whole experts and reads only the chunks of its own
+(``other_ranks_experts``; an experts group's chunks hold whole experts).
 """
 
 from __future__ import annotations
 
+import re
 import time
 from collections import deque
 
 from lct.errors import ArchitectureError, MissingDependencyError, OptionError
+from lct.format import constants as C
 from lct.io.stream import DEFAULT_PREFETCH
 
 try:
@@ -162,7 +167,9 @@ class LCTModelLoader(BaseModelLoader):
             _check_ties(art, model_config)
             shares = rank_shares(model, art.manifest,
                                  quantized=model_config.quantization is not None)
-            weights = self._weights(art, model_config.dtype, shares)
+            others = other_ranks_experts(model, art.manifest)
+            into = {} if model_config.quantization is not None else table_parameters(model, art)
+            weights = self._weights(art, model_config.dtype, shares, others, into)
             try:
                 loaded = model.load_weights(weights)
             finally:
@@ -171,33 +178,39 @@ class LCTModelLoader(BaseModelLoader):
         s = self.stats
         world = get_tensor_model_parallel_world_size()
         share = f"; rank {get_tensor_model_parallel_rank()} of {world}: {len(shares)} " \
-                f"tensor(s) read by the pieces of its share" if world > 1 else ""
+                f"tensor(s) read by the pieces of its share, {len(others)} expert tensor(s) " \
+                f"of other ranks not read" if world > 1 else ""
         # vLLM's own words first (its benchmarks and users grep them), then LCT's breakdown:
         # the decode threads' read and decode time, and what the model waited for them.
         logger.info("Loading weights took %.2f seconds (LCT: %d groups, %s (%d bytes) read, %s "
-                    "decoded (%s into recycled buffers), prefetch %d; threads read %.2f s, "
-                    "decoded %.2f s, the model waited %.2f s%s)", time.perf_counter() - t0,
-                    s.groups, human(s.bytes_read), s.bytes_read, human(s.bytes_decoded),
-                    human(self.recycled), self.options["prefetch"], s.read_s, s.decode_s,
-                    s.wait_s, share)
+                    "decoded (%s into recycled buffers), %d table(s) dequantized into their "
+                    "parameters, prefetch %d; threads read %.2f s, decoded %.2f s, the model "
+                    "waited %.2f s%s)", time.perf_counter() - t0, s.groups, human(s.bytes_read),
+                    s.bytes_read, human(s.bytes_decoded), human(self.recycled), len(into),
+                    self.options["prefetch"], s.read_s, s.decode_s, s.wait_s, share)
         if model_config.quantization is None and loaded is not None:
             try:    # vLLM's own check, with its exemptions (quantization scales)
                 DefaultModelLoader.track_weights_loading(self, model, loaded, quantized=False)
             except ValueError as e:
                 raise ArchitectureError(f"{path}: {e}") from e
 
-    def _weights(self, art, dtype, shares=None):
+    def _weights(self, art, dtype, shares=None, skip=frozenset(), into=None):
         """(checkpoint name, tensor) of every stored tensor, group by group, tied names
         skipped; lossy tables dequantized and cast to ``dtype``. ``shares``
         (``{name: (axis, start, stop)}``, from ``rank_shares``): of those tensors only the
         pieces that cover the range are read, into a tensor of the full shape whose other
-        rows or columns are never written (vLLM's weight loader narrows to the range)."""
+        rows or columns are never written (vLLM's weight loader narrows to the range).
+        ``skip``: names neither read nor yielded (``other_ranks_experts``). ``into``
+        (``{name: parameter}``, from ``table_parameters``): lossy tables dequantized straight
+        into the model's parameter, which is then what is yielded (its loader's copy is onto
+        itself), instead of into a new tensor that it copies."""
         from lct.format.encodings import get_encoding
         m = art.manifest
         shares = shares or {}
         chunks = None
-        if shares:
-            chunks = {p.chunk for t in m.tensors.values() for p in t.placements()
+        if shares or skip:
+            chunks = {p.chunk for t in m.tensors.values() if t.name not in skip
+                      for p in t.placements()
                       if t.name not in shares or _overlaps(p, shares[t.name])}
         # vLLM copies every tensor into its parameter, so a group's buffers are decoded into
         # again once the model is done with them: a few tensors later (the model's loader
@@ -209,10 +222,14 @@ class LCTModelLoader(BaseModelLoader):
             self.stats = stream.stats
             for group in stream:
                 for info in m.group_tensors(group.name):
-                    if info.name in m.ties:
+                    if info.name in m.ties or info.name in skip:
                         continue
                     if info.name in shares:
                         t = _partial(art, info, shares[info.name], group.buffers)
+                    elif into and info.name in into:
+                        t = into[info.name]
+                        art.assemble(info, group.buffers, dequantize=False).dequantize(
+                            t.dtype, out=t.data)
                     else:
                         t = art.assemble(info, group.buffers, dequantize=True)
                     if get_encoding(info.encoding).lossy and t.dtype != dtype:
@@ -262,6 +279,58 @@ def rank_shares(model, manifest, quantized: bool = False) -> dict:
     return out
 
 
+def table_parameters(model, art) -> dict:
+    """``{checkpoint name: parameter}``: the lossy (NF4/int8) tables that can be dequantized
+    straight into this vLLM ``model``'s own parameter: on one rank, a CPU parameter under the
+    tensor's vLLM name with its exact shape, contiguous, in the dtype the table dequantizes to
+    (so the values are those ``lct export`` writes). The others take the usual path: a new
+    tensor, which the parameter's loader copies (on these machines a fresh 1 GB costs 0.5-1 s
+    to touch, and the copy more)."""
+    if get_tensor_model_parallel_world_size() != 1:
+        return {}
+    from lct.format.encodings import get_encoding, torch_dtype
+    mapper = getattr(model, "hf_to_vllm_mapper", None)
+    params = dict(model.named_parameters())
+    out = {}
+    for t in art.manifest.tensors.values():
+        if not get_encoding(t.encoding).lossy or t.name in art.manifest.ties:
+            continue
+        name, part = _vllm_name(mapper, t.name)
+        p = params.get(name) if part == 0 else None
+        if p is not None and tuple(p.shape) == tuple(t.shape) and p.is_contiguous() and \
+                p.device.type == "cpu" and p.dtype == torch_dtype(art.lossy_dtype(t)):
+            out[t.name] = p
+    return out
+
+
+def other_ranks_experts(model, manifest) -> set:
+    """Checkpoint names of the routed-expert tensors, stored one expert at a time
+    (``….experts.{E}.…``), that this rank's vLLM ``model`` does not hold: with expert parallel
+    (``enable_expert_parallel``) each rank holds its own experts, and vLLM's expert weight
+    loader would drop the others. The experts' chunks hold whole experts (FORMAT.md section 4),
+    so a rank reads only the chunks of its own. The module is found by vLLM's name for the
+    tensor (``hf_to_vllm_mapper``); whether it holds expert E, by its own expert map."""
+    holders = {path: m.expert_map_manager for path, m in model.named_modules()
+               if hasattr(getattr(m, "expert_map_manager", None), "is_local_expert")}
+    if not holders:
+        return set()
+    mapper = getattr(model, "hf_to_vllm_mapper", None)
+    out = set()
+    for t in manifest.tensors.values():
+        hit = _EXPERT.search(t.name)
+        if hit is None:
+            continue
+        name = _vllm_name(mapper, t.name)[0] if mapper is not None else t.name
+        found = _EXPERT.search(name or "")
+        manager = holders.get(name[:found.start() + len(C.EXPERTS_MODULE) + 1]) if found \
+            else None
+        if manager is not None and not bool(manager.is_local_expert(int(found.group(1)))):
+            out.add(t.name)
+    return out
+
+
+# A routed expert stored one by one, in a checkpoint or vLLM name: ".experts.{E}.".
+_EXPERT = re.compile(rf"\.{C.EXPERTS_MODULE}\.(\d+)\.")
 # Tensors handed to the model after a group's last one before its buffers are decoded into again.
 _RECYCLE_AFTER = 4
 # vLLM's shard ids of a fused qkv projection's parts, in the order of its output_sizes.
@@ -385,5 +454,5 @@ def _check_ties(art, model_config) -> None:
                                 option="hf_overrides")
 
 
-__all__ = ["LOAD_FORMAT", "LCTModelLoader", "artifact_address", "loader_options", "rank_shares",
-           "register"]
+__all__ = ["LOAD_FORMAT", "LCTModelLoader", "artifact_address", "loader_options",
+           "other_ranks_experts", "rank_shares", "register", "table_parameters"]

@@ -32,11 +32,13 @@ def main():
     from vllm.distributed import cleanup_dist_env_and_memory
     models, fmt, extra = json.loads(sys.argv[1]), sys.argv[2], json.loads(sys.argv[3])
     max_model_len, max_tokens, tp = int(sys.argv[5]), int(sys.argv[6]), int(sys.argv[7])
+    engine = json.loads(sys.argv[8])
     runs = []
     for model in models:
         llm = LLM(model=model, load_format=fmt, dtype="bfloat16", enforce_eager=True,
                   max_model_len=max_model_len, seed=0, model_loader_extra_config=extra,
-                  tensor_parallel_size=tp, distributed_executor_backend="uni" if tp == 1 else "mp")
+                  tensor_parallel_size=tp, distributed_executor_backend="uni" if tp == 1 else "mp",
+                  **engine)
         out = llm.generate(json.loads(sys.argv[4]),
                            SamplingParams(temperature=0, max_tokens=max_tokens), use_tqdm=False)
         runs.append([list(o.outputs[0].token_ids) for o in out])
@@ -163,11 +165,12 @@ def engine_env(tmp_path_factory):
 
 
 def generate(env, model, load_format="auto", extra=None, multiprocess=False,
-             max_model_len=256, max_tokens=16, tp=1):
+             max_model_len=256, max_tokens=16, tp=1, engine=None):
     """vLLM's greedy generation of ``PROMPTS`` in a fresh process (the engine in it, or with
     ``multiprocess`` in the engine core process vLLM spawns; ``tp`` > 1: that many
     tensor-parallel worker processes, each bound to its share of this process's cores);
-    ``model`` is a folder, or a list of folders served one after the other in that process."""
+    ``model`` is a folder, or a list of folders served one after the other in that process;
+    ``engine``: more of ``LLM``'s arguments."""
     env = dict(env, VLLM_ENABLE_V1_MULTIPROCESSING="1" if multiprocess else "0")
     if tp > 1:      # vLLM's CPU workers bind to NUMA nodes unless told which cores are theirs
         cores = sorted(os.sched_getaffinity(0))
@@ -179,7 +182,8 @@ def generate(env, model, load_format="auto", extra=None, multiprocess=False,
     folders = [str(m) for m in model] if isinstance(model, list) else [str(model)]
     return _run([sys.executable, "-c", GENERATE, json.dumps(folders), load_format,
                  json.dumps(extra or {}), json.dumps(PROMPTS), str(max_model_len),
-                 str(max_tokens), str(tp)], env=env, timeout=ENGINE_TIMEOUT * tp)
+                 str(max_tokens), str(tp), json.dumps(engine or {})], env=env,
+                timeout=ENGINE_TIMEOUT * tp)
 
 
 def tokens(res) -> list:
@@ -223,6 +227,9 @@ def test_lct_load_format_gives_the_default_loaders_tokens(models, engine_env, re
     log = got.stdout + got.stderr                       # vLLM logs to stdout
     assert "Loading weights took" in log and "(LCT: " in log, log[-4000:]
     assert tokens(got) == [reference[source]]
+    # the lossy (untied) embedding and head, dequantized straight into vLLM's parameters
+    direct = re.search(r"(\d+) table\(s\) dequantized into their parameters", log)
+    assert direct and int(direct.group(1)) == (2 if artifact == "lossy.lct" else 0), log[-4000:]
 
 
 @pytest.mark.parametrize("artifact,source", [
@@ -274,6 +281,71 @@ def test_two_ranks_serve_the_default_loaders_tokens_each_reading_its_share(model
             # half of what is pieced, all of the rest (norms; the Mixtral's experts)
             assert nbytes < stored * (0.6 if art != "mixtral-tp2.lct" else 0.9), \
                 (art, nbytes, stored)
+
+
+# Each expert-parallel rank's parameter digests (tests_vllm/worker_digest.py) after loading,
+# one engine per folder; printed as one line.
+DIGESTS = """
+import gc, json, sys
+def main():
+    from vllm import LLM
+    from vllm.distributed import cleanup_dist_env_and_memory
+    runs = []
+    for model in json.loads(sys.argv[1]):
+        llm = LLM(model=model, load_format=sys.argv[2], dtype="bfloat16", enforce_eager=True,
+                  max_model_len=256, seed=0, tensor_parallel_size=2,
+                  distributed_executor_backend="mp", enable_expert_parallel=True,
+                  worker_extension_cls="worker_digest.ParamDigests")
+        runs.append(llm.collective_rpc("param_digests"))
+        del llm
+        gc.collect()
+        cleanup_dist_env_and_memory()
+    print("DIGESTS " + json.dumps(runs))
+if __name__ == "__main__":
+    main()
+"""
+# "...; rank R of W: T tensor(s) read by the pieces of its share, E expert tensor(s) of other
+# ranks not read)"
+EXPERTS_SKIPPED = re.compile(r"\((\d+) bytes\) read, .*; rank (\d+) of 2: \d+ tensor\(s\) read "
+                             r"by the pieces of its share, (\d+) expert tensor")
+
+
+def test_expert_parallel_ranks_read_only_their_experts(models, engine_env):
+    """``enable_expert_parallel``: each of 2 ranks holds half of every layer's experts, and
+    reads only the chunks of its own (FORMAT.md section 4: an experts group's chunks hold whole
+    experts). vLLM's CPU build cannot generate with expert parallel (its fused-MoE kernel
+    segfaults, with its own loader too), so each rank's parameters are compared bit for bit
+    with the default loader's on the source."""
+    env = dict(engine_env, VLLM_ENABLE_V1_MULTIPROCESSING="1",
+               PYTHONPATH=os.pathsep.join([str(ROOT / "tests_vllm"),
+                                           engine_env.get("PYTHONPATH", "")]).rstrip(os.pathsep))
+    cores = sorted(os.sched_getaffinity(0))
+    if len(cores) < 2:
+        pytest.skip("2 expert-parallel CPU workers need 2 cores")
+    env["VLLM_CPU_OMP_THREADS_BIND"] = f"{cores[0]}|{cores[1]}"
+
+    def digests(folder, fmt):
+        res = _run([sys.executable, "-c", DIGESTS, json.dumps([str(folder)]), fmt], env=env,
+                   timeout=ENGINE_TIMEOUT * 2)
+        line = [x for x in res.stdout.splitlines() if x.startswith("DIGESTS ")]
+        assert res.returncode == 0 and line, (res.stdout + res.stderr)[-4000:]
+        return json.loads(line[-1][len("DIGESTS "):])[0], res.stdout + res.stderr
+
+    want, _ = digests(models["mixtral"], "auto")
+    got, log = digests(models["mixtral.lct"], "lct")
+    assert len(got) == 2 and got == want                # each rank's parameters, bit for bit
+    manifest = json.loads((models["mixtral.lct"] / "lct.json").read_text())
+    experts = [t for t in manifest["tensors"] if ".experts." in t["name"]]
+    expert_bytes = sum(c["stored_size"] for c in manifest["chunks"]
+                       if c["group"].endswith(".experts"))
+    stored = sum(c["stored_size"] for c in manifest["chunks"])
+    reads = sorted((int(r), int(n), int(skipped))
+                   for n, r, skipped in EXPERTS_SKIPPED.findall(log))
+    assert [r for r, _, _ in reads] == [0, 1], log[-4000:]
+    assert [skipped for _, _, skipped in reads] == [len(experts) // 2] * 2   # the other half
+    # every chunk but the experts' read by both ranks, each expert chunk by one of them
+    assert sum(n for _, n, _ in reads) == 2 * (stored - expert_bytes) + expert_bytes, reads
+    assert all(n < stored for _, n, _ in reads), (reads, stored)
 
 
 @pytest.fixture

@@ -42,11 +42,12 @@ class NF4Weight:
     blocksize: int
     dtype: str
 
-    def dequantize(self, dtype=None):
-        """Dequantize to ``dtype`` (default: the source dtype), exactly as bitsandbytes does."""
+    def dequantize(self, dtype=None, out=None):
+        """Dequantize to ``dtype`` (default: the source dtype), exactly as bitsandbytes does;
+        into ``out`` (a contiguous tensor of that size and dtype) if given."""
         from lct.format import nf4
         return nf4.dequantize(self.packed, self.absmax, self.shape, self.blocksize,
-                              dtype or torch_dtype(self.dtype))
+                              dtype or torch_dtype(self.dtype), out=out)
 
     def bnb_state_dict(self, prefix: str) -> dict:
         """bitsandbytes state-dict keys for module path ``prefix`` (``prefix.weight...``)."""
@@ -66,10 +67,12 @@ class Int8Weight:
     shape: tuple
     dtype: str
 
-    def dequantize(self, dtype=None):
-        """Dequantize to ``dtype`` (default: the source dtype): ``q * scale`` in float32."""
+    def dequantize(self, dtype=None, out=None):
+        """Dequantize to ``dtype`` (default: the source dtype): ``q * scale`` in float32; into
+        ``out`` (a contiguous tensor of that size and dtype) if given."""
         from lct.format import int8
-        return int8.dequantize(self.q, self.scale, self.shape, dtype or torch_dtype(self.dtype))
+        return int8.dequantize(self.q, self.scale, self.shape, dtype or torch_dtype(self.dtype),
+                               out=out)
 
 
 _REGISTRY: dict[str, "Encoding"] = {}
