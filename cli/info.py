@@ -17,14 +17,17 @@ from lct.cli._util import quiet_option, table
 @click.option("--tensors", is_flag=True, help="List every tensor too.")
 @quiet_option("one line: the path, format version, groups, tensors, stored and decoded sizes")
 def info_cmd(artifact, as_json, as_manifest, tensors, quiet):
-    """Show the groups, tensors, encodings and stored vs decoded sizes of ARTIFACT (a folder or
-    hf://org/name[@rev], pulled into the Hugging Face cache first), and the overall ratio
+    """Show the groups, tensors, encodings and stored vs decoded sizes of ARTIFACT (a folder,
+    hf://org/name[@rev], pulled into the Hugging Face cache first, or s3://bucket/prefix, of
+    which only the small files are fetched), and the overall ratio
     against the source checkpoint. Reads only the manifest (no torch needed)."""
+    from lct.cloud import is_s3_uri, open_s3
     from lct.hub import local_artifact
     from lct.io.info import summarize
     from lct.io.reader import open_artifact
     from lct.units import human
-    with open_artifact(local_artifact(artifact)) as art:
+    with (open_s3(artifact) if is_s3_uri(artifact) else
+          open_artifact(local_artifact(artifact))) as art:
         m = art.manifest
         if as_manifest:
             click.echo(json.dumps(m.to_dict(), indent=1))

@@ -11,6 +11,7 @@ in a cycle; tests/test_layers.py walks every import (those inside functions too)
     io          lct.io
     kernels     lct.kernels
     hub         lct.hub
+    cloud       lct.cloud
     arch        lct.arch
     loader      lct.loader
     conversion  lct.conversion
@@ -21,7 +22,8 @@ in a cycle; tests/test_layers.py walks every import (those inside functions too)
 
 ``format`` is what an artifact is byte for byte; ``io`` reads and writes artifacts; ``kernels``
 are the torch modules that compute on LCT's encodings; ``hub`` speaks to the Hugging Face Hub
-(addresses, pull, push, model cards, range reads); ``arch`` is what transformers knows about an
+(addresses, pull, push, model cards, range reads); ``cloud`` does the same with object stores
+(``s3://``); ``arch`` is what transformers knows about an
 architecture (stacks, embeddings, ties, experts, checkpoint renames); ``loader`` builds ready
 models; ``conversion`` turns checkpoints into artifacts and back and measures what that costs;
 ``plan`` is the memory planner; ``demo`` builds tiny models; ``cli`` is the ``lct`` command; ``lct`` itself is the API.

@@ -108,6 +108,26 @@ class HubURIError(LCTError, ValueError):
     """Not a valid ``hf://org/name[@revision]`` address or Hub repo id."""
 
 
+class ObjectStoreError(LCTError, OSError):
+    """An object store (``s3://``) refused a request, or answered with what was not asked."""
+
+
+class ObjectStoreAuthError(ObjectStoreError, PermissionError):
+    """No credentials, or they do not allow the request (access denied)."""
+
+
+class ObjectStoreNotFoundError(ObjectStoreError, FileNotFoundError):
+    """No such bucket or object."""
+
+
+class ObjectStoreOfflineError(ObjectStoreError, ConnectionError):
+    """The object store cannot be reached, or kept failing after the retries."""
+
+
+class ObjectStoreURIError(LCTError, ValueError):
+    """Not a valid ``s3://bucket/prefix`` address."""
+
+
 class MaximusStateError(LCTError, ValueError):
     """A Maximus state file is missing, corrupt, or does not fit the model."""
 

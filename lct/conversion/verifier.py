@@ -108,9 +108,12 @@ def verify(artifact, *, against: str | None = None, revision: str | None = None,
     """
     if quality and against is None:
         raise LCTError("a quality check needs the lossless reference: pass the source as against")
-    if not isinstance(artifact, Artifact):
+    given = artifact if isinstance(artifact, Artifact) else None
+    if given is None:
+        from lct.cloud import is_s3_uri, open_s3
         from lct.hub import local_artifact
-        artifact = local_artifact(artifact)
+        artifact = open_s3(str(artifact)) if is_s3_uri(str(artifact)) else \
+            local_artifact(artifact)
     art = artifact if isinstance(artifact, Artifact) else open_artifact(artifact)
     report = VerifyReport(cast=art.cast_dtype)
     if expect is not None:
@@ -125,7 +128,7 @@ def verify(artifact, *, against: str | None = None, revision: str | None = None,
         src_tensors = scan(src)
         stored = set(art.manifest.tensors) | set(art.manifest.ties)
         if src_tensors and not set(src_tensors) & stored:
-            if art is not artifact:
+            if art is not given:
                 art.close()
             raise LCTError(f"{against}: shares no tensor name with the artifact {art.path} "
                            f"(a different model?)")
@@ -137,7 +140,7 @@ def verify(artifact, *, against: str | None = None, revision: str | None = None,
         checked = check_artifact(art, progress=progress, on_group=None if src is None else (
             lambda group, bufs: _check_group(art, group, bufs, src, src_tensors, report)))
     finally:
-        if art is not artifact:
+        if art is not given:
             art.close()
     report.chunks_checked = checked.chunks_checked
     report.failures[missing:missing] = checked.failures

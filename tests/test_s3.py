@@ -1,0 +1,177 @@
+"""``s3://`` artifacts (lct/cloud/s3.py) against a real S3 server on loopback (SeaweedFS, started by
+these tests: tests/s3_server.py), and a proxy of our own in front of it for the faults a real
+server does not make on demand: a push and a pull are byte for byte the local artifact, a load
+streamed from the store equals the local load, and every fault either gives the right result
+(retried) or one clean LCT error, never different data."""
+
+import filecmp
+import os
+
+import pytest
+import torch
+
+import lct
+from lct import cloud
+from lct.errors import (ArtifactNotFoundError, ChecksumError, ManifestError, ObjectStoreAuthError,
+                        ObjectStoreError, ObjectStoreNotFoundError, ObjectStoreOfflineError,
+                        ObjectStoreURIError, WriteError)
+
+s3_server = pytest.importorskip("s3_server")
+pytest.importorskip("boto3")
+
+BUCKET = "models"
+IDS = torch.tensor([[1, 5, 9, 3, 7, 2]])
+
+
+@pytest.fixture(scope="module")
+def server():
+    try:
+        srv = s3_server.S3Server().start()
+    except s3_server.WeedNotFound as e:
+        pytest.skip(str(e))
+    srv.make_bucket(BUCKET)
+    yield srv
+    srv.stop()
+
+
+@pytest.fixture(scope="module")
+def proxy(server):
+    p = s3_server.FaultProxy(server).start()
+    yield p
+    p.stop()
+
+
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory):
+    from lct.demo.tiny import save_tiny, save_tokenizer
+    d = tmp_path_factory.mktemp("s3-src")
+    src = save_tiny(d / "llama", "llama")
+    save_tokenizer(src, vocab_size=256)
+    art = d / "llama.lct"
+    lct.convert(str(src), art)
+    return art
+
+
+def _env(monkeypatch, tmp_path, env):
+    for k, v in env.items():
+        monkeypatch.setenv(k, v)
+    monkeypatch.setenv("LCT_S3_CACHE", str(tmp_path / "cache"))
+    monkeypatch.setenv("AWS_MAX_ATTEMPTS", "2")         # botocore's own retries: keep faults quick
+    monkeypatch.delenv("AWS_PROFILE", raising=False)
+
+
+@pytest.fixture(scope="module")
+def pushed(server, tiny, tmp_path_factory):
+    """The tiny artifact pushed once (straight to the server), its address."""
+    mp = pytest.MonkeyPatch()
+    _env(mp, tmp_path_factory.mktemp("s3-push"), server.env())
+    uri = f"s3://{BUCKET}/tiny/llama.lct"
+    try:
+        assert cloud.push(tiny, uri) > 0
+    finally:
+        mp.undo()
+    return uri
+
+
+@pytest.fixture
+def direct(server, monkeypatch, tmp_path):
+    _env(monkeypatch, tmp_path, server.env())
+
+
+@pytest.fixture
+def faulty(proxy, monkeypatch, tmp_path):
+    _env(monkeypatch, tmp_path, proxy.env())
+    monkeypatch.setenv("LCT_S3_TIMEOUT", "2")
+    proxy.clear()
+    proxy.reset()
+    yield proxy
+    proxy.clear()
+
+
+def test_push_writes_the_manifest_last_and_pull_gives_the_same_bytes(tiny, faulty, tmp_path):
+    uri = f"s3://{BUCKET}/order/llama.lct"
+    assert cloud.push(tiny, uri) > 0
+    puts = [e["path"] for e in faulty.log if e["method"] == "PUT"]
+    assert puts and puts[-1].endswith("/lct.json"), puts        # a half-upload is no artifact
+    got = cloud.pull(uri, tmp_path / "pulled")
+    names = sorted(p.name for p in tiny.iterdir())
+    assert sorted(p.name for p in got.iterdir()) == names
+    assert all(filecmp.cmp(got / n, tiny / n, shallow=False) for n in names)
+    with pytest.raises(WriteError, match="already exists"):
+        cloud.pull(uri, got)
+    with pytest.raises(WriteError, match="already holds"):
+        cloud.push(tiny, uri)                   # nothing LCT did not write is overwritten
+
+
+def test_a_streamed_load_equals_the_local_load_reading_only_ranges(pushed, tiny, faulty):
+    want = lct.load(tiny)(IDS).logits
+    assert torch.equal(lct.load(pushed, prefetch=2)(IDS).logits, want)
+    data = [e for e in faulty.log if e["path"].endswith(".lct") and e["method"] == "GET"]
+    assert data and all(e["range"] for e in data), data        # no data file fetched whole
+
+
+@pytest.mark.parametrize("kind,kw", [
+    ("slowdown", {"count": 2}),             # 503 SlowDown, twice: retried
+    ("error500", {"count": 2}),
+    ("drop", {"count": 1}),                 # the connection dropped mid-body: resumed
+    ("stall", {"count": 1, "seconds": 6, "after": 100}),     # stalled past the timeout: retried
+])
+def test_transient_faults_are_retried_to_the_right_result(pushed, tiny, faulty, kind, kw):
+    want = lct.load(tiny)(IDS).logits
+    fault = faulty.set_fault(kind, match=r"model-\d+\.lct$", range=True, **kw)
+    assert torch.equal(lct.load(pushed)(IDS).logits, want)
+    assert fault.injected == kw["count"]
+
+
+@pytest.mark.parametrize("kind,error,match", [
+    ("flip", (ChecksumError, ManifestError), "checksum|header"),    # different bytes: refused
+    ("etag", ObjectStoreError, "changed while it was read"),
+    ("ignore_range", ObjectStoreError, "does not serve byte ranges"),
+])
+def test_faults_that_would_give_different_data_are_one_line_errors(pushed, faulty, kind, error,
+                                                                    match):
+    faulty.set_fault(kind, match=r"model-\d+\.lct$", range=True)
+    with pytest.raises(error, match=match) as e:
+        lct.load(pushed)
+    assert "\n" not in str(e.value) and "s3://" in str(e.value)
+
+
+def test_a_server_that_keeps_failing_is_one_line_after_the_retries(pushed, faulty):
+    faulty.set_fault("slowdown", match=r"model-\d+\.lct$", range=True)
+    with pytest.raises(ObjectStoreOfflineError, match="giving up after") as e:
+        with lct.open(pushed) as art:
+            store = art.store
+            store.backoff = 0.01
+            art.read_group(art.groups[0])
+    assert "\n" not in str(e.value)
+
+
+def test_addresses_buckets_and_permissions_are_one_line_errors(server, pushed, tiny, monkeypatch,
+                                                               tmp_path):
+    _env(monkeypatch, tmp_path, server.env())
+    with pytest.raises(ObjectStoreNotFoundError, match="no such bucket"):
+        lct.open("s3://no-such-bucket/x.lct")
+    with pytest.raises(ArtifactNotFoundError, match="not an LCT artifact"):
+        lct.open(f"s3://{BUCKET}/nothing/here")
+    for bad in ("s3://Bad_Bucket/x", f"s3://{BUCKET}", f"s3://{BUCKET}/a/../b"):
+        with pytest.raises(ObjectStoreURIError):
+            lct.open(bad)
+    _env(monkeypatch, tmp_path, server.env(readonly=True))
+    with lct.open(pushed) as art:                   # reading is allowed
+        assert art.groups
+    with pytest.raises(ObjectStoreAuthError, match="access denied"):
+        cloud.push(tiny, f"s3://{BUCKET}/readonly/llama.lct")
+    monkeypatch.setenv("AWS_SECRET_ACCESS_KEY", "wrong")
+    with pytest.raises(ObjectStoreAuthError):
+        lct.open(pushed)
+
+
+def test_info_and_verify_take_s3_addresses(pushed, direct):
+    from click.testing import CliRunner
+
+    from lct.cli.main import cli
+    r = CliRunner().invoke(cli, ["info", pushed, "-q"])
+    assert r.exit_code == 0 and "llama.lct" in r.output, r.output
+    r = CliRunner().invoke(cli, ["verify", pushed])
+    assert r.exit_code == 0 and "OK" in r.output, r.output
+    assert lct.verify(pushed).ok
