@@ -175,3 +175,27 @@ def test_info_and_verify_take_s3_addresses(pushed, direct):
     r = CliRunner().invoke(cli, ["verify", pushed])
     assert r.exit_code == 0 and "OK" in r.output, r.output
     assert lct.verify(pushed).ok
+
+
+def test_the_cli_converts_pushes_and_pulls_s3_addresses(tiny, direct, tmp_path):
+    from click.testing import CliRunner
+
+    from lct.cli.main import cli
+    src = tiny.parent / "llama"
+    uri = f"s3://{BUCKET}/cli/converted.lct"
+    r = CliRunner().invoke(cli, ["convert", str(src), "-o", uri, "-q"])
+    assert r.exit_code == 0 and r.output.strip().endswith(uri), r.output
+    assert torch.equal(lct.load(uri)(IDS).logits, lct.load(tiny)(IDS).logits)
+    r = CliRunner().invoke(cli, ["convert", str(src), "-o", uri, "-q"])
+    assert r.exit_code != 0 and "already holds" in r.output, r.output     # refused up front
+    r = CliRunner().invoke(cli, ["push", str(tiny), f"s3://{BUCKET}/cli/pushed.lct", "-q"])
+    assert r.exit_code == 0, r.output
+    r = CliRunner().invoke(cli, ["push", str(tiny), f"s3://{BUCKET}/cli/x.lct", "--private"])
+    assert r.exit_code != 0 and "--private is for the Hub" in r.output, r.output
+    out = tmp_path / "pulled"
+    r = CliRunner().invoke(cli, ["pull", f"s3://{BUCKET}/cli/pushed.lct", "--local-dir",
+                                 str(out), "-q"])
+    assert r.exit_code == 0 and r.output.strip() == str(out), r.output
+    assert all(filecmp.cmp(out / p.name, p, shallow=False) for p in tiny.iterdir())
+    r = CliRunner().invoke(cli, ["pull", f"s3://{BUCKET}/cli/pushed.lct"])
+    assert r.exit_code != 0 and "--local-dir" in r.output, r.output

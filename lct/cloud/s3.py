@@ -458,6 +458,17 @@ def pull(uri: str, local_dir, *, s3=None, progress=None) -> Path:
     return local_dir
 
 
+def ensure_new_prefix(uri: str, s3=None) -> None:
+    """Raise ``WriteError`` unless no object is under the prefix of ``uri`` (nothing LCT did not
+    write is overwritten); an unreachable store or a missing bucket is its own error."""
+    bucket, prefix = parse_s3_uri(uri)
+    existing = list_objects(s3 if s3 is not None else client(), bucket, prefix)
+    if existing:
+        raise WriteError(f"{uri}: the prefix already holds {len(existing)} object(s) "
+                         f"(first {next(iter(existing))!r}); push to a new prefix",
+                         option="overwrite")
+
+
 def push(artifact, uri: str, *, s3=None, progress=None) -> int:
     """Upload the local artifact folder ``artifact`` to ``s3://bucket/prefix`` (checked first),
     data files and side files before the manifest, so that an interrupted upload never looks
@@ -477,11 +488,7 @@ def push(artifact, uri: str, *, s3=None, progress=None) -> int:
     s3 = s3 if s3 is not None else client()
     with open_artifact(root) as art:
         _check(art, str(root))
-    existing = list_objects(s3, bucket, prefix)
-    if existing:
-        raise WriteError(f"{uri}: the prefix already holds {len(existing)} object(s) "
-                         f"(first {next(iter(existing))!r}); push to a new prefix",
-                         option="overwrite")
+    ensure_new_prefix(uri, s3)
     files = sorted(p for p in root.rglob("*") if p.is_file())
     if any(p.is_symlink() and not p.resolve().is_file() for p in files):
         raise WriteError(f"{root}: a broken link among the artifact's files")

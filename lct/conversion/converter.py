@@ -409,6 +409,12 @@ def convert(source: str, out, *, revision: str | None = None, policy: Policy | N
     Example:
         >>> convert("google/gemma-2b", "gemma-2b.lct")
     """
+    from lct.cloud import is_s3_uri
+    if is_s3_uri(str(out)):
+        return _convert_to_s3(source, str(out), revision=revision, policy=policy,
+                              max_file_size=max_file_size, workers=workers,
+                              overwrite=overwrite, progress=progress, token_freq=token_freq,
+                              stage=stage)
     t0 = time.perf_counter()
     policy = policy or Policy()
     policy.check()
@@ -595,6 +601,27 @@ def _specs(src: Source, tensors: dict, placed: dict, lossy: dict, chosen: dict,
             name, st.shape, st.dtype, stored, encoding, role, group,
             policy.blocksize if enc.blocked else None))
     return specs
+
+
+def _convert_to_s3(source: str, uri: str, *, overwrite: bool, stage, **kw) -> ConvertReport:
+    """``convert`` to ``s3://bucket/prefix``: written to a local temporary folder, then pushed
+    (``lct.cloud.push``: the manifest last, read back and checked) and the folder removed. The
+    prefix must be new, which is checked before anything is converted."""
+    import tempfile
+
+    from lct import cloud
+    from lct.cloud.s3 import ensure_new_prefix
+    if overwrite:
+        raise PolicyError(f"{uri}: an object store prefix is never overwritten; push to a new "
+                          f"one", option="overwrite")
+    ensure_new_prefix(uri)
+    say = stage or (lambda text: None)
+    with tempfile.TemporaryDirectory(prefix="lct-convert-") as tmp:
+        report = convert(source, Path(tmp) / "artifact.lct", stage=stage, **kw)
+        say(f"uploading to {uri} (the manifest last), then reading every chunk back")
+        cloud.push(report.path, uri)
+    report.path = uri
+    return report
 
 
 def _write_groups(writer, groups: list, specs: dict, tensors: dict, src: Source, policy: Policy,
