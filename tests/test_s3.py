@@ -199,3 +199,31 @@ def test_the_cli_converts_pushes_and_pulls_s3_addresses(tiny, direct, tmp_path):
     assert all(filecmp.cmp(out / p.name, p, shallow=False) for p in tiny.iterdir())
     r = CliRunner().invoke(cli, ["pull", f"s3://{BUCKET}/cli/pushed.lct"])
     assert r.exit_code != 0 and "--local-dir" in r.output, r.output
+
+
+@pytest.mark.slow
+def test_tensor_parallel_ranks_each_read_only_their_share_from_s3(server, faulty, tmp_path):
+    """``lct.load("s3://...", tp_plan="auto")`` in a gloo world of 2: each rank range-reads the
+    chunks of its own tensor-parallel pieces (and the small whole tensors), not the artifact."""
+    import re
+
+    from test_tensor_parallel import launch
+
+    from lct.conversion.converter import Policy
+    from lct.demo import tiny
+    src = tiny.save_tiny(tmp_path / "qwen2", "qwen2", num_attention_heads=8,
+                         num_key_value_heads=4)
+    art = tmp_path / "pieces.lct"
+    lct.convert(str(src), art, policy=Policy(nf4=(), tp_pieces=2))
+    uri = f"s3://{BUCKET}/tp/pieces.lct"
+    cloud.push(art, uri)
+    faulty.reset()
+    results = launch(2, uri, src, tmp_path / "out", stream=True, env=dict(os.environ))
+    for r in results:
+        assert "error" not in r, r
+        assert r["max_diff"] == 0.0 and r["placements"] == [], r
+    sizes = [int(b) - int(a) + 1 for e in faulty.log
+             if e["method"] == "GET" and re.search(r"model-\d+\.lct$", e["path"]) and e["range"]
+             for a, b in [re.fullmatch(r"bytes=(\d+)-(\d+)", e["range"]).groups()]]
+    stored = sum(c.stored_size for c in lct.open(art).manifest.chunks)
+    assert stored * 0.9 < sum(sizes) < stored * 1.3, (sum(sizes), stored)
