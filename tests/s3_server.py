@@ -8,7 +8,8 @@ write without permission is refused. Nothing leaves the machine (telemetry off, 
 
     with S3Server() as s3:
         s3.make_bucket("models")
-        monkeypatch.setenv(...) for each of s3.env().items()   # or s3.env(readonly=True)
+        for k, v in s3.env().items():          # or s3.env(readonly=True)
+            monkeypatch.setenv(k, v)
 
 ``FaultProxy`` is a small threaded HTTP proxy of our own between client and server, for the
 faults a real server does not produce on demand: 503 SlowDown, 500, a stalled, dropped or
@@ -156,8 +157,10 @@ class S3Server:
         self.timeout = timeout
         self.volume_size_limit_mb = volume_size_limit_mb
         self.extra_args = tuple(extra_args)
-        self.access_key, self.secret_key = "lct-admin-" + secrets.token_hex(4), secrets.token_hex(16)
-        self.ro_access_key, self.ro_secret_key = "lct-ro-" + secrets.token_hex(4), secrets.token_hex(16)
+        self.access_key = "lct-admin-" + secrets.token_hex(4)
+        self.secret_key = secrets.token_hex(16)
+        self.ro_access_key = "lct-ro-" + secrets.token_hex(4)     # actions Read and List only
+        self.ro_secret_key = secrets.token_hex(16)
         self.region = REGION
         self.port: int | None = None
         self.endpoint: str | None = None
@@ -166,9 +169,10 @@ class S3Server:
         self.startup_s: float | None = None     # seconds from launch to the first 200
         self._proc: subprocess.Popen | None = None
         self._log = None
+        self._grpc_ports: tuple = ()
 
     # Lifecycle -----------------------------------------------------------------------------
-    def start(self) -> "S3Server":
+    def start(self) -> S3Server:
         self.dir = tempfile.mkdtemp(prefix="lct-s3-")
         data = os.path.join(self.dir, "data")
         os.mkdir(data)
@@ -184,6 +188,7 @@ class S3Server:
         (master, master_grpc, volume, volume_grpc, filer, filer_grpc, s3,
          s3_grpc) = free_ports(8)
         self.port, self.endpoint = s3, f"http://127.0.0.1:{s3}"
+        self._grpc_ports = (master_grpc, volume_grpc, filer_grpc, s3_grpc)
         self.master_url = f"http://127.0.0.1:{master}"
         cmd = [self.weed, f"-logdir={self.dir}", "server", f"-dir={data}", "-ip=127.0.0.1",
                "-ip.bind=127.0.0.1", "-master.telemetry=false",
@@ -196,10 +201,11 @@ class S3Server:
                f"-s3.localSocket={os.path.join(self.dir, 's3.sock')}",
                "-s3.port.iceberg=0", "-s3.port.lance=0", "-s3.autoCreateBucket=false",
                *self.extra_args]
-        self._log = open(os.path.join(self.dir, "weed.log"), "wb")
+        self._log = open(os.path.join(self.dir, "weed.log"), "wb")  # noqa: SIM115 (stop())
         t0 = time.monotonic()
         self._proc = subprocess.Popen(cmd, stdout=self._log, stderr=subprocess.STDOUT,
                                       stdin=subprocess.DEVNULL, cwd=self.dir,
+                                      env={**os.environ, "TMPDIR": self.dir},
                                       start_new_session=True)
         try:
             self._wait_ready(t0)
@@ -245,22 +251,33 @@ class S3Server:
             for rack in dc.get("Racks") or [])
 
     def stop(self) -> None:
-        """Kill the process group (TERM, then KILL after 5 s) and remove the data folder."""
+        """Kill the process group (TERM, then KILL after 1 s: a graceful SeaweedFS shutdown
+        takes about 25 s, and the data is thrown away anyway) and remove the data folder and
+        the gRPC sockets weed puts in /tmp whatever TMPDIR says."""
         proc, self._proc = self._proc, None
-        if proc is not None and proc.poll() is None:
-            try:
-                os.killpg(proc.pid, signal.SIGTERM)
-                proc.wait(5)
-            except subprocess.TimeoutExpired:
-                os.killpg(proc.pid, signal.SIGKILL)
-                proc.wait(5)
-            except ProcessLookupError:
-                pass
         if proc is not None:
-            try:  # a child that outlived its parent (same group) goes too
-                os.killpg(proc.pid, signal.SIGKILL)
-            except (ProcessLookupError, PermissionError):
-                pass
+            for sig, wait in ((signal.SIGTERM, 1.0), (signal.SIGKILL, 10.0)):
+                try:
+                    os.killpg(proc.pid, sig)
+                except (ProcessLookupError, PermissionError):
+                    break
+                try:
+                    proc.wait(wait)
+                except subprocess.TimeoutExpired:
+                    continue
+                if sig == signal.SIGTERM:  # the leader is gone; anything left of its group too
+                    try:
+                        os.killpg(proc.pid, signal.SIGKILL)
+                    except (ProcessLookupError, PermissionError):
+                        pass
+                break
+        for port in self._grpc_ports:  # /tmp/seaweedfs-<master|volume|filer|s3>-grpc-<port>.sock
+            for kind in ("master", "volume", "filer", "s3"):
+                try:
+                    os.unlink(f"/tmp/seaweedfs-{kind}-grpc-{port}.sock")
+                except OSError:
+                    pass
+        self._grpc_ports = ()
         if self._log is not None:
             self._log.close()
             self._log = None
@@ -314,7 +331,7 @@ class S3Server:
 class Fault:
     """One fault rule (see ``FaultProxy.set_fault``)."""
     kind: str
-    match: "re.Pattern | None" = None
+    match: re.Pattern | None = None
     method: str | None = "GET"
     range: bool | None = None
     count: int | None = None
@@ -345,20 +362,22 @@ _INTERNAL = (b'<?xml version="1.0" encoding="UTF-8"?>\n<Error><Code>InternalErro
              b"<Resource>%s</Resource><RequestId>lct-fault-proxy</RequestId></Error>")
 
 
-def _read_head(f) -> tuple[bytes, list]:
-    """A start line and its headers from buffered reader ``f``: ``(line, [(name, value)])``;
-    ``(b"", [])`` at a clean EOF."""
+def _read_head(f) -> tuple[bytes, list, bytes]:
+    """A start line and its headers from buffered reader ``f``: ``(line, [(name, value)],
+    raw)``, ``raw`` the bytes read, blank line included; ``(b"", [], b"")`` at a clean EOF."""
     line = f.readline(65537)
     if not line:
-        return b"", []
+        return b"", [], b""
+    raw = [line]
     headers = []
     while True:
         h = f.readline(65537)
+        raw.append(h)
         if h in (b"\r\n", b"\n", b""):
             break
         name, _, value = h.decode("latin-1").partition(":")
         headers.append((name.strip(), value.strip()))
-    return line, headers
+    return line, headers, b"".join(raw)
 
 
 def _get(headers: list, name: str) -> str | None:
@@ -406,7 +425,8 @@ class FaultProxy:
     a free port of 127.0.0.1: ``endpoint``, ``env(readonly=False)`` like ``S3Server``'s.
 
     Counters: ``seen`` (requests received), ``injected`` (faults injected), ``log`` (one dict
-    per request: ``method``, ``path``, ``range``, ``status``, ``fault``).
+    per request: ``method``, ``path``, ``range``, ``status`` answered, ``fault`` injected or
+    ``None``, ``headers`` as received, a list of pairs).
     """
 
     def __init__(self, upstream, *, timeout: float = 60.0):
@@ -431,7 +451,7 @@ class FaultProxy:
         self.endpoint: str | None = None
 
     # Lifecycle -----------------------------------------------------------------------------
-    def start(self) -> "FaultProxy":
+    def start(self) -> FaultProxy:
         proxy = self
 
         class Handler(socketserver.StreamRequestHandler):
@@ -447,6 +467,7 @@ class FaultProxy:
             def handle_error(self, request, client_address):
                 pass  # a client that hangs up mid-answer is not news
 
+        self._stopping.clear()
         self._tcp = TCP(("127.0.0.1", 0), Handler)
         self.endpoint = f"http://127.0.0.1:{self._tcp.server_address[1]}"
         self._thread = threading.Thread(target=self._tcp.serve_forever,
@@ -555,10 +576,10 @@ class FaultProxy:
             self._conns.add(conn)
         try:
             while not self._stopping.is_set():
-                line, headers = _read_head(rfile)
+                line, headers, raw = _read_head(rfile)
                 if not line:
                     return
-                if not self._one(conn, rfile, line, headers):
+                if not self._one(conn, rfile, line, headers, raw):
                     return
         except (_Closed, OSError, ValueError):
             return
@@ -570,8 +591,9 @@ class FaultProxy:
             except OSError:
                 pass
 
-    def _one(self, conn, rfile, line: bytes, headers: list) -> bool:
-        """Forward one request and answer it; ``False`` when the connection must close."""
+    def _one(self, conn, rfile, line: bytes, headers: list, raw: bytes) -> bool:
+        """Forward one request (``raw``: its head as received) and answer it; ``False`` when
+        the connection must close."""
         method, target, _ = line.decode("latin-1").split(" ", 2)
         path = target.split("?", 1)[0]
         expect = (_get(headers, "Expect") or "").lower() == "100-continue"
@@ -581,11 +603,10 @@ class FaultProxy:
             body = _read_chunked_raw(rfile)
         else:
             body = rfile.read(int(_get(headers, "Content-Length") or 0))
-        raw = line + b"".join(f"{k}: {v}\r\n".encode("latin-1") for k, v in headers) + b"\r\n"
         has_range = _get(headers, "Range") is not None
         fault = self._pick(method, path, has_range)
         entry = {"method": method, "path": path, "range": _get(headers, "Range"),
-                 "status": None, "fault": fault.kind if fault else None}
+                 "status": None, "fault": fault.kind if fault else None, "headers": headers}
         with self._lock:
             self.log.append(entry)
         client_close = (_get(headers, "Connection") or "").lower() == "close"
@@ -599,16 +620,16 @@ class FaultProxy:
                          f"Content-Length: {len(xml)}\r\nx-amz-request-id: lct-fault-proxy\r\n"
                          f"\r\n".encode() + (b"" if method == "HEAD" else xml))
             return not client_close
-        if fault is not None and fault.kind == "stall" and fault.after is None:
-            if self._stopping.wait(fault.seconds):
-                raise _Closed()
+        if (fault is not None and fault.kind == "stall" and fault.after is None
+                and self._stopping.wait(fault.seconds)):
+            raise _Closed()  # stopped mid-stall
 
         up = socket.create_connection(self._up_addr, timeout=self.timeout)
         try:
             up.sendall(raw + body)
             uf = up.makefile("rb")
             while True:  # interim 1xx answers (100 Continue) were already given by us
-                sline, rheaders = _read_head(uf)
+                sline, rheaders, _ = _read_head(uf)
                 if not sline:
                     raise _Closed()
                 status = int(sline.split()[1])

@@ -227,3 +227,38 @@ def test_tensor_parallel_ranks_each_read_only_their_share_from_s3(server, faulty
              for a, b in [re.fullmatch(r"bytes=(\d+)-(\d+)", e["range"]).groups()]]
     stored = sum(c.stored_size for c in lct.open(art).manifest.chunks)
     assert stored * 0.9 < sum(sizes) < stored * 1.3, (sum(sizes), stored)
+
+
+def test_credentials_from_a_profile_in_the_shared_files(server, pushed, monkeypatch, tmp_path):
+    """As the AWS CLI finds them: AWS_PROFILE's keys in a shared credentials file, the
+    endpoint in the shared config file, nothing in the environment."""
+    env = server.env()
+    _env(monkeypatch, tmp_path, {})
+    for k in ("AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY", "AWS_ENDPOINT_URL",
+              "AWS_DEFAULT_REGION", "AWS_SESSION_TOKEN"):
+        monkeypatch.delenv(k, raising=False)
+    (tmp_path / "credentials").write_text(
+        f"[lct-test]\naws_access_key_id = {env['AWS_ACCESS_KEY_ID']}\n"
+        f"aws_secret_access_key = {env['AWS_SECRET_ACCESS_KEY']}\n")
+    (tmp_path / "config").write_text(f"[profile lct-test]\nregion = us-east-1\n"
+                                     f"endpoint_url = {env['AWS_ENDPOINT_URL']}\n")
+    monkeypatch.setenv("AWS_SHARED_CREDENTIALS_FILE", str(tmp_path / "credentials"))
+    monkeypatch.setenv("AWS_CONFIG_FILE", str(tmp_path / "config"))
+    monkeypatch.setenv("AWS_PROFILE", "lct-test")
+    with lct.open(pushed) as art:
+        assert art.read_group(art.groups[0])
+
+
+def test_the_cli_says_what_went_wrong_in_one_line(server, pushed, faulty):
+    from click.testing import CliRunner
+
+    from lct.cli.main import cli
+    for args, words in [(["info", "s3://no-such-bucket/x.lct"], "no such bucket"),
+                        (["info", f"s3://{BUCKET}/nothing/here"], "not an LCT artifact"),
+                        (["info", "s3://Bad_Bucket/x"], "not a valid bucket name")]:
+        r = CliRunner().invoke(cli, args)
+        assert r.exit_code != 0 and words in r.output, (args, r.output)
+        assert "Traceback" not in r.output and len(r.output.strip().splitlines()) == 1, r.output
+    faulty.set_fault("flip", match=r"model-\d+\.lct$", range=True)
+    r = CliRunner().invoke(cli, ["verify", pushed])
+    assert r.exit_code != 0 and "Traceback" not in r.output, r.output
