@@ -21,13 +21,12 @@ def info_cmd(artifact, as_json, as_manifest, tensors, quiet):
     hf://org/name[@rev], pulled into the Hugging Face cache first, or s3://bucket/prefix, of
     which only the small files are fetched), and the overall ratio
     against the source checkpoint. Reads only the manifest (no torch needed)."""
-    from lct.cloud import is_s3_uri, open_s3
-    from lct.hub import local_artifact
+    from lct.cloud import local_or_open
     from lct.io.info import summarize
-    from lct.io.reader import open_artifact
+    from lct.io.reader import Artifact, open_artifact
     from lct.units import human
-    with (open_s3(artifact) if is_s3_uri(artifact) else
-          open_artifact(local_artifact(artifact))) as art:
+    where = local_or_open(artifact)
+    with where if isinstance(where, Artifact) else open_artifact(where) as art:
         m = art.manifest
         if as_manifest:
             click.echo(json.dumps(m.to_dict(), indent=1))

@@ -70,8 +70,10 @@ def load_cmd(artifact, prefetch, device, dtype, nf4, workers, no_verify, expect,
     breakdown: imports, manifest, read, decode, install, time to ready, time to first token (with
     --prompt or --ids), throughput and peak RSS.
 
-    ARTIFACT is a folder or a Hub address hf://org/name[@revision] (pulled into the Hugging Face
-    cache and verified, or with --stream read chunk by chunk over HTTP)."""
+    ARTIFACT is a folder, a Hub address hf://org/name[@revision] (pulled into the Hugging Face
+    cache and verified, or with --stream read chunk by chunk over HTTP), or an object store's
+    s3://bucket/prefix (always read chunk by chunk; AWS credentials and AWS_ENDPOINT_URL as the
+    AWS CLI takes them)."""
     if prompt is not None and ids is not None:
         raise click.UsageError("give --prompt or --ids, not both")
     if prompt is not None:

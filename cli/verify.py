@@ -39,7 +39,8 @@ from lct.cli._util import GroupProgress, quiet_option, table
 @quiet_option("OK or FAILED (the problems on stderr)")
 def verify_cmd(artifact, against, revision, quality, text, max_tokens, layerwise, expect,
                as_json, quiet):
-    """Check every chunk of ARTIFACT (a folder or hf://org/name[@rev], pulled first):
+    """Check every chunk of ARTIFACT (a folder, hf://org/name[@rev], pulled first, or
+    s3://bucket/prefix, read by range requests):
     checksum and decode. Exits 1 if anything is wrong.
 
     With --against SOURCE, every tensor is compared with the source: lossless ones bit for bit,

@@ -53,9 +53,9 @@ def open(path, *, verify: bool = True, workers=None, stream: bool = False):  # n
     """Open an LCT artifact to read its tensors without building a model.
 
     Args:
-        path: the artifact folder, or ``hf://org/name[@revision]`` (pulled into the Hugging
+        path: the artifact folder, ``hf://org/name[@revision]`` (pulled into the Hugging
             Face cache and its files checked, or with ``stream=True`` read chunk by chunk by
-            HTTP range requests).
+            HTTP range requests), or ``s3://bucket/prefix`` (always read chunk by chunk).
         verify: check every chunk's checksum as it is read (a mismatch is a ``ChecksumError``
             naming the chunk).
         workers: decode threads (default: all cores).

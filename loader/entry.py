@@ -18,8 +18,9 @@ def load(path, prefetch: int = DEFAULT_PREFETCH, device="cpu", dtype=None, nf4: 
     streaming loader (its docstring has the details).
 
     Args:
-        path: the artifact folder, or ``hf://org/name[@revision]`` (pulled and verified first,
-            or with ``stream=True`` read by HTTP range requests).
+        path: the artifact folder, ``hf://org/name[@revision]`` (pulled and verified first,
+            or with ``stream=True`` read by HTTP range requests), or ``s3://bucket/prefix``
+            (always read by range requests, ``lct.cloud``).
         prefetch: groups decoded ahead of the one being installed (0: sequential).
         device: ``"cpu"`` or ``"cuda[:N]"``.
         dtype: cast floating-point weights to this torch dtype (default: the stored ones).

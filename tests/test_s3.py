@@ -166,7 +166,7 @@ def test_addresses_buckets_and_permissions_are_one_line_errors(server, pushed, t
         lct.open(pushed)
 
 
-def test_info_and_verify_take_s3_addresses(pushed, direct):
+def test_info_verify_and_export_take_s3_addresses(pushed, direct, tmp_path):
     from click.testing import CliRunner
 
     from lct.cli.main import cli
@@ -175,6 +175,9 @@ def test_info_and_verify_take_s3_addresses(pushed, direct):
     r = CliRunner().invoke(cli, ["verify", pushed])
     assert r.exit_code == 0 and "OK" in r.output, r.output
     assert lct.verify(pushed).ok
+    out = tmp_path / "exported"
+    r = CliRunner().invoke(cli, ["export", pushed, str(out)])
+    assert r.exit_code == 0 and (out / "config.json").is_file(), r.output
 
 
 def test_the_cli_converts_pushes_and_pulls_s3_addresses(tiny, direct, tmp_path):

@@ -79,8 +79,8 @@ def export(artifact, out_dir, *, max_shard_size=DEFAULT_SHARD_SIZE, overwrite: b
     """Write the artifact as a Hugging Face folder (safetensors, config, tokenizer).
 
     Args:
-        artifact: an artifact path, an ``hf://org/name[@rev]`` address (pulled first), or an
-            open ``Artifact``.
+        artifact: an artifact path, an ``hf://org/name[@rev]`` address (pulled first), an
+            ``s3://bucket/prefix`` (streamed), or an open ``Artifact``.
         out_dir: the folder to create.
         max_shard_size: the largest safetensors shard, as save_pretrained takes it: bytes or
             ``"5GB"`` / ``"500MB"`` (``lct.units.parse_size``; an index is written when there are
@@ -98,9 +98,16 @@ def export(artifact, out_dir, *, max_shard_size=DEFAULT_SHARD_SIZE, overwrite: b
     out = Path(out_dir).absolute()
     from lct.units import parse_size
     max_shard_size = parse_size(max_shard_size, "max_shard_size", option="max_shard_size")
-    if not isinstance(artifact, Artifact):
-        from lct.hub import local_artifact
-        artifact = local_artifact(artifact)
+    given = artifact if isinstance(artifact, Artifact) else None
+    if given is None:
+        from lct.cloud import local_or_open
+        artifact = local_or_open(artifact)
+        if isinstance(artifact, Artifact):      # s3:// streamed: ours to close
+            try:
+                return export(artifact, out_dir, max_shard_size=max_shard_size,
+                              overwrite=overwrite, progress=progress)
+            finally:
+                artifact.close()
     art_path = artifact.path if isinstance(artifact, Artifact) else Path(artifact)
     _check_place(out, art_path)
     # Held while writing: no other LCT process writes the same folder between the checks and

@@ -110,10 +110,8 @@ def verify(artifact, *, against: str | None = None, revision: str | None = None,
         raise LCTError("a quality check needs the lossless reference: pass the source as against")
     given = artifact if isinstance(artifact, Artifact) else None
     if given is None:
-        from lct.cloud import is_s3_uri, open_s3
-        from lct.hub import local_artifact
-        artifact = open_s3(str(artifact)) if is_s3_uri(str(artifact)) else \
-            local_artifact(artifact)
+        from lct.cloud import local_or_open
+        artifact = local_or_open(artifact)
     art = artifact if isinstance(artifact, Artifact) else open_artifact(artifact)
     report = VerifyReport(cast=art.cast_dtype)
     if expect is not None:
