@@ -30,6 +30,7 @@ from lct.errors import (ArtifactNotFoundError, LCTError, MissingDependencyError,
                         ObjectStoreError, ObjectStoreNotFoundError, ObjectStoreOfflineError,
                         ObjectStoreURIError, WriteError)
 from lct.format import constants as C
+from lct.io.store import receive_range
 
 S3_SCHEME = "s3://"
 # S3 error codes and HTTP statuses worth retrying (the request may succeed a moment later).
@@ -265,24 +266,19 @@ class S3Store:
                 raise ObjectStoreError(f"{self.describe(name)}: the object changed while it was "
                                        f"read (ETag {r['ETag']}, listed {etag}); open the "
                                        f"artifact again")
-            deadline = time.monotonic() + self.timeout + want / max(self.min_rate, 1)
-            for block in body.iter_chunks(1 << 20):
-                if time.monotonic() > deadline:
-                    raise TimeoutError(f"too slow: {want} bytes not in "
-                                       f"{self.timeout + want / self.min_rate:.0f} s")
-                k, at = len(block), got[0]
-                if at + k > len(buf):
-                    raise ObjectStoreError(f"{self.describe(name)}: the server sent more than "
-                                           f"the {want} bytes asked for at {start}")
-                buf[at:at + k] = block
-                got[0] = at + k
-                with self._lock:
-                    self.bytes_fetched += k
+            receive_range(body.iter_chunks(1 << 20), buf, got, start=start, want=want,
+                          timeout=self.timeout, min_rate=self.min_rate,
+                          where=self.describe(name), error=ObjectStoreError,
+                          counted=self._count)
         finally:
             body.close()
         if got[0] < len(buf):
             raise ConnectionError(f"connection closed after {got[0] - (len(buf) - want)} of "
                                   f"{want} bytes")
+
+    def _count(self, k: int) -> None:
+        with self._lock:
+            self.bytes_fetched += k
 
     def release(self, name: str, offset: int, size: int) -> None:
         """Nothing to drop: fetched bytes are owned by the caller's buffer."""

@@ -22,6 +22,7 @@ from lct.format import constants as C
 from lct.hub.address import parse_hf_uri, split_address, where
 from lct.hub.client import _hub, hub_error, hub_timeout
 from lct.hub.pull import check_files, raise_corrupt
+from lct.io.store import receive_range
 
 # Statuses worth retrying (the request may succeed a moment later).
 RETRY_STATUS = (408, 429, 500, 502, 503, 504)
@@ -170,19 +171,13 @@ class HttpRangeStore:
                 if crange and not crange.startswith(f"bytes {start}-{end - 1}/"):
                     raise HubError(f"{self.describe(name)}: asked for bytes {start}-{end - 1}, "
                                    f"got {crange}")
-                deadline = time.monotonic() + self.timeout + want / max(self.min_rate, 1)
-                for block in r.iter_bytes():
-                    if time.monotonic() > deadline:
-                        raise _Transient(f"too slow: {got[0] - (len(buf) - want)} of {want} "
-                                         f"bytes in {self.timeout + want / self.min_rate:.0f} s")
-                    k, at = len(block), got[0]
-                    if at + k > len(buf):
-                        raise HubError(f"{self.describe(name)}: the server sent more than the "
-                                       f"{want} bytes asked for at {start}")
-                    buf[at:at + k] = block
-                    got[0] = at + k
-                    with self._lock:
-                        self.bytes_fetched += k
+                try:
+                    receive_range(r.iter_bytes(), buf, got, start=start, want=want,
+                                  timeout=self.timeout, min_rate=self.min_rate,
+                                  where=self.describe(name), error=HubError,
+                                  counted=self._count)
+                except TimeoutError as e:
+                    raise _Transient(str(e)) from e
         except (httpx2.TransportError, httpx2.StreamError) as e:
             if isinstance(e, httpx2.ProxyError):
                 raise hub_error(e, self.repo_id, self.revision) from e
@@ -195,6 +190,10 @@ class HttpRangeStore:
         if got[0] < len(buf):
             raise _Transient(f"connection closed after {got[0] - (len(buf) - want)} of {want} "
                              f"bytes")
+
+    def _count(self, k: int) -> None:
+        with self._lock:
+            self.bytes_fetched += k
 
     def release(self, name: str, offset: int, size: int) -> None:
         """Nothing to drop: fetched bytes are owned by the caller's buffer."""

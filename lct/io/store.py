@@ -31,6 +31,34 @@ def confined(path: Path, root: Path) -> bool:
     return any(target == a or a in target.parents for a in allowed)
 
 
+def receive_range(blocks, buf: bytearray, got: list, *, start: int, want: int, timeout: float,
+                  min_rate: int, where: str, error, counted=None) -> None:
+    """Copy the byte ``blocks`` of one answer to a range request (bytes ``start`` on, ``want``
+    of them, the last ``want`` bytes of ``buf``) into ``buf`` from ``got[0]``, advancing
+    ``got[0]`` as they arrive (so that a retry resumes there); ``counted(k)`` is told of each
+    block. A remote store's one receiving loop (``lct.hub.remote``, ``lct.cloud.s3``).
+
+    Raises:
+        TimeoutError: the transfer averaged below ``min_rate`` bytes a second after ``timeout``
+            seconds of grace (worth retrying).
+        error: the server sent more than was asked for (``error`` is the store's error class).
+    """
+    import time
+    deadline = time.monotonic() + timeout + want / max(min_rate, 1)
+    for block in blocks:
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"too slow: {got[0] - (len(buf) - want)} of {want} bytes in "
+                               f"{timeout + want / max(min_rate, 1):.0f} s")
+        k, at = len(block), got[0]
+        if at + k > len(buf):
+            raise error(f"{where}: the server sent more than the {want} bytes asked for at "
+                        f"{start}")
+        buf[at:at + k] = block
+        got[0] = at + k
+        if counted is not None:
+            counted(k)
+
+
 class LocalStore:
     """Data files in a local directory, read through read-only memory maps (zero-copy)."""
 
