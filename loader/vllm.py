@@ -52,8 +52,10 @@ from lct.format import constants as C
 from lct.io.stream import DEFAULT_PREFETCH
 
 try:
-    from vllm.distributed import (get_tensor_model_parallel_rank,
-                                  get_tensor_model_parallel_world_size)
+    from vllm.distributed import (
+        get_tensor_model_parallel_rank,
+        get_tensor_model_parallel_world_size,
+    )
     from vllm.logger import init_logger
     from vllm.model_executor.model_loader import register_model_loader
     from vllm.model_executor.model_loader.base_loader import BaseModelLoader
@@ -361,8 +363,13 @@ def _module_share(model, path: str, part: int, fused: dict, shape, rank: int, wo
     """``(axis, start, stop)`` that the vLLM module at ``path`` (part ``part`` of it, or the
     fused module ``fused`` names it a part of) keeps of a checkpoint tensor of ``shape`` on
     ``rank``; None when not known."""
-    from vllm.model_executor.layers.linear import ColumnParallelLinear, RowParallelLinear
-    from vllm.model_executor.layers.vocab_parallel_embedding import VocabParallelEmbedding
+    from vllm.model_executor.layers.linear import (
+        ColumnParallelLinear,
+        RowParallelLinear,
+    )
+    from vllm.model_executor.layers.vocab_parallel_embedding import (
+        VocabParallelEmbedding,
+    )
     parent, _, leaf = path.rpartition(".")
     try:
         module = model.get_submodule(path)

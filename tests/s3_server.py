@@ -23,6 +23,10 @@ real server against exactly the bytes the client signed. Nothing is re-signed::
         ...
         assert proxy.injected == 2
 
+``FaultProxy(s3, rate=200e6)`` also caps the bandwidth: response bodies of all connections
+together leave at most ``rate`` bytes per second (one shared token bucket), like a link of that
+speed in front of the store; ``bytes_sent`` counts the body bytes sent to clients.
+
 If ``weed`` is not installed, ``S3Server()`` raises ``WeedNotFound`` (a fixture turns it into
 ``pytest.skip``). Standard library only; boto3 is not needed here.
 """
@@ -424,12 +428,18 @@ class FaultProxy:
     the one fault that needs a request of the proxy's own, ``ignore_range``) or a URL. Listens on
     a free port of 127.0.0.1: ``endpoint``, ``env(readonly=False)`` like ``S3Server``'s.
 
-    Counters: ``seen`` (requests received), ``injected`` (faults injected), ``log`` (one dict
-    per request: ``method``, ``path``, ``range``, ``status`` answered, ``fault`` injected or
-    ``None``, ``headers`` as received, a list of pairs).
+    ``rate``: a bandwidth cap in bytes per second on the response bodies of all connections
+    together (one token bucket shared by every connection; ``burst`` bytes may go at once,
+    default 20 ms' worth); ``None`` (default): no cap. ``set_rate`` changes it.
+
+    Counters: ``seen`` (requests received), ``injected`` (faults injected), ``bytes_sent``
+    (response body bytes sent to clients), ``log`` (one dict per request: ``method``, ``path``,
+    ``range``, ``status`` answered, ``fault`` injected or ``None``, ``headers`` as received, a
+    list of pairs, ``sent`` body bytes sent).
     """
 
-    def __init__(self, upstream, *, timeout: float = 60.0):
+    def __init__(self, upstream, *, timeout: float = 60.0, rate: float | None = None,
+                 burst: float | None = None):
         if isinstance(upstream, S3Server):
             self.server = upstream
             self.upstream = upstream.endpoint
@@ -442,8 +452,11 @@ class FaultProxy:
         self.faults: list[Fault] = []
         self.seen = 0
         self.injected = 0
+        self.bytes_sent = 0
         self.log: list[dict] = []
         self._lock = threading.Lock()
+        self._bucket: _TokenBucket | None = None
+        self.set_rate(rate, burst)
         self._stopping = threading.Event()
         self._conns: set = set()
         self._tcp = None
@@ -505,6 +518,29 @@ class FaultProxy:
             return {"AWS_ENDPOINT_URL": self.endpoint, "AWS_DEFAULT_REGION": REGION}
         return {**self.server.env(readonly), "AWS_ENDPOINT_URL": self.endpoint}
 
+    @property
+    def rate(self) -> float | None:
+        """The bandwidth cap in bytes per second (``None``: none)."""
+        return self._bucket.rate if self._bucket is not None else None
+
+    def set_rate(self, rate: float | None, burst: float | None = None) -> None:
+        """Cap the response bodies of all connections together at ``rate`` bytes per second
+        (``None``: no cap); applies to bytes sent from now on, transfers under way included."""
+        if rate is not None and not rate > 0:
+            raise ValueError(f"rate must be a positive number of bytes per second, got {rate!r}")
+        self._bucket = None if rate is None else _TokenBucket(
+            rate, burst if burst is not None else max(rate / 50, 1 << 16))
+
+    def _send_body(self, conn: socket.socket, data, entry: dict) -> None:
+        """Send ``data`` (a piece of a response body) under the cap, and count it."""
+        bucket = self._bucket
+        if bucket is not None and data and not bucket.take(len(data), self._stopping):
+            raise _Closed()  # stopped while waiting for the bucket
+        conn.sendall(data)
+        with self._lock:
+            self.bytes_sent += len(data)
+            entry["sent"] += len(data)
+
     # Faults ----------------------------------------------------------------------------------
     def set_fault(self, kind: str, **kw) -> Fault:
         """Replace every fault rule with one; returns it (its ``injected`` counts its uses).
@@ -554,9 +590,9 @@ class FaultProxy:
             self.faults = []
 
     def reset(self) -> None:
-        """Zero ``seen``, ``injected`` and ``log``."""
+        """Zero ``seen``, ``injected``, ``bytes_sent`` and ``log``."""
         with self._lock:
-            self.seen = self.injected = 0
+            self.seen = self.injected = self.bytes_sent = 0
             self.log = []
 
     def _pick(self, method: str, path: str, has_range: bool) -> Fault | None:
@@ -606,7 +642,8 @@ class FaultProxy:
         has_range = _get(headers, "Range") is not None
         fault = self._pick(method, path, has_range)
         entry = {"method": method, "path": path, "range": _get(headers, "Range"),
-                 "status": None, "fault": fault.kind if fault else None, "headers": headers}
+                 "status": None, "fault": fault.kind if fault else None, "headers": headers,
+                 "sent": 0}
         with self._lock:
             self.log.append(entry)
         client_close = (_get(headers, "Connection") or "").lower() == "close"
@@ -687,17 +724,17 @@ class FaultProxy:
                     if fault.kind == "flip":
                         piece = piece[:i] + bytes([piece[i] ^ 0xFF]) + piece[i + 1:]
                     elif fault.kind == "drop":
-                        conn.sendall(piece[:i])
+                        self._send_body(conn, piece[:i], entry)
                         _hang_up(conn)
                         raise _Closed()
                     else:  # stall mid-body, then carry on
-                        conn.sendall(piece[:i])
+                        self._send_body(conn, piece[:i], entry)
                         sent += i
                         piece = piece[i:]
                         if self._stopping.wait(fault.seconds):
                             raise _Closed()
                     cut = None
-                conn.sendall(piece)
+                self._send_body(conn, piece, entry)
                 sent += len(piece)
             if cut is not None and fault.kind == "drop":  # cut at (or past) the end
                 _hang_up(conn)
@@ -705,6 +742,34 @@ class FaultProxy:
             return keep
         finally:
             up.close()
+
+
+class _TokenBucket:
+    """A bandwidth cap shared by threads: ``take(n)`` returns once ``n`` bytes may go.
+
+    Tokens (bytes) accrue at ``rate`` per second up to ``burst``; a taker reserves its bytes at
+    once (the balance may go negative) and sleeps off its debt, so the takers together never
+    exceed ``rate`` (plus ``burst``) whatever their number, each in the order it asked."""
+
+    def __init__(self, rate: float, burst: float):
+        self.rate, self.burst = float(rate), float(burst)
+        self._tokens = self.burst
+        self._t = time.monotonic()
+        self._lock = threading.Lock()
+
+    def take(self, n: int, stopping: threading.Event | None = None) -> bool:
+        """Wait until ``n`` bytes may be sent; ``False`` if ``stopping`` was set meanwhile."""
+        with self._lock:
+            now = time.monotonic()
+            self._tokens = min(self.burst, self._tokens + (now - self._t) * self.rate) - n
+            self._t = now
+            wait = -self._tokens / self.rate if self._tokens < 0 else 0.0
+        if wait <= 0:
+            return True
+        if stopping is None:
+            time.sleep(wait)
+            return True
+        return not stopping.wait(wait)
 
 
 def _pieces(uf, rbody: bytes | None, length: int | None, size: int = 1 << 16):

@@ -12,9 +12,17 @@ import torch
 
 import lct
 from lct import cloud
-from lct.errors import (ArtifactNotFoundError, ChecksumError, ManifestError, ObjectStoreAuthError,
-                        ObjectStoreError, ObjectStoreNotFoundError, ObjectStoreOfflineError,
-                        ObjectStoreURIError, WriteError)
+from lct.errors import (
+    ArtifactNotFoundError,
+    ChecksumError,
+    ManifestError,
+    ObjectStoreAuthError,
+    ObjectStoreError,
+    ObjectStoreNotFoundError,
+    ObjectStoreOfflineError,
+    ObjectStoreURIError,
+    WriteError,
+)
 
 s3_server = pytest.importorskip("s3_server")
 pytest.importorskip("boto3")
@@ -168,7 +176,6 @@ def test_addresses_buckets_and_permissions_are_one_line_errors(server, pushed, t
 
 def test_info_verify_and_export_take_s3_addresses(pushed, direct, tmp_path):
     from click.testing import CliRunner
-
     from lct.cli.main import cli
     r = CliRunner().invoke(cli, ["info", pushed, "-q"])
     assert r.exit_code == 0 and "llama.lct" in r.output, r.output
@@ -182,7 +189,6 @@ def test_info_verify_and_export_take_s3_addresses(pushed, direct, tmp_path):
 
 def test_the_cli_converts_pushes_and_pulls_s3_addresses(tiny, direct, tmp_path):
     from click.testing import CliRunner
-
     from lct.cli.main import cli
     src = tiny.parent / "llama"
     uri = f"s3://{BUCKET}/cli/converted.lct"
@@ -254,7 +260,6 @@ def test_credentials_from_a_profile_in_the_shared_files(server, pushed, monkeypa
 
 def test_the_cli_says_what_went_wrong_in_one_line(server, pushed, faulty):
     from click.testing import CliRunner
-
     from lct.cli.main import cli
     for args, words in [(["info", "s3://no-such-bucket/x.lct"], "no such bucket"),
                         (["info", f"s3://{BUCKET}/nothing/here"], "not an LCT artifact"),

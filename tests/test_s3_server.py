@@ -5,6 +5,7 @@ missing. Nothing leaves the machine."""
 
 import hashlib
 import random
+import threading
 import time
 from urllib.parse import urlsplit
 
@@ -159,6 +160,34 @@ def test_proxy_passes_signed_requests_unchanged(s3, proxy):
     status, _, text = raw_request(s3.endpoint, "GET", "/",
                                   {**headers, "host": urlsplit(s3.endpoint).netloc})
     assert status == 403 and b"SignatureDoesNotMatch" in text
+
+
+def test_rate_cap_is_shared_by_all_connections(s3):
+    """``rate``: the bodies of concurrent GETs together leave at the cap; ``bytes_sent`` and
+    each log entry's ``sent`` count them; ``set_rate(None)`` lifts it."""
+    with FaultProxy(s3, rate=1e6, burst=64 * 1024) as p:
+        got = []
+
+        def fetch():
+            got.append(client(p).get_object(Bucket=BUCKET, Key=KEY)["Body"].read())
+        t = time.monotonic()
+        threads = [threading.Thread(target=fetch) for _ in range(2)]
+        for th in threads:
+            th.start()
+        for th in threads:
+            th.join(10)
+        took = time.monotonic() - t
+        assert got == [DATA, DATA]
+        # 2 x 256 KiB at 1 MB/s, less the 64 KiB burst: 0.46 s at least; alone each would be 0.2
+        assert 0.42 < took < 5, took
+        assert p.bytes_sent == 2 * len(DATA) and [e["sent"] for e in p.log] == [len(DATA)] * 2
+        p.set_rate(None)
+        p.reset()
+        t = time.monotonic()
+        assert client(p).get_object(Bucket=BUCKET, Key=KEY)["Body"].read() == DATA
+        assert time.monotonic() - t < 0.4 and p.bytes_sent == len(DATA) and p.rate is None
+    with pytest.raises(ValueError):
+        FaultProxy(s3, rate=0)
 
 
 # The proxy: faults -----------------------------------------------------------------------------

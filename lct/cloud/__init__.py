@@ -4,8 +4,15 @@ requests, pulled and pushed. boto3 is imported on first use (``pip install 'lct[
 May import: ``lct.hub``, ``lct.io``, ``lct.format`` and the leaves (``lct.errors`` holds the
 object-store errors)."""
 
-from lct.cloud.s3 import S3_SCHEME, S3Store, is_s3_uri, open_s3, parse_s3_uri, pull, push
-
+from lct.cloud.s3 import (
+    S3_SCHEME,
+    S3Store,
+    is_s3_uri,
+    open_s3,
+    parse_s3_uri,
+    pull,
+    push,
+)
 
 
 def local_or_open(path):

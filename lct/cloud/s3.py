@@ -26,9 +26,17 @@ import threading
 import time
 from pathlib import Path
 
-from lct.errors import (ArtifactNotFoundError, LCTError, MissingDependencyError, ObjectStoreAuthError,
-                        ObjectStoreError, ObjectStoreNotFoundError, ObjectStoreOfflineError,
-                        ObjectStoreURIError, WriteError)
+from lct.errors import (
+    ArtifactNotFoundError,
+    LCTError,
+    MissingDependencyError,
+    ObjectStoreAuthError,
+    ObjectStoreError,
+    ObjectStoreNotFoundError,
+    ObjectStoreOfflineError,
+    ObjectStoreURIError,
+    WriteError,
+)
 from lct.format import constants as C
 from lct.io.store import receive_range
 
@@ -154,7 +162,7 @@ def list_objects(s3, bucket: str, prefix: str) -> dict:
                                                                  Prefix=prefix + "/"):
             for o in page.get("Contents", []):
                 out[o["Key"][len(prefix) + 1:]] = (int(o["Size"]), o.get("ETag", ""))
-    except Exception as e:  # noqa: BLE001
+    except Exception as e:
         raise s3_error(e, where) from e
     return out
 
@@ -227,7 +235,7 @@ class S3Store:
                 self._fetch(name, offset, end, buf, got)
             except LCTError:
                 raise
-            except Exception as e:  # noqa: BLE001
+            except Exception as e:
                 if not _transient(e):
                     raise s3_error(e, self.describe(name)) from e
                 since += got[0] - before
@@ -310,7 +318,7 @@ def _get(s3, bucket: str, key: str, where: str, etag: str = "") -> bytes:
             if len(data) != int(r.get("ContentLength", len(data))):
                 raise ConnectionError("short read")
             return data
-        except Exception as e:  # noqa: BLE001
+        except Exception as e:
             if not _transient(e) or attempt == 5:
                 raise s3_error(e, where) from e
             time.sleep(0.25 * 2 ** attempt)
@@ -497,7 +505,7 @@ def push(artifact, uri: str, *, s3=None, progress=None) -> int:
         name = p.relative_to(root).as_posix()
         try:
             s3.upload_file(str(p), bucket, f"{prefix}/{name}", Config=config)
-        except Exception as e:  # noqa: BLE001
+        except Exception as e:
             raise s3_error(e, f"{uri}/{name}") from e
         done += p.stat().st_size
         if progress:
