@@ -270,3 +270,25 @@ def test_the_cli_says_what_went_wrong_in_one_line(server, pushed, faulty):
     faulty.set_fault("flip", match=r"model-\d+\.lct$", range=True)
     r = CliRunner().invoke(cli, ["verify", pushed])
     assert r.exit_code != 0 and "Traceback" not in r.output, r.output
+
+
+def test_only_the_artifacts_files_go_up_and_an_oversized_small_file_is_refused(
+        server, tiny, direct, tmp_path):
+    import shutil
+
+    import boto3
+
+    from lct.format import constants as C
+    art = tmp_path / "with-stray.lct"
+    shutil.copytree(tiny, art)
+    (art / "notes.txt").write_text("not part of the artifact")
+    uri = f"s3://{BUCKET}/stray/llama.lct"
+    cloud.push(art, uri)
+    s3 = boto3.client("s3")
+    keys = {o["Key"].rsplit("/", 1)[1] for o in
+            s3.list_objects_v2(Bucket=BUCKET, Prefix="stray/llama.lct/")["Contents"]}
+    assert "notes.txt" not in keys and {"lct.json", "config.json"} <= keys, keys
+    s3.put_object(Bucket=BUCKET, Key="stray/llama.lct/huge.json",
+                  Body=b"0" * (C.MAX_SIDE_FILE_BYTES + 1))
+    with pytest.raises(ObjectStoreError, match="huge.json: .* more than"):
+        lct.open(uri)

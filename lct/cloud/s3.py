@@ -347,6 +347,11 @@ def fetch_small(uri: str, s3=None) -> tuple:
     if bad:
         raise ObjectStoreError(f"{where}: object name {bad[0]!r} leaves the artifact folder")
     data = {n: v for n, v in objects.items() if _DATA_FILE.fullmatch(n)}
+    for name, (size, _) in objects.items():     # the store is untrusted: bounded downloads
+        cap = C.MAX_MANIFEST_BYTES if name == C.MANIFEST_NAME else C.MAX_SIDE_FILE_BYTES
+        if name not in data and size > cap:
+            raise ObjectStoreError(f"{where}/{name}: {size:,} bytes, more than the "
+                                   f"{cap:,} a small file of an artifact may have")
     manifest = _get(s3, bucket, f"{prefix}/{C.MANIFEST_NAME}", f"{where}/{C.MANIFEST_NAME}",
                     objects[C.MANIFEST_NAME][1])
     digest = hashlib.sha256(manifest).hexdigest()[:16]
@@ -490,13 +495,12 @@ def push(artifact, uri: str, *, s3=None, progress=None) -> int:
     root = Path(artifact)
     bucket, prefix = parse_s3_uri(uri)
     s3 = s3 if s3 is not None else client()
+    from lct.hub.push import artifact_files
     with open_artifact(root) as art:
         _check(art, str(root))
+        names, _ = artifact_files(root, art.manifest)   # what the manifest lists, confined
     ensure_new_prefix(uri, s3)
-    files = sorted(p for p in root.rglob("*") if p.is_file())
-    if any(p.is_symlink() and not p.resolve().is_file() for p in files):
-        raise WriteError(f"{root}: a broken link among the artifact's files")
-    order = [p for p in files if p.name != C.MANIFEST_NAME] + [root / C.MANIFEST_NAME]
+    order = [root / n for n in names if n != C.MANIFEST_NAME] + [root / C.MANIFEST_NAME]
     total = sum(p.stat().st_size for p in order)
     done = 0
     from boto3.s3.transfer import TransferConfig

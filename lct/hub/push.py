@@ -32,7 +32,7 @@ class PushResult:
     skipped: list = field(default_factory=list)     # [(name, why)] in the folder, not pushed
 
 
-def _artifact_files(root: Path, manifest) -> tuple:
+def artifact_files(root: Path, manifest) -> tuple:
     """``(names, skipped)``: the files to push, and ``[(name, why)]`` of those in the folder
     that are not pushed (a card LCT generates instead, an extra file that is not a file)."""
     names = [C.MANIFEST_NAME] + [f["name"] for f in manifest.files]
@@ -94,7 +94,7 @@ def push(artifact, repo_id: str, revision: str | None = None, private: bool = Fa
     repo_id, revision = split_address(repo_id, revision)
     root = Path(artifact)
     manifest, report = _verified(root, verify_progress)
-    names, skipped = _artifact_files(root, manifest)
+    names, skipped = artifact_files(root, manifest)
     card = model_card(manifest, repo_id,
                       license=license or _source_license(manifest, token, endpoint))
     src = manifest.source or {}
