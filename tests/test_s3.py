@@ -116,6 +116,13 @@ def test_a_streamed_load_equals_the_local_load_reading_only_ranges(pushed, tiny,
     assert torch.equal(lct.load(pushed, prefetch=2)(IDS).logits, want)
     data = [e for e in faulty.log if e["path"].endswith(".lct") and e["method"] == "GET"]
     assert data and all(e["range"] for e in data), data        # no data file fetched whole
+    faulty.reset()
+    with lct.open(pushed) as art:
+        n = sum(1 for _ in art.stream(prefetch=1))
+        # the stream's hints fetched chunks ahead of the decoders, each range once
+        assert n == len(art.groups) and art.store.readahead.hits > 0
+    ranges = [(e["path"], e["range"]) for e in faulty.log if e["path"].endswith(".lct")]
+    assert len(ranges) == len(set(ranges)), ranges
 
 
 @pytest.mark.parametrize("kind,kw", [
@@ -292,3 +299,31 @@ def test_only_the_artifacts_files_go_up_and_an_oversized_small_file_is_refused(
                   Body=b"0" * (C.MAX_SIDE_FILE_BYTES + 1))
     with pytest.raises(ObjectStoreError, match="huge.json: .* more than"):
         lct.open(uri)
+
+
+def test_read_ahead_is_bounded_and_hands_over_errors():
+    import threading
+
+    from lct.io.store import ReadAhead
+    calls, gate = [], threading.Event()
+
+    def fetch(name, offset, size):
+        gate.wait(5)
+        calls.append((name, offset, size))
+        if name == "bad":
+            raise ObjectStoreOfflineError("bad: giving up")
+        return memoryview(bytes(size))
+
+    ra = ReadAhead(fetch, max_bytes=100, threads=2)
+    ra.want("a", 0, 60)
+    ra.want("a", 0, 60)                 # once
+    ra.want("b", 0, 60)                 # past the budget: dropped, read when asked
+    ra.want("bad", 0, 10)
+    gate.set()
+    assert len(ra.take("a", 0, 60)) == 60 and ra.take("b", 0, 60) is None
+    with pytest.raises(ObjectStoreOfflineError):
+        ra.take("bad", 0, 10)
+    assert sorted(calls) == [("a", 0, 60), ("bad", 0, 10)]
+    ra.close()
+    ra.want("c", 0, 1)                  # closed: nothing starts
+    assert ra.take("c", 0, 1) is None

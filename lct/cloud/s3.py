@@ -38,7 +38,7 @@ from lct.errors import (
     WriteError,
 )
 from lct.format import constants as C
-from lct.io.store import receive_range
+from lct.io.store import ReadAhead, receive_range
 
 S3_SCHEME = "s3://"
 # S3 error codes and HTTP statuses worth retrying (the request may succeed a moment later).
@@ -201,6 +201,8 @@ class S3Store:
         self._lock = threading.Lock()
         self.requests = 0
         self.bytes_fetched = 0
+        self.readahead = ReadAhead(lambda name, offset, size: self._read(
+            name, offset, size, self.size(name)))
 
     def key(self, name: str) -> str:
         return f"{self.prefix}/{name}"
@@ -220,8 +222,17 @@ class S3Store:
                                         f"object store")
         return self._objects[name][0]
 
+    def will_need(self, name: str, offset: int, size: int) -> None:
+        """Start fetching the range now (``ReadAhead``): the stream says it comes next."""
+        self.readahead.want(name, offset, size)
+
     def read_range(self, name: str, offset: int, size: int, file_size: int) -> memoryview:
-        """Bytes ``[offset, offset + size)`` of ``name`` (clipped to ``file_size``)."""
+        """Bytes ``[offset, offset + size)`` of ``name`` (clipped to ``file_size``): fetched
+        ahead, or now."""
+        got = self.readahead.take(name, offset, size)
+        return got if got is not None else self._read(name, offset, size, file_size)
+
+    def _read(self, name: str, offset: int, size: int, file_size: int) -> memoryview:
         end = min(offset + size, file_size)
         n = end - offset
         if n <= 0 or offset < 0:
@@ -292,7 +303,8 @@ class S3Store:
         """Nothing to drop: fetched bytes are owned by the caller's buffer."""
 
     def close(self) -> None:
-        """Nothing to close (boto3's connection pool closes with the client)."""
+        """Stop the read-ahead (boto3's connection pool closes with the client)."""
+        self.readahead.close()
 
 
 def cache_root() -> Path:

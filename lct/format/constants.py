@@ -178,6 +178,10 @@ INT8_FUSED_MAX_ROWS = 24
 # timeout's grace before it is dropped and retried, and the bytes that must arrive between
 # failures for the retries to start afresh.
 STREAM_MIN_RATE = 256 * 1024
+# A remote store's read-ahead (lct.io.store.ReadAhead): ranges fetched before they are asked
+# for, at most this many bytes held or in flight, on this many threads of their own.
+READAHEAD_BYTES = 512 << 20
+READAHEAD_THREADS = 4
 STREAM_PROGRESS_RESET = 1024 * 1024
 # Seconds without a byte from the Hub before a call through huggingface_hub fails
 # (LCT_HUB_TIMEOUT overrides; huggingface_hub itself waits for ever).

@@ -22,7 +22,7 @@ from lct.format import constants as C
 from lct.hub.address import parse_hf_uri, split_address, where
 from lct.hub.client import _hub, hub_error, hub_timeout
 from lct.hub.pull import check_files, raise_corrupt
-from lct.io.store import receive_range
+from lct.io.store import ReadAhead, receive_range
 
 # Statuses worth retrying (the request may succeed a moment later).
 RETRY_STATUS = (408, 429, 500, 502, 503, 504)
@@ -79,6 +79,8 @@ class HttpRangeStore:
         self.requests = 0
         self.bytes_fetched = 0
         self.ranges: list = []      # (name, offset, size) of every range read, in order
+        self.readahead = ReadAhead(lambda name, offset, size: self._read(
+            name, offset, size, self.size(name)))
 
     def url(self, name: str) -> str:
         """The resolve URL of file ``name`` at this store's revision."""
@@ -113,9 +115,18 @@ class HttpRangeStore:
             self._sizes[name] = meta.size
         return meta.size
 
+    def will_need(self, name: str, offset: int, size: int) -> None:
+        """Start fetching the range now (``ReadAhead``): the stream says it comes next."""
+        self.readahead.want(name, offset, size)
+
     def read_range(self, name: str, offset: int, size: int, file_size: int) -> memoryview:
         """Bytes ``[offset, offset + size)`` of ``name`` (clipped to ``file_size``), fetched
-        with one range request (more only when a transfer breaks and is resumed)."""
+        with one range request (more only when a transfer breaks and is resumed), ahead of
+        time or now."""
+        got = self.readahead.take(name, offset, size)
+        return got if got is not None else self._read(name, offset, size, file_size)
+
+    def _read(self, name: str, offset: int, size: int, file_size: int) -> memoryview:
         end = min(offset + size, file_size)
         n = end - offset
         if n <= 0 or offset < 0:
@@ -199,7 +210,8 @@ class HttpRangeStore:
         """Nothing to drop: fetched bytes are owned by the caller's buffer."""
 
     def close(self) -> None:
-        """Nothing to close (the HTTP session is ``huggingface_hub``'s shared one)."""
+        """Stop the read-ahead (the HTTP session is ``huggingface_hub``'s shared one)."""
+        self.readahead.close()
 
 
 def fetch_small(repo_id: str, revision: str | None = None, token=None, *,

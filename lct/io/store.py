@@ -59,6 +59,64 @@ def receive_range(blocks, buf: bytearray, got: list, *, start: int, want: int, t
             counted(k)
 
 
+class ReadAhead:
+    """Range reads of a remote store started before they are asked for: ``want`` (the
+    stream's ``will_need`` hint, a group ahead of the decoders) fetches on threads of its own,
+    ``take`` hands a fetched range over (or None: read it now). The link then stays busy
+    while the decoders decode, where a decoder that reads and then decodes leaves it idle.
+    At most ``max_bytes`` are held or in flight; a hint past that is dropped (the range is
+    read when asked for). A failed fetch raises its error in ``take``, as the read would.
+
+    Args:
+        fetch: ``fetch(name, offset, size)`` -> the bytes (the store's own read).
+    """
+
+    def __init__(self, fetch, *, max_bytes: int | None = None, threads: int | None = None):
+        from concurrent.futures import ThreadPoolExecutor
+
+        from lct.format import constants as C
+        self._fetch = fetch
+        self.max_bytes = C.READAHEAD_BYTES if max_bytes is None else max_bytes
+        self._pool = ThreadPoolExecutor(threads or C.READAHEAD_THREADS,
+                                        thread_name_prefix="lct-readahead")
+        self._pending: dict = {}        # (name, offset, size) -> future
+        self._bytes = 0
+        self._lock = threading.Lock()
+        self.hits = 0
+
+    def want(self, name: str, offset: int, size: int) -> None:
+        """Start fetching ``[offset, offset + size)`` of ``name`` unless it is already, or the
+        budget is spent."""
+        key = (name, offset, size)
+        with self._lock:
+            if key in self._pending or self._bytes + size > self.max_bytes or \
+                    self._pool is None:
+                return
+            self._bytes += size
+            self._pending[key] = self._pool.submit(self._fetch, name, offset, size)
+
+    def take(self, name: str, offset: int, size: int):
+        """The range's bytes if it was fetched ahead (waiting for a fetch still running), else
+        None."""
+        with self._lock:
+            fut = self._pending.pop((name, offset, size), None)
+            if fut is not None:
+                self._bytes -= size
+                self.hits += 1
+        return None if fut is None else fut.result()
+
+    def close(self) -> None:
+        """Cancel what has not started and let go of what was fetched."""
+        with self._lock:
+            pool, self._pool = self._pool, None
+            for fut in self._pending.values():
+                fut.cancel()
+            self._pending.clear()
+            self._bytes = 0
+        if pool is not None:
+            pool.shutdown(wait=False, cancel_futures=True)
+
+
 class LocalStore:
     """Data files in a local directory, read through read-only memory maps (zero-copy)."""
 
