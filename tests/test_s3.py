@@ -317,13 +317,18 @@ def test_read_ahead_is_bounded_and_hands_over_errors():
     ra = ReadAhead(fetch, max_bytes=100, threads=2)
     ra.want("a", 0, 60)
     ra.want("a", 0, 60)                 # once
-    ra.want("b", 0, 60)                 # past the budget: dropped, read when asked
-    ra.want("bad", 0, 10)
+    ra.want("b", 0, 60)                 # past the budget: queued until "a" is taken
+    ra.want("bad", 0, 10)               # behind "b", in order
+    ra.want("c", 0, 30)
     gate.set()
-    assert len(ra.take("a", 0, 60)) == 60 and ra.take("b", 0, 60) is None
+    assert len(ra.take("a", 0, 60)) == 60           # frees its budget: "b" and "bad" start
+    assert len(ra.take("b", 0, 60)) == 60
     with pytest.raises(ObjectStoreOfflineError):
         ra.take("bad", 0, 10)
-    assert sorted(calls) == [("a", 0, 60), ("bad", 0, 10)]
+    assert ra.take("c", 0, 30) is not None
+    assert sorted(calls) == [("a", 0, 60), ("b", 0, 60), ("bad", 0, 10), ("c", 0, 30)]
+    ra.want("d", 0, 500)                # larger than the budget: fetched ahead alone
+    assert len(ra.take("d", 0, 500)) == 500
     ra.close()
     ra.want("c", 0, 1)                  # closed: nothing starts
     assert ra.take("c", 0, 1) is None

@@ -61,17 +61,22 @@ def receive_range(blocks, buf: bytearray, got: list, *, start: int, want: int, t
 
 class ReadAhead:
     """Range reads of a remote store started before they are asked for: ``want`` (the
-    stream's ``will_need`` hint, a group ahead of the decoders) fetches on threads of its own,
-    ``take`` hands a fetched range over (or None: read it now). The link then stays busy
-    while the decoders decode, where a decoder that reads and then decodes leaves it idle.
-    At most ``max_bytes`` are held or in flight; a hint past that is dropped (the range is
-    read when asked for). A failed fetch raises its error in ``take``, as the read would.
+    stream's ``will_need`` hints, in the order the ranges will be read) queues a range, and
+    ranges are fetched in that order on threads of their own while at most ``max_bytes`` are
+    held or in flight; ``take`` hands a fetched range over (or None: read it now) and frees its
+    budget for the next. The link then keeps working while the decoders decode and while the
+    consumer is busy. A failed fetch raises its error in ``take``, as the read would.
 
     Args:
         fetch: ``fetch(name, offset, size)`` -> the bytes (the store's own read).
     """
 
+    # Groups a stream hints ahead of the one it submits (GroupStream reads it from its store):
+    # all of them; the byte budget decides how far the fetches run ahead.
+    hint_groups = 1 << 30
+
     def __init__(self, fetch, *, max_bytes: int | None = None, threads: int | None = None):
+        from collections import deque
         from concurrent.futures import ThreadPoolExecutor
 
         from lct.format import constants as C
@@ -79,30 +84,47 @@ class ReadAhead:
         self.max_bytes = C.READAHEAD_BYTES if max_bytes is None else max_bytes
         self._pool = ThreadPoolExecutor(threads or C.READAHEAD_THREADS,
                                         thread_name_prefix="lct-readahead")
-        self._pending: dict = {}        # (name, offset, size) -> future
-        self._bytes = 0
+        self._queue: deque = deque()    # (name, offset, size) not started yet, in order
+        self._queued: set = set()
+        self._pending: dict = {}        # (name, offset, size) -> future, started
+        self._bytes = 0                 # of the started ones
         self._lock = threading.Lock()
         self.hits = 0
 
     def want(self, name: str, offset: int, size: int) -> None:
-        """Start fetching ``[offset, offset + size)`` of ``name`` unless it is already, or the
-        budget is spent."""
+        """Queue ``[offset, offset + size)`` of ``name`` to be fetched (once)."""
         key = (name, offset, size)
         with self._lock:
-            if key in self._pending or self._bytes + size > self.max_bytes or \
-                    self._pool is None:
+            if self._pool is None or key in self._pending or key in self._queued:
                 return
-            self._bytes += size
-            self._pending[key] = self._pool.submit(self._fetch, name, offset, size)
+            self._queue.append(key)
+            self._queued.add(key)
+            self._pump()
+
+    def _pump(self) -> None:
+        """Start queued fetches, in order, while the budget allows (the first always, so
+        that a range larger than the budget is fetched ahead alone). Lock held."""
+        while self._queue and (not self._pending or
+                               self._bytes + self._queue[0][2] <= self.max_bytes):
+            key = self._queue.popleft()
+            self._queued.discard(key)
+            self._bytes += key[2]
+            self._pending[key] = self._pool.submit(self._fetch, *key)
 
     def take(self, name: str, offset: int, size: int):
         """The range's bytes if it was fetched ahead (waiting for a fetch still running), else
-        None."""
+        None (a range still queued is dropped from the queue: the caller reads it now)."""
+        key = (name, offset, size)
         with self._lock:
-            fut = self._pending.pop((name, offset, size), None)
+            fut = self._pending.pop(key, None)
             if fut is not None:
                 self._bytes -= size
                 self.hits += 1
+            elif key in self._queued:
+                self._queued.discard(key)
+                self._queue.remove(key)
+            if self._pool is not None:
+                self._pump()
         return None if fut is None else fut.result()
 
     def close(self) -> None:
@@ -112,6 +134,8 @@ class ReadAhead:
             for fut in self._pending.values():
                 fut.cancel()
             self._pending.clear()
+            self._queue.clear()
+            self._queued.clear()
             self._bytes = 0
         if pool is not None:
             pool.shutdown(wait=False, cancel_futures=True)

@@ -222,16 +222,19 @@ class GroupStream:
         return Group(name, buffers, art, self.dequantize, self.pool)
 
     def _advise(self, upto: int) -> None:
-        """Ask the store to read groups up to index ``upto`` into the page cache (once each):
-        the disk then works one group ahead of the decoders (page cache, not process memory)."""
+        """Ask the store to read groups up to index ``upto`` ahead (once each): a local store
+        into the page cache, one group ahead of the decoders; a remote store's read-ahead
+        (``lct.io.store.ReadAhead``) is told every group, and its byte budget decides how far
+        its fetches run ahead."""
         upto = min(upto, len(self.names) - 1)
         while self._advised < upto:
             self._advised += 1
             self.art.will_need(self._chunks_of(self.names[self._advised]))
 
     def _fill(self) -> None:
+        ahead = getattr(getattr(self.art.store, "readahead", None), "hint_groups", 1)
         while self._next < len(self.names) and len(self._pending) < self.prefetch:
-            self._advise(self._next + 1)
+            self._advise(self._next + ahead)
             self._pending.append(self._pool.submit(self._load, self.names[self._next]))
             self._next += 1
         self.stats.max_in_flight = max(self.stats.max_in_flight, len(self._pending))
