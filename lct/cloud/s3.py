@@ -22,7 +22,6 @@ import hashlib
 import os
 import re
 import shutil
-import threading
 import time
 from pathlib import Path
 
@@ -38,7 +37,7 @@ from lct.errors import (
     WriteError,
 )
 from lct.format import constants as C
-from lct.io.store import ReadAhead, receive_range
+from lct.io.store import RemoteStore, receive_range
 
 S3_SCHEME = "s3://"
 # S3 error codes and HTTP statuses worth retrying (the request may succeed a moment later).
@@ -167,7 +166,7 @@ def list_objects(s3, bucket: str, prefix: str) -> dict:
     return out
 
 
-class S3Store:
+class S3Store(RemoteStore):
     """Data files of an artifact in S3, read by range requests.
 
     The same interface as ``lct.io.store.LocalStore`` (``describe``, ``size``, ``read_range``,
@@ -187,8 +186,6 @@ class S3Store:
         backoff: first retry delay in seconds (doubles each time).
     """
 
-    local = False
-
     def __init__(self, bucket: str, prefix: str, objects: dict, s3=None, *, retries: int = 5,
                  backoff: float = 0.25, timeout: float | None = None,
                  min_rate: int = C.STREAM_MIN_RATE):
@@ -198,11 +195,7 @@ class S3Store:
         self.retries, self.backoff, self.min_rate = retries, backoff, min_rate
         self.timeout = float(os.environ.get("LCT_S3_TIMEOUT", C.HUB_TIMEOUT)) \
             if timeout is None else timeout
-        self._lock = threading.Lock()
-        self.requests = 0
-        self.bytes_fetched = 0
-        self.readahead = ReadAhead(lambda name, offset, size: self._read(
-            name, offset, size, self.size(name)))
+        self._start()
 
     def key(self, name: str) -> str:
         return f"{self.prefix}/{name}"
@@ -221,16 +214,6 @@ class S3Store:
             raise ArtifactNotFoundError(f"{self.describe(name)}: data file missing from the "
                                         f"object store")
         return self._objects[name][0]
-
-    def will_need(self, name: str, offset: int, size: int) -> None:
-        """Start fetching the range now (``ReadAhead``): the stream says it comes next."""
-        self.readahead.want(name, offset, size)
-
-    def read_range(self, name: str, offset: int, size: int, file_size: int) -> memoryview:
-        """Bytes ``[offset, offset + size)`` of ``name`` (clipped to ``file_size``): fetched
-        ahead, or now."""
-        got = self.readahead.take(name, offset, size)
-        return got if got is not None else self._read(name, offset, size, file_size)
 
     def _read(self, name: str, offset: int, size: int, file_size: int) -> memoryview:
         end = min(offset + size, file_size)
@@ -294,17 +277,6 @@ class S3Store:
         if got[0] < len(buf):
             raise ConnectionError(f"connection closed after {got[0] - (len(buf) - want)} of "
                                   f"{want} bytes")
-
-    def _count(self, k: int) -> None:
-        with self._lock:
-            self.bytes_fetched += k
-
-    def release(self, name: str, offset: int, size: int) -> None:
-        """Nothing to drop: fetched bytes are owned by the caller's buffer."""
-
-    def close(self) -> None:
-        """Stop the read-ahead (boto3's connection pool closes with the client)."""
-        self.readahead.close()
 
 
 def cache_root() -> Path:

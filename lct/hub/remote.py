@@ -14,7 +14,6 @@ Example:
 
 from __future__ import annotations
 
-import threading
 import time
 
 from lct.errors import ArtifactNotFoundError, HubError, HubOfflineError, LCTError
@@ -22,7 +21,7 @@ from lct.format import constants as C
 from lct.hub.address import parse_hf_uri, split_address, where
 from lct.hub.client import _hub, hub_error, hub_timeout
 from lct.hub.pull import check_files, raise_corrupt
-from lct.io.store import ReadAhead, receive_range
+from lct.io.store import RemoteStore, receive_range
 
 # Statuses worth retrying (the request may succeed a moment later).
 RETRY_STATUS = (408, 429, 500, 502, 503, 504)
@@ -32,7 +31,7 @@ class _Transient(Exception):
     pass
 
 
-class HttpRangeStore:
+class HttpRangeStore(RemoteStore):
     """Data files of a Hub repo at one commit, read by HTTP range requests.
 
     The same interface as ``lct.io.store.LocalStore`` (``describe``, ``size``, ``read_range``,
@@ -75,12 +74,8 @@ class HttpRangeStore:
         self._headers = build_hf_headers(token=token)
         self._headers["Accept-Encoding"] = "identity"   # byte ranges of the stored bytes
         self._sizes = dict(sizes or {})
-        self._lock = threading.Lock()
-        self.requests = 0
-        self.bytes_fetched = 0
+        self._start()
         self.ranges: list = []      # (name, offset, size) of every range read, in order
-        self.readahead = ReadAhead(lambda name, offset, size: self._read(
-            name, offset, size, self.size(name)))
 
     def url(self, name: str) -> str:
         """The resolve URL of file ``name`` at this store's revision."""
@@ -115,18 +110,8 @@ class HttpRangeStore:
             self._sizes[name] = meta.size
         return meta.size
 
-    def will_need(self, name: str, offset: int, size: int) -> None:
-        """Start fetching the range now (``ReadAhead``): the stream says it comes next."""
-        self.readahead.want(name, offset, size)
-
-    def read_range(self, name: str, offset: int, size: int, file_size: int) -> memoryview:
-        """Bytes ``[offset, offset + size)`` of ``name`` (clipped to ``file_size``), fetched
-        with one range request (more only when a transfer breaks and is resumed), ahead of
-        time or now."""
-        got = self.readahead.take(name, offset, size)
-        return got if got is not None else self._read(name, offset, size, file_size)
-
     def _read(self, name: str, offset: int, size: int, file_size: int) -> memoryview:
+        """One range request (more only when a transfer breaks and is resumed)."""
         end = min(offset + size, file_size)
         n = end - offset
         if n <= 0 or offset < 0:
@@ -201,17 +186,6 @@ class HttpRangeStore:
         if got[0] < len(buf):
             raise _Transient(f"connection closed after {got[0] - (len(buf) - want)} of {want} "
                              f"bytes")
-
-    def _count(self, k: int) -> None:
-        with self._lock:
-            self.bytes_fetched += k
-
-    def release(self, name: str, offset: int, size: int) -> None:
-        """Nothing to drop: fetched bytes are owned by the caller's buffer."""
-
-    def close(self) -> None:
-        """Stop the read-ahead (the HTTP session is ``huggingface_hub``'s shared one)."""
-        self.readahead.close()
 
 
 def fetch_small(repo_id: str, revision: str | None = None, token=None, *,

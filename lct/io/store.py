@@ -141,6 +141,43 @@ class ReadAhead:
             pool.shutdown(wait=False, cancel_futures=True)
 
 
+class RemoteStore:
+    """What the remote stores share (``lct.hub.remote.HttpRangeStore``, ``lct.cloud.s3.S3Store``):
+    the read-ahead behind ``will_need`` and ``read_range``, the byte count, ``release`` and
+    ``close``. A subclass sets ``_lock``, ``bytes_fetched`` and ``readahead`` (``_start``) and
+    implements ``_read(name, offset, size, file_size)``, ``size`` and ``describe``."""
+
+    local = False       # reading a range costs a request
+
+    def _start(self) -> None:
+        self._lock = threading.Lock()
+        self.requests = 0
+        self.bytes_fetched = 0
+        self.readahead = ReadAhead(lambda name, offset, size: self._read(
+            name, offset, size, self.size(name)))
+
+    def will_need(self, name: str, offset: int, size: int) -> None:
+        """Queue the range for the read-ahead (``ReadAhead``): the stream says it comes."""
+        self.readahead.want(name, offset, size)
+
+    def read_range(self, name: str, offset: int, size: int, file_size: int) -> memoryview:
+        """Bytes ``[offset, offset + size)`` of ``name`` (clipped to ``file_size``): fetched
+        ahead, or now."""
+        got = self.readahead.take(name, offset, size)
+        return got if got is not None else self._read(name, offset, size, file_size)
+
+    def _count(self, k: int) -> None:
+        with self._lock:
+            self.bytes_fetched += k
+
+    def release(self, name: str, offset: int, size: int) -> None:
+        """Nothing to drop: fetched bytes are owned by the caller's buffer."""
+
+    def close(self) -> None:
+        """Stop the read-ahead."""
+        self.readahead.close()
+
+
 class LocalStore:
     """Data files in a local directory, read through read-only memory maps (zero-copy)."""
 
