@@ -43,12 +43,10 @@ expert's rows over the ranks, so every rank reads them all; with expert parallel
 
 from __future__ import annotations
 
-import re
 import time
 from collections import deque
 
 from lct.errors import ArchitectureError, MissingDependencyError, OptionError
-from lct.format import constants as C
 from lct.io.stream import DEFAULT_PREFETCH
 
 try:
@@ -316,23 +314,20 @@ def other_ranks_experts(model, manifest) -> set:
                if hasattr(getattr(m, "expert_map_manager", None), "is_local_expert")}
     if not holders:
         return set()
+    from lct.format.layout import EXPERT_INDEX
     mapper = getattr(model, "hf_to_vllm_mapper", None)
     out = set()
     for t in manifest.tensors.values():
-        hit = _EXPERT.search(t.name)
-        if hit is None:
+        if EXPERT_INDEX.search(t.name) is None:
             continue
-        name = _vllm_name(mapper, t.name)[0] if mapper is not None else t.name
-        found = _EXPERT.search(name or "")
-        manager = holders.get(name[:found.start() + len(C.EXPERTS_MODULE) + 1]) if found \
-            else None
+        name = _vllm_name(mapper, t.name)[0]
+        found = EXPERT_INDEX.search(name or "")
+        manager = holders.get(name[:found.start(1) - 1]) if found else None
         if manager is not None and not bool(manager.is_local_expert(int(found.group(1)))):
             out.add(t.name)
     return out
 
 
-# A routed expert stored one by one, in a checkpoint or vLLM name: ".experts.{E}.".
-_EXPERT = re.compile(rf"\.{C.EXPERTS_MODULE}\.(\d+)\.")
 # Tensors handed to the model after a group's last one before its buffers are decoded into again.
 _RECYCLE_AFTER = 4
 # vLLM's shard ids of a fused qkv projection's parts, in the order of its output_sizes.

@@ -112,10 +112,9 @@ def s3_error(e: BaseException, where: str) -> LCTError:
                                     f"and AWS_SECRET_ACCESS_KEY, AWS_PROFILE, or a shared "
                                     f"credentials file)")
     if isinstance(e, bx.ClientError):
-        err = e.response.get("Error", {})
-        code = str(err.get("Code", ""))
+        code = _code(e)
         status = e.response.get("ResponseMetadata", {}).get("HTTPStatusCode")
-        msg = err.get("Message") or code
+        msg = e.response.get("Error", {}).get("Message") or code
         if code in _AUTH_CODES or status == 403:
             return ObjectStoreAuthError(f"{where}: access denied ({code}: {msg})")
         if code in ("NoSuchBucket", "NoSuchKey", "404", "NotFound") or status == 404:

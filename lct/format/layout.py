@@ -108,7 +108,7 @@ def expert_units(specs: list) -> tuple:
     by_expert: dict = {}
     fused = []
     for spec in specs:
-        m = _EXPERT_INDEX.search(spec.name)
+        m = EXPERT_INDEX.search(spec.name)
         if m is None:
             fused.append([spec])
         else:
@@ -160,5 +160,6 @@ def _layout_units(group: str, units: list, max_bytes: int | None = None,
     return layouts
 
 
-# An expert stored one by one: its index in the checkpoint name ("….experts.3.w1.weight").
-_EXPERT_INDEX = re.compile(rf"(?:^|\.){C.EXPERTS_MODULE}\.(\d+)\.")
+# An expert stored one by one: its index in the checkpoint name ("….experts.3.w1.weight"),
+# group 1; the experts module's path ends where group 1 starts, less its dot.
+EXPERT_INDEX = re.compile(rf"(?:^|\.){C.EXPERTS_MODULE}\.(\d+)\.")
