@@ -34,14 +34,16 @@ contender's bytes flowed and at what rate (how much of the cap it used).
 
 Contenders are interleaved, the order rotated every repetition, every cap within every
 repetition; medians of ``--reps``; ratios against the others measured in the same invocation.
-Before every run, free memory is brought to the same state (bench_load.py's ``settle``) and the
+Memory is not primed by default (``--memory none``: a user's process finds memory as the last
+one left it; that is the claim); ``--memory primed`` or ``idle`` first brings free memory to
+the same state (bench_load.py's ``settle``), a breakdown. Before every run the
 server's data files are read once, so that every run finds the server's files in the page cache
 (a store serving a hot object; the cap, not the server's disk, is the limit). The link each cap
 gives is measured first (parallel range reads of the source by boto3 through the proxy): on a
 small machine the server and the proxy share the cores with the client and may deliver less
 than a high cap.
 
-    python benchmarks/bench_s3.py --reps 3 --caps 200e6 1e9 --out bench_out/s3.md
+    python benchmarks/bench_s3.py --reps 5 --caps 200e6 1e9 --out bench_out/s3.md
     python benchmarks/bench_s3.py --model tiny --reps 1 --caps 50e6    # quick smoke test
 
 Models: ``gemma-2b`` (default), the Gemma-2B-shaped random checkpoint of bench_format.py with the
@@ -94,8 +96,7 @@ model = lct.load(ART_URI, stats=st, **LCT_KW)
 loaded = _age()
 import torch
 from transformers import AutoTokenizer
-from lct.cloud.s3 import fetch_small
-tok = AutoTokenizer.from_pretrained(str(fetch_small(ART_URI)[0]))   # the cached small files
+tok = AutoTokenizer.from_pretrained(model.name_or_path)   # the artifact's cached small files
 extra = {"weights_s": loaded, **{k: getattr(st, k) for k in (
     "manifest_s", "skeleton_s", "read_s", "decode_s", "wait_s", "install_s", "total_s",
     "bytes_read", "bytes_decoded", "max_in_flight", "max_held_bytes")}, "load_start_s": t_load}
@@ -522,8 +523,9 @@ def main() -> None:
                     help="bandwidth caps, bytes per second (the proxy's rate)")
     ap.add_argument("--model", choices=["gemma-2b", "tiny"], default="gemma-2b")
     ap.add_argument("--contenders", nargs="*", choices=ORDER, default=ORDER)
-    ap.add_argument("--memory", choices=["primed", "idle", "none"], default="primed",
-                    help="free memory before each run (bench_load.py's settle)")
+    ap.add_argument("--memory", choices=["primed", "idle", "none"], default="none",
+                    help="free memory before each run (bench_load.py's settle); none: the "
+                         "claim, the others a breakdown")
     ap.add_argument("--prime-gb", type=int, default=8)
     ap.add_argument("--lct-prefetch", type=int, default=None,
                     help="lct.load(..., prefetch=N) for the lct contender (default: lct's own)")

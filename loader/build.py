@@ -447,6 +447,9 @@ def _load(path, options: LoadOptions, stats: LoadStats | None):
     budget = held_budget(art)
     try:
         with GroupStream(art, prefetch=options.prefetch, dequantize=False) as stream:
+            # Reads first: importing torch holds the interpreter for a while (its libraries
+            # load under the GIL), and the store's requests should already be on their way.
+            stream.start()
             future = builder.submit(skeleton)
             inst, held, held_bytes = None, [], 0
             for group in stream:

@@ -125,6 +125,20 @@ def test_a_streamed_load_equals_the_local_load_reading_only_ranges(pushed, tiny,
     assert len(ranges) == len(set(ranges)), ranges
 
 
+def test_the_cli_load_lists_once_and_the_tokenizer_comes_with_the_model(pushed, faulty):
+    from click.testing import CliRunner
+    from lct.cli.main import cli
+    from transformers import AutoTokenizer
+    r = CliRunner().invoke(cli, ["load", pushed, "--prompt", "a b", "--max-new-tokens", "2",
+                                 "-q"])
+    assert r.exit_code == 0 and r.output.strip(), r.output
+    lists = [e for e in faulty.log if e["method"] == "GET" and e["path"] == f"/{BUCKET}"]
+    manifests = [e for e in faulty.log if e["path"].endswith("/lct.json")]
+    assert len(lists) == 1 and len(manifests) == 1, (lists, manifests)   # resolve, then open
+    model = lct.load(pushed)        # config and tokenizer in the cache folder it names
+    assert AutoTokenizer.from_pretrained(model.name_or_path)("a b").input_ids
+
+
 @pytest.mark.parametrize("kind,kw", [
     ("slowdown", {"count": 2}),             # 503 SlowDown, twice: retried
     ("error500", {"count": 2}),
@@ -307,28 +321,44 @@ def test_read_ahead_is_bounded_and_hands_over_errors():
     from lct.io.store import ReadAhead
     calls, gate = [], threading.Event()
 
-    def fetch(name, offset, size):
+    def fetch(name, offset, size, out):
         gate.wait(5)
         calls.append((name, offset, size))
         if name == "bad":
             raise ObjectStoreOfflineError("bad: giving up")
-        return memoryview(bytes(size))
+        out[:] = bytes(range(offset, offset + size))
 
-    ra = ReadAhead(fetch, max_bytes=100, threads=2)
+    sizes = {"a": 60, "b": 60, "bad": 10, "c": 30, "d": 500, "short": 40}
+    ra = ReadAhead(fetch, sizes.__getitem__, max_bytes=100, threads=2, piece=25)
     ra.want("a", 0, 60)
     ra.want("a", 0, 60)                 # once
     ra.want("b", 0, 60)                 # past the budget: queued until "a" is taken
     ra.want("bad", 0, 10)               # behind "b", in order
     ra.want("c", 0, 30)
     gate.set()
-    assert len(ra.take("a", 0, 60)) == 60           # frees its budget: "b" and "bad" start
-    assert len(ra.take("b", 0, 60)) == 60
+    assert bytes(ra.take("a", 0, 60)) == bytes(range(60))     # frees its budget: "b" starts
+    assert bytes(ra.take("b", 0, 60)) == bytes(range(60))
     with pytest.raises(ObjectStoreOfflineError):
         ra.take("bad", 0, 10)
-    assert ra.take("c", 0, 30) is not None
-    assert sorted(calls) == [("a", 0, 60), ("b", 0, 60), ("bad", 0, 10), ("c", 0, 30)]
-    ra.want("d", 0, 500)                # larger than the budget: fetched ahead alone
-    assert len(ra.take("d", 0, 500)) == 500
+    assert bytes(ra.take("c", 0, 30)) == bytes(range(30))
+    # Each range in pieces of at most 25 bytes, straight into its buffer, in order.
+    assert sorted(calls) == [("a", 0, 25), ("a", 25, 25), ("a", 50, 10), ("b", 0, 25),
+                             ("b", 25, 25), ("b", 50, 10), ("bad", 0, 10), ("c", 0, 25),
+                             ("c", 25, 5)]
+    ra.want("d", 0, 200)                # larger than the budget: fetched ahead alone
+    assert bytes(ra.take("d", 0, 200)) == bytes(range(200))
+    ra.want("short", 30, 20)            # clipped to the file, as a read is
+    assert bytes(ra.take("short", 30, 20)) == bytes(range(30, 40))
+    ra.want("missing", 0, 5)            # the file's size fails: the take raises it
+    with pytest.raises(KeyError):
+        ra.take("missing", 0, 5)
     ra.close()
     ra.want("c", 0, 1)                  # closed: nothing starts
     assert ra.take("c", 0, 1) is None
+    calls.clear()                       # one thread: the earliest range's pieces go first
+    one = ReadAhead(fetch, sizes.__getitem__, max_bytes=1000, threads=1, piece=25)
+    one.want("a", 0, 60)
+    one.want("c", 0, 30)
+    one.take("c", 0, 30)
+    assert calls == [("a", 0, 25), ("a", 25, 25), ("a", 50, 10), ("c", 0, 25), ("c", 25, 5)]
+    one.close()

@@ -23,6 +23,7 @@ import os
 import re
 import shutil
 import time
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 from lct.errors import (
@@ -37,7 +38,7 @@ from lct.errors import (
     WriteError,
 )
 from lct.format import constants as C
-from lct.io.store import RemoteStore, receive_range
+from lct.io.store import RemoteStore, receive_range, uninitialized
 
 S3_SCHEME = "s3://"
 # S3 error codes and HTTP statuses worth retrying (the request may succeed a moment later).
@@ -214,12 +215,13 @@ class S3Store(RemoteStore):
                                         f"object store")
         return self._objects[name][0]
 
-    def _read(self, name: str, offset: int, size: int, file_size: int) -> memoryview:
+    def _read(self, name: str, offset: int, size: int, file_size: int,
+              out=None) -> memoryview:
         end = min(offset + size, file_size)
         n = end - offset
         if n <= 0 or offset < 0:
             return memoryview(b"")
-        buf = bytearray(n)
+        buf = uninitialized(n) if out is None else out
         got = [0]
         failures, since = 0, 0
         while got[0] < n:
@@ -308,6 +310,13 @@ def _get(s3, bucket: str, key: str, where: str, etag: str = "") -> bytes:
     raise AssertionError("unreachable")
 
 
+# The listing a fetch_small made, taken (once) by the open_s3 that follows it within this many
+# seconds: a load that resolved its address first (the CLI: config and tokenizer) lists once. An
+# object replaced meanwhile is still caught, by the ETag every range request must match.
+RELIST_AFTER_S = 30.0
+_listed: dict = {}      # (bucket, prefix) -> (monotonic time, local folder, data objects, client)
+
+
 def fetch_small(uri: str, s3=None) -> tuple:
     """Download every object of the artifact at ``uri`` but its data files into the cache
     (``cache_root()/bucket/prefix/<manifest digest>``, written whole or not at all).
@@ -340,16 +349,20 @@ def fetch_small(uri: str, s3=None) -> tuple:
     digest = hashlib.sha256(manifest).hexdigest()[:16]
     local = cache_root() / bucket / prefix / digest
     small = sorted(n for n in objects if n not in data and n != C.MANIFEST_NAME)
+    _listed[(bucket, prefix)] = (time.monotonic(), local, data, s3)
     if (local / C.MANIFEST_NAME).is_file():
         return local, data, s3
     staging = local.parent / f".{digest}.{os.getpid()}.partial"
     shutil.rmtree(staging, ignore_errors=True)
     try:
-        for name in small:
-            blob = _get(s3, bucket, f"{prefix}/{name}", f"{where}/{name}", objects[name][1])
-            dst = staging / name
-            dst.parent.mkdir(parents=True, exist_ok=True)
-            dst.write_bytes(blob)
+        # At the same time: each is a request's latency, and the chunks wait for all of them.
+        with ThreadPoolExecutor(min(8, len(small) or 1)) as pool:
+            blobs = pool.map(lambda n: _get(s3, bucket, f"{prefix}/{n}", f"{where}/{n}",
+                                            objects[n][1]), small)
+            for name, blob in zip(small, blobs, strict=True):
+                dst = staging / name
+                dst.parent.mkdir(parents=True, exist_ok=True)
+                dst.write_bytes(blob)
         staging.mkdir(parents=True, exist_ok=True)
         (staging / C.MANIFEST_NAME).write_bytes(manifest)      # last: only whole folders count
         try:
@@ -373,8 +386,14 @@ def open_s3(uri: str, *, verify: bool = True, workers: int | None = None,
         An ``Artifact`` (``art.store`` is the ``S3Store``); close it when done.
     """
     from lct.io.reader import open_artifact
-    local, data, s3 = fetch_small(uri, s3)
     bucket, prefix = parse_s3_uri(uri)
+    seen = _listed.pop((bucket, prefix), None) if s3 is None else None
+    if seen is not None and time.monotonic() - seen[0] < RELIST_AFTER_S and \
+            (seen[1] / C.MANIFEST_NAME).is_file():
+        local, data, s3 = seen[1:]          # resolve() listed it a moment ago
+    else:
+        local, data, s3 = fetch_small(uri, s3)
+        _listed.pop((bucket, prefix), None)     # only a listing made before the open is reused
     store = S3Store(bucket, prefix, data, s3)
     try:
         return open_artifact(local, verify=verify, workers=workers, pin_memory=pin_memory,

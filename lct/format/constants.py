@@ -179,9 +179,12 @@ INT8_FUSED_MAX_ROWS = 24
 # failures for the retries to start afresh.
 STREAM_MIN_RATE = 256 * 1024
 # A remote store's read-ahead (lct.io.store.ReadAhead): ranges fetched before they are asked
-# for, at most this many bytes held or in flight, on this many threads of their own.
+# for, at most this many bytes held or in flight, on this many threads of their own, each range
+# as pieces of at most READAHEAD_PIECE bytes (one request each) so that the earliest range gets
+# every connection.
 READAHEAD_BYTES = 512 << 20
 READAHEAD_THREADS = 4
+READAHEAD_PIECE = 16 << 20
 STREAM_PROGRESS_RESET = 1024 * 1024
 # Seconds without a byte from the Hub before a call through huggingface_hub fails
 # (LCT_HUB_TIMEOUT overrides; huggingface_hub itself waits for ever).

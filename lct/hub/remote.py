@@ -21,7 +21,7 @@ from lct.format import constants as C
 from lct.hub.address import parse_hf_uri, split_address, where
 from lct.hub.client import _hub, hub_error, hub_timeout
 from lct.hub.pull import check_files, raise_corrupt
-from lct.io.store import RemoteStore, receive_range
+from lct.io.store import RemoteStore, receive_range, uninitialized
 
 # Statuses worth retrying (the request may succeed a moment later).
 RETRY_STATUS = (408, 429, 500, 502, 503, 504)
@@ -110,13 +110,14 @@ class HttpRangeStore(RemoteStore):
             self._sizes[name] = meta.size
         return meta.size
 
-    def _read(self, name: str, offset: int, size: int, file_size: int) -> memoryview:
+    def _read(self, name: str, offset: int, size: int, file_size: int,
+              out=None) -> memoryview:
         """One range request (more only when a transfer breaks and is resumed)."""
         end = min(offset + size, file_size)
         n = end - offset
         if n <= 0 or offset < 0:
             return memoryview(b"")
-        buf = bytearray(n)
+        buf = uninitialized(n) if out is None else out
         got = [0]                   # bytes of buf filled so far (updated while receiving)
         failures = 0
         url = self.url(name)

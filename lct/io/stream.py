@@ -239,6 +239,12 @@ class GroupStream:
             self._next += 1
         self.stats.max_in_flight = max(self.stats.max_in_flight, len(self._pending))
 
+    def start(self) -> None:
+        """Hint and submit the first window now, as the first ``next`` would: the reads begin
+        before the caller turns to other work (the loader's skeleton import)."""
+        if self._pool is not None and not self._closed:
+            self._fill()
+
     def __iter__(self):
         return self
 
