@@ -52,7 +52,9 @@ def info_cmd(artifact, as_json, as_manifest, tensors, quiet):
         click.echo(architecture_line(m))
         p = m.policy
         click.echo(f"policy: {p.get('mode', 'manual')} nf4={_parts(p.get('nf4'))} "
-                   f"int8={_parts(p.get('int8'))} blocksize={p.get('blocksize')} "
+                   f"int8={_parts(p.get('int8'))} "
+                   + (f"q8_0={_parts(p['q8_0'])} " if p.get("q8_0") else "")
+                   + f"blocksize={p.get('blocksize')} "
                    f"dtype={p.get('dtype') or 'source'} codec={p.get('codec')} level={p.get('level')}"
                    + (f" maximus_shards={p['maximus_shards']}" if p.get("maximus_shards") else "")
                    + (f" tp_pieces={p['tp_pieces']}" if p.get("tp_pieces") else ""))

@@ -1,5 +1,6 @@
-"""Runtime kernels: the torch modules that compute on LCT's encodings. NF4 and int8
-dequantization, NF4, int8 and padding-aware embedding lookups, the NF4 and int8 LM heads, and
+"""Runtime kernels: the torch modules that compute on LCT's encodings. NF4, int8 and Q8_0
+dequantization, NF4, int8, Q8_0 and padding-aware embedding lookups, the NF4, int8 and Q8_0 LM
+heads, and
 ``MaximusEmbedding`` (with saving and restoring its shard state), and quantized tables split
 by rows over a tensor-parallel group (``sharded``). The fused CPU matmuls of the NF4 and int8
 heads are the kernels' own compiled loops (``native``, over ``_native.c``).
@@ -19,8 +20,9 @@ from lct.kernels.maximus import (
                                  save_maximus_state,
 )
 from lct.kernels.nf4 import dequantize, dequantize_rows
+from lct.kernels.q8_0 import Q8_0Embedding, Q8_0Linear
 
 __all__ = ["FlatLinear", "Int8Embedding", "Int8Linear", "flatten_head", "MaximusEmbedding",
            "MaximusPolicy", "MaximusStats", "NF4Embedding", "NF4Linear", "PaddedEmbedding",
-           "padded_lookup",
+           "padded_lookup", "Q8_0Embedding", "Q8_0Linear",
            "dequantize", "dequantize_rows", "load_maximus_state", "save_maximus_state"]

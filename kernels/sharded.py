@@ -1,5 +1,6 @@
 """Quantized vocabulary tables split by rows over a tensor-parallel group: each rank holds its
-rows in NF4 or int8 (``NF4Embedding``/``Int8Embedding``, ``NF4Linear``/``Int8Linear``) and the
+rows in NF4, int8 or Q8_0 (``NF4Embedding``/``Int8Embedding``/``Q8_0Embedding``, the matching
+linears) and the
 group completes the result, as transformers' ``embedding_rowwise`` and
 ``colwise_gather_output`` styles do for dense tables."""
 

@@ -257,11 +257,12 @@ def _by_rows(index, info) -> bool:
 
 
 def _quantized_rows(art, info, bufs, pieces, rows: slice):
-    """This rank's ``rows`` of the NF4/int8 table ``info``, still encoded (an ``NF4Weight`` or
-    ``Int8Weight``): its pieces when they are exactly those rows, else sliced from the whole."""
+    """This rank's ``rows`` of the NF4/int8/Q8_0 table ``info``, still encoded (an
+    ``NF4Weight``, ``Int8Weight`` or ``Q8_0Weight``): its pieces when they are exactly those rows, else sliced from the whole."""
     import torch
 
-    from lct.io.reader import Int8Weight, NF4Weight
+    from lct.format.q8_0 import row_bytes
+    from lct.io.reader import Int8Weight, NF4Weight, Q8_0Weight
     parts = [art.tensor_from_buffer(p, bufs[p.chunk], dequantize=False) for p in pieces] \
         if pieces is not None else [art.assemble(info, bufs, dequantize=False)]
     n, cols = rows.stop - rows.start, info.shape[1]
@@ -273,6 +274,9 @@ def _quantized_rows(art, info, bufs, pieces, rows: slice):
         if len(tensors) > 1:
             return torch.cat([t.reshape(-1, width) for t in tensors])[keep]
         return tensors[0].reshape(-1, width)[keep].clone()
+    if info.encoding == C.ENCODING_Q8_0:
+        return Q8_0Weight(info.name, own([p.blocks for p in parts], row_bytes(cols)), (n, cols),
+                          art.lossy_dtype(info))
     if info.encoding == C.ENCODING_INT8:
         return Int8Weight(info.name, own([p.q for p in parts], cols),
                           own([p.scale for p in parts], 1).reshape(-1), (n, cols),
@@ -289,7 +293,8 @@ def _install_sharded(model, arch, quantized: dict, params: dict) -> None:
     import torch
     import torch.distributed as dist
 
-    from lct.kernels import Int8Embedding, Int8Linear, NF4Embedding, NF4Linear
+    from lct.kernels import (Int8Embedding, Int8Linear, NF4Embedding, NF4Linear,
+                             Q8_0Embedding, Q8_0Linear)
     from lct.kernels.sharded import GatheredHead, ShardedEmbedding
     world = dist.get_world_size()
     targets = [(full, full) for full in quantized] + \
@@ -306,10 +311,10 @@ def _install_sharded(model, arch, quantized: dict, params: dict) -> None:
         parent = model.get_submodule(parent_path) if parent_path else model
         old = getattr(parent, leaf)
         n = rows.stop - rows.start
-        nf4 = info.encoding == C.ENCODING_NF4
+        nf4, q8 = info.encoding == C.ENCODING_NF4, info.encoding == C.ENCODING_Q8_0
         if isinstance(old, torch.nn.Embedding):
             local = NF4Embedding(w.packed, w.absmax, n, cols, w.blocksize, dtype) if nf4 else \
-                Int8Embedding(w.q, w.scale, dtype)
+                Q8_0Embedding(w.blocks, dtype) if q8 else Int8Embedding(w.q, w.scale, dtype)
             scale = getattr(old, "embed_scale", None)
             new = ShardedEmbedding(local, rows.start, rows.stop, vocab, cols,
                                    scale=None if scale is None or scale.is_meta else scale)
@@ -318,7 +323,7 @@ def _install_sharded(model, arch, quantized: dict, params: dict) -> None:
                 raise LCTError(f"{mod_path} has a bias; a split quantized head "
                                f"has none (load with nf4='dequantize')", option="nf4")
             local = NF4Linear(w.packed, w.absmax, n, cols, w.blocksize, dtype) if nf4 else \
-                Int8Linear(w.q, w.scale, dtype)
+                Q8_0Linear(w.blocks, dtype) if q8 else Int8Linear(w.q, w.scale, dtype)
             new = GatheredHead(local, sizes)
         setattr(parent, leaf, new)
 

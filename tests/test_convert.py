@@ -581,7 +581,7 @@ def test_every_stage_after_the_bar_is_announced(gemma_src, tmp_path, monkeypatch
     res = CliRunner().invoke(cli, ["convert", str(gemma_src), "-o", str(tmp_path / "b.lct")])
     assert res.exit_code == 0, res.output
     err = res.stderr
-    for word in ("convert: reading", "convert: measuring NF4 and int8", "convert: hashing",
+    for word in ("convert: reading", "convert: measuring NF4, int8, Q8_0", "convert: hashing",
                  "convert: syncing the data files to disk and publishing"):
         assert word in err, err
     assert err.index("100%") < err.index("convert: hashing"), err

@@ -19,8 +19,9 @@ ROOT = Path(__file__).resolve().parents[1]
 
 
 def test_the_registry_holds_the_spec_encodings():
-    assert list(_REGISTRY) == [C.ENCODING_PLAIN, C.ENCODING_NF4, C.ENCODING_INT8]
-    assert lossy_encodings() == (C.ENCODING_NF4, C.ENCODING_INT8)
+    assert list(_REGISTRY) == [C.ENCODING_PLAIN, C.ENCODING_NF4, C.ENCODING_INT8,
+                               C.ENCODING_Q8_0]
+    assert lossy_encodings() == (C.ENCODING_NF4, C.ENCODING_INT8, C.ENCODING_Q8_0)
     assert not is_lossy(C.ENCODING_PLAIN) and is_lossy("nf4") and not is_lossy("q4_0")
     with pytest.raises(UnsupportedVersionError, match="unknown encoding 'q4_0'"):
         get_encoding("q4_0", "m.lct/lct.json")
@@ -43,15 +44,18 @@ def test_a_lossy_encoding_round_trips_through_its_own_bytes(name):
     assert encoded_bytes(name, (24, 64), "bfloat16", bs or C.DEFAULT_BLOCKSIZE) == \
         spec.nbytes + spec.absmax_nbytes
     buf = lay.allocate()
-    off, a = lay.offsets["t"], lay.absmax_offsets["t"]
+    # Q8_0 keeps its scales inside its blocks: no scale span, no placement object.
+    off = lay.offsets["t"]
+    a = lay.absmax_offsets.get("t", off + spec.nbytes)
+    assert ("t" in lay.absmax_offsets) == bool(spec.absmax_nbytes) == (enc.key is not None)
     buf[off:off + spec.nbytes] = codes.reshape(-1).view(torch.uint8).numpy()
     buf[a:a + spec.absmax_nbytes] = scales.view(torch.uint8).numpy()
     obj = enc.placement(bs, a, spec.absmax_nbytes)
     checked, span = enc.check(obj, "tensor 't'", (24, 64), "bfloat16", spec.stored_dtype,
                               spec.nbytes, "m/lct.json")
-    assert checked == obj and span == (a, spec.absmax_nbytes)
+    assert checked == obj and span == ((a, spec.absmax_nbytes) if enc.key else None)
     info = TensorInfo("t", (24, 64), "bfloat16", spec.stored_dtype, name, "head", "head", 0,
-                      off, spec.nbytes, **{enc.key: obj})
+                      off, spec.nbytes, **({enc.key: obj} if enc.key else {}))
     raw = torch.from_numpy(buf[off:off + spec.nbytes])
     got = enc.weight(info, raw, torch.from_numpy(buf[a:a + spec.absmax_nbytes])
                      .view(torch.float32), "bfloat16")

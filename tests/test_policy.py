@@ -228,6 +228,6 @@ def test_non_finite_calibration_costs_are_null_in_standard_json(tmp_path):
     raw = (out / "lct.json").read_text()
     assert "NaN" not in raw
     json.loads(raw, parse_constant=lambda c: pytest.fail(f"non-standard JSON constant {c}"))
-    assert m["policy"]["measured"]["costs"]["head"] == {"nf4": None, "int8": None}
+    assert m["policy"]["measured"]["costs"]["head"] == {"nf4": None, "int8": None, "q8_0": None}
     with lct.open(out, verify=True):
         pass

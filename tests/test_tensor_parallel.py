@@ -96,11 +96,11 @@ def test_qwen2_gqa_four_ranks_equals_from_pretrained(qwen_src, tmp_path):
                    for n in r["notes"]), r["notes"]
 
 
-@pytest.mark.parametrize("encoding", ["nf4", "int8"])
+@pytest.mark.parametrize("encoding", ["nf4", "int8", "q8_0"])
 @pytest.mark.parametrize("pieces", [None, 2])
 def test_lossy_tables_are_kept_split_by_rows_or_dequantized(qwen_src, tmp_path, encoding,
                                                             pieces):
-    """NF4/int8 embedding and head under tensor parallelism: kept in their encoding, each rank
+    """NF4/int8/Q8_0 embedding and head under tensor parallelism: kept in their encoding, each rank
     holding its rows (a ShardedEmbedding and a GatheredHead), with the logits of a single
     process that keeps them too; or dequantized to plain DTensors on request. Both equal the
     source up to the encoding's error."""

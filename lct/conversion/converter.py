@@ -24,7 +24,7 @@ from lct.arch import hf
 from lct.arch.model import Architecture
 from lct.conversion.source import Source, resolve, scan
 from lct.errors import ArchitectureError, PolicyError, SourceError
-from lct.format.encodings import get_encoding
+from lct.format.encodings import get_encoding, lossy_encodings
 from lct.format import constants as C
 from lct.format.codecs import choose_codec
 from lct.format.layout import TensorSpec, layout_group
@@ -58,33 +58,41 @@ class Policy:
     maximus_shards: int | None = None
     int8: tuple | None = None
     budget: float = C.DEFAULT_BUDGET_KL
+    q8_0: tuple | None = None       # forced to Q8_0 (llama.cpp's 8-bit blocks), as nf4/int8
     calibration: str | None = None
     max_calibration_tokens: int = C.DEFAULT_CALIBRATION_TOKENS
     tp_pieces: int | None = None    # store what the model's TP plan splits as this many pieces
 
+    def parts(self) -> dict:
+        """``{lossy encoding: the parts forced to it, or None}``: the fields named as the
+        registry's lossy encodings (``nf4``, ``int8``, ``q8_0``)."""
+        return {e: getattr(self, e) for e in lossy_encodings()}
+
     @property
     def auto(self) -> bool:
         """Whether the lossy parts are chosen by measurement (no part forced)."""
-        return self.nf4 is None and self.int8 is None
+        return all(p is None for p in self.parts().values())
 
     def forced(self) -> dict:
         """``{role: encoding}`` of a manual policy (roles not named are lossless)."""
         out = {r: C.ENCODING_PLAIN for r in C.LOSSY_ROLES}
-        out.update({r: C.ENCODING_NF4 for r in self.nf4 or ()})
-        out.update({r: C.ENCODING_INT8 for r in self.int8 or ()})
+        for enc, parts in self.parts().items():
+            out.update({r: enc for r in parts or ()})
         return out
 
     def check(self) -> None:
         """Raise ``PolicyError`` for options that cannot work."""
-        for option, parts in (("nf4", self.nf4), ("int8", self.int8)):
+        seen: dict = {}
+        for option, parts in self.parts().items():
             bad = [r for r in parts or () if r not in C.LOSSY_ROLES]
             if bad:
                 raise PolicyError(f"{option}: unknown part {bad[0]!r}; use none, embed, head or "
                                   f"embed,head", option=option)
-        both = set(self.nf4 or ()) & set(self.int8 or ())
-        if both:
-            raise PolicyError(f"nf4 and int8 both name {sorted(both)[0]!r}; give each part "
-                              f"one encoding", option="nf4")
+            both = [r for r in parts or () if r in seen]
+            if both:
+                raise PolicyError(f"{seen[both[0]]} and {option} both name {both[0]!r}; give "
+                                  f"each part one encoding", option=seen[both[0]])
+            seen.update({r: option for r in parts or ()})
         if not self.auto and self.calibration:
             raise PolicyError("calibration text chooses the encodings, so it cannot go with "
                               "forced nf4/int8 parts", option="calibration")
@@ -118,9 +126,11 @@ class Policy:
 
     def to_dict(self, chosen: dict, decision=None) -> dict:
         """The manifest's ``policy``: ``chosen`` is ``{role: encoding}`` as written."""
+        by = {e: [r for r in C.LOSSY_ROLES if chosen.get(r) == e] for e in lossy_encodings()}
         d = {"mode": "auto" if self.auto else "manual",
-             "nf4": [r for r in C.LOSSY_ROLES if chosen.get(r) == C.ENCODING_NF4],
-             "int8": [r for r in C.LOSSY_ROLES if chosen.get(r) == C.ENCODING_INT8],
+             # nf4 and int8 always (1.0 readers know them), a newer encoding when it is used
+             **{e: roles for e, roles in by.items()
+                if roles or e in (C.ENCODING_NF4, C.ENCODING_INT8)},
              "blocksize": self.blocksize, "dtype": self.dtype,
              "codec": self.codec, "level": self.level, "frame_size": self.frame_size,
              "maximus_shards": self.maximus_shards}
@@ -202,8 +212,9 @@ def _write_chunk(writer, layout, policy: Policy, src: Source, get) -> int:
             where = f"{path}: tensor {s.piece_of or s.name!r}"
             codes, scales = enc.quantize(t, s.blocksize, where)
             buf[off: off + s.nbytes] = codes.reshape(-1).view(torch.uint8).numpy()
-            a = layout.absmax_offsets[s.name]
-            buf[a: a + s.absmax_nbytes] = scales.view(torch.uint8).numpy()
+            if s.absmax_nbytes:         # Q8_0 has its scales in its blocks
+                a = layout.absmax_offsets[s.name]
+                buf[a: a + s.absmax_nbytes] = scales.view(torch.uint8).numpy()
         else:
             if s.stored_dtype != s.dtype:
                 t = _cast(t, s.stored_dtype, s.piece_of or s.name, path)
@@ -572,13 +583,14 @@ def _choose(src: Source, tensors: dict, placed: dict, ties: dict, arch, policy: 
             f"{src.root}: the embedding and the LM head are one tied table, so "
             f"{chosen['embed']} for the embedding and {chosen['head']} for the head cannot "
             f"both be honoured: give both parts one encoding, or neither (lossless)",
-            option="int8" if policy.int8 and not policy.nf4 else "nf4")
+            option=next((e for e, p in policy.parts().items() if p), C.ENCODING_NF4))
     decision = None
     if chosen is None or any(chosen[r] != C.ENCODING_PLAIN for r in lossy):
         # auto: measure to choose; a forced lossy encoding: measure what it costs, to say so
         from lct.conversion.policy import decide
         if lossy:
-            say(f"measuring NF4 and int8 on {','.join(sorted(lossy))} "
+            say(f"measuring {', '.join(get_encoding(e).label for e in lossy_encodings())} on "
+                f"{','.join(sorted(lossy))} "
                 f"({'calibration text' if policy.calibration else 'text-free proxy'})")
         decision = decide(src, tensors, lossy, bool(ties), arch, policy)
         chosen = decision.chosen

@@ -1,7 +1,7 @@
 """Every number of the LCT format, in one place (see docs/FORMAT.md)."""
 
 FORMAT_NAME = "lct"
-FORMAT_VERSION = (1, 2)
+FORMAT_VERSION = (1, 3)
 MAX_VERSION_NUMBER = 0xFFFF             # major and minor are u16s in the data file header
 
 MANIFEST_NAME = "lct.json"
@@ -54,6 +54,10 @@ DEFAULT_MAX_FILE_SIZE = 4 * 1024**3
 ENCODING_PLAIN = "plain"
 ENCODING_NF4 = "nf4"
 ENCODING_INT8 = "int8"      # int8 codes, one float32 scale per row (FORMAT.md 2.2)
+# llama.cpp's Q8_0 blocks: per 32 values a float16 scale and 32 int8 codes (lct/format/q8_0.py).
+ENCODING_Q8_0 = "q8_0"      # since 1.3
+Q8_0_BLOCK = 32
+Q8_0_BLOCK_BYTES = 34
 ROLES = ("embed", "head", "pos_embed", "layer", "norm", "misc")
 NF4_ROLES = ("embed", "head")
 # The roles a lossy encoding may be chosen for, and the encodings a policy may give them.
@@ -173,6 +177,8 @@ PROXY_SEED = 7919
 # Input rows up to which the CPU int8 head takes the fused kernel rather than dequantizing chunks
 # once for all rows (docs/BENCHMARKS.md, bench_head).
 INT8_FUSED_MAX_ROWS = 24
+# The same for the Q8_0 head (kernels/q8_0.py): its codes are read as int8's are.
+Q8_0_FUSED_MAX_ROWS = 24
 
 # Streaming from the Hub (lct/hub/remote.py): the slowest average a range transfer may have after its
 # timeout's grace before it is dropped and retried, and the bytes that must arrive between

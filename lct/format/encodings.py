@@ -75,6 +75,24 @@ class Int8Weight:
                                out=out)
 
 
+@dataclass
+class Q8_0Weight:
+    """A Q8_0-encoded tensor as stored: its rows' blocks (a float16 scale and 32 int8 codes
+    per 32 values, llama.cpp's layout), and what it dequantizes to."""
+
+    name: str
+    blocks: object       # torch.uint8 [rows, cols / 32 * 34]
+    shape: tuple
+    dtype: str
+
+    def dequantize(self, dtype=None, out=None):
+        """Dequantize to ``dtype`` (default: the source dtype): ``float32(d) * q``; into
+        ``out`` (a contiguous tensor of that size and dtype) if given."""
+        from lct.format import q8_0
+        return q8_0.dequantize(self.blocks, self.shape, dtype or torch_dtype(self.dtype),
+                               out=out)
+
+
 _REGISTRY: dict[str, "Encoding"] = {}
 
 
@@ -344,3 +362,65 @@ class Int8(LossyEncoding):
 
     def parts(self, weight):
         return weight.q, weight.scale
+
+
+@register
+class Q8_0(LossyEncoding):
+    """llama.cpp's Q8_0: per block of 32 values of a row, a float16 scale (absmax / 127) and 32
+    int8 codes rounded half away from zero, the scale first (34 bytes): a GGUF ``Q8_0``
+    tensor's bytes. No scales after the codes: they are in the blocks."""
+
+    name = C.ENCODING_Q8_0
+    label = "Q8_0"
+
+    def fits(self, shape, blocksize):
+        return bool(shape) and shape[-1] % C.Q8_0_BLOCK == 0
+
+    def check_source(self, shape, blocksize, where):
+        from lct.format.q8_0 import check_shape
+        check_shape(shape, where)
+
+    def nbytes(self, shape, stored_dtype):
+        from lct.format.q8_0 import blocks_nbytes
+        return blocks_nbytes(math.prod(shape))
+
+    def check(self, obj, w, shape, dtype, stored_dtype, nbytes, where):
+        from lct.format.q8_0 import blocks_nbytes
+        n = self.name
+        if stored_dtype != n:
+            _fail(where, f"{w}: {n} tensor must have stored_dtype {n!r}, got {stored_dtype!r}")
+        if dtype not in C.FLOAT_DTYPES:
+            _fail(where, f"{w}: {n} tensor must dequantize to one of {C.FLOAT_DTYPES}, got "
+                         f"{dtype!r}")
+        if not self.fits(shape, None):
+            _fail(where, f"{w}: a {n} tensor's rows must hold a multiple of {C.Q8_0_BLOCK} "
+                         f"values, shape is {list(shape)}")
+        if nbytes != blocks_nbytes(math.prod(shape)):
+            _fail(where, f"{w}: {n} nbytes {nbytes} != {blocks_nbytes(math.prod(shape))} "
+                         f"({C.Q8_0_BLOCK_BYTES} per block of {C.Q8_0_BLOCK})")
+        return None, None
+
+    def quantize(self, t, blocksize, where):
+        import torch
+
+        from lct.format.q8_0 import quantize
+        return quantize(t, where), torch.empty(0, dtype=torch.float32)
+
+    def roundtrip(self, w, blocksize, wf=None):
+        from lct.format import q8_0
+        return q8_0.dequantize(q8_0.quantize(wf if wf is not None else w), tuple(w.shape))
+
+    def weight(self, info, raw, scales, dtype):
+        from lct.format.q8_0 import row_bytes
+        return Q8_0Weight(info.name, raw.view(-1, row_bytes(info.shape[-1])), info.shape, dtype)
+
+    def join(self, info, parts, perm, dtype):
+        import torch
+
+        blocks = torch.cat([p.blocks for p in parts])
+        return Q8_0Weight(info.name, blocks[perm] if perm is not None else blocks, info.shape,
+                          dtype)
+
+    def parts(self, weight):
+        import torch
+        return weight.blocks, torch.empty(0, dtype=torch.float32)

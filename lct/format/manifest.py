@@ -340,7 +340,8 @@ _ARCHITECTURE_KEYS = {"model_type": ("str", "null"), "tie_word_embeddings": ("bo
                       "mapping": ("str",), "class": ("str",), "stacks": ("stacks",),
                       "experts": ("obj",)}
 _EXPERTS_KEYS = {"count": ("int",), "active": ("int", "null"), "layers": ("int",)}
-_POLICY_KEYS = {"mode": ("str",), "nf4": ("strs",), "int8": ("strs",), "blocksize": ("int",),
+_POLICY_KEYS = {"mode": ("str",), "nf4": ("strs",), "int8": ("strs",), "q8_0": ("strs",),
+                "blocksize": ("int",),
                 "dtype": ("str", "null"), "codec": ("str",), "level": ("signed",),
                 "frame_size": ("int",), "maximus_shards": ("int", "null"),
                 "tp_pieces": ("int",), "measured": ("obj",)}

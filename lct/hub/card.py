@@ -62,10 +62,8 @@ def model_card(manifest, repo_id: str, *, license: str | None = None) -> str:  #
     tags = ["lct", "compressed"]
     if arch.get("model_type"):
         tags.append(str(arch["model_type"]))
-    if pol.get("nf4"):
-        tags.append("nf4")
-    if pol.get("int8"):
-        tags.append("int8")
+    from lct.format.encodings import lossy_encodings
+    tags += [e for e in lossy_encodings() if pol.get(e)]      # nf4, int8, q8_0
     if manifest.maximus:
         tags.append("maximus")
     meta["tags"] = tags
@@ -89,6 +87,10 @@ def model_card(manifest, repo_id: str, *, license: str | None = None) -> str:  #
                      f"layout)")
     if int8:
         lossy.append(f"{', '.join(int8)} in int8 with one scale per row")
+    q8 = [str(r) for r in pol.get("q8_0") or []]
+    if q8:
+        lossy.append(f"{', '.join(q8)} in Q8_0 (llama.cpp's blocks: a float16 scale per 32 "
+                     f"values)")
     nf4_line = "; ".join(lossy) if lossy else "none (every tensor lossless)"
     measured = pol.get("measured") if isinstance(pol.get("measured"), dict) else {}
     try:

@@ -21,7 +21,7 @@ from lct.format.codecs import checksum
 from lct.format import constants as C
 from lct.errors import (ArtifactClosedError, ArtifactNotFoundError, ChecksumError,
                         CorruptChunkError, EntryNotFoundError, ManifestError, OptionError)
-from lct.format.encodings import Int8Weight, NF4Weight, get_encoding, torch_dtype
+from lct.format.encodings import Int8Weight, NF4Weight, Q8_0Weight, get_encoding, torch_dtype
 from lct.format.manifest import ChunkInfo, Manifest, TensorInfo
 from lct.io.store import LocalStore, confined
 
@@ -49,7 +49,7 @@ def _check_data_header(head: bytes, index: int, artifact_id: str, where) -> None
                             f"must be zero")
 
 
-QUANTIZED = (NF4Weight, Int8Weight)
+QUANTIZED = (NF4Weight, Int8Weight, Q8_0Weight)
 
 
 class Artifact:
@@ -342,7 +342,7 @@ class Artifact:
         enc = get_encoding(info.encoding)
         if not enc.lossy:
             return raw.view(torch_dtype(info.stored_dtype)).view(info.shape)
-        a, n = info.scales_span()
+        a, n = info.scales_span() or (0, 0)     # Q8_0 keeps its scales in its blocks
         w = enc.weight(info, raw, torch.from_numpy(buf[a: a + n]).view(torch.float32),
                        self.lossy_dtype(info))
         return w.dequantize() if dequantize else w

@@ -468,8 +468,8 @@ class ArtifactWriter:
         self.chunks.append(info)
         for spec in layout.specs:
             enc = get_encoding(spec.encoding)
-            placed = {enc.key: enc.placement(spec.blocksize, layout.absmax_offsets[spec.name],
-                                             spec.absmax_nbytes)} if enc.key else {}
+            placed = {enc.key: enc.placement(spec.blocksize, layout.absmax_offsets.get(
+                spec.name, 0), spec.absmax_nbytes)} if enc.key else {}
             entry = TensorInfo(spec.name, tuple(spec.shape), spec.dtype, spec.stored_dtype,
                                spec.encoding, spec.role, spec.group, info.id,
                                layout.offsets[spec.name], spec.nbytes, rows=spec.rows,

@@ -29,6 +29,7 @@ from pathlib import Path
 
 from lct.errors import PlanError
 from lct.format import constants as C
+from lct.format.encodings import get_encoding
 from lct.format.layout import encoded_bytes
 from lct.format.maximus import default_budget, shard_bounds
 from lct.format.nf4 import encoded_size
@@ -66,33 +67,39 @@ BNB_QMAP_BYTES = 2 * 256 * 4
 nf4_bytes = encoded_size     # bytes of an NF4 tensor (lct.format.nf4 holds the formula)
 
 
-def lct_layout(specs: list, dtype: str, nf4_roles=C.NF4_ROLES, blocksize: int = C.DEFAULT_BLOCKSIZE,
-               maximus_shards: int | None = None, int8_roles=()) -> dict:
+def lct_layout(specs: list, dtype: str, encodings: dict | None = None,
+               blocksize: int = C.DEFAULT_BLOCKSIZE,
+               maximus_shards: int | None = None) -> dict:
     """How LCT's converter lays ``specs`` out: ``{name: (tensor_bytes, decoded_bytes)}``.
 
-    ``decoded_bytes`` is the tensor's span in its decoded chunk (codes, absmax and the 64-byte
-    alignment gaps up to the next tensor), so the spans of a group add up to its chunks'
-    ``decoded_size`` exactly; it comes from the format's own ``layout_group`` over the tensors in the
-    order the converter meets them (safetensors keys are sorted). Plain tensors are in ``dtype``.
+    ``encodings`` is ``{role: lossy encoding}`` for the 2-D embedding and head tables (default:
+    both NF4); the others are plain, in ``dtype``. ``decoded_bytes`` is the tensor's span in its
+    decoded chunk (codes, scales and the 64-byte alignment gaps up to the next tensor), so the
+    spans of a group add up to its chunks' ``decoded_size`` exactly; it comes from the format's
+    own ``layout_group`` over the tensors in the order the converter meets them (safetensors
+    keys are sorted).
 
     Raises:
-        PlanError: the NF4 block size does not divide a row (the converter would refuse it).
+        PlanError: a table's rows do not suit its encoding (the NF4 block size does not divide
+            a row, a Q8_0 row is not whole blocks): the converter would refuse it.
     """
     from lct.format.layout import TensorSpec, layout_group
 
+    encodings = {r: C.ENCODING_NF4 for r in C.NF4_ROLES} if encodings is None else encodings
     by_group: dict = {}
     pieced = []
     table_shape = next((s.shape for s in specs if s.role == "embed"), None)
     for s in sorted(specs, key=lambda s: s.name):
-        nf4 = s.role in nf4_roles and len(s.shape) == 2
-        if nf4 and s.shape[-1] % blocksize:
-            raise PlanError(f"NF4 blocksize {blocksize} does not divide the row length "
-                            f"{s.shape[-1]} of {s.name}; lct convert would refuse it "
-                            f"(pass another blocksize, or nf4=())")
-        i8 = not nf4 and s.role in int8_roles and len(s.shape) == 2
-        enc = C.ENCODING_NF4 if nf4 else C.ENCODING_INT8 if i8 else C.ENCODING_PLAIN
-        spec = TensorSpec(s.name, s.shape, dtype, "nf4" if nf4 else "int8" if i8 else dtype, enc,
-                          s.role, s.group, blocksize if nf4 else None)
+        enc = encodings.get(s.role, C.ENCODING_PLAIN) if len(s.shape) == 2 else \
+            C.ENCODING_PLAIN
+        e = get_encoding(enc)
+        if e.lossy and not e.fits(tuple(s.shape), blocksize):
+            raise PlanError(f"{e.label} cannot store {s.name} {list(s.shape)}"
+                            + (f" with blocksize {blocksize}" if e.blocked else "")
+                            + f"; lct convert would refuse it (pass another "
+                            + ("blocksize, or " if e.blocked else "") + f"{enc}=())")
+        spec = TensorSpec(s.name, s.shape, dtype, e.stored_dtype(dtype), enc, s.role, s.group,
+                          blocksize if e.blocked else None)
         if maximus_shards and s.role in ("embed", "head") and s.shape == table_shape:
             pieced.append(spec)
         else:
@@ -406,7 +413,7 @@ def plan(model, *, mode: str = "infer", batch: int = 1, seq: int = DEFAULT_SEQ,
          device: str | None = None, loss_chunk: int = DEFAULT_LOSS_CHUNK,
          nf4: tuple | None = None, blocksize: int | None = None,
          revision: str | None = None, int8: tuple | None = None,
-         options: PlanOptions | None = None) -> Plan:
+         q8_0: tuple | None = None, options: PlanOptions | None = None) -> Plan:
     """Plan the memory of MODEL for inference or a training step.
 
     Args:
@@ -432,8 +439,9 @@ def plan(model, *, mode: str = "infer", batch: int = 1, seq: int = DEFAULT_SEQ,
             optimizers, LCT's chunked NF4 head, CPU attention kernels): whose temporaries;
             default: this machine's (``default_device()``).
         loss_chunk: tokens per chunk for the chunked-loss figure.
-        nf4, int8, blocksize: the NF4 and int8 parts ("embed", "head") and the NF4 block size
-            of ``format="lct"``, as ``lct convert --nf4/--int8/--blocksize`` (default: an
+        nf4, int8, q8_0, blocksize: the NF4, int8 and Q8_0 parts ("embed", "head") and the NF4
+            block size of ``format="lct"``, as ``lct convert --nf4/--int8/--q8_0/--blocksize``
+            (default: an
             artifact's policy, else both parts in int8, what the auto policy picks for the
             trained models measured in docs/BENCHMARKS.md, and 64).
         revision: Hub revision for a Hub id.
@@ -455,7 +463,7 @@ def plan(model, *, mode: str = "infer", batch: int = 1, seq: int = DEFAULT_SEQ,
                         add_tokens=add_tokens, precision=precision, optimizer=optimizer,
                         kv_dtype=kv_dtype, format=format, maximus_resident=maximus_resident,
                         memory=memory, device=device, loss_chunk=loss_chunk, nf4=nf4,
-                        blocksize=blocksize, revision=revision, int8=int8)
+                        blocksize=blocksize, revision=revision, int8=int8, q8_0=q8_0)
     if options is not None:
         if asked != PlanOptions():
             raise PlanError("give options=PlanOptions(...) or keyword options, not both",
@@ -491,7 +499,7 @@ def _plan(where: str, dims: Dims, base: Dims, manifest, options: PlanOptions, *,
     train = mode == "train"
     a = 4 if precision == "fp32" else 2                  # weight, gradient and activation bytes
     state_bytes = 4 if precision in ("fp32", "mixed") else 2
-    nf4_roles, int8_roles, blocksize = _lossy_roles(manifest, o.nf4, o.int8, o.blocksize)
+    encodings, blocksize = _lossy_encodings(manifest, o, o.blocksize)
     shards = (manifest.maximus or {}).get("num_shards") if manifest else None
     mx = o.maximus_resident
     if mx is not None:
@@ -501,26 +509,24 @@ def _plan(where: str, dims: Dims, base: Dims, manifest, options: PlanOptions, *,
         shards = shards or mx[1]
 
     specs = parameter_specs(dims)
-    layout = lct_layout(specs, PRECISION_DTYPE[precision], nf4_roles, blocksize, shards,
-                        int8_roles) if o.format == "lct" else None
-    nf4_specs = {s.name for s in specs if layout is not None and s.role in nf4_roles
-                 and len(s.shape) == 2}
-    int8_specs = {s.name for s in specs if layout is not None and s.role in int8_roles
-                  and len(s.shape) == 2 and s.name not in nf4_specs}
-    quant_specs = nf4_specs | int8_specs
+    layout = lct_layout(specs, PRECISION_DTYPE[precision], encodings, blocksize,
+                        shards) if o.format == "lct" else None
+    # {tensor name: its lossy encoding} of the quantized tables in this plan's layout
+    quant = {s.name: encodings[s.role] for s in specs if layout is not None and
+             s.role in encodings and len(s.shape) == 2}
+    quant_specs = set(quant)
     notes: list = []
     parts, trainable, largest = _parts(specs, layout, quant_specs, train, a, optimizer,
                                        state_bytes, precision)
     if dims.tied:
         parts["head"].note = "tied to the embedding"
     if train and quant_specs:
-        notes.append("format=lct: the NF4/int8 embedding/head are frozen in training (no "
+        notes.append("format=lct: the quantized embedding/head are frozen in training (no "
                      "gradients or optimizer states)")
-    nf4_saving = _quantized_saving(specs, layout, quant_specs, nf4_roles, int8_roles, blocksize,
-                                   train, a, optimizer, state_bytes, precision)
+    nf4_saving = _quantized_saving(specs, layout, quant, encodings, blocksize, train, a,
+                                   optimizer, state_bytes, precision)
     emb = next(s for s in specs if s.role == "embed")
-    row_encoding = C.ENCODING_NF4 if emb.name in nf4_specs else \
-        C.ENCODING_INT8 if emb.name in int8_specs else None
+    row_encoding = quant.get(emb.name)
     priced = mx or ((default_budget(shards), min(shards, dims.vocab)) if shards else
                     (DEFAULT_MAXIMUS[0], min(DEFAULT_MAXIMUS[1], dims.vocab)))
     maximus_saving = _maximus(parts, emb, mx, priced, dims, row_encoding, blocksize, a, batch,
@@ -548,8 +554,7 @@ def _plan(where: str, dims: Dims, base: Dims, manifest, options: PlanOptions, *,
     else:
         head_rows = {s.name for s in specs if s.role == "head"} | \
             ({emb.name} if dims.tied else set())
-        head = C.ENCODING_NF4 if nf4_specs & head_rows else \
-            C.ENCODING_INT8 if int8_specs & head_rows else None
+        head = next((quant[n] for n in sorted(head_rows) if n in quant), None)
         f = _infer_figures(dims, batch, seq, a, device, blocksize, weights, kv_held, logits,
                            head)
         f.update(kv=kv_held, kv_window=kv_window)
@@ -596,17 +601,21 @@ def _active_params(specs, experts: dict) -> int:
     return total - experts["params"] + experts["params"] * experts["active"] // experts["count"]
 
 
-def _lossy_roles(manifest, nf4, int8, blocksize) -> tuple:
-    """``(nf4 roles, int8 roles, blocksize)``: as asked, else as the artifact stores them, else
-    what the auto policy picks for trained models (int8 embedding and head)."""
+def _lossy_encodings(manifest, options, blocksize) -> tuple:
+    """``({role: lossy encoding}, blocksize)``: as asked (``options.nf4``/``int8``/``q8_0``),
+    else as the artifact stores them (its policy's list of parts per encoding), else what the
+    auto policy picks for trained models (int8 embedding and head)."""
+    from lct.format.encodings import lossy_encodings
     policy = manifest.policy if manifest else {}
-    if nf4 is not None or int8 is not None:
-        nf4_roles, int8_roles = tuple(nf4 or ()), tuple(int8 or ())
+    asked = options.forced()
+    if any(p is not None for p in asked.values()):
+        by = {r: e for e, parts in asked.items() for r in parts or ()}
     elif manifest is not None:
-        nf4_roles, int8_roles = tuple(policy.get("nf4") or ()), tuple(policy.get("int8") or ())
+        by = {r: e for e in lossy_encodings() for r in policy.get(e) or ()
+              if r in C.LOSSY_ROLES}
     else:
-        nf4_roles, int8_roles = (), C.LOSSY_ROLES
-    return nf4_roles, int8_roles, blocksize or int(policy.get("blocksize", C.DEFAULT_BLOCKSIZE))
+        by = {r: C.ENCODING_INT8 for r in C.LOSSY_ROLES}
+    return by, blocksize or int(policy.get("blocksize", C.DEFAULT_BLOCKSIZE))
 
 
 def _parts(specs, layout, quant_specs, train, a, optimizer, state_bytes, precision) -> tuple:
@@ -638,22 +647,21 @@ def _parts(specs, layout, quant_specs, train, a, optimizer, state_bytes, precisi
     return parts, trainable, largest
 
 
-def _quantized_saving(specs, layout, quant_specs, nf4_roles, int8_roles, blocksize, train, a,
-                      optimizer, state_bytes, precision) -> int:
+def _quantized_saving(specs, layout, quant, encodings, blocksize, train, a, optimizer,
+                      state_bytes, precision) -> int:
     """What the quantized tables save against dense ones, in this mode (frozen when
-    training)."""
+    training); ``quant``: the laid-out tables' encodings, ``encodings``: by role (the HF-format
+    plan's figure of what they would save)."""
     saving = 0
     for s in specs:
-        q_nf4 = s.role in nf4_roles and s.shape[-1] % blocksize == 0
-        if len(s.shape) == 2 and (q_nf4 or s.role in int8_roles):
+        enc = quant.get(s.name) or encodings.get(s.role)
+        if len(s.shape) == 2 and enc and get_encoding(enc).fits(tuple(s.shape), blocksize):
             dense = s.numel * a
             if train:
                 dense += s.numel * a + optimizer_state_bytes(s.shape, optimizer, state_bytes) + \
                     (4 * s.numel if precision == "mixed" else 0)
-            saving += dense - (layout[s.name][1] if layout is not None and
-                               s.name in quant_specs else encoded_bytes(
-                                   C.ENCODING_NF4 if q_nf4 else C.ENCODING_INT8, s.shape,
-                                   "float32", blocksize))
+            saving += dense - (layout[s.name][1] if layout is not None and s.name in quant
+                               else encoded_bytes(enc, s.shape, "float32", blocksize))
     return saving
 
 
@@ -721,9 +729,10 @@ def _infer_figures(dims, batch, seq, a, device, blocksize, weights, kv_held, log
     for an NF4 or int8 ``head``) and what keeping only the last position's logits saves."""
     t, V, H = batch * seq, dims.vocab, dims.hidden
     activations = infer_transient(dims, batch, seq, a)
+    # A Q8_0 head runs as int8's does: fused up to as many rows, else chunks through float32.
     head_temp = nf4_head_transient(V, H, t, a, blocksize, device) \
         if head == C.ENCODING_NF4 else int8_head_transient(V, H, t, a) \
-        if head == C.ENCODING_INT8 else 0
+        if head in (C.ENCODING_INT8, C.ENCODING_Q8_0) else 0
     final = logits + a * t * H + head_temp
     phases = {"layers": weights + kv_held + activations, "logits": weights + kv_held + final}
     return dict(phases=phases, activations=activations, loss=0, loss_chunked=0, step=0,

@@ -63,7 +63,7 @@ class PlanOptions:
     The fields are ``plan()``'s keyword arguments, with the same meanings and defaults.
     Construction checks each against its allowed values (``MODES``, ``FORMATS``, ``DEVICES``,
     ``OPTIMIZERS``, ``PRECISIONS``, ``KV_DTYPES``, ``C.LOSSY_ROLES``) and keeps them normalized:
-    ``maximus_resident`` as ``(K, N)``, ``memory`` as bytes, ``nf4``/``int8`` as tuples.
+    ``maximus_resident`` as ``(K, N)``, ``memory`` as bytes, ``nf4``/``int8``/``q8_0`` as tuples.
     ``None`` for ``precision``, ``kv_dtype``, ``format`` and ``device`` means the model's (or
     this machine's) default, which ``resolved`` fills in once the model is read. What needs
     the model (a vocabulary grown below one token, more Maximus shards than rows, a blocksize
@@ -97,6 +97,13 @@ class PlanOptions:
     blocksize: int | None = None
     revision: str | None = None
     int8: tuple | None = None
+    q8_0: tuple | None = None
+
+    def forced(self) -> dict:
+        """``{lossy encoding: parts}`` as asked (``nf4``, ``int8``, ``q8_0``; None: not
+        given)."""
+        from lct.format.encodings import lossy_encodings
+        return {e: getattr(self, e) for e in lossy_encodings()}
 
     def __post_init__(self):
         def keep(name, value):
@@ -125,15 +132,19 @@ class PlanOptions:
             keep("maximus_resident", parse_resident(self.maximus_resident))
         if self.memory is not None:
             keep("memory", parse_bytes(self.memory))
-        for parts, what in ((self.nf4, "nf4"), (self.int8, "int8")):
+        seen: dict = {}
+        for what, parts in self.forced().items():
             if parts is not None and any(r not in C.LOSSY_ROLES for r in parts):
                 raise PlanError(f"{what} parts {tuple(parts)!r} must be among {C.LOSSY_ROLES}",
                                 option=what)
             if parts is not None:
                 keep(what, tuple(parts))
-        if set(self.nf4 or ()) & set(self.int8 or ()):
-            raise PlanError(f"nf4 {self.nf4!r} and int8 {self.int8!r} name the same part",
-                            option="nf4")
+            both = [r for r in parts or () if r in seen]
+            if both:
+                other = seen[both[0]]
+                raise PlanError(f"{other} {tuple(getattr(self, other))!r} and {what} "
+                                f"{tuple(parts)!r} name the same part", option=other)
+            seen.update({r: what for r in parts or ()})
         b = self.blocksize
         if b is not None and (not isinstance(b, int) or b < 2 or b % 2):
             raise PlanError(f"NF4 blocksize {b!r} must be a positive even integer",
