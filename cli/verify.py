@@ -7,6 +7,7 @@ import sys
 import click
 
 from lct.cli._util import GroupProgress, quiet_option, table
+from lct.format import constants as C
 
 
 @click.command("verify", short_help="Check an artifact's checksums, tensors and quality.")
@@ -22,6 +23,10 @@ from lct.cli._util import GroupProgress, quiet_option, table
 @click.option("--text", "text", type=click.Path(exists=True), default=None,
               help="Text file or folder for --quality (default: public-domain prose and Python "
                    "source shipped with LCT).")
+@click.option("--budget", type=click.FloatRange(min=0, min_open=True), default=None,
+              help="--quality: the mean KL (nats) the artifact must stay within; over it, verify "
+                   "says OVER and exits 1. Default: the budget it was converted under, else "
+                   f"{C.DEFAULT_BUDGET_KL}.")
 @click.option("--max-tokens", type=click.IntRange(1), default=None,
               help="Scored tokens for --quality  [default: 4096].")
 @click.option("--layerwise", is_flag=True,
@@ -37,11 +42,12 @@ from lct.cli._util import GroupProgress, quiet_option, table
 @click.option("--json", "as_json", is_flag=True,
               help="Print the whole report as JSON (fields in docs/CLI.md) instead of tables.")
 @quiet_option("OK or FAILED (the problems on stderr)")
-def verify_cmd(artifact, against, revision, quality, text, max_tokens, layerwise, expect,
-               as_json, quiet):
+def verify_cmd(artifact, against, revision, quality, text, budget, max_tokens, layerwise,
+               expect, as_json, quiet):
     """Check every chunk of ARTIFACT (a folder, hf://org/name[@rev], pulled first, or
     s3://bucket/prefix, read by range requests):
-    checksum and decode. Exits 1 if anything is wrong.
+    checksum and decode. Exits 1 if anything is wrong, or with --quality if the lossy parts cost
+    more than --budget.
 
     With --against SOURCE, every tensor is compared with the source: lossless ones bit for bit,
     NF4/int8 ones by quantizing the source again. With --quality, what the lossy parts cost on
@@ -58,11 +64,12 @@ def verify_cmd(artifact, against, revision, quality, text, max_tokens, layerwise
     try:
         rep = verify(artifact, against=against, revision=revision, progress=bar,
                      quality=quality, text=text, max_tokens=max_tokens, quality_progress=qbar,
-                     layerwise=layerwise, expect=expect)
+                     layerwise=layerwise, expect=expect, budget=budget)
     finally:
         bar.close()
         qbar.close()
     from lct.format.encodings import is_lossy
+    over = rep.quality is not None and not rep.quality.within_budget
     lossy = [t for t in rep.tensors if is_lossy(t.encoding)]
     lossless = [t for t in rep.tensors if not is_lossy(t.encoding)]
     if as_json:
@@ -75,14 +82,16 @@ def verify_cmd(artifact, against, revision, quality, text, max_tokens, layerwise
             "lossy_tensors": [asdict(t) for t in lossy],
             "quality": rep.quality.to_dict() if rep.quality is not None else None},
             indent=1))
-        if not rep.ok:
+        if not rep.ok or over:
             sys.exit(1)
         return
     if quiet:
         for f in rep.failures:
             click.echo(f"FAIL {f}", err=True)
-        click.echo("OK" if rep.ok else "FAILED")
-        if not rep.ok:
+        if over:
+            click.echo(f"OVER {rep.quality.verdict()}", err=True)
+        click.echo("FAILED" if not rep.ok else "OVER" if over else "OK")
+        if not rep.ok or over:
             sys.exit(1)
         return
     if lossy:
@@ -102,12 +111,14 @@ def verify_cmd(artifact, against, revision, quality, text, max_tokens, layerwise
             ("top-1 agreement", f"{q.top1_agreement:.4f}"),
             ("KL mean / max (nats)", f"{q.kl_mean:.5f} / {q.kl_max:.4f}"),
             ("scored", f"{q.tokens} tokens in {q.blocks} blocks")], ["quality", "value"]))
+        click.echo(f"quality: {q.verdict()}")
     shown = 20
     for f in rep.failures[:shown]:
         click.echo(f"FAIL {f}", err=True)
     if len(rep.failures) > shown:
         click.echo(f"... and {len(rep.failures) - shown} more", err=True)
     click.echo(f"{rep.chunks_checked} chunks checked: " + ("OK" if rep.ok else
-                                                           f"{len(rep.failures)} problem(s)"))
-    if not rep.ok:
+                                                           f"{len(rep.failures)} problem(s)")
+               + ("; quality OVER the budget" if over else ""))
+    if not rep.ok or over:
         sys.exit(1)

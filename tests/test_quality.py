@@ -11,6 +11,7 @@ from torch.nn import functional as F
 import lct
 from lct.conversion.converter import Policy
 from lct.conversion.quality import measure_quality, token_blocks
+from lct.format import constants as C
 
 
 @pytest.fixture(scope="module")
@@ -77,6 +78,32 @@ def test_lossless_artifact_costs_exactly_nothing(src, arts, run):
     q = report["quality"]
     assert q["delta_pct"] == 0.0 and q["kl_mean"] == 0.0 and q["kl_max"] == 0.0
     assert q["top1_agreement"] == 1.0 and q["tokens"] == 200
+
+
+def test_quality_says_within_or_over_the_budget_and_exits_1_over_it(src, arts, run, tmp_path):
+    """The budget is the conversion's (policy.measured.budget_kl) unless --budget says; over it,
+    the table, -q and --json all say so and verify exits 1."""
+    nf4 = tmp_path / "nf4.lct"
+    lct.convert(str(src), nf4, policy=Policy(nf4=("embed", "head"), budget=0.5))
+    args = ("verify", nf4, "--against", src, "--quality", "--max-tokens", "100")
+    res = run(*args, "--json")
+    q = json.loads(res.stdout)["quality"]
+    assert q["budget_kl"] == 0.5 and 0 < q["kl_mean"] and res.exit_code == (
+        0 if q["kl_mean"] <= 0.5 else 1), res.output
+    tight = q["kl_mean"] / 2                        # certainly over
+    res = run(*args, "--budget", str(tight))
+    assert res.exit_code == 1 and f"OVER the budget {tight:g}" in res.output, res.output
+    assert "quality OVER the budget" in res.output
+    res = run(*args, "--budget", str(tight), "-q")
+    assert res.exit_code == 1 and res.stdout.strip() == "OVER", res.output
+    res = run(*args, "--budget", str(q["kl_mean"] * 2), "-q")
+    assert res.exit_code == 0 and res.stdout.strip() == "OK", res.output
+    res = run(*args, "--budget", str(tight), "--json")
+    assert res.exit_code == 1 and json.loads(res.stdout)["quality"]["within_budget"] is False
+    rep = lct.verify(arts[1], against=str(src), quality=True, max_tokens=50)
+    assert rep.quality.budget_kl == C.DEFAULT_BUDGET_KL and rep.quality.within_budget
+    res = run("verify", arts[1], "--against", src, "--quality", "--budget", "0")
+    assert res.exit_code != 0 and "--budget" in res.output
 
 
 def test_quality_text_folder_and_errors(src, arts, run, tmp_path):

@@ -31,14 +31,28 @@ class QualityReport:
     top1_agreement: float = 0.0     # share of positions whose argmax equals the reference's
     kl_mean: float = 0.0            # nats
     kl_max: float = 0.0
+    budget_kl: float | None = None  # the budget the mean KL is held to (verify sets it)
 
     @property
     def delta_pct(self) -> float:
         """Perplexity change against the reference, in percent."""
         return (self.ppl / self.ppl_reference - 1.0) * 100.0 if self.ppl_reference else 0.0
 
+    @property
+    def within_budget(self) -> bool | None:
+        """Whether the mean KL is within ``budget_kl`` (a NaN is not); None without a budget."""
+        if self.budget_kl is None:
+            return None
+        return bool(self.kl_mean <= self.budget_kl)
+
+    def verdict(self) -> str:
+        """One line: the mean KL against the budget, ``within`` or ``OVER``."""
+        return (f"mean KL {self.kl_mean:.5f} nats on {self.tokens} tokens: "
+                f"{'within' if self.within_budget else 'OVER'} the budget {self.budget_kl:g}")
+
     def to_dict(self) -> dict:
-        return {**asdict(self), "delta_pct": self.delta_pct}
+        return {**asdict(self), "delta_pct": self.delta_pct,
+                "within_budget": self.within_budget}
 
 
 def read_texts(path) -> list:

@@ -77,7 +77,7 @@ def _compare(name, info, got, ref) -> TensorCheck:
 def verify(artifact, *, against: str | None = None, revision: str | None = None,
            progress=None, quality: bool = False, text=None, max_tokens: int | None = None,
            quality_progress=None, layerwise: bool = False,
-           expect: str | None = None) -> VerifyReport:
+           expect: str | None = None, budget: float | None = None) -> VerifyReport:
     """Check every chunk of ``artifact``; with ``against``, compare every tensor with the source.
 
     Args:
@@ -93,6 +93,10 @@ def verify(artifact, *, against: str | None = None, revision: str | None = None,
             ``layerwise`` streams the layers of both models (for models larger than memory).
         expect: the digest the manifest must have (``sha256:...``, as ``lct info`` prints
             it); a different one is a failure.
+        budget: the mean KL (nats) the quality check holds the artifact to (default: the
+            budget its conversion was measured against, ``policy.measured.budget_kl``, else
+            ``C.DEFAULT_BUDGET_KL``); ``report.quality.within_budget`` says, and ``lct verify
+            --quality`` exits 1 when it is over.
 
     What a report that is OK proves: every chunk's stored bytes match their checksum and
     decode to what the manifest declares, every byte between chunks is zero, the side files
@@ -147,7 +151,18 @@ def verify(artifact, *, against: str | None = None, revision: str | None = None,
         report.quality = measure_quality(art.path, against, revision=revision, text=text,
                                          max_tokens=max_tokens or DEFAULT_MAX_TOKENS,
                                          progress=quality_progress, layerwise=layerwise)
+        report.quality.budget_kl = budget if budget is not None else conversion_budget(art)
     return report
+
+
+def conversion_budget(art) -> float:
+    """The mean-KL budget ``art`` was converted under (``policy.measured.budget_kl``), else
+    LCT's default (``C.DEFAULT_BUDGET_KL``)."""
+    from lct.format import constants as C
+    measured = (art.manifest.policy or {}).get("measured")
+    b = measured.get("budget_kl") if isinstance(measured, dict) else None
+    return float(b) if isinstance(b, (int, float)) and not isinstance(b, bool) and b > 0 \
+        else C.DEFAULT_BUDGET_KL
 
 
 def model_misfits(art) -> list:
