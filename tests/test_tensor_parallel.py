@@ -235,7 +235,7 @@ def test_tp_pieces_are_whole_tensors_to_a_single_process_and_to_verify(qwen_src,
     lct.convert(str(qwen_src), b, policy=Policy(nf4=()))
     m = lct.open(a).manifest
     axes = {t.piece_axis for t in m.tensors.values() if t.pieces}
-    assert axes == {0, 1} and m.format_version == (1, 2)
+    assert axes == {0, 1} and m.format_version >= (1, 2)   # column pieces need 1.2
     assert m.tensors["model.layers.0.self_attn.o_proj.weight"].piece_axis == 1
     ids = torch.tensor([[1, 5, 9, 3]])
     with torch.no_grad():
