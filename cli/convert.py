@@ -27,8 +27,9 @@ def _parse_parts(ctx, param, value):
 @click.option("--revision", default=None, help="Hub revision (branch, tag or commit) of SOURCE.")
 @click.option("--nf4", "nf4", default=None, callback=_parse_parts, metavar="PARTS",
               help="Force these parts to NF4 (bitsandbytes layout): embed, head, embed,head or "
-                   "none. Any of --nf4/--int8/--q8_0 turns the automatic choice off; parts not named "
-                   "are then lossless. A tied embedding/head is one table: name both or neither.")
+                   "none. Any of --nf4/--int8/--q8_0 turns the automatic choice off; parts not "
+                   "named are then lossless. A tied embedding/head is one table: name both or "
+                   "neither.")
 @click.option("--int8", "int8", default=None, callback=_parse_parts, metavar="PARTS",
               help="Force these parts to int8 with one scale per row: embed, head, embed,head "
                    "or none.")

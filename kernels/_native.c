@@ -7,10 +7,14 @@
  *   int8_matmul(x, x_kind, q, scale, out, out_kind, M, N, K, threads, isa)
  *                                     out[M, N] = x[M, K] @ (q * scale[:, None]).T with q int8
  *                                     [N, K] and one float32 scale per row (lct/format/int8.py).
- *   nf4_matmul_isa()                  the instruction set both use here: scalar, avx2 or avx512
- *                                     (LCT_NATIVE_ISA=scalar|avx2 caps it).
+ *   q8_0_matmul(x, x_kind, blocks, out, out_kind, M, N, K, threads, isa)
+ *                                     out[M, N] = x[M, K] @ W.T with W [N, K] in llama.cpp's
+ *                                     Q8_0 (per 32 weights of a row, 34 bytes: a float16 scale d,
+ *                                     then 32 int8 codes q; W = q * d), float32 sums.
+ *   nf4_matmul_isa()                  the instruction set all three use here: scalar, avx2 or
+ *                                     avx512 (LCT_NATIVE_ISA=scalar|avx2 caps it).
  *
- * x and out are float32 (kind 0) or bfloat16 bits (kind 1); isa -1 picks the best. Both take
+ * x and out are float32 (kind 0) or bfloat16 bits (kind 1); isa -1 picks the best. All take
  * buffer-protocol objects, check every length and alignment before touching memory, and run
  * over `threads` POSIX threads with the GIL released. kernels/native.py (lct.kernels.native)
  * wraps them; kernels/linear.py and kernels/int8.py fall back to dequantize-and-matmul in torch
@@ -46,15 +50,24 @@ static inline uint16_t to_bf16(float f)
  * Accumulation is float32 throughout; only the summation order differs from a float32 reference.
  */
 enum { ISA_SCALAR = 0, ISA_AVX2 = 1, ISA_AVX512 = 2 };
+enum { MM_NF4 = 0, MM_INT8 = 1, MM_Q8_0 = 2 };  /* mm_job.codes */
 #define MM_TILE 4   /* rows of x sharing one decode of a weight vector */
+#define Q8_TILE 8   /* the same for Q8_0's AVX-512 kernel (its largest tile) */
+#define Q8_BLOCK 32        /* Q8_0: weights per block */
+#define Q8_BLOCK_BYTES 34  /* Q8_0: bytes per block, float16 d then 32 int8 codes */
+/* Q8_0's vector loops prefetch the codes this many bytes ahead of each block: without it a
+ * 256000 x 2048 head streams at a little over half the speed (measured: 1 row of x, 2 threads,
+ * 49 ms against 27). */
+#define Q8_PREFETCH 4096
 
 typedef struct {
-    const uint8_t *packed;                 /* NF4 codes [N, K/2], or int8 codes [N, K] */
+    const uint8_t *packed;                 /* NF4 codes [N, K/2], int8 codes [N, K], or Q8_0
+                                            * blocks [N, K/32 * 34] */
     const float *absmax, *code, *xe, *xo;  /* xe/xo: [M, K/2] even and odd elements of x */
     void *out;
     Py_ssize_t M, N, K, blocksize, n0, n1;
     int out_kind, isa;
-    int int8;                              /* 1: int8 codes, absmax = one scale per row, x in xe */
+    int codes;  /* MM_NF4; MM_INT8: absmax = one scale per row, x in xe; MM_Q8_0: x in xe */
 } mm_job;
 
 static inline void mm_store(const mm_job *j, Py_ssize_t m, Py_ssize_t n, float v)
@@ -119,6 +132,63 @@ static inline void i8_row_c(const mm_job *j, const uint8_t *p, const float *am, 
 }
 
 MM_ROW_FNS(i8_rows_c, i8_row_c, )
+
+/* ---- Q8_0: W [N, K] as K/32 blocks of 34 bytes per row, each a float16 d and 32 int8 q ------
+ *
+ * Each weight q * d is formed in float32 (exact: an 8-bit q times an 11-bit float16
+ * significand fits float32's 24 bits) and multiplied with x in float32, so the result is
+ * x @ dequantized(W).T in float32 sums, whatever the summation order. Scaling the 32 weights of
+ * a block once serves every row of x in the tile, where summing a block and then scaling would
+ * cost one more multiply-add per block and row. d is read through a 65536-entry table of every
+ * float16's float32 value (f16_table, filled at import). */
+static float f16_table[65536];
+
+static float f16_to_f32(uint16_t h)
+{
+    uint32_t sign = (uint32_t)(h & 0x8000u) << 16, e = (h >> 10) & 31u, m = h & 0x3FFu, u;
+    if (e == 31)
+        u = sign | 0x7F800000u | (m << 13);  /* Inf, NaN (payload kept, as numpy does) */
+    else if (e)
+        u = sign | ((e + 112) << 23) | (m << 13);
+    else if (!m)
+        u = sign;
+    else {  /* subnormal m * 2^-24: normalise */
+        e = 113;
+        while (!(m & 0x400u)) {
+            m <<= 1;
+            e--;
+        }
+        u = sign | (e << 23) | ((m & 0x3FFu) << 13);
+    }
+    float f;
+    memcpy(&f, &u, 4);
+    return f;
+}
+
+static inline float q8_scale(const uint8_t *blk)
+{
+    return f16_table[(uint32_t)blk[0] | ((uint32_t)blk[1] << 8)];
+}
+
+static inline void q8_row_c(const mm_job *j, const uint8_t *p, const float *am, Py_ssize_t m0,
+                            int mt, float *res)
+{
+    Py_ssize_t bpr = j->K / Q8_BLOCK;
+    for (int t = 0; t < mt; t++) {
+        const float *x = j->xe + (m0 + t) * j->K;
+        float acc = 0.0f;
+        for (Py_ssize_t b = 0; b < bpr; b++) {
+            const uint8_t *blk = p + b * Q8_BLOCK_BYTES;
+            const int8_t *q = (const int8_t *)(blk + 2);
+            float d = q8_scale(blk);
+            for (int i = 0; i < Q8_BLOCK; i++)
+                acc += ((float)q[i] * d) * x[b * Q8_BLOCK + i];
+        }
+        res[t] = acc;
+    }
+}
+
+MM_ROW_FNS(q8_rows_c, q8_row_c, )
 
 #if defined(__x86_64__) && (defined(__GNUC__) || defined(__clang__))
 #include <immintrin.h>
@@ -244,24 +314,216 @@ i8_row256(const mm_job *j, const uint8_t *p, const float *am, Py_ssize_t m0, int
         res[t] = hsum256(_mm256_add_ps(s[t], s2[t]));
 }
 
+/* Q8_0 rows: per block, the 32 codes widened to float32 and scaled by d once for the tile, then
+ * two FMA chains per input row (the block's halves). AVX-512 takes tiles of up to 8 rows of x
+ * (16 accumulators, of its 32 registers), AVX2 up to 4 (8 of its 16). These one-row kernels
+ * take only a share's odd last row: the rest go two weight rows at a time (q8_pair512,
+ * q8_pair256 below). */
+__attribute__((target("avx512f"), always_inline)) static inline void
+q8_row512(const mm_job *j, const uint8_t *p, const float *am, Py_ssize_t m0, int mt, float *res)
+{
+    Py_ssize_t bpr = j->K / Q8_BLOCK, K = j->K;
+    const float *x0 = j->xe + m0 * K;
+    __m512 s[Q8_TILE], s2[Q8_TILE];
+    for (int t = 0; t < mt; t++)
+        s[t] = s2[t] = _mm512_setzero_ps();
+    for (Py_ssize_t b = 0; b < bpr; b++, p += Q8_BLOCK_BYTES) {
+        _mm_prefetch((const char *)p + Q8_PREFETCH, _MM_HINT_T0);
+        __m512 d = _mm512_set1_ps(q8_scale(p));
+        __m512 w = _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(
+                                     _mm_loadu_si128((const __m128i *)(p + 2)))), d);
+        __m512 w2 = _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(
+                                      _mm_loadu_si128((const __m128i *)(p + 18)))), d);
+        for (int t = 0; t < mt; t++) {
+            const float *x = x0 + t * K + b * Q8_BLOCK;
+            s[t] = _mm512_fmadd_ps(w, _mm512_loadu_ps(x), s[t]);
+            s2[t] = _mm512_fmadd_ps(w2, _mm512_loadu_ps(x + 16), s2[t]);
+        }
+    }
+    for (int t = 0; t < mt; t++)
+        res[t] = _mm512_reduce_add_ps(_mm512_add_ps(s[t], s2[t]));
+}
+
+__attribute__((target("avx2,fma"), always_inline)) static inline void
+q8_row256(const mm_job *j, const uint8_t *p, const float *am, Py_ssize_t m0, int mt, float *res)
+{
+    Py_ssize_t bpr = j->K / Q8_BLOCK, K = j->K;
+    const float *x0 = j->xe + m0 * K;
+    __m256 s[MM_TILE], s2[MM_TILE];
+    for (int t = 0; t < mt; t++)
+        s[t] = s2[t] = _mm256_setzero_ps();
+    for (Py_ssize_t b = 0; b < bpr; b++, p += Q8_BLOCK_BYTES) {
+        _mm_prefetch((const char *)p + Q8_PREFETCH, _MM_HINT_T0);
+        __m256 d = _mm256_set1_ps(q8_scale(p));
+        for (int h = 0; h < Q8_BLOCK; h += 16) {
+            __m256 w = _mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(
+                                         _mm_loadl_epi64((const __m128i *)(p + 2 + h)))), d);
+            __m256 w2 = _mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(
+                                          _mm_loadl_epi64((const __m128i *)(p + 10 + h)))), d);
+            for (int t = 0; t < mt; t++) {
+                const float *x = x0 + t * K + b * Q8_BLOCK + h;
+                s[t] = _mm256_fmadd_ps(w, _mm256_loadu_ps(x), s[t]);
+                s2[t] = _mm256_fmadd_ps(w2, _mm256_loadu_ps(x + 8), s2[t]);
+            }
+        }
+    }
+    for (int t = 0; t < mt; t++)
+        res[t] = hsum256(_mm256_add_ps(s[t], s2[t]));
+}
+
+/* Two weight rows (p and the next row) against up to Q8_TILE rows of x: each x vector is loaded
+ * once for both, halving what a tile reads from cache per weight row. Up to 4 rows of x, each
+ * pair (x row, weight row) keeps two FMA chains (the block's halves); above, one. res holds the
+ * first weight row's sums at [0, mt) and the second's at [Q8_TILE, Q8_TILE + mt). */
+__attribute__((target("avx512f"), always_inline)) static inline void
+q8_pair512(const mm_job *j, const uint8_t *p, Py_ssize_t m0, int mt, float *res)
+{
+    Py_ssize_t bpr = j->K / Q8_BLOCK, K = j->K;
+    const uint8_t *p1 = p + bpr * Q8_BLOCK_BYTES;
+    const float *x0 = j->xe + m0 * K;
+    const int split = mt <= 4;
+    __m512 s[Q8_TILE], s1[Q8_TILE], u[Q8_TILE], u1[Q8_TILE];
+    for (int t = 0; t < mt; t++)
+        s[t] = s1[t] = u[t] = u1[t] = _mm512_setzero_ps();
+    for (Py_ssize_t b = 0; b < bpr; b++, p += Q8_BLOCK_BYTES, p1 += Q8_BLOCK_BYTES) {
+        _mm_prefetch((const char *)p + Q8_PREFETCH, _MM_HINT_T0);
+        _mm_prefetch((const char *)p1 + Q8_PREFETCH, _MM_HINT_T0);
+        __m512 d0 = _mm512_set1_ps(q8_scale(p)), d1 = _mm512_set1_ps(q8_scale(p1));
+        __m512 a0 = _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(
+                                      _mm_loadu_si128((const __m128i *)(p + 2)))), d0);
+        __m512 b0 = _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(
+                                      _mm_loadu_si128((const __m128i *)(p + 18)))), d0);
+        __m512 a1 = _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(
+                                      _mm_loadu_si128((const __m128i *)(p1 + 2)))), d1);
+        __m512 b1 = _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(
+                                      _mm_loadu_si128((const __m128i *)(p1 + 18)))), d1);
+        for (int t = 0; t < mt; t++) {
+            const float *x = x0 + t * K + b * Q8_BLOCK;
+            __m512 xa = _mm512_loadu_ps(x), xb = _mm512_loadu_ps(x + 16);
+            s[t] = _mm512_fmadd_ps(a0, xa, s[t]);
+            s1[t] = _mm512_fmadd_ps(a1, xa, s1[t]);
+            if (split) {
+                u[t] = _mm512_fmadd_ps(b0, xb, u[t]);
+                u1[t] = _mm512_fmadd_ps(b1, xb, u1[t]);
+            } else {
+                s[t] = _mm512_fmadd_ps(b0, xb, s[t]);
+                s1[t] = _mm512_fmadd_ps(b1, xb, s1[t]);
+            }
+        }
+    }
+    for (int t = 0; t < mt; t++) {
+        res[t] = _mm512_reduce_add_ps(split ? _mm512_add_ps(s[t], u[t]) : s[t]);
+        res[Q8_TILE + t] = _mm512_reduce_add_ps(split ? _mm512_add_ps(s1[t], u1[t]) : s1[t]);
+    }
+}
+
+/* The same at 8 lanes, up to 4 rows of x: two chains per (x row, weight row) up to 2 rows, one
+ * above (8 accumulators, 4 weight vectors and 2 scales of AVX2's 16 registers). */
+__attribute__((target("avx2,fma"), always_inline)) static inline void
+q8_pair256(const mm_job *j, const uint8_t *p, Py_ssize_t m0, int mt, float *res)
+{
+    Py_ssize_t bpr = j->K / Q8_BLOCK, K = j->K;
+    const uint8_t *p1 = p + bpr * Q8_BLOCK_BYTES;
+    const float *x0 = j->xe + m0 * K;
+    const int split = mt <= 2;
+    __m256 s[MM_TILE], s1[MM_TILE], u[MM_TILE], u1[MM_TILE];
+    for (int t = 0; t < mt; t++)
+        s[t] = s1[t] = u[t] = u1[t] = _mm256_setzero_ps();
+    for (Py_ssize_t b = 0; b < bpr; b++, p += Q8_BLOCK_BYTES, p1 += Q8_BLOCK_BYTES) {
+        _mm_prefetch((const char *)p + Q8_PREFETCH, _MM_HINT_T0);
+        _mm_prefetch((const char *)p1 + Q8_PREFETCH, _MM_HINT_T0);
+        __m256 d0 = _mm256_set1_ps(q8_scale(p)), d1 = _mm256_set1_ps(q8_scale(p1));
+        for (int h = 0; h < Q8_BLOCK; h += 16) {
+            __m256 a0 = _mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(
+                                          _mm_loadl_epi64((const __m128i *)(p + 2 + h)))), d0);
+            __m256 b0 = _mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(
+                                          _mm_loadl_epi64((const __m128i *)(p + 10 + h)))), d0);
+            __m256 a1 = _mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(
+                                          _mm_loadl_epi64((const __m128i *)(p1 + 2 + h)))), d1);
+            __m256 b1 = _mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(
+                                          _mm_loadl_epi64((const __m128i *)(p1 + 10 + h)))), d1);
+            for (int t = 0; t < mt; t++) {
+                const float *x = x0 + t * K + b * Q8_BLOCK + h;
+                __m256 xa = _mm256_loadu_ps(x), xb = _mm256_loadu_ps(x + 8);
+                s[t] = _mm256_fmadd_ps(a0, xa, s[t]);
+                s1[t] = _mm256_fmadd_ps(a1, xa, s1[t]);
+                if (split) {
+                    u[t] = _mm256_fmadd_ps(b0, xb, u[t]);
+                    u1[t] = _mm256_fmadd_ps(b1, xb, u1[t]);
+                } else {
+                    s[t] = _mm256_fmadd_ps(b0, xb, s[t]);
+                    s1[t] = _mm256_fmadd_ps(b1, xb, s1[t]);
+                }
+            }
+        }
+    }
+    for (int t = 0; t < mt; t++) {
+        res[t] = hsum256(split ? _mm256_add_ps(s[t], u[t]) : s[t]);
+        res[Q8_TILE + t] = hsum256(split ? _mm256_add_ps(s1[t], u1[t]) : s1[t]);
+    }
+}
+
+/* Pair kernels in the row kernels' signature (am unused), one per tile size. */
+#define Q8_PAIR_FN(PREFIX, KERNEL, TARGET, T)                                                 \
+    TARGET static void PREFIX##_##T(const mm_job *j, const uint8_t *p, const float *am,        \
+                                    Py_ssize_t m0, float *res)                                 \
+    {                                                                                          \
+        KERNEL(j, p, m0, T, res);                                                              \
+    }
+Q8_PAIR_FN(q8_pairs_avx512, q8_pair512, __attribute__((target("avx512f"))), 1)
+Q8_PAIR_FN(q8_pairs_avx512, q8_pair512, __attribute__((target("avx512f"))), 2)
+Q8_PAIR_FN(q8_pairs_avx512, q8_pair512, __attribute__((target("avx512f"))), 3)
+Q8_PAIR_FN(q8_pairs_avx512, q8_pair512, __attribute__((target("avx512f"))), 4)
+Q8_PAIR_FN(q8_pairs_avx512, q8_pair512, __attribute__((target("avx512f"))), 5)
+Q8_PAIR_FN(q8_pairs_avx512, q8_pair512, __attribute__((target("avx512f"))), 6)
+Q8_PAIR_FN(q8_pairs_avx512, q8_pair512, __attribute__((target("avx512f"))), 7)
+Q8_PAIR_FN(q8_pairs_avx512, q8_pair512, __attribute__((target("avx512f"))), 8)
+Q8_PAIR_FN(q8_pairs_avx2, q8_pair256, __attribute__((target("avx2,fma"))), 1)
+Q8_PAIR_FN(q8_pairs_avx2, q8_pair256, __attribute__((target("avx2,fma"))), 2)
+Q8_PAIR_FN(q8_pairs_avx2, q8_pair256, __attribute__((target("avx2,fma"))), 3)
+Q8_PAIR_FN(q8_pairs_avx2, q8_pair256, __attribute__((target("avx2,fma"))), 4)
+static const mm_row_fn q8_pairs_avx512[Q8_TILE] = {
+    q8_pairs_avx512_1, q8_pairs_avx512_2, q8_pairs_avx512_3, q8_pairs_avx512_4,
+    q8_pairs_avx512_5, q8_pairs_avx512_6, q8_pairs_avx512_7, q8_pairs_avx512_8};
+static const mm_row_fn q8_pairs_avx2[MM_TILE] = {q8_pairs_avx2_1, q8_pairs_avx2_2,
+                                                 q8_pairs_avx2_3, q8_pairs_avx2_4};
+
+#define MM_ROW_FNS8(PREFIX, KERNEL, TARGET)                                                   \
+    MM_ROW_FN(PREFIX, KERNEL, TARGET, 1)                                                      \
+    MM_ROW_FN(PREFIX, KERNEL, TARGET, 2)                                                      \
+    MM_ROW_FN(PREFIX, KERNEL, TARGET, 3)                                                      \
+    MM_ROW_FN(PREFIX, KERNEL, TARGET, 4)                                                      \
+    MM_ROW_FN(PREFIX, KERNEL, TARGET, 5)                                                      \
+    MM_ROW_FN(PREFIX, KERNEL, TARGET, 6)                                                      \
+    MM_ROW_FN(PREFIX, KERNEL, TARGET, 7)                                                      \
+    MM_ROW_FN(PREFIX, KERNEL, TARGET, 8)                                                      \
+    static const mm_row_fn PREFIX[Q8_TILE] = {PREFIX##_1, PREFIX##_2, PREFIX##_3, PREFIX##_4, \
+                                              PREFIX##_5, PREFIX##_6, PREFIX##_7, PREFIX##_8};
+
+MM_ROW_FNS8(q8_rows_avx512, q8_row512, __attribute__((target("avx512f"))))
+MM_ROW_FNS(q8_rows_avx2, q8_row256, __attribute__((target("avx2,fma"))))
 MM_ROW_FNS(i8_rows_avx512, i8_row512, __attribute__((target("avx512f"))))
 MM_ROW_FNS(i8_rows_avx2, i8_row256, __attribute__((target("avx2,fma"))))
 MM_ROW_FNS(mm_rows_avx512, mm_row512, __attribute__((target("avx512f"))))
 MM_ROW_FNS(mm_rows_avx2, mm_row256, __attribute__((target("avx2,fma"))))
 #endif
 
-/* Every output row of the job's share, input rows in tiles of up to MM_TILE. */
-static void mm_rows(const mm_job *j, const mm_row_fn rows[MM_TILE])
+/* Every output row of the job's share, input rows in tiles of up to `tile` (rows[] has one
+ * kernel per tile size 1..tile). */
+static void mm_rows(const mm_job *j, const mm_row_fn *rows, int tile)
 {
-    /* NF4: K/2 code bytes and K/blocksize absmax per row; int8: K codes and one scale. */
-    Py_ssize_t stride = j->int8 ? j->K : j->K / 2, bpr = j->int8 ? 1 : j->K / j->blocksize;
-    float res[MM_TILE];
+    /* NF4: K/2 code bytes and K/blocksize absmax per row; int8: K codes and one scale; Q8_0:
+     * K/32 blocks of 34 bytes, their scales inside. */
+    Py_ssize_t stride = j->codes == MM_INT8 ? j->K
+                        : j->codes == MM_Q8_0 ? j->K / Q8_BLOCK * Q8_BLOCK_BYTES : j->K / 2;
+    Py_ssize_t bpr = j->codes == MM_INT8 ? 1 : j->codes == MM_Q8_0 ? 0 : j->K / j->blocksize;
+    float res[Q8_TILE];
     for (Py_ssize_t n = j->n0; n < j->n1; n++) {
         const uint8_t *p = j->packed + n * stride;
-        const float *am = j->absmax + n * bpr;
-        float scale = j->int8 ? am[0] : 1.0f;
-        for (Py_ssize_t m0 = 0; m0 < j->M; m0 += MM_TILE) {
-            int mt = j->M - m0 < MM_TILE ? (int)(j->M - m0) : MM_TILE;
+        const float *am = bpr ? j->absmax + n * bpr : NULL;
+        float scale = j->codes == MM_INT8 ? am[0] : 1.0f;
+        for (Py_ssize_t m0 = 0; m0 < j->M; m0 += tile) {
+            int mt = j->M - m0 < tile ? (int)(j->M - m0) : tile;
             rows[mt - 1](j, p, am, m0, res);
             for (int t = 0; t < mt; t++)
                 mm_store(j, m0 + t, n, res[t] * scale);
@@ -297,20 +559,55 @@ static Py_ssize_t isa_step(int isa)
     return isa == ISA_AVX512 ? 16 : isa == ISA_AVX2 ? 8 : 1;
 }
 
+#ifdef LCT_X86
+/* Q8_0's vector loops: the job's output rows two at a time (pairs[]), a last odd one alone
+ * (rows[]); input rows in tiles of up to `tile` (both tables have one kernel per tile size). */
+static void q8_rows_paired(const mm_job *j, const mm_row_fn *pairs, const mm_row_fn *rows,
+                           int tile)
+{
+    Py_ssize_t stride = j->K / Q8_BLOCK * Q8_BLOCK_BYTES;
+    float res[2 * Q8_TILE];
+    Py_ssize_t n = j->n0;
+    for (; n + 1 < j->n1; n += 2) {
+        const uint8_t *p = j->packed + n * stride;
+        for (Py_ssize_t m0 = 0; m0 < j->M; m0 += tile) {
+            int mt = j->M - m0 < tile ? (int)(j->M - m0) : tile;
+            pairs[mt - 1](j, p, NULL, m0, res);
+            for (int t = 0; t < mt; t++) {
+                mm_store(j, m0 + t, n, res[t]);
+                mm_store(j, m0 + t, n + 1, res[Q8_TILE + t]);
+            }
+        }
+    }
+    if (n < j->n1) {
+        mm_job one = *j;
+        one.n0 = n;
+        mm_rows(&one, rows, tile);
+    }
+}
+#endif
+
 static void *mm_worker(void *arg)
 {
     const mm_job *j = arg;
 #ifdef LCT_X86
     if (j->isa == ISA_AVX512) {
-        mm_rows(j, j->int8 ? i8_rows_avx512 : mm_rows_avx512);
+        if (j->codes == MM_Q8_0)
+            q8_rows_paired(j, q8_pairs_avx512, q8_rows_avx512, Q8_TILE);
+        else
+            mm_rows(j, j->codes == MM_INT8 ? i8_rows_avx512 : mm_rows_avx512, MM_TILE);
         return NULL;
     }
     if (j->isa == ISA_AVX2) {
-        mm_rows(j, j->int8 ? i8_rows_avx2 : mm_rows_avx2);
+        if (j->codes == MM_Q8_0)
+            q8_rows_paired(j, q8_pairs_avx2, q8_rows_avx2, MM_TILE);
+        else
+            mm_rows(j, j->codes == MM_INT8 ? i8_rows_avx2 : mm_rows_avx2, MM_TILE);
         return NULL;
     }
 #endif
-    mm_rows(j, j->int8 ? i8_rows_c : mm_rows_c);
+    mm_rows(j, j->codes == MM_Q8_0 ? q8_rows_c : j->codes == MM_INT8 ? i8_rows_c : mm_rows_c,
+            MM_TILE);
     return NULL;
 }
 
@@ -408,7 +705,8 @@ static PyObject *nf4_matmul(PyObject *self, PyObject *args)
                 }
             for (int t = 0; t < threads; t++) {
                 mm_job jb = {packed.buf, absmax.buf, code.buf, xe, xo, out.buf, M, N, K,
-                             blocksize, N * t / threads, N * (t + 1) / threads, out_kind, isa, 0};
+                             blocksize, N * t / threads, N * (t + 1) / threads, out_kind, isa,
+                             MM_NF4};
                 jobs[t] = jb;
             }
             mm_run(jobs, tids, threads);
@@ -474,7 +772,7 @@ static PyObject *int8_matmul(PyObject *self, PyObject *args)
             }
             for (int t = 0; t < threads; t++) {
                 mm_job jb = {q.buf, scale.buf, NULL, xf, NULL, out.buf, M, N, K, 1,
-                             N * t / threads, N * (t + 1) / threads, out_kind, isa, 1};
+                             N * t / threads, N * (t + 1) / threads, out_kind, isa, MM_INT8};
                 jobs[t] = jb;
             }
             mm_run(jobs, tids, threads);
@@ -492,6 +790,71 @@ static PyObject *int8_matmul(PyObject *self, PyObject *args)
     return ret;
 }
 
+/* out[M, N] = x[M, K] @ W.T with W [N, K] in Q8_0: `blocks` holds N * K/32 blocks of 34 bytes,
+ * row-major (a row's K/32 blocks contiguous), each a little-endian float16 d and 32 int8 q. */
+static PyObject *q8_0_matmul(PyObject *self, PyObject *args)
+{
+    Py_buffer x, blocks, out;
+    Py_ssize_t M, N, K;
+    int x_kind, out_kind, threads, isa;
+    if (!PyArg_ParseTuple(args, "y*iy*w*innnii", &x, &x_kind, &blocks, &out, &out_kind, &M, &N,
+                          &K, &threads, &isa))
+        return NULL;
+    PyObject *ret = NULL;
+    Py_ssize_t xs = x_kind == 0 ? 4 : 2, os = out_kind == 0 ? 4 : 2;
+    if (isa < 0 || isa > best_isa())
+        isa = best_isa();
+    if ((x_kind != 0 && x_kind != 1) || (out_kind != 0 && out_kind != 1)) {
+        PyErr_SetString(PyExc_ValueError, "q8_0_matmul: kinds must be 0 (float32) or 1 (bfloat16)");
+    } else if (M <= 0 || N <= 0 || K <= 0 || K % Q8_BLOCK || M > PY_SSIZE_T_MAX / K
+               || N > PY_SSIZE_T_MAX / K || M > PY_SSIZE_T_MAX / N) {
+        PyErr_Format(PyExc_ValueError, "q8_0_matmul: bad shape M=%zd N=%zd K=%zd (positive, K a "
+                     "multiple of 32)", M, N, K);
+    } else if (x.len != M * K * xs || blocks.len / Q8_BLOCK_BYTES != N * (K / Q8_BLOCK)
+               || blocks.len % Q8_BLOCK_BYTES || out.len != M * N * os) {
+        PyErr_Format(PyExc_ValueError, "q8_0_matmul: buffer sizes %zd/%zd/%zd do not match "
+                     "M=%zd N=%zd K=%zd", x.len, blocks.len, out.len, M, N, K);
+    } else if (((uintptr_t)x.buf) % xs || ((uintptr_t)out.buf) % os) {
+        PyErr_SetString(PyExc_ValueError, "q8_0_matmul: a buffer is not aligned");
+    } else {
+        threads = mm_threads(threads, N);
+        float *xf = malloc((size_t)M * K * sizeof(float));
+        mm_job *jobs = malloc((size_t)threads * sizeof(mm_job));
+        pthread_t *tids = malloc((size_t)threads * sizeof(pthread_t));
+        if (!xf || !jobs || !tids) {
+            free(xf);
+            free(jobs);
+            free(tids);
+            PyErr_NoMemory();
+        } else {
+            Py_BEGIN_ALLOW_THREADS
+            for (Py_ssize_t i = 0; i < M * K; i++) {
+                if (x_kind == 0) {
+                    xf[i] = ((const float *)x.buf)[i];
+                } else {
+                    uint32_t u = (uint32_t)((const uint16_t *)x.buf)[i] << 16;
+                    memcpy(&xf[i], &u, 4);
+                }
+            }
+            for (int t = 0; t < threads; t++) {
+                mm_job jb = {blocks.buf, NULL, NULL, xf, NULL, out.buf, M, N, K, Q8_BLOCK,
+                             N * t / threads, N * (t + 1) / threads, out_kind, isa, MM_Q8_0};
+                jobs[t] = jb;
+            }
+            mm_run(jobs, tids, threads);
+            Py_END_ALLOW_THREADS
+            free(xf);
+            free(jobs);
+            free(tids);
+            ret = Py_NewRef(Py_None);
+        }
+    }
+    PyBuffer_Release(&x);
+    PyBuffer_Release(&blocks);
+    PyBuffer_Release(&out);
+    return ret;
+}
+
 static PyMethodDef methods[] = {
     {"nf4_matmul", nf4_matmul, METH_VARARGS,
      "nf4_matmul(x, x_kind, packed, absmax, code, out, out_kind, M, N, K, blocksize, threads, "
@@ -499,17 +862,24 @@ static PyMethodDef methods[] = {
     {"int8_matmul", int8_matmul, METH_VARARGS,
      "int8_matmul(x, x_kind, q, scale, out, out_kind, M, N, K, threads, isa): fused int8 "
      "matmul, out[M, N] = x[M, K] @ (q * scale).T; isa -1 picks the best."},
+    {"q8_0_matmul", q8_0_matmul, METH_VARARGS,
+     "q8_0_matmul(x, x_kind, blocks, out, out_kind, M, N, K, threads, isa): fused Q8_0 matmul, "
+     "out[M, N] = x[M, K] @ W.T with W in llama.cpp's Q8_0 blocks; isa -1 picks the best."},
     {"nf4_matmul_isa", nf4_matmul_isa, METH_NOARGS,
-     "The instruction set nf4_matmul and int8_matmul use here: scalar, avx2 or avx512."},
+     "The instruction set nf4_matmul, int8_matmul and q8_0_matmul use here: scalar, avx2 or "
+     "avx512."},
     {NULL, NULL, 0, NULL},
 };
 
 static struct PyModuleDef module = {
     PyModuleDef_HEAD_INIT, "lct.kernels._native",
-    "LCT's fused CPU matmuls over NF4 and int8 weights (see kernels/native.py).", -1, methods,
+    "LCT's fused CPU matmuls over NF4, int8 and Q8_0 weights (see kernels/native.py).", -1,
+    methods,
 };
 
 PyMODINIT_FUNC PyInit__native(void)
 {
+    for (uint32_t h = 0; h < 65536; h++)
+        f16_table[h] = f16_to_f32((uint16_t)h);
     return PyModule_Create(&module);
 }

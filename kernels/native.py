@@ -1,5 +1,5 @@
-"""The kernels' optional compiled loops (``kernels/_native.c``): the fused CPU matmuls of the NF4
-and int8 LM heads, which read 4-bit or 8-bit codes in place and sum in float32.
+"""The kernels' optional compiled loops (``kernels/_native.c``): the fused CPU matmuls of the NF4,
+int8 and Q8_0 LM heads, which read 4-bit or 8-bit codes in place and sum in float32.
 
 The extension is built by ``pip install`` where a C compiler is present. Without it, or with
 ``LCT_NATIVE=0`` (``lct.format.native.requested()``), ``available()`` is False and the heads
@@ -24,7 +24,7 @@ ISAS = ("scalar", "avx2", "avx512")
 
 
 def available() -> bool:
-    """Whether the fused matmuls (``nf4_matmul``, ``int8_matmul``) can run."""
+    """Whether the fused matmuls (``nf4_matmul``, ``int8_matmul``, ``q8_0_matmul``) can run."""
     return _ENABLED
 
 
@@ -76,4 +76,25 @@ def int8_matmul(x: np.ndarray, x_bf16: bool, q: np.ndarray, scale: np.ndarray, o
     """
     m, n, k = shape
     _native.int8_matmul(x, 1 if x_bf16 else 0, q, scale, out, 1 if out_bf16 else 0, m, n, k,
+                        threads, -1 if isa is None else ISAS.index(isa))
+
+
+def q8_0_matmul(x: np.ndarray, x_bf16: bool, blocks: np.ndarray, out: np.ndarray,
+                out_bf16: bool, shape: tuple, threads: int, isa: str | None = None) -> None:
+    """``out[M, N] = x[M, K] @ W.T`` with ``W`` [N, K] in llama.cpp's Q8_0: ``blocks`` is uint8,
+    N * K/32 blocks of 34 bytes, row-major (a row's K/32 blocks contiguous), each a
+    little-endian float16 ``d`` then 32 int8 codes ``q``, ``W = q * d``. Each weight is formed
+    exactly in float32 and summed in float32, over ``threads`` threads with the GIL released;
+    ``x``, ``out``, ``shape`` (M, N, K; K a multiple of 32) and ``isa`` as for ``nf4_matmul``.
+
+    Raises:
+        ValueError: a buffer's size or alignment does not match ``shape``.
+
+    Only call when ``available()``.
+
+    Example:
+        >>> q8_0_matmul(x, False, blocks.numpy(), out, False, (1, N, K), 4)
+    """
+    m, n, k = shape
+    _native.q8_0_matmul(x, 1 if x_bf16 else 0, blocks, out, 1 if out_bf16 else 0, m, n, k,
                         threads, -1 if isa is None else ISAS.index(isa))

@@ -20,25 +20,22 @@ def dequantize_rows(blocks: torch.Tensor, dtype: torch.dtype,
     ``dtype``, if given): bit-identical to dequantizing the table and indexing."""
     k = blocks.shape[0]
     cols = blocks.shape[1] // C.Q8_0_BLOCK_BYTES * C.Q8_0_BLOCK
-    flat = blocks.reshape(-1, C.Q8_0_BLOCK_BYTES)
-    if out is None:
-        return q8_0.rows_of(flat, dtype).view(k, cols)
-    return q8_0.rows_of(flat, dtype, out=out.view(-1, C.Q8_0_BLOCK)).view(k, cols)
+    return q8_0.dequantize(blocks, (k, cols), dtype, out=out)     # the compiled loop if built
 
 
 def use_fused(rows: int) -> bool:
     """Whether a CPU Q8_0 matmul over ``rows`` input rows takes the fused kernel (built, and
     few enough rows that reading codes per row beats one dequantize for all)."""
     from lct.kernels import native
-    return native.available() and hasattr(native._native, "q8_0_matmul") and \
-        0 < rows <= C.Q8_0_FUSED_MAX_ROWS
+    return native.available() and 0 < rows <= C.Q8_0_FUSED_MAX_ROWS
 
 
 def fused_q8_0_matmul(x2: torch.Tensor, blocks: torch.Tensor,
                       out_dtype: torch.dtype) -> torch.Tensor:
     """``x2 [M, K] @ W.T`` for ``W`` [N, K] in Q8_0 (``blocks`` [N, K/32*34]) through the
-    compiled kernel: codes widened to float32 in registers, float32 sums per block times its
-    scale, ``out_dtype`` (bfloat16 or float32) written once. Uses torch's intra-op threads."""
+    compiled kernel: codes widened to float32 and scaled in registers (each ``q * d`` exact in
+    float32), float32 sums, ``out_dtype`` (bfloat16 or float32) written once. Uses torch's
+    intra-op threads."""
     from lct.kernels import native
     m, k = x2.shape
     n = blocks.shape[0]

@@ -21,8 +21,9 @@ from lct.kernels import native as knative
 ROOT = Path(__file__).parent.parent
 SOURCES = {"lct.format._native": ROOT / "lct" / "format" / "_native.c",
            "lct.kernels._native": ROOT / "kernels" / "_native.c"}
-DECODE = {"join_planes", "decode_frames", "zstd_available", "nf4_quantize", "nf4_dequant"}
-MATMUL = {"nf4_matmul", "int8_matmul", "nf4_matmul_isa"}
+DECODE = {"join_planes", "decode_frames", "zstd_available", "nf4_quantize", "nf4_dequant",
+          "q8_0_quantize", "q8_0_dequant"}
+MATMUL = {"nf4_matmul", "int8_matmul", "q8_0_matmul", "nf4_matmul_isa"}
 
 
 def _exported(source: Path) -> set:

@@ -40,7 +40,7 @@ def blocks_to_check() -> np.ndarray:
     return x
 
 
-def test_quantize_is_gguf_byte_for_byte():
+def test_quantize_is_gguf_byte_for_byte(native_mode):
     x = blocks_to_check()
     got = q8_0.quantize(torch.from_numpy(x))
     assert got.dtype == torch.uint8 and tuple(got.shape) == (8, 128 // 32 * 34)
@@ -49,13 +49,14 @@ def test_quantize_is_gguf_byte_for_byte():
     assert codes.tolist() == [127, 1, 2, -3, 4]     # half away from zero
 
 
-def test_bfloat16_sources_quantize_their_values():
-    x = torch.from_numpy(blocks_to_check()[:5]).to(torch.bfloat16)
-    ref = gguf.quants.quantize(x.float().numpy(), Q8_0)
-    assert np.array_equal(q8_0.quantize(x).numpy(), ref)
+def test_bfloat16_sources_quantize_their_values(native_mode):
+    for dtype in (torch.bfloat16, torch.float16, torch.float64):     # read in place or widened
+        x = torch.from_numpy(blocks_to_check()[:5]).to(dtype)
+        ref = gguf.quants.quantize(x.float().numpy(), Q8_0)
+        assert np.array_equal(q8_0.quantize(x).numpy(), ref), dtype
 
 
-def test_dequantize_is_gguf_exactly_and_casts_once():
+def test_dequantize_is_gguf_exactly_and_casts_once(native_mode):
     x = blocks_to_check()
     blocks = q8_0.quantize(torch.from_numpy(x))
     want = gguf.quants.dequantize(blocks.numpy(), Q8_0).reshape(8, 128)
@@ -72,7 +73,7 @@ def test_dequantize_is_gguf_exactly_and_casts_once():
     assert torch.equal(row, got[3])
 
 
-def test_pieces_do_not_change_the_bytes(monkeypatch):
+def test_pieces_do_not_change_the_bytes(monkeypatch, native_mode):
     x = torch.randn(40, 96)
     whole = q8_0.quantize(x)
     monkeypatch.setattr(q8_0, "PIECE_ELEMENTS", 96 * 3)
@@ -91,7 +92,7 @@ def test_what_q8_0_cannot_encode_is_refused(bad, match):
         q8_0.quantize(bad, "t.weight")
 
 
-def test_nan_and_inf_name_the_row():
+def test_nan_and_inf_name_the_row(native_mode):
     x = torch.zeros(5, 64)
     x[3, 40] = float("nan")
     with pytest.raises(PolicyError, match=r"t\.weight: .*NaN or Inf.*row 3"):
@@ -107,7 +108,7 @@ def test_sizes():
     assert C.Q8_0_BLOCK_BYTES * 8 / C.Q8_0_BLOCK == 8.5        # bits per value
 
 
-def test_spec_examples_byte_for_byte():
+def test_spec_examples_byte_for_byte(native_mode):
     """docs/FORMAT.md section 2.2's two worked examples."""
     x = torch.zeros(2, 32, dtype=torch.bfloat16)
     x[0, :5] = torch.tensor([127, 0.5, 1.5, -2.5, 3.25])

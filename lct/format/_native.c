@@ -18,6 +18,13 @@
  *                                     NF4 to float32 (kind 0) or bfloat16 (kind 1), bit-identical
  *                                     to bitsandbytes' dequantize_4bit and torch's float->bf16
  *                                     cast.
+ *   q8_0_quantize(x, kind, out)       llama.cpp's Q8_0 from float32 (kind 0) or bfloat16 (kind 1):
+ *                                     per 32 elements 34 bytes, a little-endian float16 d and 32
+ *                                     int8 q, byte-identical to ggml's quantize_row_q8_0_ref (the
+ *                                     gguf package's Q8_0.quantize_blocks).
+ *   q8_0_dequant(blocks, out, kind)   Q8_0 to float32 (kind 0) or bfloat16 (kind 1), q * d,
+ *                                     bit-identical to gguf's dequantize and torch's float->bf16
+ *                                     cast.
  *
  * Each takes buffer-protocol objects, checks every length before touching memory, and releases
  * the GIL while it runs, so that decode threads work in parallel. lct/format/native.py wraps them
@@ -468,6 +475,187 @@ static PyObject *nf4_quantize(PyObject *self, PyObject *args)
     return ret;
 }
 
+/* ---- Q8_0 (llama.cpp): per block of 32 elements, float16 d = amax / 127 and int8 q ----------- */
+#define Q8_BLOCK 32
+#define Q8_BLOCK_BYTES 34
+
+/* float32 -> float16 bits, round to nearest even (as numpy's astype(np.float16)): overflow to
+ * Inf, subnormals rounded, NaN kept quiet with its top payload bits. */
+static uint16_t to_f16(float f)
+{
+    uint32_t u;
+    memcpy(&u, &f, 4);
+    uint16_t sign = (uint16_t)((u >> 16) & 0x8000u);
+    uint32_t a = u & 0x7FFFFFFFu, e = a >> 23;
+    if (a >= 0x7F800000u)  /* Inf, NaN */
+        return sign | 0x7C00u | (a > 0x7F800000u ? (uint16_t)(0x0200u | ((a >> 13) & 0x3FFu)) : 0);
+    if (a >= 0x477FF000u)  /* from halfway above 65504 (to even: up) */
+        return sign | 0x7C00u;
+    if (e >= 113) {  /* normal: 2^-14 and up */
+        uint32_t h = ((e - 112) << 10) | ((a >> 13) & 0x3FFu), rem = a & 0x1FFFu;
+        h += rem > 0x1000u || (rem == 0x1000u && (h & 1));  /* a carry steps the exponent */
+        return sign | (uint16_t)h;
+    }
+    if (e < 102)  /* below 2^-25, half the smallest subnormal (2^-25 itself is a tie: to 0) */
+        return sign;
+    uint32_t mant = (a & 0x7FFFFFu) | 0x800000u, shift = 126 - e;  /* 14..24 */
+    uint32_t h = mant >> shift, rem = mant & ((1u << shift) - 1), half = 1u << (shift - 1);
+    h += rem > half || (rem == half && (h & 1));  /* may reach 0x400, the smallest normal */
+    return sign | (uint16_t)h;
+}
+
+static float f16_to_f32(uint16_t h)
+{
+    uint32_t sign = (uint32_t)(h & 0x8000u) << 16, e = (h >> 10) & 31u, m = h & 0x3FFu, u;
+    if (e == 31)
+        u = sign | 0x7F800000u | (m << 13);  /* Inf, NaN (payload kept, as numpy does) */
+    else if (e)
+        u = sign | ((e + 112) << 23) | (m << 13);
+    else if (!m)
+        u = sign;
+    else {  /* subnormal m * 2^-24: normalise */
+        e = 113;
+        while (!(m & 0x400u)) {
+            m <<= 1;
+            e--;
+        }
+        u = sign | (e << 23) | ((m & 0x3FFu) << 13);
+    }
+    float f;
+    memcpy(&f, &u, 4);
+    return f;
+}
+
+/* ggml's rule (quantize_row_q8_0_ref): amax = max |x|, d = amax / 127, id = d ? 1 / d : 0,
+ * q = roundf(x * id) (half away from zero), all in float32, d stored as float16. A product that
+ * is not a number below 2^31 (id overflowed to Inf for a d under 2^-128) gives code 0, as
+ * numpy's float->int8 cast does on x86 (the C cast's result is undefined there). Returns the
+ * first block holding a NaN or an Inf, or -1; blocks before it are written. */
+static Py_ssize_t q8_quantize(const void *x, int kind, uint8_t *out, Py_ssize_t blocks)
+{
+    float v[Q8_BLOCK];
+    for (Py_ssize_t b = 0; b < blocks; b++) {
+        if (kind == 0) {
+            memcpy(v, (const float *)x + b * Q8_BLOCK, sizeof v);
+        } else {
+            const uint16_t *h = (const uint16_t *)x + b * Q8_BLOCK;
+            uint32_t u[Q8_BLOCK];
+            for (int i = 0; i < Q8_BLOCK; i++)
+                u[i] = (uint32_t)h[i] << 16;
+            memcpy(v, u, sizeof v);
+        }
+        float amax = 0.0f;
+        int bad = 0;
+        for (int i = 0; i < Q8_BLOCK; i++) {
+            float a = fabsf(v[i]);
+            bad |= !(a <= FLT_MAX);
+            amax = a > amax ? a : amax;
+        }
+        if (bad)
+            return b;
+        float d = amax / 127.0f;
+        float id = d != 0.0f ? 1.0f / d : 0.0f;
+        uint8_t *blk = out + b * Q8_BLOCK_BYTES;
+        uint16_t dh = to_f16(d);
+        blk[0] = (uint8_t)(dh & 0xFF);
+        blk[1] = (uint8_t)(dh >> 8);
+        for (int i = 0; i < Q8_BLOCK; i++) {
+            float y = v[i] * id;
+            int32_t q = fabsf(y) < 2147483648.0f ? (int32_t)roundf(y) : INT32_MIN;
+            blk[2 + i] = (uint8_t)q;  /* the low byte: numpy's wrap of an out-of-range code */
+        }
+    }
+    return -1;
+}
+
+static void q8_dequant(const uint8_t *restrict in, void *restrict out, Py_ssize_t blocks,
+                       int kind)
+{
+    for (Py_ssize_t b = 0; b < blocks; b++) {
+        const uint8_t *blk = in + b * Q8_BLOCK_BYTES;
+        const int8_t *q = (const int8_t *)(blk + 2);
+        float d = f16_to_f32((uint16_t)(blk[0] | (blk[1] << 8)));
+        if (kind == 0) {
+            float *restrict o = (float *)out + b * Q8_BLOCK;
+            for (int i = 0; i < Q8_BLOCK; i++)
+                o[i] = (float)q[i] * d;
+        } else {
+            uint16_t *restrict o = (uint16_t *)out + b * Q8_BLOCK;
+            for (int i = 0; i < Q8_BLOCK; i++)
+                o[i] = to_bf16((float)q[i] * d);
+        }
+    }
+}
+
+/* The checks q8_0_quantize and q8_0_dequant share: the kind, whole blocks of elements, and the
+ * blocks' bytes. Returns the block count, or -1 with a ValueError set. */
+static Py_ssize_t q8_layout(const char *fn, int kind, Py_ssize_t elem_bytes, Py_ssize_t block_len)
+{
+    if (kind != 0 && kind != 1) {
+        PyErr_Format(PyExc_ValueError, "%s: kind must be 0 (float32) or 1 (bfloat16)", fn);
+        return -1;
+    }
+    Py_ssize_t size = kind == 0 ? 4 : 2, n = elem_bytes / size, blocks = n / Q8_BLOCK;
+    if (elem_bytes % size || n % Q8_BLOCK) {
+        PyErr_Format(PyExc_ValueError, "%s: %zd bytes of elements are not whole blocks of %d "
+                     "%s elements", fn, elem_bytes, Q8_BLOCK, kind == 0 ? "float32" : "bfloat16");
+        return -1;
+    }
+    if (block_len / Q8_BLOCK_BYTES != blocks || block_len % Q8_BLOCK_BYTES) {
+        PyErr_Format(PyExc_ValueError, "%s: %zd elements need %zd bytes of blocks, got %zd", fn,
+                     n, blocks * Q8_BLOCK_BYTES, block_len);
+        return -1;
+    }
+    return blocks;
+}
+
+static PyObject *q8_0_quantize(PyObject *self, PyObject *args)
+{
+    Py_buffer x, out;
+    int kind;
+    if (!PyArg_ParseTuple(args, "y*iw*", &x, &kind, &out))
+        return NULL;
+    PyObject *ret = NULL;
+    Py_ssize_t blocks = q8_layout("q8_0_quantize", kind, x.len, out.len);
+    if (blocks < 0) {
+        /* error set */
+    } else if (((uintptr_t)x.buf) % (kind == 0 ? 4 : 2)) {
+        PyErr_SetString(PyExc_ValueError, "q8_0_quantize: the input buffer is not aligned");
+    } else {
+        Py_ssize_t bad;
+        Py_BEGIN_ALLOW_THREADS
+        bad = q8_quantize(x.buf, kind, out.buf, blocks);
+        Py_END_ALLOW_THREADS
+        ret = PyLong_FromSsize_t(bad);
+    }
+    PyBuffer_Release(&x);
+    PyBuffer_Release(&out);
+    return ret;
+}
+
+static PyObject *q8_0_dequant(PyObject *self, PyObject *args)
+{
+    Py_buffer blocks, out;
+    int kind;
+    if (!PyArg_ParseTuple(args, "y*w*i", &blocks, &out, &kind))
+        return NULL;
+    PyObject *ret = NULL;
+    Py_ssize_t nb = q8_layout("q8_0_dequant", kind, out.len, blocks.len);
+    if (nb < 0) {
+        /* error set */
+    } else if (((uintptr_t)out.buf) % (kind == 0 ? 4 : 2)) {
+        PyErr_SetString(PyExc_ValueError, "q8_0_dequant: the output buffer is not aligned");
+    } else {
+        Py_BEGIN_ALLOW_THREADS
+        q8_dequant(blocks.buf, out.buf, nb, kind);
+        Py_END_ALLOW_THREADS
+        ret = Py_NewRef(Py_None);
+    }
+    PyBuffer_Release(&blocks);
+    PyBuffer_Release(&out);
+    return ret;
+}
+
 static PyMethodDef methods[] = {
     {"join_planes", join_planes, METH_VARARGS,
      "join_planes(hi, lo, out, width): planes decode of n elements of 2 or 4 bytes."},
@@ -478,6 +666,10 @@ static PyMethodDef methods[] = {
      "nf4_quantize(x, kind, mids, packed, absmax, blocksize) -> first bad block or -1."},
     {"nf4_dequant", nf4_dequant, METH_VARARGS,
      "nf4_dequant(packed, absmax, code, out, blocksize, kind): NF4 to float32 (0) or bf16 (1)."},
+    {"q8_0_quantize", q8_0_quantize, METH_VARARGS,
+     "q8_0_quantize(x, kind, out) -> first bad block or -1: llama.cpp's Q8_0 blocks."},
+    {"q8_0_dequant", q8_0_dequant, METH_VARARGS,
+     "q8_0_dequant(blocks, out, kind): Q8_0 to float32 (0) or bf16 (1)."},
     {NULL, NULL, 0, NULL},
 };
 

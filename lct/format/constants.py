@@ -177,8 +177,10 @@ PROXY_SEED = 7919
 # Input rows up to which the CPU int8 head takes the fused kernel rather than dequantizing chunks
 # once for all rows (docs/BENCHMARKS.md, bench_head).
 INT8_FUSED_MAX_ROWS = 24
-# The same for the Q8_0 head (kernels/q8_0.py): its codes are read as int8's are.
-Q8_0_FUSED_MAX_ROWS = 24
+# The same for the Q8_0 head (kernels/q8_0.py): its fused kernel stays ahead of its chunked path
+# up to 48 rows on machine C (docs/BENCHMARKS.md, bench_head: 494 against 662 ms at 48, level at
+# 64).
+Q8_0_FUSED_MAX_ROWS = 48
 
 # Streaming from the Hub (lct/hub/remote.py): the slowest average a range transfer may have after its
 # timeout's grace before it is dropped and retried, and the bytes that must arrive between

@@ -1,5 +1,5 @@
 """The format's optional compiled inner loops (``lct/format/_native.c``): the planes join, runs
-of zstd/planes frames, and the NF4 codec; with a pure numpy fallback.
+of zstd/planes frames, the NF4 codec and llama.cpp's Q8_0 codec; with a pure numpy fallback.
 
 The extension is built by ``pip install`` where a C compiler is present; without one the package
 still installs and every function here gives the same bytes through numpy, only slower. Set
@@ -94,3 +94,29 @@ def nf4_dequant_into(packed: np.ndarray, absmax: np.ndarray, code: np.ndarray, o
     """Dequantize NF4 into ``out`` (float32, or bfloat16 bits as int16 when ``bf16``). Only call
     when ``available()``."""
     _native.nf4_dequant(packed, absmax, code, out, blocksize, 1 if bf16 else 0)
+
+
+def q8_0_quantize(x: np.ndarray, bf16: bool, out: np.ndarray) -> int:
+    """Quantize ``x`` (float32, or bfloat16 bits as int16 when ``bf16``; a multiple of 32
+    elements) into ``out`` (uint8, 34 bytes per 32 elements) as llama.cpp's Q8_0 blocks: a
+    little-endian float16 ``d = max|x| / 127``, then 32 int8 ``round(x / d)``, byte-identical to
+    ``gguf.quants.quantize(x, GGMLQuantizationType.Q8_0)`` (bfloat16 taken as its float32 value).
+    Returns the first block holding a NaN/Inf, or -1 (blocks before it are written). The GIL is
+    released. Only call when ``available()``.
+
+    Raises:
+        ValueError: ``x`` is not whole blocks, or ``out`` is not their size.
+    """
+    return _native.q8_0_quantize(x, 1 if bf16 else 0, out)
+
+
+def q8_0_dequant_into(blocks: np.ndarray, out: np.ndarray, bf16: bool) -> None:
+    """Dequantize Q8_0 ``blocks`` (uint8, 34 bytes per 32 elements) into ``out`` (float32, or
+    bfloat16 bits as int16 when ``bf16``): ``q * d``, bit-identical to ``gguf.quants.dequantize``
+    and, for bfloat16, to torch's float32->bfloat16 cast of it. The GIL is released. Only call
+    when ``available()``.
+
+    Raises:
+        ValueError: ``out`` does not hold 32 elements per 34 bytes of ``blocks``.
+    """
+    _native.q8_0_dequant(blocks, out, 1 if bf16 else 0)

@@ -1,8 +1,9 @@
 """Q8_0 reference codec: llama.cpp's (ggml's) 8-bit block quantization, byte for byte.
 
-A row of ``K`` values (``K`` a multiple of 32) is ``K / 32`` blocks of 34 bytes, each a float16 scale
-``d`` (little-endian) and 32 signed bytes ``q``; a matrix is its rows' blocks in row order, as a GGUF
-file holds a ``Q8_0`` tensor. 8.5 bits per value.
+A row of ``K`` values (``K`` a multiple of 32) is ``K / 32`` blocks of 34 bytes, each a float16
+scale ``d`` (little-endian) and 32 signed bytes ``q``; a matrix is its rows' blocks in row order,
+as a GGUF file holds a ``Q8_0`` tensor. 8.5 bits per value. The compiled loops
+(``lct.format.native``) give the same bytes faster; this torch code is their tested fallback.
 
 Rule per block of 32 values, in float32 (ggml's ``quantize_row_q8_0_ref``, and the ``gguf``
 package's ``Q8_0.quantize_blocks``): ``d = max|x| / 127``; ``id = 1 / d`` (0 when ``d`` is 0);
@@ -76,6 +77,8 @@ def quantize(tensor, name: str = "tensor"):
     nb = cols // C.Q8_0_BLOCK
     x2 = tensor.reshape(rows, cols)
     out = torch.empty(rows, nb, C.Q8_0_BLOCK_BYTES, dtype=torch.uint8)
+    if _quantize_native(x2, out, cols, name):
+        return out.view(rows, nb * C.Q8_0_BLOCK_BYTES)
     step = max(1, PIECE_ELEMENTS // max(cols, 1))
     for r0 in range(0, rows, step):
         r1 = min(rows, r0 + step)
@@ -103,6 +106,8 @@ def dequantize(blocks, shape, dtype=None, out=None):
     elif out.numel() != n or out.dtype != dtype or not out.is_contiguous():
         raise OptionError(f"out must be a contiguous {dtype} tensor of {n} elements, got "
                           f"{out.dtype} {tuple(out.shape)}", option="out")
+    if _dequantize_native(b, out):
+        return out.view(*shape)
     o2 = out.view(nb, C.Q8_0_BLOCK)
     step = max(1, PIECE_ELEMENTS // C.Q8_0_BLOCK)
     for b0 in range(0, nb, step):
@@ -122,3 +127,46 @@ def rows_of(blocks, dtype, out=None):
         return f.to(dtype)
     out.copy_(f)
     return out
+
+
+def _quantize_native(x2, out, cols: int, name: str) -> bool:
+    """The compiled quantizer (``lct.format.native.q8_0_quantize``) on the CPU, a piece of rows
+    at a time (bfloat16 and float32 read in place, other floats widened); False if it does not
+    apply. The same bytes as the torch rule above (tests/test_q8_0.py checks both against
+    the gguf package)."""
+    import torch
+
+    from lct.format import native
+    if not native.available() or x2.device.type != "cpu":
+        return False
+    rows = x2.shape[0]
+    flat = out.view(rows, -1)
+    step = max(1, PIECE_ELEMENTS // max(cols, 1))
+    for r0 in range(0, rows, step):
+        r1 = min(rows, r0 + step)
+        x = x2[r0:r1]
+        if x.dtype not in (torch.bfloat16, torch.float32):
+            x = x.to(torch.float32)
+        x = x.contiguous()
+        bf16 = x.dtype == torch.bfloat16
+        bad = native.q8_0_quantize(x.view(torch.int16).numpy() if bf16 else x.numpy(), bf16,
+                                   flat[r0:r1].numpy())
+        if bad >= 0:
+            raise PolicyError(f"{name}: Q8_0 cannot encode NaN or Inf values "
+                              f"(row {r0 + bad * C.Q8_0_BLOCK // cols})")
+    return True
+
+
+def _dequantize_native(blocks, out) -> bool:
+    """The compiled loop (``lct.format.native.q8_0_dequant_into``) for float32/bfloat16 CPU
+    output; False if it does not apply."""
+    import torch
+
+    from lct.format import native
+    if not native.available() or out.dtype not in (torch.float32, torch.bfloat16) or \
+            blocks.device.type != "cpu":
+        return False
+    bf16 = out.dtype == torch.bfloat16
+    native.q8_0_dequant_into(blocks.contiguous().numpy(),
+                             out.view(torch.int16).numpy() if bf16 else out.numpy(), bf16)
+    return True

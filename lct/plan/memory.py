@@ -278,13 +278,15 @@ def nf4_head_transient(vocab: int, hidden: int, tokens: int, a: int, blocksize: 
     return rows * hidden * a + temporaries
 
 
-def int8_head_transient(vocab: int, hidden: int, tokens: int, a: int) -> int:
+def int8_head_transient(vocab: int, hidden: int, tokens: int, a: int,
+                        fused_max_rows: int = C.INT8_FUSED_MAX_ROWS) -> int:
     """Temporaries of an int8 LM head (``Int8Linear``) over ``tokens`` positions (besides its
-    output): on the CPU up to ``INT8_FUSED_MAX_ROWS`` tokens the fused kernel reads the codes in
-    place and copies the input as float32; otherwise (and on CUDA) ``NF4_HEAD_CHUNK_BYTES`` of
-    rows are dequantized at a time, through a float32 product, beside the rows' output slice."""
+    output), or of a Q8_0 one (``Q8_0Linear``, with ``fused_max_rows=Q8_0_FUSED_MAX_ROWS``): on
+    the CPU up to ``fused_max_rows`` tokens the fused kernel reads the codes in place and copies
+    the input as float32; otherwise (and on CUDA) ``NF4_HEAD_CHUNK_BYTES`` of rows are
+    dequantized at a time, through a float32 product, beside the rows' output slice."""
     from lct.kernels import native
-    if native.available() and 0 < tokens <= C.INT8_FUSED_MAX_ROWS:
+    if native.available() and 0 < tokens <= fused_max_rows:
         return tokens * hidden * (4 + a)
     rows = min(vocab, max(1, C.NF4_HEAD_CHUNK_BYTES // (hidden * a)))
     return rows * hidden * (4 + a) + tokens * rows * a
@@ -729,10 +731,12 @@ def _infer_figures(dims, batch, seq, a, device, blocksize, weights, kv_held, log
     for an NF4 or int8 ``head``) and what keeping only the last position's logits saves."""
     t, V, H = batch * seq, dims.vocab, dims.hidden
     activations = infer_transient(dims, batch, seq, a)
-    # A Q8_0 head runs as int8's does: fused up to as many rows, else chunks through float32.
+    # A Q8_0 head runs as int8's does (fused up to its own row count, else chunks through
+    # float32).
+    fused_rows = {C.ENCODING_INT8: C.INT8_FUSED_MAX_ROWS, C.ENCODING_Q8_0: C.Q8_0_FUSED_MAX_ROWS}
     head_temp = nf4_head_transient(V, H, t, a, blocksize, device) \
-        if head == C.ENCODING_NF4 else int8_head_transient(V, H, t, a) \
-        if head in (C.ENCODING_INT8, C.ENCODING_Q8_0) else 0
+        if head == C.ENCODING_NF4 else int8_head_transient(V, H, t, a, fused_rows[head]) \
+        if head in fused_rows else 0
     final = logits + a * t * H + head_temp
     phases = {"layers": weights + kv_held + activations, "logits": weights + kv_held + final}
     return dict(phases=phases, activations=activations, loss=0, loss_chunked=0, step=0,
