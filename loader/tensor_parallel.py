@@ -258,7 +258,8 @@ def _by_rows(index, info) -> bool:
 
 def _quantized_rows(art, info, bufs, pieces, rows: slice):
     """This rank's ``rows`` of the NF4/int8/Q8_0 table ``info``, still encoded (an
-    ``NF4Weight``, ``Int8Weight`` or ``Q8_0Weight``): its pieces when they are exactly those rows, else sliced from the whole."""
+    ``NF4Weight``, ``Int8Weight`` or ``Q8_0Weight``): its pieces when they are exactly those
+    rows, else sliced from the whole."""
     import torch
 
     from lct.format.q8_0 import row_bytes
