@@ -88,8 +88,14 @@ def main() -> None:
             out = subprocess.run([lct_bin, "verify", str(art), "--against", str(src), "--quality",
                                   "--text", str(corpora[kind]), "--max-tokens",
                                   str(args.max_tokens), "--json", "--quiet"],
-                                 capture_output=True, text=True, check=True)
-            q = json.loads(out.stdout)["quality"]
+                                 capture_output=True, text=True)
+            # exit 1 with the report: a policy over the budget (the forced NF4 one)
+            if out.returncode not in (0, 1) or not out.stdout.strip():
+                raise SystemExit(f"lct verify {art}: exit {out.returncode}\n{out.stderr}")
+            report = json.loads(out.stdout)
+            if not report["ok"]:
+                raise SystemExit(f"lct verify {art}: {report['failures'][:3]}")
+            q = report["quality"]
             rows.append((label, kind, q, size, time.perf_counter() - t))
             print(label, kind, f"{q['delta_pct']:+.2f} %", flush=True)
     src_bytes = sum(f.stat().st_size for f in Path(src).glob("*.safetensors"))

@@ -118,8 +118,8 @@ def _steps(steps) -> None:
 def models(tmp_path_factory):
     """``{name: folder}``: tiny Llama, Gemma (tied) and Mixtral (MoE) sources, their lossless
     artifacts (and the Llama's and Mixtral's with two tensor-parallel pieces, ``-tp2``), the
-    Llama's default artifact (lossy embedding/head; ``lossy-tp2`` in two pieces) and their
-    ``lct export``s."""
+    Llama's default artifact (lossy embedding/head; ``lossy-tp2`` in two pieces), its Q8_0 one
+    (``q8_0.lct``) and their ``lct export``s."""
     d = tmp_path_factory.mktemp("vllm-models")
     py = _main_python()
     _steps([[py, "-c", BUILD_TINY, str(d), json.dumps(TINY)],
@@ -130,7 +130,9 @@ def models(tmp_path_factory):
             _lct(py, "convert", d / "llama", "-o", d / "lossy-tp2.lct", "--tp-pieces", 2),
             _lct(py, "export", d / "lossy-tp2.lct", d / "lossy-tp2-export"),
             _lct(py, "convert", d / "llama", "-o", d / "lossy.lct"),
-            _lct(py, "export", d / "lossy.lct", d / "lossy-export")])
+            _lct(py, "export", d / "lossy.lct", d / "lossy-export"),
+            _lct(py, "convert", d / "llama", "-o", d / "q8_0.lct", "--q8_0", "embed,head"),
+            _lct(py, "export", d / "q8_0.lct", d / "q8_0-export")])
     return {p.name: p for p in d.iterdir()}
 
 
@@ -203,7 +205,8 @@ def references(env, folders: dict, **limits) -> dict:
 def reference(models, engine_env):
     """``{name: tokens}``: the default loader's tokens on each tiny safetensors folder."""
     return references(engine_env, {name: models[name] for name in
-                                   ("llama", "gemma", "lossy-export", "mixtral")})
+                                   ("llama", "gemma", "lossy-export", "q8_0-export",
+                                    "mixtral")})
 
 
 SHORT = {"max_model_len": 128, "max_tokens": 8}     # the real model's engines: quick
@@ -219,6 +222,7 @@ def smollm2_reference(smollm2, engine_env):
     ("llama.lct", "llama"),                 # lossless: the source itself
     ("gemma.lct", "gemma"),                 # tied embedding/head: the tied name is not fed
     ("lossy.lct", "lossy-export"),          # NF4/int8 tables: the values lct export writes
+    ("q8_0.lct", "q8_0-export"),            # Q8_0 tables, likewise
     ("mixtral.lct", "mixtral"),             # MoE: per-expert checkpoint names, fused by vLLM
 ])
 def test_lct_load_format_gives_the_default_loaders_tokens(models, engine_env, reference,
@@ -229,7 +233,8 @@ def test_lct_load_format_gives_the_default_loaders_tokens(models, engine_env, re
     assert tokens(got) == [reference[source]]
     # the lossy (untied) embedding and head, dequantized straight into vLLM's parameters
     direct = re.search(r"(\d+) table\(s\) dequantized into their parameters", log)
-    assert direct and int(direct.group(1)) == (2 if artifact == "lossy.lct" else 0), log[-4000:]
+    assert direct and int(direct.group(1)) == (2 if artifact in ("lossy.lct", "q8_0.lct") else 0), \
+        log[-4000:]
 
 
 @pytest.mark.parametrize("artifact,source", [
