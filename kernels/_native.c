@@ -27,6 +27,8 @@
 #include <stdlib.h>
 #include <string.h>
 
+#include "../lct/format/lct_f16.h"
+
 static inline uint16_t to_bf16(float f)
 {
     /* torch's c10::BFloat16 rounding: nearest-even, NaN to the canonical quiet NaN (the same
@@ -142,28 +144,6 @@ MM_ROW_FNS(i8_rows_c, i8_row_c, )
  * cost one more multiply-add per block and row. d is read through a 65536-entry table of every
  * float16's float32 value (f16_table, filled at import). */
 static float f16_table[65536];
-
-static float f16_to_f32(uint16_t h)
-{
-    uint32_t sign = (uint32_t)(h & 0x8000u) << 16, e = (h >> 10) & 31u, m = h & 0x3FFu, u;
-    if (e == 31)
-        u = sign | 0x7F800000u | (m << 13);  /* Inf, NaN (payload kept, as numpy does) */
-    else if (e)
-        u = sign | ((e + 112) << 23) | (m << 13);
-    else if (!m)
-        u = sign;
-    else {  /* subnormal m * 2^-24: normalise */
-        e = 113;
-        while (!(m & 0x400u)) {
-            m <<= 1;
-            e--;
-        }
-        u = sign | (e << 23) | ((m & 0x3FFu) << 13);
-    }
-    float f;
-    memcpy(&f, &u, 4);
-    return f;
-}
 
 static inline float q8_scale(const uint8_t *blk)
 {

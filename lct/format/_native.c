@@ -39,6 +39,8 @@
 #include <stdlib.h>
 #include <string.h>
 
+#include "lct_f16.h"
+
 static void join16(const uint8_t *hi, const uint8_t *lo, uint16_t *out, Py_ssize_t n)
 {
     /* y = hi << 8 | lo is rotl(x, 1); x = rotr(y, 1). */
@@ -504,27 +506,6 @@ static uint16_t to_f16(float f)
     return sign | (uint16_t)h;
 }
 
-static float f16_to_f32(uint16_t h)
-{
-    uint32_t sign = (uint32_t)(h & 0x8000u) << 16, e = (h >> 10) & 31u, m = h & 0x3FFu, u;
-    if (e == 31)
-        u = sign | 0x7F800000u | (m << 13);  /* Inf, NaN (payload kept, as numpy does) */
-    else if (e)
-        u = sign | ((e + 112) << 23) | (m << 13);
-    else if (!m)
-        u = sign;
-    else {  /* subnormal m * 2^-24: normalise */
-        e = 113;
-        while (!(m & 0x400u)) {
-            m <<= 1;
-            e--;
-        }
-        u = sign | (e << 23) | ((m & 0x3FFu) << 13);
-    }
-    float f;
-    memcpy(&f, &u, 4);
-    return f;
-}
 
 /* ggml's rule (quantize_row_q8_0_ref): amax = max |x|, d = amax / 127, id = d ? 1 / d : 0,
  * q = roundf(x * id) (half away from zero), all in float32, d stored as float16. A product that

@@ -172,14 +172,14 @@ class LossyEncoding(Encoding):
 
     def _check_common(self, obj, w: str, dtype: str, stored_dtype, where: str) -> None:
         """What every lossy encoding's entry must say: its name as ``stored_dtype``, a float
-        dtype to dequantize to, and its placement object."""
+        dtype to dequantize to, and its placement object (when it has one, ``key``)."""
         n = self.name
         if stored_dtype != n:
             _fail(where, f"{w}: {n} tensor must have stored_dtype {n!r}, got {stored_dtype!r}")
         if dtype not in C.FLOAT_DTYPES:
             _fail(where, f"{w}: {n} tensor must dequantize to one of {C.FLOAT_DTYPES}, got "
                          f"{dtype!r}")
-        if not isinstance(obj, dict):
+        if self.key is not None and not isinstance(obj, dict):
             _fail(where, f"{w}: {n} tensor lacks its {self.key!r} object")
 
     # torch side (imports torch) ------------------------------------------------------------
@@ -386,12 +386,8 @@ class Q8_0(LossyEncoding):
 
     def check(self, obj, w, shape, dtype, stored_dtype, nbytes, where):
         from lct.format.q8_0 import blocks_nbytes
+        self._check_common(obj, w, dtype, stored_dtype, where)
         n = self.name
-        if stored_dtype != n:
-            _fail(where, f"{w}: {n} tensor must have stored_dtype {n!r}, got {stored_dtype!r}")
-        if dtype not in C.FLOAT_DTYPES:
-            _fail(where, f"{w}: {n} tensor must dequantize to one of {C.FLOAT_DTYPES}, got "
-                         f"{dtype!r}")
         if not self.fits(shape, None):
             _fail(where, f"{w}: a {n} tensor's rows must hold a multiple of {C.Q8_0_BLOCK} "
                          f"values, shape is {list(shape)}")
