@@ -705,6 +705,44 @@ static PyObject *nf4_matmul(PyObject *self, PyObject *args)
     return ret;
 }
 
+/* The int8 and Q8_0 matmuls' run, once their buffers are checked: x widened to float32 (from
+ * bfloat16 bits when x_kind is 1), N split over `threads` jobs, the GIL released meanwhile.
+ * Returns Py_None, or NULL with MemoryError set. */
+static PyObject *mm_run_widened(const void *codes, const float *scales, const void *x, int x_kind,
+                                void *out, int out_kind, Py_ssize_t M, Py_ssize_t N, Py_ssize_t K,
+                                Py_ssize_t blocksize, int threads, int isa, int kind)
+{
+    float *xf = malloc((size_t)M * K * sizeof(float));
+    mm_job *jobs = malloc((size_t)threads * sizeof(mm_job));
+    pthread_t *tids = malloc((size_t)threads * sizeof(pthread_t));
+    if (!xf || !jobs || !tids) {
+        free(xf);
+        free(jobs);
+        free(tids);
+        return PyErr_NoMemory();
+    }
+    Py_BEGIN_ALLOW_THREADS
+    for (Py_ssize_t i = 0; i < M * K; i++) {
+        if (x_kind == 0) {
+            xf[i] = ((const float *)x)[i];
+        } else {
+            uint32_t u = (uint32_t)((const uint16_t *)x)[i] << 16;
+            memcpy(&xf[i], &u, 4);
+        }
+    }
+    for (int t = 0; t < threads; t++) {
+        mm_job jb = {codes, scales, NULL, xf, NULL, out, M, N, K, blocksize,
+                     N * t / threads, N * (t + 1) / threads, out_kind, isa, kind};
+        jobs[t] = jb;
+    }
+    mm_run(jobs, tids, threads);
+    Py_END_ALLOW_THREADS
+    free(xf);
+    free(jobs);
+    free(tids);
+    return Py_NewRef(Py_None);
+}
+
 /* out[M, N] = x[M, K] @ (q * scale[:, None]).T with q int8 [N, K], one float32 scale per row. */
 static PyObject *int8_matmul(PyObject *self, PyObject *args)
 {
@@ -732,36 +770,8 @@ static PyObject *int8_matmul(PyObject *self, PyObject *args)
         threads = mm_threads(threads, N);
         if (K % (2 * 16))      /* the vector loops take 32 (AVX-512) or 16 (AVX2) codes a step */
             isa = K % 16 ? ISA_SCALAR : (isa == ISA_AVX512 ? ISA_AVX2 : isa);
-        float *xf = malloc((size_t)M * K * sizeof(float));
-        mm_job *jobs = malloc((size_t)threads * sizeof(mm_job));
-        pthread_t *tids = malloc((size_t)threads * sizeof(pthread_t));
-        if (!xf || !jobs || !tids) {
-            free(xf);
-            free(jobs);
-            free(tids);
-            PyErr_NoMemory();
-        } else {
-            Py_BEGIN_ALLOW_THREADS
-            for (Py_ssize_t i = 0; i < M * K; i++) {
-                if (x_kind == 0) {
-                    xf[i] = ((const float *)x.buf)[i];
-                } else {
-                    uint32_t u = (uint32_t)((const uint16_t *)x.buf)[i] << 16;
-                    memcpy(&xf[i], &u, 4);
-                }
-            }
-            for (int t = 0; t < threads; t++) {
-                mm_job jb = {q.buf, scale.buf, NULL, xf, NULL, out.buf, M, N, K, 1,
-                             N * t / threads, N * (t + 1) / threads, out_kind, isa, MM_INT8};
-                jobs[t] = jb;
-            }
-            mm_run(jobs, tids, threads);
-            Py_END_ALLOW_THREADS
-            free(xf);
-            free(jobs);
-            free(tids);
-            ret = Py_NewRef(Py_None);
-        }
+        ret = mm_run_widened(q.buf, scale.buf, x.buf, x_kind, out.buf, out_kind, M, N, K, 1,
+                             threads, isa, MM_INT8);
     }
     PyBuffer_Release(&x);
     PyBuffer_Release(&q);
@@ -798,36 +808,8 @@ static PyObject *q8_0_matmul(PyObject *self, PyObject *args)
         PyErr_SetString(PyExc_ValueError, "q8_0_matmul: a buffer is not aligned");
     } else {
         threads = mm_threads(threads, N);
-        float *xf = malloc((size_t)M * K * sizeof(float));
-        mm_job *jobs = malloc((size_t)threads * sizeof(mm_job));
-        pthread_t *tids = malloc((size_t)threads * sizeof(pthread_t));
-        if (!xf || !jobs || !tids) {
-            free(xf);
-            free(jobs);
-            free(tids);
-            PyErr_NoMemory();
-        } else {
-            Py_BEGIN_ALLOW_THREADS
-            for (Py_ssize_t i = 0; i < M * K; i++) {
-                if (x_kind == 0) {
-                    xf[i] = ((const float *)x.buf)[i];
-                } else {
-                    uint32_t u = (uint32_t)((const uint16_t *)x.buf)[i] << 16;
-                    memcpy(&xf[i], &u, 4);
-                }
-            }
-            for (int t = 0; t < threads; t++) {
-                mm_job jb = {blocks.buf, NULL, NULL, xf, NULL, out.buf, M, N, K, Q8_BLOCK,
-                             N * t / threads, N * (t + 1) / threads, out_kind, isa, MM_Q8_0};
-                jobs[t] = jb;
-            }
-            mm_run(jobs, tids, threads);
-            Py_END_ALLOW_THREADS
-            free(xf);
-            free(jobs);
-            free(tids);
-            ret = Py_NewRef(Py_None);
-        }
+        ret = mm_run_widened(blocks.buf, NULL, x.buf, x_kind, out.buf, out_kind, M, N, K,
+                             Q8_BLOCK, threads, isa, MM_Q8_0);
     }
     PyBuffer_Release(&x);
     PyBuffer_Release(&blocks);
