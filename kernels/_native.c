@@ -57,10 +57,10 @@ enum { MM_NF4 = 0, MM_INT8 = 1, MM_Q8_0 = 2 };  /* mm_job.codes */
 #define Q8_TILE 8   /* the same for Q8_0's AVX-512 kernel (its largest tile) */
 #define Q8_BLOCK 32        /* Q8_0: weights per block */
 #define Q8_BLOCK_BYTES 34  /* Q8_0: bytes per block, float16 d then 32 int8 codes */
-/* Q8_0's vector loops prefetch the codes this many bytes ahead of each block: without it a
- * 256000 x 2048 head streams at a little over half the speed (measured: 1 row of x, 2 threads,
- * 49 ms against 27). */
-#define Q8_PREFETCH 4096
+/* The vector loops prefetch the codes this many bytes ahead (Q8_0, int8 and NF4): without it a
+ * 256000 x 2048 head streams at a little over half the speed (measured, 1 row of x, 2 threads:
+ * Q8_0 49 ms against 27; int8 53 against 42 and NF4 44 against 35, with another job running). */
+#define MM_PREFETCH 4096
 
 typedef struct {
     const uint8_t *packed;                 /* NF4 codes [N, K/2], int8 codes [N, K], or Q8_0
@@ -189,6 +189,8 @@ mm_row512(const mm_job *j, const uint8_t *p, const float *am, Py_ssize_t m0, int
         for (int t = 0; t < mt; t++)
             s[t] = s2[t] = _mm512_setzero_ps();
         for (Py_ssize_t i = b * hb; i < (b + 1) * hb; i += 16) {
+            if (!(i & 63))
+                _mm_prefetch((const char *)p + i + MM_PREFETCH, _MM_HINT_T0);
             __m512i v = _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)(p + i)));
             __m512 wh = _mm512_permutexvar_ps(_mm512_srli_epi32(v, 4), table);
             __m512 wl = _mm512_permutexvar_ps(_mm512_and_si512(v, low), table);
@@ -236,6 +238,8 @@ mm_row256(const mm_job *j, const uint8_t *p, const float *am, Py_ssize_t m0, int
         for (int t = 0; t < mt; t++)
             s[t] = s2[t] = _mm256_setzero_ps();
         for (Py_ssize_t i = b * hb; i < (b + 1) * hb; i += 8) {
+            if (!(i & 63))
+                _mm_prefetch((const char *)p + i + MM_PREFETCH, _MM_HINT_T0);
             __m256i v = _mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)(p + i)));
             __m256 wh = lookup16(tlo, thi, _mm256_srli_epi32(v, 4));
             __m256 wl = lookup16(tlo, thi, _mm256_and_si256(v, low));
@@ -261,6 +265,8 @@ i8_row512(const mm_job *j, const uint8_t *p, const float *am, Py_ssize_t m0, int
     for (int t = 0; t < mt; t++)
         s[t] = s2[t] = _mm512_setzero_ps();
     for (Py_ssize_t i = 0; i < j->K; i += 32) {
+        if (!(i & 63))
+            _mm_prefetch((const char *)p + i + MM_PREFETCH, _MM_HINT_T0);
         __m512 w = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)(p + i))));
         __m512 w2 = _mm512_cvtepi32_ps(
             _mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)(p + i + 16))));
@@ -281,6 +287,8 @@ i8_row256(const mm_job *j, const uint8_t *p, const float *am, Py_ssize_t m0, int
     for (int t = 0; t < mt; t++)
         s[t] = s2[t] = _mm256_setzero_ps();
     for (Py_ssize_t i = 0; i < j->K; i += 16) {
+        if (!(i & 63))
+            _mm_prefetch((const char *)p + i + MM_PREFETCH, _MM_HINT_T0);
         __m256 w = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i *)(p + i))));
         __m256 w2 = _mm256_cvtepi32_ps(
             _mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i *)(p + i + 8))));
@@ -308,7 +316,7 @@ q8_row512(const mm_job *j, const uint8_t *p, const float *am, Py_ssize_t m0, int
     for (int t = 0; t < mt; t++)
         s[t] = s2[t] = _mm512_setzero_ps();
     for (Py_ssize_t b = 0; b < bpr; b++, p += Q8_BLOCK_BYTES) {
-        _mm_prefetch((const char *)p + Q8_PREFETCH, _MM_HINT_T0);
+        _mm_prefetch((const char *)p + MM_PREFETCH, _MM_HINT_T0);
         __m512 d = _mm512_set1_ps(q8_scale(p));
         __m512 w = _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(
                                      _mm_loadu_si128((const __m128i *)(p + 2)))), d);
@@ -333,7 +341,7 @@ q8_row256(const mm_job *j, const uint8_t *p, const float *am, Py_ssize_t m0, int
     for (int t = 0; t < mt; t++)
         s[t] = s2[t] = _mm256_setzero_ps();
     for (Py_ssize_t b = 0; b < bpr; b++, p += Q8_BLOCK_BYTES) {
-        _mm_prefetch((const char *)p + Q8_PREFETCH, _MM_HINT_T0);
+        _mm_prefetch((const char *)p + MM_PREFETCH, _MM_HINT_T0);
         __m256 d = _mm256_set1_ps(q8_scale(p));
         for (int h = 0; h < Q8_BLOCK; h += 16) {
             __m256 w = _mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(
@@ -366,8 +374,8 @@ q8_pair512(const mm_job *j, const uint8_t *p, Py_ssize_t m0, int mt, float *res)
     for (int t = 0; t < mt; t++)
         s[t] = s1[t] = u[t] = u1[t] = _mm512_setzero_ps();
     for (Py_ssize_t b = 0; b < bpr; b++, p += Q8_BLOCK_BYTES, p1 += Q8_BLOCK_BYTES) {
-        _mm_prefetch((const char *)p + Q8_PREFETCH, _MM_HINT_T0);
-        _mm_prefetch((const char *)p1 + Q8_PREFETCH, _MM_HINT_T0);
+        _mm_prefetch((const char *)p + MM_PREFETCH, _MM_HINT_T0);
+        _mm_prefetch((const char *)p1 + MM_PREFETCH, _MM_HINT_T0);
         __m512 d0 = _mm512_set1_ps(q8_scale(p)), d1 = _mm512_set1_ps(q8_scale(p1));
         __m512 a0 = _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(
                                       _mm_loadu_si128((const __m128i *)(p + 2)))), d0);
@@ -410,8 +418,8 @@ q8_pair256(const mm_job *j, const uint8_t *p, Py_ssize_t m0, int mt, float *res)
     for (int t = 0; t < mt; t++)
         s[t] = s1[t] = u[t] = u1[t] = _mm256_setzero_ps();
     for (Py_ssize_t b = 0; b < bpr; b++, p += Q8_BLOCK_BYTES, p1 += Q8_BLOCK_BYTES) {
-        _mm_prefetch((const char *)p + Q8_PREFETCH, _MM_HINT_T0);
-        _mm_prefetch((const char *)p1 + Q8_PREFETCH, _MM_HINT_T0);
+        _mm_prefetch((const char *)p + MM_PREFETCH, _MM_HINT_T0);
+        _mm_prefetch((const char *)p1 + MM_PREFETCH, _MM_HINT_T0);
         __m256 d0 = _mm256_set1_ps(q8_scale(p)), d1 = _mm256_set1_ps(q8_scale(p1));
         for (int h = 0; h < Q8_BLOCK; h += 16) {
             __m256 a0 = _mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(
