@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import click
 
 from lct.cli._util import GroupProgress, quiet_option
@@ -18,6 +20,15 @@ def _parse_parts(ctx, param, value):
     if bad:
         raise click.BadParameter(f"{bad[0]!r}: use none, embed, head or embed,head")
     return parts
+
+
+def _parse_calibration(ctx, param, value):
+    """``--calibration``: None, ``none`` (the proxy), or a text file or folder that exists."""
+    if value is None or value == C.CALIBRATION_NONE:
+        return value
+    if not Path(value).exists():
+        raise click.BadParameter(f"{value}: no such text file or folder (or: none)")
+    return value
 
 
 @click.command("convert", short_help="Convert a Hugging Face checkpoint (folder or Hub id) to an LCT artifact.")
@@ -39,9 +50,12 @@ def _parse_parts(ctx, param, value):
 @click.option("--budget", type=float, default=C.DEFAULT_BUDGET_KL, show_default=True,
               help="Automatic choice: the most the lossy parts may cost, as mean KL of the "
                    "next-token distribution in nats (0.01 is about +1 % perplexity).")
-@click.option("--calibration", type=click.Path(exists=True), default=None,
-              help="Automatic choice: measure each candidate on this text file or folder by "
-                   "running the source model (slower, exact) instead of the text-free proxy.")
+@click.option("--calibration", default=None, callback=_parse_calibration, metavar="TEXT|none",
+              help="What the automatic choice measures each candidate on. Default: the text "
+                   "shipped with LCT (256 tokens of prose and code) run through the source "
+                   "model, when it has a tokenizer and fits in half the free memory, else the "
+                   "text-free proxy. TEXT: your text file or folder instead (up to 2048 "
+                   "tokens). none: the text-free proxy (fastest, least exact).")
 @click.option("--dtype", type=click.Choice(C.CAST_TARGETS), default=None,
               help="Cast the lossless floating-point tensors (refused if a value overflows). "
                    "Default: keep each tensor's source dtype.")
@@ -84,8 +98,8 @@ def convert_cmd(source, output, revision, nf4, int8, q8_0, budget, calibration, 
     Each transformer layer becomes an independent compressed chunk, kept losslessly in its dtype.
     The embedding and the LM head (a tied table once) are stored in the smallest encoding that
     keeps the model faithful: NF4, int8 with one scale per row, Q8_0 (a scale per 32 values), or
-    lossless, chosen by measuring each (a text-free proxy, or --calibration text) against
-    --budget. --nf4/--int8/--q8_0 force a choice. Pickle checkpoints (.bin) are refused. HF_HUB_OFFLINE=1 uses only the local Hugging
+    lossless, chosen by running the source model on a calibration text (LCT's own by default,
+    or --calibration TEXT; the text-free proxy where the model cannot run) against --budget. --nf4/--int8/--q8_0 force a choice. Pickle checkpoints (.bin) are refused. HF_HUB_OFFLINE=1 uses only the local Hugging
     Face cache.
     """
     from lct.conversion.converter import Policy, convert

@@ -58,7 +58,8 @@ def info_cmd(artifact, as_json, as_manifest, tensors, quiet):
                    f"dtype={p.get('dtype') or 'source'} codec={p.get('codec')} level={p.get('level')}"
                    + (f" maximus_shards={p['maximus_shards']}" if p.get("maximus_shards") else "")
                    + (f" tp_pieces={p['tp_pieces']}" if p.get("tp_pieces") else ""))
-        measured = _measured(p.get("measured"))
+        from lct.io.info import measured_line
+        measured = measured_line(p.get("measured"))
         if measured:
             click.echo(measured)
         click.echo(table(rows, ["group", "tensors", "stored as", "codec", "stored", "decoded",
@@ -84,14 +85,3 @@ def _parts(v) -> str:
     return ",".join(str(x) for x in v) if isinstance(v, list) and v else "none"
 
 
-def _measured(m) -> str:
-    """The auto policy's measurement as one line, or '' when absent or malformed."""
-    try:
-        costs = "; ".join(f"{part}: " + ", ".join(f"{e} {float(v):.4f}" for e, v in c.items())
-                          for part, c in m["costs"].items())
-        cost, budget = float(m["cost_kl"]), float(m["budget_kl"])
-        return (f"measured ({m['method']}): estimated mean KL {cost:.4f} nats, "
-                f"{'OVER' if cost > budget else 'within'} the budget {budget:g}; "
-                f"candidates {costs}")
-    except (TypeError, KeyError, ValueError, AttributeError):
-        return ""

@@ -142,14 +142,18 @@ def test_cli_prints_choice_and_info_shows_it(tmp_path):
     src = _source(tmp_path, "llama", head_std=0.5)
     r = CliRunner().invoke(cli, ["convert", str(src), "-o", str(tmp_path / "a.lct")])
     assert r.exit_code == 0, r.output
-    assert "policy auto (proxy): " in r.output and "head int8" in r.output
+    # no tokenizer: the shipped calibration text cannot run, and the line says why
+    assert "policy auto (proxy; no calibration: the source has no tokenizer): " in r.output
+    assert "head int8" in r.output
+    # each candidate's cost and stored size, lossless's size beside them
+    assert "int8 0.0" in r.output and "plain 98.30 KB" in r.output
     r = CliRunner().invoke(cli, ["info", str(tmp_path / "a.lct")])
-    assert "policy: auto" in r.output and "measured (proxy)" in r.output
-    assert "within the budget" in r.output
+    assert "policy: auto" in r.output and "measured (proxy; no calibration" in r.output
+    assert "within the budget" in r.output and "(50.69 KB)" in r.output
     r = CliRunner().invoke(cli, ["convert", str(src), "-o", str(tmp_path / "b.lct"),
                                  "--nf4", "embed,head"])
     assert r.exit_code == 0, r.output
-    assert "policy manual (proxy estimate): " in r.output and "OVER the budget" in r.output
+    assert "policy manual (proxy; " in r.output and "OVER the budget" in r.output
     assert "head nf4" in r.output and "embed nf4" in r.output
     r = CliRunner().invoke(cli, ["info", str(tmp_path / "b.lct")])
     assert "policy: manual" in r.output and "OVER the budget" in r.output
@@ -231,3 +235,107 @@ def test_non_finite_calibration_costs_are_null_in_standard_json(tmp_path):
     assert m["policy"]["measured"]["costs"]["head"] == {"nf4": None, "int8": None, "q8_0": None}
     with lct.open(out, verify=True):
         pass
+
+
+def _full_forward_kl(src, module_of, wq_of, blocks) -> float:
+    """Mean KL on ``blocks`` of the model with ``module_of(model)``'s weight replaced by
+    ``wq_of(weight)``, every pass a whole forward (no kept trunk output)."""
+    from transformers import AutoModelForCausalLM
+    model = AutoModelForCausalLM.from_pretrained(src, dtype=torch.bfloat16).eval()
+    mod = module_of(model)
+    total = n = 0
+    with torch.no_grad():
+        for ids in blocks:
+            x = torch.tensor([ids])
+            lr = torch.log_softmax(model(x).logits[0, :-1].float(), -1)
+            keep = mod.weight
+            mod.weight = torch.nn.Parameter(wq_of(keep.detach()), requires_grad=False)
+            lq = torch.log_softmax(model(x).logits[0, :-1].float(), -1)
+            mod.weight = keep
+            total += float((lr.exp() * (lr - lq)).sum())
+            n += len(ids) - 1
+    return total / n
+
+
+def _shipped_blocks(src):
+    from transformers import AutoTokenizer
+
+    from lct.conversion import sample_text
+    from lct.conversion.quality import DEFAULT_BLOCK, token_blocks
+    return token_blocks(AutoTokenizer.from_pretrained(src), sample_text.calibration_samples(),
+                        C.SHIPPED_CALIBRATION_TOKENS, DEFAULT_BLOCK, spread=True)
+
+
+def test_default_calibration_runs_the_shipped_text(tmp_path):
+    """With a tokenizer and no --calibration, the policy measures on the text shipped with LCT
+    (prose and code, none of it the text verify --quality scores): the head on the model's
+    kept trunk output gives what whole forward passes give, for a tied table the head's and
+    the embedding's costs add up."""
+    from lct.conversion import sample_text
+    from lct.conversion.policy import roundtrip
+    shipped = {t for _, t in sample_text.calibration_samples()}
+    assert not shipped & {t for _, t in sample_text.samples()}
+    src = _source(tmp_path, "gemma", head_std=0.02, tokenizer=True)
+    rep = lct.convert(str(src), tmp_path / "g.lct")
+    d = rep.decision
+    assert d.method == "calibration" and "calibration text" in d.note
+    blocks = _shipped_blocks(src)
+    assert d.tokens == sum(len(b) - 1 for b in blocks) and 0 < d.tokens <= 256
+    assert len(blocks) >= 3             # a share of the prose and of each code module
+    assert list(d.costs) == ["embed+head"]
+
+    def wq(e):
+        return lambda w: roundtrip(e, w, 64).to(w.dtype)
+    for e in ("nf4", "int8"):
+        head = _full_forward_kl(src, lambda m: m.lm_head, wq(e), blocks)
+        embed = _full_forward_kl(src, lambda m: m.model.embed_tokens, wq(e), blocks)
+        assert head > 1e-6 and embed > 1e-6
+        assert d.costs["embed+head"][e] == pytest.approx(head + embed, rel=1e-4)
+    m = json.loads((tmp_path / "g.lct" / "lct.json").read_text())["policy"]["measured"]
+    assert m["method"] == "calibration" and m["tokens"] == d.tokens
+    assert m["sizes"]["embed+head"]["plain"] > m["sizes"]["embed+head"]["int8"] \
+        > m["sizes"]["embed+head"]["nf4"]
+
+
+def test_default_calibration_falls_back_to_the_proxy_and_says_why(tmp_path, monkeypatch):
+    from lct.conversion import policy as pol
+    src = _source(tmp_path, "llama", head_std=0.5, tokenizer=True)
+    d = lct.convert(str(src), tmp_path / "n.lct", policy=Policy(calibration="none")).decision
+    assert d.method == "proxy" and d.note == ""
+    monkeypatch.setattr(pol, "_available_memory", lambda: 1000)
+    d = lct.convert(str(src), tmp_path / "m.lct").decision
+    assert d.method == "proxy" and "memory available" in d.note
+    # a model that gives no next-token logits for text alone (an encoder-decoder)
+    monkeypatch.undo()
+    t5 = tiny.save_tiny(tmp_path / "t5", "t5")
+    tiny.save_tokenizer(t5, vocab_size=256)
+    d = lct.convert(str(t5), tmp_path / "t5.lct").decision
+    assert d.method == "proxy" and d.note.startswith("no calibration: ")
+    # a text the user names must run: its failure is an error, not a silent proxy
+    text = tmp_path / "t.txt"
+    text.write_text(sample_text_prose())
+    with pytest.raises(lct.errors.LCTError, match="could not run|no next-token"):
+        lct.convert(str(t5), tmp_path / "t5b.lct", policy=Policy(calibration=str(text)))
+
+
+def sample_text_prose() -> str:
+    from lct.conversion import sample_text
+    return sample_text.PROSE[:2000]
+
+
+def test_slow_reference_passes_scale_the_embedding_candidates(tmp_path, monkeypatch):
+    """Past C.CALIBRATION_EXACT_EMBED_S only the most lossy embedding candidate runs whole; the
+    others are its cost scaled by their relative squared weight error."""
+    from lct.conversion import policy as pol
+    src = _source(tmp_path, "llama", head_std=0.5, tokenizer=True)
+    exact = lct.convert(str(src), tmp_path / "e.lct").decision.costs["embed"]
+    monkeypatch.setattr(C, "CALIBRATION_EXACT_EMBED_S", 0.0)
+    scaled = lct.convert(str(src), tmp_path / "s.lct").decision.costs["embed"]
+    assert scaled["nf4"] == pytest.approx(exact["nf4"], rel=1e-6)   # the one measured whole
+    from safetensors import safe_open
+    with safe_open(str(next(src.glob("*.safetensors"))), "pt") as f:
+        w = f.get_tensor("model.embed_tokens.weight")
+    rel = pol._rel_err(w, ("nf4", "int8", "q8_0"), 64)
+    for e in ("int8", "q8_0"):
+        assert scaled[e] == pytest.approx(exact["nf4"] * rel[e] / rel["nf4"], rel=1e-6)
+        assert scaled[e] != exact[e]

@@ -93,7 +93,7 @@ class Policy:
                 raise PolicyError(f"{seen[both[0]]} and {option} both name {both[0]!r}; give "
                                   f"each part one encoding", option=seen[both[0]])
             seen.update({r: option for r in parts or ()})
-        if not self.auto and self.calibration:
+        if not self.auto and self.calibration not in (None, C.CALIBRATION_NONE):
             raise PolicyError("calibration text chooses the encodings, so it cannot go with "
                               "forced nf4/int8 parts", option="calibration")
         if not 0 < self.budget < 10:
@@ -591,10 +591,18 @@ def _choose(src: Source, tensors: dict, placed: dict, ties: dict, arch, policy: 
         if lossy:
             say(f"measuring {', '.join(get_encoding(e).label for e in lossy_encodings())} on "
                 f"{','.join(sorted(lossy))} "
-                f"({'calibration text' if policy.calibration else 'text-free proxy'})")
+                f"({_how(policy)})")
         decision = decide(src, tensors, lossy, bool(ties), arch, policy)
         chosen = decision.chosen
     return lossy, chosen, decision
+
+
+def _how(policy: Policy) -> str:
+    """What the policy measures on, for the progress line."""
+    if policy.calibration == C.CALIBRATION_NONE:
+        return "text-free proxy"
+    return f"calibration text {policy.calibration}" if policy.calibration else \
+        "LCT's calibration text where the model runs on it, else the text-free proxy"
 
 
 def _specs(src: Source, tensors: dict, placed: dict, lossy: dict, chosen: dict,

@@ -1,16 +1,21 @@
-"""The auto policy: for the embedding and the LM head (a tied table once), measure what NF4 and
-int8 would cost, and keep the smallest encoding whose cost fits the budget.
+"""The auto policy: for the embedding and the LM head (a tied table once), measure what each
+lossy encoding of the registry would cost, and keep the smallest whose cost fits the budget.
 
 Cost is the mean KL divergence (nats) of the next-token distribution from the lossless model's,
 measured one of two ways:
 
-- **calibration** (``--calibration TEXT``): the source model runs on the text, once as it is and
-  once per candidate with that table replaced by its quantized-and-dequantized copy.
-- **proxy** (no text): the LM head's logits on hidden states drawn from the final norm's
+- **calibration** (the default): the source model runs on a text, once as it is and once per
+  candidate with that table replaced by its quantized-and-dequantized copy
+  (``calibration_costs``). The text is ``--calibration TEXT``, or by default the 256 tokens of
+  prose and code shipped with LCT (``sample_text.calibration_samples()``), where the source has a
+  tokenizer, fits in memory beside the conversion and gives next-token logits for text alone.
+- **proxy** (``--calibration none``, and the default's fallback, with the reason in the
+  decision's note): the LM head's logits on hidden states drawn from the final norm's
   statistics (``gamma * z + beta``, ``z ~ N(0, I)``, seed ``PROXY_SEED``), lossless against each
   candidate. The embedding gets no cheap measurement of its own: its cost is taken to be that of
   the same relative error in the head (the proxy's error ratio times the head's cost), an upper
   bound on the real-text cost in benchmarks/bench_quality.py (a tied table is counted twice).
+  On real models the proxy can be several times off (docs/BENCHMARKS.md, bench_quality).
 
 The costs of the embedding and the head add up to the artifact's cost; among the combinations
 whose cost is within the budget, the one with the fewest stored bytes wins (lossless always fits).
@@ -48,31 +53,42 @@ class Decision:
     seconds: float = 0.0
     mode: str = "auto"               # "manual": the encodings were forced, only measured
     kept: dict = field(default_factory=dict)     # role -> why it stays lossless unmeasured
+    sizes: dict = field(default_factory=dict)    # part -> {encoding (and plain): stored bytes}
+    note: str = ""                   # which text was measured on, or why none was
 
     def to_dict(self) -> dict:
         return {"method": self.method, "mode": self.mode, "budget_kl": self.budget,
                 "cost_kl": round(self.cost, 6),
                 "tied": self.tied, "tokens": self.tokens, "seconds": round(self.seconds, 3),
                 **({"kept": self.kept} if self.kept else {}),
+                **({"sizes": self.sizes} if self.sizes else {}),
+                **({"note": self.note} if self.note else {}),
                 "costs": {p: {e: round(v, 6) if math.isfinite(v) else None
                               for e, v in c.items()} for p, c in self.costs.items()}}
 
     def summary(self) -> str:
         """One line for ``lct convert``: the choice, its cost, and what the others cost."""
+        from lct.units import human
         parts = ["embed+head" if self.tied else r for r in self.costs]
         pick = []
         for part in parts:
             role = "embed" if part == "embed+head" else part
-            other = ", ".join(f"{e} {v:.4f}" for e, v in self.costs[part].items())
-            pick.append(f"{part} {self.chosen[role]} ({other})")
+            size = self.sizes.get(part, {})
+            other = ", ".join(f"{e} {v:.4f}" + (f" {human(size[e])}" if e in size else "")
+                              for e, v in self.costs[part].items())
+            plain = f", plain {human(size[C.ENCODING_PLAIN])}" if C.ENCODING_PLAIN in size \
+                else ""
+            pick.append(f"{part} {self.chosen[role]} ({other}{plain})")
+        how = self.method + (f"; {self.note}" if self.note else "") + \
+            (f", {self.tokens} tokens" if self.tokens else "")
         if self.mode == "manual":
             over = not self.cost <= self.budget      # a NaN cost is not within it
-            return (f"policy manual ({self.method} estimate): {'; '.join(pick)}; estimated mean "
+            return (f"policy manual ({how}): {'; '.join(pick)}; estimated mean "
                     f"KL {self.cost:.4f} nats, {'OVER' if over else 'within'} the budget "
                     f"{self.budget:g}" + (" (the default auto policy keeps within it)"
                                           if over else ""))
         pick += [f"{role} plain ({why})" for role, why in self.kept.items()]
-        return (f"policy auto ({self.method}): {'; '.join(pick)}; estimated mean KL "
+        return (f"policy auto ({how}): {'; '.join(pick)}; estimated mean KL "
                 f"{self.cost:.4f} nats, budget {self.budget:g}")
 
 
@@ -221,55 +237,175 @@ def _rel_err(w, candidates, blocksize: int) -> dict:
     return {e: err[e] / max(norm, 1e-30) for e in candidates}
 
 
+class CalibrationUnavailable(LCTError):
+    """The default calibration cannot run on this source here (the message says why); the
+    policy falls back to the text-free proxy."""
+
+
+def _available_memory() -> int | None:
+    """Bytes of memory available to a new allocation (Linux ``MemAvailable``), or None."""
+    try:
+        with open("/proc/meminfo", encoding="ascii") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except (OSError, ValueError, IndexError):
+        pass
+    return None
+
+
+def calibration_obstacle(src, tensors: dict) -> str | None:
+    """Why the shipped calibration text cannot be run through this source here (no tokenizer,
+    or a model too large to load beside the conversion), or None."""
+    if not any((src.root / n).is_file() for n in ("tokenizer.json", "tokenizer.model")):
+        return "the source has no tokenizer"
+    need = sum(math.prod(st.shape) * C.DTYPE_SIZES.get(st.dtype, 4) for st in tensors.values())
+    avail = _available_memory()
+    if avail is not None and need > C.CALIBRATION_MEMORY_SHARE * avail:
+        return (f"the model ({need / 1e9:.1f} GB) is more than {C.CALIBRATION_MEMORY_SHARE:.0%} "
+                f"of the {avail / 1e9:.1f} GB of memory available")
+    return None
+
+
+class _Swap:
+    """Within ``with``, ``module.weight`` is ``w`` (a tied weight is untied for the while)."""
+
+    def __init__(self, module, w):
+        self.module, self.w = module, w
+
+    def __enter__(self):
+        import torch
+        self.keep = self.module.weight
+        self.module.weight = torch.nn.Parameter(self.w, requires_grad=False)
+
+    def __exit__(self, *exc):
+        self.module.weight = self.keep
+
+
+class _Cached:
+    """Within ``with``, ``base`` (the model's trunk) returns ``output`` without computing."""
+
+    def __init__(self, base, output):
+        self.base, self.output = base, output
+
+    def __enter__(self):
+        self.base.forward = lambda *a, **k: self.output
+
+    def __exit__(self, *exc):
+        del self.base.forward
+
+
 def calibration_costs(src, tensors: dict, lossy: dict, tied: bool, arch, policy) -> tuple:
-    """Costs per part and candidate measured on ``policy.calibration`` text: the source model
-    runs once as it is and once per candidate with that table quantized. Returns
-    ``(costs, tokens scored)``."""
+    """Costs per part and candidate measured on text (``policy.calibration``, or the text shipped
+    with LCT, ``sample_text.calibration_samples()``), as mean KL against the source model on the
+    same tokens. Returns ``(costs, tokens scored)``.
+
+    The model runs once per block as it is (the reference), keeping its trunk's output. A head
+    candidate reruns only what follows the trunk (the head and any logit soft-cap) on that kept
+    output, with the head's weight quantized-and-dequantized; an embedding candidate reruns the
+    whole model with the embedding's weight so. A tied table's cost is the sum of both, each
+    measured alone. While the reference passes were fast (``C.CALIBRATION_EXACT_EMBED_S``) every
+    embedding candidate is measured; otherwise only the most lossy one is, and each other one is
+    its cost times the ratio of their relative squared weight errors.
+
+    Raises:
+        CalibrationUnavailable: the model has no tokenizer, or cannot be run on text.
+    """
     import torch
     from torch.nn import functional as F
     from transformers import AutoTokenizer
 
+    from lct.conversion import sample_text
     from lct.conversion.quality import DEFAULT_BLOCK, read_texts, token_blocks
+    from lct.io.reader import torch_dtype
     if not any((src.root / n).is_file() for n in ("tokenizer.json", "tokenizer.model")):
-        raise PolicyError(f"{src.root}: a calibration text needs the model's tokenizer, and "
-                          f"the source has none", option="calibration")
-    blocks = token_blocks(AutoTokenizer.from_pretrained(src.root),
-                          read_texts(policy.calibration), policy.max_calibration_tokens,
-                          DEFAULT_BLOCK)
+        raise CalibrationUnavailable(f"{src.root}: a calibration text needs the model's "
+                                     f"tokenizer, and the source has none")
+    shipped = policy.calibration is None
+    texts = sample_text.calibration_samples() if shipped else read_texts(policy.calibration)
+    limit = C.SHIPPED_CALIBRATION_TOKENS if shipped else policy.max_calibration_tokens
+    blocks = token_blocks(AutoTokenizer.from_pretrained(src.root), texts, limit, DEFAULT_BLOCK,
+                          spread=shipped)
     if not blocks:
         raise PolicyError(f"{policy.calibration}: the text is shorter than two tokens")
-    from lct.io.reader import torch_dtype
     dtype = torch_dtype(tensors[next(iter(lossy.values()))].dtype)
-    model = type(arch.model).from_pretrained(src.root, dtype=dtype).eval()
-    params = {"embed": model.get_input_embeddings().weight}
-    head = model.get_output_embeddings()
-    if head is not None:
-        params["head"] = head.weight
-    parts = {"embed+head": "embed"} if tied else {r: r for r in lossy if r in params}
-    variants = {}
-    for part, role in parts.items():
-        p = params[role]
-        cands = _candidates(tuple(p.shape), policy.blocksize, policy, role)
-        variants[part] = {e: roundtrip(e, p.detach(), policy.blocksize).to(p.dtype)
-                          for e in cands}
-    sums = {part: {e: 0.0 for e in v} for part, v in variants.items()}
-    n = 0
+    try:
+        model = type(arch.model).from_pretrained(src.root, dtype=dtype).eval()
+    except (OSError, ValueError, TypeError, RuntimeError) as e:
+        raise CalibrationUnavailable(f"{src.root}: transformers could not load the model to "
+                                     f"run it on text ({e})") from e
+    embed, head = model.get_input_embeddings(), model.get_output_embeddings()
+    parts = {"embed+head": ("embed", "head")} if tied else \
+        {r: (r,) for r in lossy if (embed if r == "embed" else head) is not None}
+    base = model.base_model if model.base_model is not model else None
+
+    def logits(x):
+        out = model(x)
+        lg = getattr(out, "logits", None)
+        if lg is None or lg.dim() != 3:
+            raise CalibrationUnavailable(f"{src.root}: the model gives no next-token logits "
+                                         f"for text alone ({type(model).__name__})")
+        return F.log_softmax(lg[0, :-1].float(), -1)
+
+    refs, t0 = [], time.perf_counter()
     with torch.no_grad():
         for ids in blocks:
             x = torch.tensor([ids])
-            lr = F.log_softmax(model(x).logits[0, :-1].float(), -1)
-            for part, cands in variants.items():
-                p = params[parts[part]]
-                keep = p.data
-                for e, wq in cands.items():
-                    p.data = wq
-                    try:
-                        lq = F.log_softmax(model(x).logits[0, :-1].float(), -1)
-                    finally:
-                        p.data = keep
-                    sums[part][e] += float((lr.exp() * (lr - lq)).sum())
-            n += len(ids) - 1
-    return {part: {e: v / n for e, v in c.items()} for part, c in sums.items()}, n
+            kept = []
+            hook = base.register_forward_hook(lambda m, i, o: kept.append(o)) if base else None
+            try:
+                lr = logits(x)
+            except CalibrationUnavailable:
+                raise
+            except Exception as e:     # noqa: BLE001  a model that cannot run on text alone
+                raise CalibrationUnavailable(f"{src.root}: the model could not run on text "
+                                             f"({type(e).__name__}: {e})") from e
+            finally:
+                if hook is not None:
+                    hook.remove()
+            refs.append((x, lr, kept[0] if len(kept) == 1 else None))
+        ref_s = time.perf_counter() - t0
+        # The trunk's kept output gives the reference logits again, or the head reruns whole.
+        x, lr, out = refs[0]
+        if out is not None:
+            with _Cached(base, out):
+                if not torch.equal(logits(x), lr):
+                    refs = [(x, lr, None) for x, lr, _ in refs]
+        n = sum(len(x[0]) - 1 for x, _, _ in refs)
+
+        def kl(role_module, wq, cached: bool) -> float:
+            total = 0.0
+            with _Swap(role_module, wq):
+                for x, lr, out in refs:
+                    if cached and out is not None:
+                        with _Cached(base, out):
+                            lq = logits(x)
+                    else:
+                        lq = logits(x)
+                    total += float((lr.exp() * (lr - lq)).sum())
+            return total / n
+
+        costs: dict = {}
+        for part, roles in parts.items():
+            p = (embed if roles[0] == "embed" else head).weight.detach()
+            cands = _candidates(tuple(p.shape), policy.blocksize, policy,
+                                "embed" if tied else roles[0])
+            exact = "embed" not in roles or ref_s * len(cands) <= C.CALIBRATION_EXACT_EMBED_S
+            rel = {} if exact else _rel_err(p, cands, policy.blocksize)
+            worst = max(cands, key=rel.get) if rel else None
+            head_kl, embed_kl = {}, {}
+            for e in cands:
+                wq = roundtrip(e, p, policy.blocksize).to(p.dtype)
+                if "head" in roles:
+                    head_kl[e] = kl(head, wq, cached=True)
+                if "embed" in roles and (exact or e == worst):
+                    embed_kl[e] = kl(embed, wq, cached=False)
+                del wq
+            if worst is not None:
+                per_err = embed_kl[worst] / max(rel[worst], 1e-30)
+                embed_kl.update({e: per_err * rel[e] for e in cands if e != worst})
+            costs[part] = {e: head_kl.get(e, 0.0) + embed_kl.get(e, 0.0) for e in cands}
+    return costs, n
 
 
 def choose(costs: dict, shapes: dict, dtypes: dict, budget: float, blocksize: int) -> tuple:
@@ -314,15 +450,27 @@ def decide(src, tensors: dict, lossy: dict, tied: bool, arch, policy) -> Decisio
     if not lossy:
         return Decision({r: C.ENCODING_PLAIN for r in C.LOSSY_ROLES}, tied, "none",
                         policy.budget, kept=kept)
-    if policy.calibration:
+    note = ""
+    if policy.calibration == C.CALIBRATION_NONE:
+        costs, tokens, method = proxy_costs(src, tensors, lossy, tied, arch, policy), 0, "proxy"
+    else:
         try:
+            why = None if policy.calibration else calibration_obstacle(src, tensors)
+            if why:
+                raise CalibrationUnavailable(why)
             costs, tokens = calibration_costs(src, tensors, lossy, tied, arch, policy)
+            method = "calibration"
+            if not policy.calibration:
+                note = "LCT's calibration text (lct/conversion/sample_text.py)"
+        except CalibrationUnavailable as e:
+            if policy.calibration:
+                raise
+            costs, tokens, method = proxy_costs(src, tensors, lossy, tied, arch, policy), 0, \
+                "proxy"
+            note = f"no calibration: {e}"
         except (OSError, ValueError) as e:
             raise LCTError(f"{src.root}: could not run the model on the calibration text "
                            f"({e})") from e
-        method = "calibration"
-    else:
-        costs, tokens, method = proxy_costs(src, tensors, lossy, tied, arch, policy), 0, "proxy"
     costs = {part: c for part, c in costs.items() if c}
     log.info("%s costs (mean KL, nats): %s", method, costs)
     shapes, dtypes = {}, {}
@@ -335,8 +483,11 @@ def decide(src, tensors: dict, lossy: dict, tied: bool, arch, policy) -> Decisio
         chosen = policy.forced()
         cost = sum(c.get(chosen["embed" if p == "embed+head" else p], 0.0)
                    for p, c in costs.items())
+    sizes = {part: {e: encoded_bytes(e, shapes[part], dtypes[part], policy.blocksize)
+                    for e in (C.ENCODING_PLAIN, *c)} for part, c in costs.items()}
     return Decision(chosen, tied, method, policy.budget, costs, cost, tokens,
-                    time.perf_counter() - t0, "auto" if policy.auto else "manual", kept)
+                    time.perf_counter() - t0, "auto" if policy.auto else "manual", kept,
+                    sizes, note)
 
 
 def _non_finite(src, tensors: dict, lossy: dict, policy) -> dict:

@@ -71,10 +71,15 @@ def read_texts(path) -> list:
     return out
 
 
-def token_blocks(tokenizer, texts: list, max_tokens: int, block: int) -> list:
-    """Token id lists of at most ``block`` ids, ``max_tokens`` scored positions in all."""
+def token_blocks(tokenizer, texts: list, max_tokens: int, block: int,
+                 spread: bool = False) -> list:
+    """Token id lists of at most ``block`` ids, ``max_tokens`` scored positions in all: from the
+    texts in order, or (``spread``) an equal share of them from each text."""
     if block < 2:
         raise LCTError(f"block {block} must be at least 2 tokens")
+    if spread and len(texts) > 1:
+        share = max(1, max_tokens // len(texts))
+        return [b for t in texts for b in token_blocks(tokenizer, [t], share, block)]
     blocks, scored = [], 0
     for _, text in texts:
         ids = tokenizer(text).input_ids

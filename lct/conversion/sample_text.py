@@ -59,6 +59,37 @@ government of the people, by the people, for the people, shall not perish from t
 
 CODE_MODULES = ("conversion/converter.py", "format/manifest.py")   # under lct/
 
+# The calibration text of the auto policy (``lct convert`` without ``--calibration``): other text
+# than the sample above, so that ``lct verify --quality`` checks the estimate on text it was not
+# made on. Prose: the opening and the close of Abraham Lincoln's Second Inaugural Address (1865),
+# a work of the United States government of that era: public domain. Code: two other modules.
+CALIBRATION_PROSE = """\
+Fellow-Countrymen: At this second appearing to take the oath of the Presidential office there is \
+less occasion for an extended address than there was at the first. Then a statement somewhat in \
+detail of a course to be pursued seemed fitting and proper. Now, at the expiration of four years, \
+during which public declarations have been constantly called forth on every point and phase of \
+the great contest which still absorbs the attention and engrosses the energies of the nation, \
+little that is new could be presented. The progress of our arms, upon which all else chiefly \
+depends, is as well known to the public as to myself, and it is, I trust, reasonably \
+satisfactory and encouraging to all. With high hope for the future, no prediction in regard to \
+it is ventured.
+
+On the occasion corresponding to this four years ago all thoughts were anxiously directed to an \
+impending civil war. All dreaded it, all sought to avert it. While the inaugural address was \
+being delivered from this place, devoted altogether to saving the Union without war, insurgent \
+agents were in the city seeking to destroy it without war, seeking to dissolve the Union and \
+divide effects by negotiation. Both parties deprecated war, but one of them would make war \
+rather than let the nation survive, and the other would accept war rather than let it perish, \
+and the war came.
+
+With malice toward none, with charity for all, with firmness in the right as God gives us to see \
+the right, let us strive on to finish the work we are in, to bind up the nation's wounds, to \
+care for him who shall have borne the battle and for his widow and his orphan, to do all which \
+may achieve and cherish a just and lasting peace among ourselves and with all nations.
+"""
+
+CALIBRATION_CODE_MODULES = ("io/reader.py", "format/codecs.py")   # under lct/
+
 
 def samples() -> list:
     """``[(name, text)]``: the prose, then each code module."""
@@ -66,3 +97,12 @@ def samples() -> list:
     return [("public-domain prose (Constitution, Declaration, Gettysburg Address)", PROSE)] + [
         (f"lct/{name} (Apache-2.0)", (here / name).read_text(encoding="utf-8"))
         for name in CODE_MODULES]
+
+
+def calibration_samples() -> list:
+    """``[(name, text)]`` the auto policy calibrates on: ``CALIBRATION_PROSE``, then each of
+    ``CALIBRATION_CODE_MODULES`` (none of them in ``samples()``)."""
+    here = Path(__file__).parent.parent
+    return [("public-domain prose (Second Inaugural Address)", CALIBRATION_PROSE)] + [
+        (f"lct/{name} (Apache-2.0)", (here / name).read_text(encoding="utf-8"))
+        for name in CALIBRATION_CODE_MODULES]

@@ -58,6 +58,12 @@ ENCODING_INT8 = "int8"      # int8 codes, one float32 scale per row (FORMAT.md 2
 ENCODING_Q8_0 = "q8_0"      # since 1.3
 Q8_0_BLOCK = 32
 Q8_0_BLOCK_BYTES = 34
+# llama.cpp's Q6_K blocks: per 256 values 128 bytes of low 4 bits, 64 of high 2 bits, 16 int8
+# scales (one per sub-block of 16 values) and a float16 scale (lct/format/q6_k.py).
+Q6_K_BLOCK = 256
+Q6_K_BLOCK_BYTES = 210
+Q6_K_SUB_BLOCK = 16
+Q6_K_GROUP_MAX_EPS = 1e-15  # as float32: a sub-block or block under it is all zero
 ROLES = ("embed", "head", "pos_embed", "layer", "norm", "misc")
 NF4_ROLES = ("embed", "head")
 # The roles a lossy encoding may be chosen for, and the encodings a policy may give them.
@@ -171,6 +177,19 @@ NF4_FUSED_MAX_ROWS = 24
 # how much it measures.
 DEFAULT_BUDGET_KL = 0.01
 DEFAULT_CALIBRATION_TOKENS = 2048
+# With no --calibration the policy runs the source model on the calibration text shipped with LCT
+# (lct/conversion/sample_text.py, CALIBRATION_*: not the text verify --quality scores), this many
+# scored tokens split between its prose and its code, where the model can run on text and fits in
+# memory; otherwise, and with --calibration none, it falls back to the text-free proxy.
+SHIPPED_CALIBRATION_TOKENS = 256
+CALIBRATION_NONE = "none"
+# The model is loaded whole for calibration: only when its bytes are at most this share of the
+# memory available (the rest: the converter's own buffers, the candidates' round trips).
+CALIBRATION_MEMORY_SHARE = 0.5
+# Each embedding candidate costs a whole forward pass. While the reference passes took less than
+# this many seconds in all, every candidate is measured so; beyond it only the most lossy one is,
+# and the others are scaled from it by their relative squared weight error (KL grows with it).
+CALIBRATION_EXACT_EMBED_S = 2.0
 PROXY_SAMPLES = 64
 # The proxy's hidden states come from this seed: not 0, which tiny random test models use.
 PROXY_SEED = 7919

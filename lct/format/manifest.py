@@ -347,7 +347,8 @@ _POLICY_KEYS = {"mode": ("str",), "nf4": ("strs",), "int8": ("strs",), "q8_0": (
                 "tp_pieces": ("int",), "measured": ("obj",)}
 _MEASURED_KEYS = {"method": ("str",), "mode": ("str",), "budget_kl": ("num",),
                   "cost_kl": ("num",), "tied": ("bool",), "tokens": ("int",),
-                  "seconds": ("num",), "costs": ("costs",), "kept": ("obj",)}
+                  "seconds": ("num",), "costs": ("costs",), "kept": ("obj",),
+                  "sizes": ("costs",), "note": ("str",)}
 _FREQUENCY_SOURCE_KEYS = {"kind": ("str",), "path": ("str", "null"), "tokens": ("int",),
                           "note": ("str",)}
 _INFORMATIVE = {"source": _SOURCE_KEYS, "architecture": _ARCHITECTURE_KEYS,

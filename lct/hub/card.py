@@ -93,11 +93,10 @@ def model_card(manifest, repo_id: str, *, license: str | None = None) -> str:  #
                      f"values)")
     nf4_line = "; ".join(lossy) if lossy else "none (every tensor lossless)"
     measured = pol.get("measured") if isinstance(pol.get("measured"), dict) else {}
-    try:
-        nf4_line += (f"; chosen by the {pol.get('mode', 'manual')} policy, estimated mean KL "
-                     f"{float(measured['cost_kl']):.4f} nats ({measured['method']})")
-    except (KeyError, TypeError, ValueError):
-        pass
+    from lct.io.info import measured_line
+    line = measured_line(measured)
+    if line:
+        nf4_line += f"; chosen by the {pol.get('mode', 'manual')} policy, {line}"
     codec = pol.get("codec", "?")
     codec_line = f"`{codec}`"
     if codec != C.CODEC_RAW:

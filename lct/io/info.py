@@ -97,6 +97,30 @@ def architecture_line(manifest) -> str:
     return "; ".join(parts)
 
 
+def measured_line(measured) -> str:
+    """The policy's measurement (the manifest's ``policy.measured``) as one line: what it
+    measured on, the estimated cost against the budget, and each candidate's cost and stored
+    size; '' when absent or malformed (the object is informative, untrusted)."""
+    from lct.units import human
+    try:
+        sizes = measured.get("sizes") or {}
+
+        def cand(part, e, v):
+            size = (sizes.get(part) or {}).get(e)
+            return f"{e} {float(v):.4f}" + (f" ({human(int(size))})" if size is not None else "")
+        costs = "; ".join(f"{part}: " + ", ".join(cand(part, e, v) for e, v in c.items())
+                          for part, c in measured["costs"].items())
+        cost, budget = float(measured["cost_kl"]), float(measured["budget_kl"])
+        how = str(measured["method"]) + (f"; {measured['note']}" if measured.get("note") else "")
+        if measured.get("tokens"):
+            how += f", {int(measured['tokens'])} tokens"
+        return (f"measured ({how}): estimated mean KL {cost:.4f} nats, "
+                f"{'OVER' if not cost <= budget else 'within'} the budget {budget:g}; "
+                f"candidates (mean KL, stored size) {costs}")
+    except (TypeError, KeyError, ValueError, AttributeError):
+        return ""
+
+
 def summary(manifest, path, digest: str | None = None) -> dict:
     """What ``lct info --json`` prints (fields in docs/CLI.md): the artifact at a glance, not
     its manifest (``--manifest`` prints that); ``digest`` is the open artifact's."""
