@@ -25,6 +25,23 @@
  *   q8_0_dequant(blocks, out, kind)   Q8_0 to float32 (kind 0) or bfloat16 (kind 1), q * d,
  *                                     bit-identical to gguf's dequantize and torch's float->bf16
  *                                     cast.
+ *   q6_k_quantize(x, kind, out, threads, isa)
+ *                                     llama.cpp's Q6_K from float32 (kind 0) or bfloat16 (kind 1):
+ *                                     per 256 elements 210 bytes, byte-identical to ggml's
+ *                                     quantize_row_q6_K_ref; blocks split over `threads` threads.
+ *   q6_k_dequant(blocks, out, kind, threads)
+ *                                     Q6_K to float32 (kind 0) or bfloat16 (kind 1), d * scale *
+ *                                     (q - 32), bit-identical to gguf's dequantize.
+ *   int8_quantize(x, kind, q, scale, cols, threads, isa)
+ *                                     int8 per row (FORMAT.md 2.2) from float32, bfloat16, float16
+ *                                     or float64 (kind 0..3): scale = max|x| / 127, q =
+ *                                     round_half_even(x / scale), bit for bit the torch rule of
+ *                                     lct/format/int8.py; rows split over `threads` threads.
+ *   int8_dequant(q, scale, out, kind, cols, threads, isa)
+ *                                     int8 rows to float32, bfloat16 or float16 (kind 0..2),
+ *                                     q * scale, bit-identical to torch's casts of it.
+ *   codec_isa()                       the widest instruction set the threaded codecs (Q6_K,
+ *                                     int8) use here.
  *
  * Each takes buffer-protocol objects, checks every length before touching memory, and releases
  * the GIL while it runs, so that decode threads work in parallel. lct/format/native.py wraps them
@@ -35,6 +52,7 @@
 #include <dlfcn.h>
 #include <float.h>
 #include <math.h>
+#include <pthread.h>
 #include <stdint.h>
 #include <stdlib.h>
 #include <string.h>
@@ -637,6 +655,791 @@ static PyObject *q8_0_dequant(PyObject *self, PyObject *args)
     return ret;
 }
 
+/* ---- What the threaded codecs (Q6_K, int8) share: the instruction sets, the thread split ---- */
+#if defined(__x86_64__) && defined(__GNUC__)
+#define CODEC_X86 1
+#endif
+
+/* The instruction sets the threaded codecs can use here: 0 plain C, 1 AVX2 (x86 where the CPU
+ * has it). */
+static int codec_best_isa(void)
+{
+#ifdef CODEC_X86
+    __builtin_cpu_init();
+    if (__builtin_cpu_supports("avx2"))
+        return 1;
+#endif
+    return 0;
+}
+
+/* Run `worker` on each of the `n` jobs (1..64, each `size` bytes from `jobs`): jobs 1.. on threads
+ * of their own, job 0 on the calling thread, and a job whose thread cannot start there too. Call
+ * without the GIL. */
+static void run_jobs(void *(*worker)(void *), void *jobs, size_t size, int n)
+{
+    pthread_t tids[64];
+    char started[64] = {0};
+    for (int t = 1; t < n; t++) {
+        void *job = (char *)jobs + size * (size_t)t;
+        started[t] = pthread_create(&tids[t], NULL, worker, job) == 0;
+        if (!started[t])
+            worker(job);
+    }
+    worker(jobs);
+    for (int t = 1; t < n; t++)
+        if (started[t])
+            pthread_join(tids[t], NULL);
+}
+
+/* ---- Q6_K (llama.cpp): per 256 elements 210 bytes, 6-bit codes under 16 sub-block scales ----- */
+#define Q6_BLOCK 256
+#define Q6_BLOCK_BYTES 210
+#define Q6_SUB 16
+#define Q6_EPS 1e-15f  /* ggml's GROUP_MAX_EPS */
+
+/* The rule needs every float32 product rounded before it is added: no fused multiply-add. */
+#if defined(__clang__)
+#pragma STDC FP_CONTRACT OFF
+#elif defined(__GNUC__)
+#pragma GCC push_options
+#pragma GCC optimize("fp-contract=off")
+#endif
+
+/* ggml's nearest_int: the low mantissa bits of f + 1.5 * 2^23, so that a float32 add rounds
+ * half to even; also defined (a code that is then clamped) for a NaN or a large f. */
+static inline __attribute__((always_inline)) int32_t q6_nearest(float f)
+{
+    float v = f + 12582912.0f;
+    int32_t i;
+    memcpy(&i, &v, 4);
+    return (i & 0x007FFFFF) - 0x00400000;
+}
+
+/* 8 float32 or int32 lanes, one per sub-block: GCC's generic vectors, which each target lowers
+ * to its own registers (2 SSE or 1 AVX vector; scalars where there are none). */
+#define Q6_LANES 8
+typedef float q6_vf __attribute__((vector_size(4 * Q6_LANES)));
+typedef int32_t q6_vi __attribute__((vector_size(4 * Q6_LANES)));
+
+/* Lanes of a where the mask m is set (-1), else of b (macros: no vector crosses a call). */
+#define Q6_SEL(m, a, b) ((q6_vf)(((q6_vi)(a) & (m)) | ((q6_vi)(b) & ~(m))))
+
+/* nearest_int lane by lane, clamped to [-32, 31], as float32 (exact: 1.5 * 2^23 + l has the
+ * bits 0x4B400000 + l). */
+#define Q6_CODES(out, f)                                                                      \
+    do {                                                                                      \
+        q6_vf v_ = (f) + 12582912.0f;                                                         \
+        q6_vi l_ = ((q6_vi)v_ & 0x007FFFFF) - 0x00400000, lo_ = l_ < -32, hi_ = l_ > 31;      \
+        l_ = (l_ & ~lo_) | (lo_ & -32);                                                       \
+        l_ = (l_ & ~hi_) | (hi_ & 31);                                                        \
+        (out) = (q6_vf)(l_ + 0x4B400000) - 12582912.0f;                                       \
+    } while (0)
+
+/* make_qx_quants(16, 32, x, L, 1, NULL) for 8 sub-blocks of 16 values (xb, 128 values) at once,
+ * lane k the sub-block k: from the value of largest magnitude `max` (the first such), 19 trial
+ * scales -(32 + 0.1 t) / max, t = 0, -9..9, each giving codes l = clamp(nearest(iscale x),
+ * -32, 31) and float32 sums, in order, of x^2 x l and x^2 l l (the reference's order in each
+ * lane); a trial replaces the kept one when its sumlx^2 > best * suml2. Gives each sub-block's
+ * scale (0 when max |x| < EPS: all zero), the kept trial's iscale (its codes are made again
+ * from it) and max |x|. */
+static inline __attribute__((always_inline)) void
+q6_subs(const float *restrict xb, float *restrict scale_out, float *restrict is_out,
+        float *restrict amax_out)
+{
+    q6_vf x[Q6_SUB], w[Q6_SUB], wx[Q6_SUB];  /* [value], lane = sub-block */
+    q6_vf amax = {0}, mx = {0};
+    for (int i = 0; i < Q6_SUB; i++)
+        for (int k = 0; k < Q6_LANES; k++)
+            x[i][k] = xb[Q6_SUB * k + i];
+    for (int i = 0; i < Q6_SUB; i++) {
+        q6_vf a = (q6_vf)((q6_vi)x[i] & 0x7FFFFFFF);
+        q6_vi gt = a > amax;
+        amax = Q6_SEL(gt, a, amax);
+        mx = Q6_SEL(gt, x[i], mx);
+        w[i] = x[i] * x[i];
+        wx[i] = w[i] * x[i];
+    }
+    q6_vf scale = {0}, best = {0}, best_is = {0};
+    for (int t = 0; t < 19; t++) {
+        /* nmax + 0.1f * is in float32, is = -9..-1, 1..9 after the plain trial */
+        float nm = t == 0 ? 32.0f : 32.0f + 0.1f * (float)(t <= 9 ? t - 10 : t - 9);
+        q6_vf is = -nm / mx, slx = {0}, sl2 = {0};
+        for (int i = 0; i < Q6_SUB; i++) {
+            q6_vf lf;
+            Q6_CODES(lf, is * x[i]);
+            q6_vf p = wx[i] * lf, q = w[i] * lf;
+            q = q * lf;
+            slx = slx + p;
+            sl2 = sl2 + q;
+        }
+        q6_vf s = slx / sl2;
+        if (t == 0) {
+            scale = Q6_SEL(sl2 != 0.0f, s, scale);
+            best = scale * slx;
+            best_is = is;
+            continue;
+        }
+        q6_vi take = (sl2 > 0.0f) & (slx * slx > best * sl2);
+        scale = Q6_SEL(take, s, scale);
+        best = Q6_SEL(take, s * slx, best);
+        best_is = Q6_SEL(take, is, best_is);
+    }
+    scale = Q6_SEL(amax < Q6_EPS, (q6_vf){0}, scale);
+    memcpy(scale_out, &scale, sizeof scale);
+    memcpy(is_out, &best_is, sizeof best_is);
+    memcpy(amax_out, &amax, sizeof amax);
+}
+
+/* One block of 256 float32 values to its 210 bytes, ggml's quantize_row_q6_K_ref exactly: the
+ * sub-blocks' scales (q6_subs), then d = -max_scale / 128 as float16 (to nearest even) with
+ * max_scale the first of largest magnitude (an all-zero block under EPS: 210 zero bytes),
+ * scales = min(127, nearest(-128 / max_scale * scale)) as int8, and each sub-block whose
+ * float16 d * scale is not 0 coded again as clamp(nearest(x / (d * scale)), -32, 31); one whose
+ * product is 0 keeps its own codes. */
+static inline __attribute__((always_inline)) void q6_block(const float *restrict xb,
+                                                             uint8_t *restrict y)
+{
+    float scale[Q6_SUB], best_is[Q6_SUB], amax[Q6_SUB];
+    for (int g = 0; g < Q6_SUB; g += Q6_LANES)
+        q6_subs(xb + Q6_SUB * g, scale + g, best_is + g, amax + g);
+    float max_scale = 0.0f, max_abs = 0.0f;
+    for (int k = 0; k < Q6_SUB; k++) {
+        float a = fabsf(scale[k]);
+        if (a > max_abs) {
+            max_abs = a;
+            max_scale = scale[k];
+        }
+    }
+    if (max_abs < Q6_EPS) {
+        memset(y, 0, Q6_BLOCK_BYTES);
+        return;
+    }
+    float iscale = -128.0f / max_scale;
+    uint16_t dh = to_f16(1.0f / iscale);
+    float df = f16_to_f32(dh);
+    int8_t *sc = (int8_t *)(y + 192);
+    uint8_t L[Q6_BLOCK];
+    for (int k = 0; k < Q6_SUB; k++) {
+        int32_t v = q6_nearest(iscale * scale[k]);
+        sc[k] = (int8_t)(uint8_t)(v < 127 ? v : 127);  /* ggml's int8 store: the low byte */
+        float d = df * (float)sc[k], bk = best_is[k];
+        const float *xk = xb + Q6_SUB * k;
+        uint8_t *Lk = L + Q6_SUB * k;
+        if (d != 0.0f) {
+            for (int i = 0; i < Q6_SUB; i++) {
+                int32_t l = q6_nearest(xk[i] / d);
+                Lk[i] = (uint8_t)((l < -32 ? -32 : l > 31 ? 31 : l) + 32);
+            }
+        } else if (amax[k] < Q6_EPS) {
+            memset(Lk, 0, Q6_SUB);
+        } else {  /* the kept trial's codes */
+            for (int i = 0; i < Q6_SUB; i++) {
+                int32_t l = q6_nearest(bk * xk[i]);
+                Lk[i] = (uint8_t)((l < -32 ? -32 : l > 31 ? 31 : l) + 32);
+            }
+        }
+    }
+    y[208] = (uint8_t)(dh & 0xFF);
+    y[209] = (uint8_t)(dh >> 8);
+    /* ql: element e of a half (128) in the low nibble of byte e % 64 (e < 64) or the high
+     * nibble (e >= 64); qh: bits 2 * (e / 32) of byte e % 32 hold its top 2 bits. */
+    for (int h = 0; h < 2; h++) {
+        const uint8_t *Lh = L + 128 * h;
+        uint8_t *ql = y + 64 * h, *qh = y + 128 + 32 * h;
+        for (int l = 0; l < 32; l++) {
+            ql[l] = (uint8_t)((Lh[l] & 0xF) | ((Lh[l + 64] & 0xF) << 4));
+            ql[l + 32] = (uint8_t)((Lh[l + 32] & 0xF) | ((Lh[l + 96] & 0xF) << 4));
+            qh[l] = (uint8_t)((Lh[l] >> 4) | ((Lh[l + 32] >> 4) << 2) | ((Lh[l + 64] >> 4) << 4)
+                              | ((Lh[l + 96] >> 4) << 6));
+        }
+    }
+}
+
+/* Blocks [b0, b1) of x (float32, or bfloat16 bits when kind is 1) into out. Returns the first
+ * block holding a NaN or an Inf (nothing written for it or after it), or -1. */
+static inline __attribute__((always_inline)) Py_ssize_t
+q6_quantize_body(const void *x, int kind, uint8_t *out, Py_ssize_t b0, Py_ssize_t b1)
+{
+    float v[Q6_BLOCK];
+    for (Py_ssize_t b = b0; b < b1; b++) {
+        if (kind == 0) {
+            memcpy(v, (const float *)x + b * Q6_BLOCK, sizeof v);
+        } else {
+            const uint16_t *h = (const uint16_t *)x + b * Q6_BLOCK;
+            uint32_t u[Q6_BLOCK];
+            for (int i = 0; i < Q6_BLOCK; i++)
+                u[i] = (uint32_t)h[i] << 16;
+            memcpy(v, u, sizeof v);
+        }
+        int bad = 0;
+        for (int i = 0; i < Q6_BLOCK; i++)
+            bad |= !(fabsf(v[i]) <= FLT_MAX);
+        if (bad)
+            return b;
+        q6_block(v, out + b * Q6_BLOCK_BYTES);
+    }
+    return -1;
+}
+
+static Py_ssize_t q6_quantize_c(const void *x, int kind, uint8_t *out, Py_ssize_t b0,
+                                Py_ssize_t b1)
+{
+    return q6_quantize_body(x, kind, out, b0, b1);
+}
+
+#ifdef CODEC_X86
+/* The same body with AVX2: 8 lanes a register (and still no FMA: see above). */
+__attribute__((target("avx2"))) static Py_ssize_t
+q6_quantize_avx2(const void *x, int kind, uint8_t *out, Py_ssize_t b0, Py_ssize_t b1)
+{
+    return q6_quantize_body(x, kind, out, b0, b1);
+}
+#endif
+
+/* Q6_K blocks [b0, b1) to float32 (kind 0) or bfloat16 (kind 1): float32(d) * scale * (q - 32),
+ * in that order (ggml's dequantize_row_q6_K), then torch's bfloat16 rounding. */
+static void q6_dequant_range(const uint8_t *restrict in, void *restrict out, Py_ssize_t b0,
+                             Py_ssize_t b1, int kind)
+{
+    float v[Q6_BLOCK], ds[Q6_SUB];
+    for (Py_ssize_t b = b0; b < b1; b++) {
+        const uint8_t *blk = in + b * Q6_BLOCK_BYTES;
+        const int8_t *sc = (const int8_t *)(blk + 192);
+        float d = f16_to_f32((uint16_t)(blk[208] | (blk[209] << 8)));
+        for (int k = 0; k < Q6_SUB; k++)
+            ds[k] = d * (float)sc[k];
+        /* Element h * 128 + nib * 64 + pair * 32 + l: the nibble `nib` of ql byte h * 64 +
+         * pair * 32 + l and bits 2 * (2 * nib + pair) of qh byte h * 32 + l; runs of 16 share
+         * a scale. */
+        for (int r = 0; r < 4; r++) {
+            const int h = r >> 1, l0 = 16 * (r & 1);
+            const uint8_t *ql = blk + 64 * h + l0, *qh = blk + 128 + 32 * h + l0;
+            float *o = v + 128 * h + l0;
+            const float s1 = ds[8 * h + (r & 1)], s2 = ds[8 * h + 2 + (r & 1)];
+            const float s3 = ds[8 * h + 4 + (r & 1)], s4 = ds[8 * h + 6 + (r & 1)];
+            for (int l = 0; l < 16; l++) {
+                int a = ql[l], c = ql[l + 32], e = qh[l];
+                o[l] = s1 * (float)(((a & 0xF) | ((e & 3) << 4)) - 32);
+                o[l + 32] = s2 * (float)(((c & 0xF) | ((e & 0xC) << 2)) - 32);
+                o[l + 64] = s3 * (float)(((a >> 4) | (e & 0x30)) - 32);
+                o[l + 96] = s4 * (float)(((c >> 4) | ((e & 0xC0) >> 2)) - 32);
+            }
+        }
+        if (kind == 0) {
+            memcpy((float *)out + b * Q6_BLOCK, v, sizeof v);
+        } else {
+            uint16_t *o = (uint16_t *)out + b * Q6_BLOCK;
+            for (int i = 0; i < Q6_BLOCK; i++)
+                o[i] = to_bf16(v[i]);
+        }
+    }
+}
+
+#if defined(__clang__)
+#pragma STDC FP_CONTRACT ON
+#elif defined(__GNUC__)
+#pragma GCC pop_options
+#endif
+
+/* A share of a Q6_K call for one thread: blocks [b0, b1). */
+typedef struct {
+    const void *in;
+    void *out;
+    Py_ssize_t b0, b1, bad;
+    int kind, isa, quantize;
+} q6_job;
+
+static void *q6_worker(void *arg)
+{
+    q6_job *j = arg;
+    if (!j->quantize) {
+        q6_dequant_range(j->in, j->out, j->b0, j->b1, j->kind);
+        return NULL;
+    }
+#ifdef CODEC_X86
+    if (j->isa == 1) {
+        j->bad = q6_quantize_avx2(j->in, j->kind, j->out, j->b0, j->b1);
+        return NULL;
+    }
+#endif
+    j->bad = q6_quantize_c(j->in, j->kind, j->out, j->b0, j->b1);
+    return NULL;
+}
+
+/* Blocks a thread gets at least (a thread start costs some tens of microseconds): about 50 us
+ * of quantizing, or of dequantizing. */
+#define Q6_QUANTIZE_SHARE 16
+#define Q6_DEQUANT_SHARE 256
+
+/* Split `blocks` evenly over `threads` (1..64, fewer when the shares would be small) and run
+ * them (run_jobs). Call without the GIL. Returns the first bad block of a quantize, or -1. */
+static Py_ssize_t q6_run(const void *in, void *out, Py_ssize_t blocks, int kind, int threads,
+                         int isa, int quantize)
+{
+    q6_job jobs[64];
+    Py_ssize_t most = blocks / (quantize ? Q6_QUANTIZE_SHARE : Q6_DEQUANT_SHARE);
+    if (threads > 64)
+        threads = 64;
+    if (threads > most)
+        threads = (int)most;
+    if (threads < 1)
+        threads = 1;
+    for (int t = 0; t < threads; t++)
+        jobs[t] = (q6_job){in, out, blocks * t / threads, blocks * (t + 1) / threads, -1, kind,
+                           isa, quantize};
+    run_jobs(q6_worker, jobs, sizeof jobs[0], threads);
+    Py_ssize_t bad = -1;
+    for (int t = 0; t < threads && bad < 0; t++)
+        bad = jobs[t].bad;  /* shares are in block order: the first bad one is the first */
+    return bad;
+}
+
+/* The checks q6_k_quantize and q6_k_dequant share: the kind, whole blocks of elements, and the
+ * blocks' bytes. Returns the block count, or -1 with a ValueError set. */
+static Py_ssize_t q6_layout(const char *fn, int kind, Py_ssize_t elem_bytes, Py_ssize_t block_len)
+{
+    if (kind != 0 && kind != 1) {
+        PyErr_Format(PyExc_ValueError, "%s: kind must be 0 (float32) or 1 (bfloat16)", fn);
+        return -1;
+    }
+    Py_ssize_t size = kind == 0 ? 4 : 2, n = elem_bytes / size, blocks = n / Q6_BLOCK;
+    if (elem_bytes % size || n % Q6_BLOCK) {
+        PyErr_Format(PyExc_ValueError, "%s: %zd bytes of elements are not whole blocks of %d "
+                     "%s elements", fn, elem_bytes, Q6_BLOCK, kind == 0 ? "float32" : "bfloat16");
+        return -1;
+    }
+    if (block_len / Q6_BLOCK_BYTES != blocks || block_len % Q6_BLOCK_BYTES) {
+        PyErr_Format(PyExc_ValueError, "%s: %zd elements need %zd bytes of blocks, got %zd", fn,
+                     n, blocks * Q6_BLOCK_BYTES, block_len);
+        return -1;
+    }
+    return blocks;
+}
+
+static PyObject *q6_k_quantize(PyObject *self, PyObject *args)
+{
+    Py_buffer x, out;
+    int kind, threads, isa;
+    if (!PyArg_ParseTuple(args, "y*iw*ii", &x, &kind, &out, &threads, &isa))
+        return NULL;
+    PyObject *ret = NULL;
+    Py_ssize_t blocks = q6_layout("q6_k_quantize", kind, x.len, out.len);
+    int best = codec_best_isa();
+    if (blocks < 0) {
+        /* error set */
+    } else if (isa < -1 || isa > best) {
+        PyErr_Format(PyExc_ValueError, "q6_k_quantize: isa %d is not one this CPU runs "
+                     "(-1 for the best, 0..%d)", isa, best);
+    } else if (((uintptr_t)x.buf) % (kind == 0 ? 4 : 2)) {
+        PyErr_SetString(PyExc_ValueError, "q6_k_quantize: the input buffer is not aligned");
+    } else {
+        Py_ssize_t bad;
+        Py_BEGIN_ALLOW_THREADS
+        bad = q6_run(x.buf, out.buf, blocks, kind, threads, isa < 0 ? best : isa, 1);
+        Py_END_ALLOW_THREADS
+        ret = PyLong_FromSsize_t(bad);
+    }
+    PyBuffer_Release(&x);
+    PyBuffer_Release(&out);
+    return ret;
+}
+
+static PyObject *q6_k_dequant(PyObject *self, PyObject *args)
+{
+    Py_buffer blocks, out;
+    int kind, threads;
+    if (!PyArg_ParseTuple(args, "y*w*ii", &blocks, &out, &kind, &threads))
+        return NULL;
+    PyObject *ret = NULL;
+    Py_ssize_t nb = q6_layout("q6_k_dequant", kind, out.len, blocks.len);
+    if (nb < 0) {
+        /* error set */
+    } else if (((uintptr_t)out.buf) % (kind == 0 ? 4 : 2)) {
+        PyErr_SetString(PyExc_ValueError, "q6_k_dequant: the output buffer is not aligned");
+    } else {
+        Py_BEGIN_ALLOW_THREADS
+        q6_run(blocks.buf, out.buf, nb, kind, threads, 0, 0);
+        Py_END_ALLOW_THREADS
+        ret = Py_NewRef(Py_None);
+    }
+    PyBuffer_Release(&blocks);
+    PyBuffer_Release(&out);
+    return ret;
+}
+
+static PyObject *codec_isa(PyObject *self, PyObject *args)
+{
+    return PyLong_FromLong(codec_best_isa());
+}
+
+/* ---- int8 per row (FORMAT.md 2.2): one float32 scale a row, one int8 code an element -------- */
+#define I8_MAX 127.0f
+
+/* Kinds of the elements int8_quantize reads and int8_dequant writes. */
+enum { I8_F32 = 0, I8_BF16 = 1, I8_F16 = 2, I8_F64 = 3 };
+static const Py_ssize_t i8_size[4] = {4, 2, 2, 8};
+static const char *const i8_name[4] = {"float32", "bfloat16", "float16", "float64"};
+
+/* The rule is torch's, one rounding at a time: no fused multiply-add, a true division. */
+#if defined(__clang__)
+#pragma STDC FP_CONTRACT OFF
+#elif defined(__GNUC__)
+#pragma GCC push_options
+#pragma GCC optimize("fp-contract=off")
+#endif
+
+static inline __attribute__((always_inline)) float i8_bits_f32(uint32_t u)
+{
+    float f;
+    memcpy(&f, &u, 4);
+    return f;
+}
+
+static inline __attribute__((always_inline)) uint32_t i8_f32_bits(float f)
+{
+    uint32_t u;
+    memcpy(&u, &f, 4);
+    return u;
+}
+
+/* Element i of x as float32, as torch's .to(torch.float32): exact from bfloat16 and float16,
+ * rounded to nearest even from float64. A finite float16's magnitude bits, moved up 13 places,
+ * are a float32 of its value times 2^-112 (a subnormal one too), which an exact multiply by
+ * 2^112 restores: no branch, so that the loop vectorises. */
+static inline __attribute__((always_inline)) float i8_load(const void *x, int kind, Py_ssize_t i)
+{
+    if (kind == I8_F32)
+        return ((const float *)x)[i];
+    if (kind == I8_BF16)
+        return i8_bits_f32((uint32_t)((const uint16_t *)x)[i] << 16);
+    if (kind == I8_F16) {
+        uint32_t h = ((const uint16_t *)x)[i];
+        float a = i8_bits_f32((h & 0x7FFFu) << 13) * 0x1.0p112f;
+        return i8_bits_f32(i8_f32_bits(a) | (h & 0x8000u) << 16);
+    }
+    return (float)((const double *)x)[i];
+}
+
+/* max |x| of a row of n elements as float32 (the max of the float32 values' magnitudes: the
+ * float64 one rounded, as rounding keeps order), from the magnitudes' bits compared as integers
+ * (the order of non-negative floats); -1 when the row holds a NaN or an Inf (one in float32). */
+static inline __attribute__((always_inline)) float i8_absmax(const void *x, int kind,
+                                                             Py_ssize_t n)
+{
+    if (kind == I8_F32) {
+        const uint32_t *u = x;
+        int32_t m = 0;
+        for (Py_ssize_t i = 0; i < n; i++) {
+            int32_t k = (int32_t)(u[i] & 0x7FFFFFFFu);
+            m = k > m ? k : m;
+        }
+        return m >= 0x7F800000 ? -1.0f : i8_bits_f32((uint32_t)m);
+    }
+    if (kind == I8_BF16 || kind == I8_F16) {
+        const uint16_t *h = x;
+        int16_t m = 0;
+        for (Py_ssize_t i = 0; i < n; i++) {
+            int16_t k = (int16_t)(h[i] & 0x7FFFu);
+            m = k > m ? k : m;
+        }
+        if (kind == I8_BF16)
+            return m >= 0x7F80 ? -1.0f : i8_bits_f32((uint32_t)m << 16);
+        return m >= 0x7C00 ? -1.0f : f16_to_f32((uint16_t)m);
+    }
+    const uint64_t *u = x;
+    int64_t m = 0;
+    for (Py_ssize_t i = 0; i < n; i++) {
+        int64_t k = (int64_t)(u[i] & 0x7FFFFFFFFFFFFFFFull);
+        m = k > m ? k : m;
+    }
+    double d;
+    memcpy(&d, &m, 8);
+    float f = (float)d;  /* NaN stays NaN; above FLT_MAX (rounded) is Inf */
+    return f <= FLT_MAX ? f : -1.0f;
+}
+
+/* Rows [r0, r1) of x (`cols` elements each, of `kind`) to codes q and scales: scale = max|x| /
+ * 127, q = clamp(round_half_even(x / scale), -127, 127) in float32, q = 0 for a scale of 0.
+ * Returns the first row holding a NaN or an Inf (nothing written for it or after it), or -1.
+ * The rounding is a float32 add of 1.5 * 2^23 (to even, as ggml's nearest_int), exact while
+ * |x / scale| < 2^22: it is under 255 (under 127.00002 for a normal scale; a subnormal one is
+ * at least half of max|x| / 127). The clamp is on the integers so that the loop vectorises (a
+ * float compare may trap, which keeps GCC from if-converting it). `kind` is a constant where
+ * this is inlined, so each kind gets its own loops. */
+static inline __attribute__((always_inline)) Py_ssize_t
+i8_quantize_rows(const void *x, int kind, int8_t *q, float *scale, Py_ssize_t cols,
+                 Py_ssize_t r0, Py_ssize_t r1)
+{
+    for (Py_ssize_t r = r0; r < r1; r++) {
+        const void *row = (const char *)x + r * cols * i8_size[kind];
+        int8_t *restrict qr = q + r * cols;
+        float am = i8_absmax(row, kind, cols);
+        if (am < 0.0f)
+            return r;
+        float s = am / I8_MAX;
+        scale[r] = s;
+        if (s == 0.0f) {
+            memset(qr, 0, (size_t)cols);
+            continue;
+        }
+        for (Py_ssize_t i = 0; i < cols; i++) {
+            float v = i8_load(row, kind, i) / s;
+            int32_t k = (int32_t)i8_f32_bits(v + 12582912.0f) - 0x4B400000;
+            k = k < -127 ? -127 : k;
+            qr[i] = (int8_t)(k > 127 ? 127 : k);
+        }
+    }
+    return -1;
+}
+
+static inline __attribute__((always_inline)) Py_ssize_t
+i8_quantize_body(const void *x, int kind, int8_t *q, float *scale, Py_ssize_t cols,
+                 Py_ssize_t r0, Py_ssize_t r1)
+{
+    switch (kind) {
+    case I8_F32:
+        return i8_quantize_rows(x, I8_F32, q, scale, cols, r0, r1);
+    case I8_BF16:
+        return i8_quantize_rows(x, I8_BF16, q, scale, cols, r0, r1);
+    case I8_F16:
+        return i8_quantize_rows(x, I8_F16, q, scale, cols, r0, r1);
+    default:
+        return i8_quantize_rows(x, I8_F64, q, scale, cols, r0, r1);
+    }
+}
+
+/* float32 -> float16 bits, to nearest even as torch's cast (the FP16 library's
+ * fp16_ieee_from_fp32_value, which c10::Half uses: two exact scalings and one float add that
+ * rounds), without a branch so that it vectorises; a NaN keeps its top payload bits, as the
+ * hardware conversion does. The same bits as to_f16 for every one of the 2^32 inputs. */
+static inline __attribute__((always_inline)) uint16_t i8_to_f16(float f)
+{
+    float base = (fabsf(f) * 0x1.0p112f) * 0x1.0p-110f;
+    uint32_t w = i8_f32_bits(f);
+    int32_t a = (int32_t)(w & 0x7FFFFFFFu), e = (int32_t)(w & 0x7F800000u);
+    e = e < 0x38800000 ? 0x38800000 : e;  /* signed: vectorises without unsigned compares */
+    uint32_t b = i8_f32_bits(i8_bits_f32((uint32_t)e + 0x07800000u) + base);
+    uint32_t nonsign = ((b >> 13) & 0x7C00u) + (b & 0x0FFFu);
+    uint32_t nan = 0x7E00u | ((w >> 13) & 0x3FFu), is_nan = -(uint32_t)(a > 0x7F800000);
+    /* a mask, not a branch: GCC does not if-convert an arm that holds a float add */
+    return (uint16_t)((w & 0x80000000u) >> 16 | (nan & is_nan) | (nonsign & ~is_nan));
+}
+
+/* Rows [r0, r1) of codes q to out: q * scale in float32, then float32, bfloat16 or float16
+ * (torch's casts, to nearest even). */
+static inline __attribute__((always_inline)) void
+i8_dequant_rows(const int8_t *q, const float *scale, void *out, int kind, Py_ssize_t cols,
+                Py_ssize_t r0, Py_ssize_t r1)
+{
+    for (Py_ssize_t r = r0; r < r1; r++) {
+        const int8_t *restrict qr = q + r * cols;
+        const float s = scale[r];
+        if (kind == I8_F32) {
+            float *restrict o = (float *)out + r * cols;
+            for (Py_ssize_t i = 0; i < cols; i++)
+                o[i] = (float)qr[i] * s;
+        } else if (kind == I8_BF16) {
+            uint16_t *restrict o = (uint16_t *)out + r * cols;
+            for (Py_ssize_t i = 0; i < cols; i++)
+                o[i] = to_bf16((float)qr[i] * s);
+        } else {
+            uint16_t *restrict o = (uint16_t *)out + r * cols;
+            for (Py_ssize_t i = 0; i < cols; i++)
+                o[i] = i8_to_f16((float)qr[i] * s);
+        }
+    }
+}
+
+static inline __attribute__((always_inline)) void
+i8_dequant_body(const int8_t *q, const float *scale, void *out, int kind, Py_ssize_t cols,
+                Py_ssize_t r0, Py_ssize_t r1)
+{
+    switch (kind) {
+    case I8_F32:
+        i8_dequant_rows(q, scale, out, I8_F32, cols, r0, r1);
+        break;
+    case I8_BF16:
+        i8_dequant_rows(q, scale, out, I8_BF16, cols, r0, r1);
+        break;
+    default:
+        i8_dequant_rows(q, scale, out, I8_F16, cols, r0, r1);
+    }
+}
+
+static Py_ssize_t i8_quantize_c(const void *x, int kind, int8_t *q, float *scale,
+                                Py_ssize_t cols, Py_ssize_t r0, Py_ssize_t r1)
+{
+    return i8_quantize_body(x, kind, q, scale, cols, r0, r1);
+}
+
+static void i8_dequant_c(const int8_t *q, const float *scale, void *out, int kind,
+                         Py_ssize_t cols, Py_ssize_t r0, Py_ssize_t r1)
+{
+    i8_dequant_body(q, scale, out, kind, cols, r0, r1);
+}
+
+#ifdef CODEC_X86
+/* The same bodies with AVX2: 8 float32 lanes a register (and still no FMA). */
+__attribute__((target("avx2"))) static Py_ssize_t
+i8_quantize_avx2(const void *x, int kind, int8_t *q, float *scale, Py_ssize_t cols,
+                 Py_ssize_t r0, Py_ssize_t r1)
+{
+    return i8_quantize_body(x, kind, q, scale, cols, r0, r1);
+}
+
+__attribute__((target("avx2"))) static void
+i8_dequant_avx2(const int8_t *q, const float *scale, void *out, int kind, Py_ssize_t cols,
+                Py_ssize_t r0, Py_ssize_t r1)
+{
+    i8_dequant_body(q, scale, out, kind, cols, r0, r1);
+}
+#endif
+
+#if defined(__clang__)
+#pragma STDC FP_CONTRACT ON
+#elif defined(__GNUC__)
+#pragma GCC pop_options
+#endif
+
+/* A share of an int8 call for one thread: rows [r0, r1). */
+typedef struct {
+    const void *x;   /* quantize: the elements; dequantize: the codes */
+    void *q;         /* quantize: the codes; dequantize: the output */
+    float *scale;
+    Py_ssize_t cols, r0, r1, bad;
+    int kind, isa, quantize;
+} i8_job;
+
+static void *i8_worker(void *arg)
+{
+    i8_job *j = arg;
+#ifdef CODEC_X86
+    if (j->isa == 1) {
+        if (j->quantize)
+            j->bad = i8_quantize_avx2(j->x, j->kind, j->q, j->scale, j->cols, j->r0, j->r1);
+        else
+            i8_dequant_avx2(j->x, j->scale, j->q, j->kind, j->cols, j->r0, j->r1);
+        return NULL;
+    }
+#endif
+    if (j->quantize)
+        j->bad = i8_quantize_c(j->x, j->kind, j->q, j->scale, j->cols, j->r0, j->r1);
+    else
+        i8_dequant_c(j->x, j->scale, j->q, j->kind, j->cols, j->r0, j->r1);
+    return NULL;
+}
+
+/* Elements a thread gets at least (a thread start costs some tens of microseconds). */
+#define I8_SHARE 65536
+
+/* Split `rows` evenly over `threads` (1..64, fewer when the shares would be small) and run them
+ * (run_jobs). Call without the GIL. Returns the first bad row of a quantize, or -1. */
+static Py_ssize_t i8_run(const void *x, void *q, float *scale, Py_ssize_t rows, Py_ssize_t cols,
+                         int kind, int threads, int isa, int quantize)
+{
+    i8_job jobs[64];
+    Py_ssize_t most = cols ? rows / (I8_SHARE / cols + 1) : 1;
+    if (threads > 64)
+        threads = 64;
+    if (threads > most)
+        threads = (int)most;
+    if (threads < 1)
+        threads = 1;
+    for (int t = 0; t < threads; t++)
+        jobs[t] = (i8_job){x, q, scale, cols, rows * t / threads, rows * (t + 1) / threads, -1,
+                           kind, isa, quantize};
+    run_jobs(i8_worker, jobs, sizeof jobs[0], threads);
+    Py_ssize_t bad = -1;
+    for (int t = 0; t < threads && bad < 0; t++)
+        bad = jobs[t].bad;  /* shares are in row order: the first bad one is the first */
+    return bad;
+}
+
+/* The checks int8_quantize and int8_dequant share: the kind (up to `kinds`), `cols`, the elements'
+ * bytes, the codes' and the scales' against rows = scales / 4, and the alignment of the
+ * elements and the scales. Returns the row count, or -1 with a ValueError set. */
+static Py_ssize_t i8_layout(const char *fn, int kind, int kinds, Py_ssize_t cols,
+                            const Py_buffer *elems, Py_ssize_t codes_len, const Py_buffer *scale)
+{
+    if (kind < 0 || kind >= kinds) {
+        PyErr_Format(PyExc_ValueError, "%s: kind must be 0..%d (float32, bfloat16, float16%s)",
+                     fn, kinds - 1, kinds == 4 ? ", float64" : "");
+        return -1;
+    }
+    Py_ssize_t size = i8_size[kind], rows = scale->len / 4;
+    if (cols < 0 || scale->len % 4 || (rows && cols > PY_SSIZE_T_MAX / 8 / rows)) {
+        PyErr_Format(PyExc_ValueError, "%s: %zd scale bytes and %zd columns are not rows of a "
+                     "table", fn, scale->len, cols);
+        return -1;
+    }
+    if (elems->len != rows * cols * size || codes_len != rows * cols) {
+        PyErr_Format(PyExc_ValueError, "%s: %zd rows of %zd need %zd bytes of %s elements and "
+                     "%zd of codes, got %zd and %zd", fn, rows, cols, rows * cols * size,
+                     i8_name[kind], rows * cols, elems->len, codes_len);
+        return -1;
+    }
+    if (((uintptr_t)elems->buf) % size || ((uintptr_t)scale->buf) % 4) {
+        PyErr_Format(PyExc_ValueError, "%s: a buffer is not aligned", fn);
+        return -1;
+    }
+    return rows;
+}
+
+static PyObject *int8_quantize(PyObject *self, PyObject *args)
+{
+    Py_buffer x, q, scale;
+    int kind, threads, isa;
+    Py_ssize_t cols;
+    if (!PyArg_ParseTuple(args, "y*iw*w*nii", &x, &kind, &q, &scale, &cols, &threads, &isa))
+        return NULL;
+    PyObject *ret = NULL;
+    Py_ssize_t rows = i8_layout("int8_quantize", kind, 4, cols, &x, q.len, &scale);
+    int best = codec_best_isa();
+    if (rows < 0) {
+        /* error set */
+    } else if (isa < -1 || isa > best) {
+        PyErr_Format(PyExc_ValueError, "int8_quantize: isa %d is not one this CPU runs "
+                     "(-1 for the best, 0..%d)", isa, best);
+    } else {
+        Py_ssize_t bad;
+        Py_BEGIN_ALLOW_THREADS
+        bad = i8_run(x.buf, q.buf, scale.buf, rows, cols, kind, threads, isa < 0 ? best : isa, 1);
+        Py_END_ALLOW_THREADS
+        ret = PyLong_FromSsize_t(bad);
+    }
+    PyBuffer_Release(&x);
+    PyBuffer_Release(&q);
+    PyBuffer_Release(&scale);
+    return ret;
+}
+
+static PyObject *int8_dequant(PyObject *self, PyObject *args)
+{
+    Py_buffer q, scale, out;
+    int kind, threads, isa;
+    Py_ssize_t cols;
+    if (!PyArg_ParseTuple(args, "y*y*w*inii", &q, &scale, &out, &kind, &cols, &threads, &isa))
+        return NULL;
+    PyObject *ret = NULL;
+    Py_ssize_t rows = i8_layout("int8_dequant", kind, 3, cols, &out, q.len, &scale);
+    int best = codec_best_isa();
+    if (rows < 0) {
+        /* error set */
+    } else if (isa < -1 || isa > best) {
+        PyErr_Format(PyExc_ValueError, "int8_dequant: isa %d is not one this CPU runs "
+                     "(-1 for the best, 0..%d)", isa, best);
+    } else {
+        Py_BEGIN_ALLOW_THREADS
+        i8_run(q.buf, out.buf, scale.buf, rows, cols, kind, threads, isa < 0 ? best : isa, 0);
+        Py_END_ALLOW_THREADS
+        ret = Py_NewRef(Py_None);
+    }
+    PyBuffer_Release(&q);
+    PyBuffer_Release(&scale);
+    PyBuffer_Release(&out);
+    return ret;
+}
+
 static PyMethodDef methods[] = {
     {"join_planes", join_planes, METH_VARARGS,
      "join_planes(hi, lo, out, width): planes decode of n elements of 2 or 4 bytes."},
@@ -651,6 +1454,18 @@ static PyMethodDef methods[] = {
      "q8_0_quantize(x, kind, out) -> first bad block or -1: llama.cpp's Q8_0 blocks."},
     {"q8_0_dequant", q8_0_dequant, METH_VARARGS,
      "q8_0_dequant(blocks, out, kind): Q8_0 to float32 (0) or bf16 (1)."},
+    {"q6_k_quantize", q6_k_quantize, METH_VARARGS,
+     "q6_k_quantize(x, kind, out, threads, isa) -> first bad block or -1: llama.cpp's Q6_K."},
+    {"q6_k_dequant", q6_k_dequant, METH_VARARGS,
+     "q6_k_dequant(blocks, out, kind, threads): Q6_K to float32 (0) or bf16 (1)."},
+    {"codec_isa", codec_isa, METH_NOARGS,
+     "codec_isa() -> the widest instruction set the threaded codecs use here: 0 plain C, "
+     "1 AVX2."},
+    {"int8_quantize", int8_quantize, METH_VARARGS,
+     "int8_quantize(x, kind, q, scale, cols, threads, isa) -> first bad row or -1."},
+    {"int8_dequant", int8_dequant, METH_VARARGS,
+     "int8_dequant(q, scale, out, kind, cols, threads, isa): int8 rows to float32 (0), bf16 (1) "
+     "or float16 (2)."},
     {NULL, NULL, 0, NULL},
 };
 

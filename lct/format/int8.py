@@ -4,6 +4,8 @@ signed byte per element.
 Rule, in float32 throughout: ``scale = absmax(row) / 127``; ``q = clamp(round_half_even(x /
 scale), -127, 127)`` (``q = 0`` for a row whose scale is 0); dequantized value ``q * scale``, then
 cast to the tensor's dtype. Rows are processed in pieces so memory does not grow with the table.
+The compiled loops (``lct.format.native``) give the same codes and scales, bit for bit, faster;
+this torch code is their tested fallback (``LCT_NATIVE=0``).
 """
 
 from __future__ import annotations
@@ -59,6 +61,8 @@ def quantize(tensor, name: str = "tensor"):
     x2 = tensor.reshape(rows, cols)
     q = torch.empty(rows, cols, dtype=torch.int8)
     scale = torch.empty(rows, dtype=torch.float32)
+    if _quantize_native(x2, q, scale, name):
+        return q, scale
     step = max(1, PIECE_ELEMENTS // max(cols, 1))
     for r0 in range(0, rows, step):
         r1 = min(rows, r0 + step)
@@ -86,8 +90,59 @@ def dequantize(q, scale, shape, dtype=None, out=None):
         raise OptionError(f"out must be a contiguous {dtype} tensor of {rows * cols} elements, "
                           f"got {out.dtype} {tuple(out.shape)}", option="out")
     out2 = out.view(rows, cols)
+    if _dequantize_native(q2, s, out2):
+        return out.view(*shape)
     step = max(1, PIECE_ELEMENTS // max(cols, 1))
     for r0 in range(0, rows, step):
         r1 = min(rows, r0 + step)
         out2[r0:r1] = q2[r0:r1].to(torch.float32) * s[r0:r1].unsqueeze(1)
     return out.view(*shape)
+
+
+def _numpy(t):
+    """A contiguous CPU tensor's elements as numpy (bfloat16 as its bits in int16)."""
+    import torch
+    return (t.view(torch.int16) if t.dtype == torch.bfloat16 else t).numpy()
+
+
+def _quantize_native(x2, q, scale, name: str) -> bool:
+    """The compiled quantizer (``lct.format.native.int8_quantize``) on CPU rows ``x2``, over
+    torch's intra-op threads: in one call when ``x2`` is contiguous and of a dtype it reads in
+    place, else a piece of rows at a time (each made contiguous, float8 widened to float32);
+    False if it does not apply."""
+    import torch
+
+    from lct.format import native
+    if not native.available() or x2.device.type != "cpu":
+        return False
+    x2 = x2.detach()
+    rows, cols = x2.shape
+    whole = x2.is_contiguous() and str(x2.dtype).removeprefix("torch.") in native.INT8_READS
+    step = max(1, rows if whole else PIECE_ELEMENTS // max(cols, 1))
+    for r0 in range(0, rows, step):
+        r1 = min(rows, r0 + step)
+        x = x2[r0:r1]
+        kind = str(x.dtype).removeprefix("torch.")
+        if kind not in native.INT8_READS:   # float8: widened exactly
+            x, kind = x.to(torch.float32), "float32"
+        bad = native.int8_quantize(_numpy(x.contiguous()), kind, q[r0:r1].numpy(),
+                                   scale[r0:r1].numpy(), torch.get_num_threads())
+        if bad >= 0:
+            raise PolicyError(f"{name}: int8 cannot encode NaN or Inf values (row {r0 + bad})")
+    return True
+
+
+def _dequantize_native(q2, s, out2) -> bool:
+    """The compiled loop (``lct.format.native.int8_dequant_into``) for int8 codes on the CPU and
+    float32/bfloat16/float16 output, over torch's intra-op threads; False if it does not
+    apply."""
+    import torch
+
+    from lct.format import native
+    kind = str(out2.dtype).removeprefix("torch.")
+    if not native.available() or kind not in native.INT8_WRITES or q2.dtype != torch.int8 or \
+            q2.device.type != "cpu" or s.device.type != "cpu" or out2.device.type != "cpu":
+        return False
+    native.int8_dequant_into(q2.contiguous().numpy(), s.contiguous().numpy(), _numpy(out2), kind,
+                             torch.get_num_threads())
+    return True
