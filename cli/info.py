@@ -7,6 +7,7 @@ import json
 import click
 
 from lct.cli._util import quiet_option, table
+from lct.format.encodings import lossy_encodings
 
 
 @click.command("info", short_help="Show an artifact's groups, encodings, sizes and policy.")
@@ -53,7 +54,8 @@ def info_cmd(artifact, as_json, as_manifest, tensors, quiet):
         p = m.policy
         click.echo(f"policy: {p.get('mode', 'manual')} nf4={_parts(p.get('nf4'))} "
                    f"int8={_parts(p.get('int8'))} "
-                   + (f"q8_0={_parts(p['q8_0'])} " if p.get("q8_0") else "")
+                   + "".join(f"{e}={_parts(p[e])} " for e in lossy_encodings()
+                             if e not in ("nf4", "int8") and p.get(e))
                    + f"blocksize={p.get('blocksize')} "
                    f"dtype={p.get('dtype') or 'source'} codec={p.get('codec')} level={p.get('level')}"
                    + (f" maximus_shards={p['maximus_shards']}" if p.get("maximus_shards") else "")

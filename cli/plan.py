@@ -66,6 +66,8 @@ def _parsed(parser_name: str):
                    "trained models.")
 @click.option("--q8_0", "q8_0", default=None, callback=_parse_parts, metavar="PARTS",
               help="With --format lct and no artifact: the Q8_0 parts, as lct convert --q8_0.")
+@click.option("--q6_k", "q6_k", default=None, callback=_parse_parts, metavar="PARTS",
+              help="With --format lct and no artifact: the Q6_K parts, as lct convert --q6_k.")
 @click.option("--blocksize", type=click.IntRange(min=2), default=None,
               help="With --format lct and no artifact: the NF4 block size (default 64).")
 @click.option("--maximus-resident", callback=_parsed("parse_resident"), metavar="K/N", default=None,
@@ -84,7 +86,7 @@ def _parsed(parser_name: str):
               help="Print every figure as JSON (integer parameters and bytes).")
 @quiet_option("the peak (and with --memory whether it fits)")
 def plan_cmd(model, mode, batch, seq, vocab_size, add_tokens, precision, optimizer, kv_dtype,
-             fmt, nf4, int8, q8_0, blocksize, maximus_resident, memory, device, loss_chunk, revision,
+             fmt, nf4, int8, q8_0, q6_k, blocksize, maximus_resident, memory, device, loss_chunk, revision,
              as_json, quiet):
     """Plan the memory MODEL needs for inference or a training step.
 
@@ -100,7 +102,8 @@ def plan_cmd(model, mode, batch, seq, vocab_size, add_tokens, precision, optimiz
                           add_tokens=add_tokens, precision=precision, optimizer=optimizer,
                           kv_dtype=kv_dtype, format=fmt, maximus_resident=maximus_resident,
                           memory=memory, device=device, loss_chunk=loss_chunk, nf4=nf4,
-                          blocksize=blocksize, revision=revision, int8=int8, q8_0=q8_0)
+                          blocksize=blocksize, revision=revision, int8=int8, q8_0=q8_0,
+                          q6_k=q6_k)
     p = plan(model, options=options)
     if as_json:
         click.echo(p.to_json(), nl=False)

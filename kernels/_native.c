@@ -11,14 +11,26 @@
  *                                     out[M, N] = x[M, K] @ W.T with W [N, K] in llama.cpp's
  *                                     Q8_0 (per 32 weights of a row, 34 bytes: a float16 scale d,
  *                                     then 32 int8 codes q; W = q * d), float32 sums.
- *   nf4_matmul_isa()                  the instruction set all three use here: scalar, avx2 or
- *                                     avx512 (LCT_NATIVE_ISA=scalar|avx2 caps it).
+ *   q6_k_matmul(x, x_kind, blocks, out, out_kind, M, N, K, threads, isa)
+ *                                     out[M, N] = x[M, K] @ W.T with W [N, K] in llama.cpp's
+ *                                     Q6_K (per 256 weights of a row, 210 bytes: 6-bit codes,
+ *                                     16 int8 scales, a float16 d), float32 sums.
+ *   tiled_matmul(kind, x, x_kind, codes, scales, table, out, out_kind, M, N, K, blocksize,
+ *                w_bf16, threads, isa)
+ *                                     the same products for many rows of x, any of the four
+ *                                     (kind 0 NF4, 1 int8, 2 Q8_0, 3 Q6_K): tiles of W
+ *                                     dequantized into cache, then register-blocked (see
+ *                                     kernels/_tiled.h); w_bf16 lets it round weights to
+ *                                     bfloat16 as the torch path does, for VDPBF16PS.
+ *   nf4_matmul_isa()                  the instruction set they use here: scalar, avx2, avx512 or
+ *                                     avx512bf16 (LCT_NATIVE_ISA=scalar|avx2|avx512 caps it).
  *
- * x and out are float32 (kind 0) or bfloat16 bits (kind 1); isa -1 picks the best. All take
- * buffer-protocol objects, check every length and alignment before touching memory, and run
- * over `threads` POSIX threads with the GIL released. kernels/native.py (lct.kernels.native)
- * wraps them; kernels/linear.py and kernels/int8.py fall back to dequantize-and-matmul in torch
- * when this module was not built or LCT_NATIVE=0.
+ * The first four read codes in place, one weight row against a few rows of x at a time: the
+ * path for short inputs. x and out are float32 (kind 0) or bfloat16 bits (kind 1); isa -1 picks
+ * the best. All take buffer-protocol objects, check every length and alignment before touching
+ * memory, and run over `threads` POSIX threads with the GIL released. kernels/native.py
+ * (lct.kernels.native) wraps them; kernels/paths.py picks among them and the torch path
+ * (dequantize-and-matmul, also the fallback when this module was not built or LCT_NATIVE=0).
  */
 #define PY_SSIZE_T_CLEAN
 #include <Python.h>
@@ -51,12 +63,15 @@ static inline uint16_t to_bf16(float f)
  * the odd x with no shuffle. Output rows are split over `threads` POSIX threads, GIL released.
  * Accumulation is float32 throughout; only the summation order differs from a float32 reference.
  */
-enum { ISA_SCALAR = 0, ISA_AVX2 = 1, ISA_AVX512 = 2 };
-enum { MM_NF4 = 0, MM_INT8 = 1, MM_Q8_0 = 2 };  /* mm_job.codes */
+/* ISA_AVX512BF16: AVX-512 F/BW/VL/DQ and AVX512_BF16; the fused kernels run their AVX-512 code. */
+enum { ISA_SCALAR = 0, ISA_AVX2 = 1, ISA_AVX512 = 2, ISA_AVX512BF16 = 3 };
+enum { MM_NF4 = 0, MM_INT8 = 1, MM_Q8_0 = 2, MM_Q6_K = 3 };  /* mm_job.codes */
 #define MM_TILE 4   /* rows of x sharing one decode of a weight vector */
 #define Q8_TILE 8   /* the same for Q8_0's AVX-512 kernel (its largest tile) */
 #define Q8_BLOCK 32        /* Q8_0: weights per block */
 #define Q8_BLOCK_BYTES 34  /* Q8_0: bytes per block, float16 d then 32 int8 codes */
+#define Q6_BLOCK 256       /* Q6_K: weights per super-block */
+#define Q6_BLOCK_BYTES 210 /* Q6_K: ql[128], qh[64], int8 scales[16], float16 d (last) */
 /* The vector loops prefetch the codes this many bytes ahead (Q8_0, int8 and NF4): without it a
  * 256000 x 2048 head streams at a little over half the speed (measured, 1 row of x, 2 threads:
  * Q8_0 49 ms against 27; int8 53 against 42 and NF4 44 against 35, with another job running). */
@@ -69,7 +84,8 @@ typedef struct {
     void *out;
     Py_ssize_t M, N, K, blocksize, n0, n1;
     int out_kind, isa;
-    int codes;  /* MM_NF4; MM_INT8: absmax = one scale per row, x in xe; MM_Q8_0: x in xe */
+    int codes;  /* MM_NF4; MM_INT8: absmax = one scale per row, x in xe; MM_Q8_0, MM_Q6_K:
+                 * x in xe */
 } mm_job;
 
 static inline void mm_store(const mm_job *j, Py_ssize_t m, Py_ssize_t n, float v)
@@ -169,6 +185,68 @@ static inline void q8_row_c(const mm_job *j, const uint8_t *p, const float *am, 
 }
 
 MM_ROW_FNS(q8_rows_c, q8_row_c, )
+
+/* ---- Q6_K: W [N, K] as K/256 super-blocks of 210 bytes per row ------------------------------
+ *
+ * Each weight (d * scale) * (q - 32) is formed in float32 in gguf's order (its dequantize is the
+ * reference, tests/test_kernels_q6_k.py) and multiplied with x in float32. */
+static inline float q6_d(const uint8_t *blk)
+{
+    return f16_table[(uint32_t)blk[208] | ((uint32_t)blk[209] << 8)];
+}
+
+/* One Q6_K super-block, llama.cpp's dequantize_row_q6_K: within each half of 128, value
+ * 32 * g + l (g = 0..3, l = 0..31) takes low 4 bits from ql[l] (g even) or ql[l + 32] (g odd),
+ * low nibble for g < 2 and high for g >= 2, and 2 high bits from qh[l] >> 2g; minus 32, times
+ * (d * scales[value / 16]) in float32, as gguf's dequantize. */
+static void q6_block_c(const uint8_t *blk, float *y)
+{
+    const uint8_t *ql = blk, *qh = blk + 128;
+    const int8_t *sc = (const int8_t *)(blk + 192);
+    float d = q6_d(blk);
+    for (int h = 0; h < 2; h++, ql += 64, qh += 32, sc += 8, y += 128)
+        for (int l = 0; l < 32; l++) {
+            int is = l / 16;
+            int q1 = ((ql[l] & 15) | ((qh[l] & 3) << 4)) - 32;
+            int q2 = ((ql[l + 32] & 15) | (((qh[l] >> 2) & 3) << 4)) - 32;
+            int q3 = ((ql[l] >> 4) | (((qh[l] >> 4) & 3) << 4)) - 32;
+            int q4 = ((ql[l + 32] >> 4) | (((qh[l] >> 6) & 3) << 4)) - 32;
+            y[l] = d * sc[is] * (float)q1;
+            y[l + 32] = d * sc[is + 2] * (float)q2;
+            y[l + 64] = d * sc[is + 4] * (float)q3;
+            y[l + 96] = d * sc[is + 6] * (float)q4;
+        }
+}
+
+/* A super-block's 16 sub-block scales d * scale in float32 (as q6_block_c forms them). */
+static inline void q6_scales(const uint8_t *blk, float *ds)
+{
+    const int8_t *sc = (const int8_t *)(blk + 192);
+    float d = q6_d(blk);
+    for (int i = 0; i < 16; i++)
+        ds[i] = d * sc[i];
+}
+
+static inline void q6_row_c(const mm_job *j, const uint8_t *p, const float *am, Py_ssize_t m0,
+                            int mt, float *res)
+{
+    float w[Q6_BLOCK];
+    Py_ssize_t bpr = j->K / Q6_BLOCK;
+    for (int t = 0; t < mt; t++)
+        res[t] = 0.0f;
+    for (Py_ssize_t b = 0; b < bpr; b++) {
+        q6_block_c(p + b * Q6_BLOCK_BYTES, w);
+        for (int t = 0; t < mt; t++) {
+            const float *x = j->xe + (m0 + t) * j->K + b * Q6_BLOCK;
+            float acc = 0.0f;
+            for (int i = 0; i < Q6_BLOCK; i++)
+                acc += w[i] * x[i];
+            res[t] += acc;
+        }
+    }
+}
+
+MM_ROW_FNS(q6_rows_c, q6_row_c, )
 
 #if defined(__x86_64__) && (defined(__GNUC__) || defined(__clang__))
 #include <immintrin.h>
@@ -359,6 +437,101 @@ q8_row256(const mm_job *j, const uint8_t *p, const float *am, Py_ssize_t m0, int
         res[t] = hsum256(_mm256_add_ps(s[t], s2[t]));
 }
 
+/* Q6_K: half h (0, 1) of a super-block as 4 x 32 signed codes q - 32, q[g] holding values
+ * 32 g .. 32 g + 31 of the half (byte shifts as 16-bit shifts, the bits crossing bytes masked). */
+__attribute__((target("avx2"), always_inline)) static inline void
+q6_codes(const uint8_t *blk, int h, __m256i q[4])
+{
+    const uint8_t *ql = blk + 64 * h, *qh = blk + 128 + 32 * h;
+    const __m256i m4 = _mm256_set1_epi8(15), m2 = _mm256_set1_epi8(0x30);
+    const __m256i off = _mm256_set1_epi8(32);
+    __m256i l0 = _mm256_loadu_si256((const __m256i *)ql);
+    __m256i l1 = _mm256_loadu_si256((const __m256i *)(ql + 32));
+    __m256i hh = _mm256_loadu_si256((const __m256i *)qh);
+    __m256i lo0 = _mm256_and_si256(l0, m4), lo1 = _mm256_and_si256(l1, m4);
+    __m256i hi0 = _mm256_and_si256(_mm256_srli_epi16(l0, 4), m4);
+    __m256i hi1 = _mm256_and_si256(_mm256_srli_epi16(l1, 4), m4);
+    q[0] = _mm256_or_si256(lo0, _mm256_and_si256(_mm256_slli_epi16(hh, 4), m2));
+    q[1] = _mm256_or_si256(lo1, _mm256_and_si256(_mm256_slli_epi16(hh, 2), m2));
+    q[2] = _mm256_or_si256(hi0, _mm256_and_si256(hh, m2));
+    q[3] = _mm256_or_si256(hi1, _mm256_and_si256(_mm256_srli_epi16(hh, 2), m2));
+    for (int g = 0; g < 4; g++)
+        q[g] = _mm256_sub_epi8(q[g], off);
+}
+
+/* Q6_K rows: per group of 16 weights (one int8 scale) the codes widened to float32 and scaled
+ * by d * scale once for the tile, then one FMA per row of x; two chains (a group's halves of
+ * 32). AVX-512 takes tiles of up to 8 rows of x, AVX2 up to 4. */
+__attribute__((target("avx512f"), always_inline)) static inline void
+q6_row512(const mm_job *j, const uint8_t *p, const float *am, Py_ssize_t m0, int mt, float *res)
+{
+    Py_ssize_t bpr = j->K / Q6_BLOCK, K = j->K;
+    const float *x0 = j->xe + m0 * K;
+    __m512 s[Q8_TILE], s2[Q8_TILE];
+    for (int t = 0; t < mt; t++)
+        s[t] = s2[t] = _mm512_setzero_ps();
+    for (Py_ssize_t b = 0; b < bpr; b++, p += Q6_BLOCK_BYTES) {
+        for (int c = 0; c < Q6_BLOCK_BYTES; c += 64)
+            _mm_prefetch((const char *)p + c + MM_PREFETCH, _MM_HINT_T0);
+        float ds[16];
+        q6_scales(p, ds);
+        for (int h = 0; h < 2; h++) {
+            __m256i q[4];
+            q6_codes(p, h, q);
+            for (int g = 0; g < 4; g++) {
+                __m512 w = _mm512_mul_ps(
+                    _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm256_castsi256_si128(q[g]))),
+                    _mm512_set1_ps(ds[8 * h + 2 * g]));
+                __m512 w2 = _mm512_mul_ps(
+                    _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm256_extracti128_si256(q[g], 1))),
+                    _mm512_set1_ps(ds[8 * h + 2 * g + 1]));
+                for (int t = 0; t < mt; t++) {
+                    const float *x = x0 + t * K + b * Q6_BLOCK + 128 * h + 32 * g;
+                    s[t] = _mm512_fmadd_ps(w, _mm512_loadu_ps(x), s[t]);
+                    s2[t] = _mm512_fmadd_ps(w2, _mm512_loadu_ps(x + 16), s2[t]);
+                }
+            }
+        }
+    }
+    for (int t = 0; t < mt; t++)
+        res[t] = _mm512_reduce_add_ps(_mm512_add_ps(s[t], s2[t]));
+}
+
+__attribute__((target("avx2,fma"), always_inline)) static inline void
+q6_row256(const mm_job *j, const uint8_t *p, const float *am, Py_ssize_t m0, int mt, float *res)
+{
+    Py_ssize_t bpr = j->K / Q6_BLOCK, K = j->K;
+    const float *x0 = j->xe + m0 * K;
+    __m256 s[MM_TILE], s2[MM_TILE];
+    for (int t = 0; t < mt; t++)
+        s[t] = s2[t] = _mm256_setzero_ps();
+    for (Py_ssize_t b = 0; b < bpr; b++, p += Q6_BLOCK_BYTES) {
+        for (int c = 0; c < Q6_BLOCK_BYTES; c += 64)
+            _mm_prefetch((const char *)p + c + MM_PREFETCH, _MM_HINT_T0);
+        float ds[16];
+        q6_scales(p, ds);
+        for (int h = 0; h < 2; h++) {
+            __m256i q[4];
+            q6_codes(p, h, q);
+            for (int g = 0; g < 8; g++) {  /* 16 weights, one scale */
+                __m128i v = g & 1 ? _mm256_extracti128_si256(q[g / 2], 1)
+                                  : _mm256_castsi256_si128(q[g / 2]);
+                __m256 dv = _mm256_broadcast_ss(ds + 8 * h + g);
+                __m256 w = _mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(v)), dv);
+                __m256 w2 = _mm256_mul_ps(
+                    _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_unpackhi_epi64(v, v))), dv);
+                for (int t = 0; t < mt; t++) {
+                    const float *x = x0 + t * K + b * Q6_BLOCK + 128 * h + 16 * g;
+                    s[t] = _mm256_fmadd_ps(w, _mm256_loadu_ps(x), s[t]);
+                    s2[t] = _mm256_fmadd_ps(w2, _mm256_loadu_ps(x + 8), s2[t]);
+                }
+            }
+        }
+    }
+    for (int t = 0; t < mt; t++)
+        res[t] = hsum256(_mm256_add_ps(s[t], s2[t]));
+}
+
 /* Two weight rows (p and the next row) against up to Q8_TILE rows of x: each x vector is loaded
  * once for both, halving what a tile reads from cache per weight row. Up to 4 rows of x, each
  * pair (x row, weight row) keeps two FMA chains (the block's halves); above, one. res holds the
@@ -489,6 +662,8 @@ static const mm_row_fn q8_pairs_avx2[MM_TILE] = {q8_pairs_avx2_1, q8_pairs_avx2_
                                               PREFIX##_5, PREFIX##_6, PREFIX##_7, PREFIX##_8};
 
 MM_ROW_FNS8(q8_rows_avx512, q8_row512, __attribute__((target("avx512f"))))
+MM_ROW_FNS8(q6_rows_avx512, q6_row512, __attribute__((target("avx512f"))))
+MM_ROW_FNS(q6_rows_avx2, q6_row256, __attribute__((target("avx2,fma"))))
 MM_ROW_FNS(q8_rows_avx2, q8_row256, __attribute__((target("avx2,fma"))))
 MM_ROW_FNS(i8_rows_avx512, i8_row512, __attribute__((target("avx512f"))))
 MM_ROW_FNS(i8_rows_avx2, i8_row256, __attribute__((target("avx2,fma"))))
@@ -501,10 +676,12 @@ MM_ROW_FNS(mm_rows_avx2, mm_row256, __attribute__((target("avx2,fma"))))
 static void mm_rows(const mm_job *j, const mm_row_fn *rows, int tile)
 {
     /* NF4: K/2 code bytes and K/blocksize absmax per row; int8: K codes and one scale; Q8_0:
-     * K/32 blocks of 34 bytes, their scales inside. */
-    Py_ssize_t stride = j->codes == MM_INT8 ? j->K
-                        : j->codes == MM_Q8_0 ? j->K / Q8_BLOCK * Q8_BLOCK_BYTES : j->K / 2;
-    Py_ssize_t bpr = j->codes == MM_INT8 ? 1 : j->codes == MM_Q8_0 ? 0 : j->K / j->blocksize;
+     * K/32 blocks of 34 bytes, Q6_K: K/256 blocks of 210, their scales inside. */
+    Py_ssize_t stride = j->codes == MM_INT8   ? j->K
+                        : j->codes == MM_Q8_0 ? j->K / Q8_BLOCK * Q8_BLOCK_BYTES
+                        : j->codes == MM_Q6_K ? j->K / Q6_BLOCK * Q6_BLOCK_BYTES
+                                              : j->K / 2;
+    Py_ssize_t bpr = j->codes == MM_INT8 ? 1 : j->codes == MM_NF4 ? j->K / j->blocksize : 0;
     float res[Q8_TILE];
     for (Py_ssize_t n = j->n0; n < j->n1; n++) {
         const uint8_t *p = j->packed + n * stride;
@@ -532,19 +709,25 @@ static int best_isa(void)
         found = ISA_AVX2;
     if (__builtin_cpu_supports("avx512f"))
         found = ISA_AVX512;
+    if (found == ISA_AVX512 && __builtin_cpu_supports("avx512bw")
+        && __builtin_cpu_supports("avx512vl") && __builtin_cpu_supports("avx512dq")
+        && __builtin_cpu_supports("avx512bf16"))
+        found = ISA_AVX512BF16;
 #endif
     const char *cap = getenv("LCT_NATIVE_ISA");
     if (cap && !strcmp(cap, "scalar"))
         found = ISA_SCALAR;
     else if (cap && !strcmp(cap, "avx2") && found > ISA_AVX2)
         found = ISA_AVX2;
+    else if (cap && !strcmp(cap, "avx512") && found > ISA_AVX512)
+        found = ISA_AVX512;
     return isa = found;
 }
 
 /* The step (in packed bytes) an instruction set's loop takes; a block must hold whole steps. */
 static Py_ssize_t isa_step(int isa)
 {
-    return isa == ISA_AVX512 ? 16 : isa == ISA_AVX2 ? 8 : 1;
+    return isa >= ISA_AVX512 ? 16 : isa == ISA_AVX2 ? 8 : 1;
 }
 
 #ifdef LCT_X86
@@ -579,9 +762,11 @@ static void *mm_worker(void *arg)
 {
     const mm_job *j = arg;
 #ifdef LCT_X86
-    if (j->isa == ISA_AVX512) {
+    if (j->isa >= ISA_AVX512) {
         if (j->codes == MM_Q8_0)
             q8_rows_paired(j, q8_pairs_avx512, q8_rows_avx512, Q8_TILE);
+        else if (j->codes == MM_Q6_K)
+            mm_rows(j, q6_rows_avx512, Q8_TILE);
         else
             mm_rows(j, j->codes == MM_INT8 ? i8_rows_avx512 : mm_rows_avx512, MM_TILE);
         return NULL;
@@ -589,27 +774,32 @@ static void *mm_worker(void *arg)
     if (j->isa == ISA_AVX2) {
         if (j->codes == MM_Q8_0)
             q8_rows_paired(j, q8_pairs_avx2, q8_rows_avx2, MM_TILE);
+        else if (j->codes == MM_Q6_K)
+            mm_rows(j, q6_rows_avx2, MM_TILE);
         else
             mm_rows(j, j->codes == MM_INT8 ? i8_rows_avx2 : mm_rows_avx2, MM_TILE);
         return NULL;
     }
 #endif
-    mm_rows(j, j->codes == MM_Q8_0 ? q8_rows_c : j->codes == MM_INT8 ? i8_rows_c : mm_rows_c,
-            MM_TILE);
+    mm_rows(j, j->codes == MM_Q8_0 ? q8_rows_c : j->codes == MM_Q6_K ? q6_rows_c
+               : j->codes == MM_INT8 ? i8_rows_c : mm_rows_c, MM_TILE);
     return NULL;
 }
 
-/* Run `threads` jobs (output rows split evenly), thread 0's share on the calling thread; a share
- * whose thread cannot be started runs here too. Call with the GIL released. */
-static void mm_run(mm_job *jobs, pthread_t *tids, int threads)
+/* Run `threads` jobs (`size` bytes each, output rows split evenly) through `worker`, thread 0's
+ * share on the calling thread; a share whose thread cannot be started runs here too. Call with
+ * the GIL released. */
+static void run_jobs(void *(*worker)(void *), void *jobs, size_t size, pthread_t *tids,
+                     int threads)
 {
     char started[64] = {0};
     for (int t = 1; t < threads; t++) {
-        started[t] = pthread_create(&tids[t], NULL, mm_worker, &jobs[t]) == 0;
+        void *job = (char *)jobs + t * size;
+        started[t] = pthread_create(&tids[t], NULL, worker, job) == 0;
         if (!started[t])
-            mm_worker(&jobs[t]);
+            worker(job);
     }
-    mm_worker(&jobs[0]);
+    worker(jobs);
     for (int t = 1; t < threads; t++)
         if (started[t])
             pthread_join(tids[t], NULL);
@@ -627,9 +817,11 @@ static int mm_threads(int threads, Py_ssize_t N)
     return threads;
 }
 
+#include "_tiled.h"
+
 static PyObject *nf4_matmul_isa(PyObject *self, PyObject *args)
 {
-    static const char *names[] = {"scalar", "avx2", "avx512"};
+    static const char *names[] = {"scalar", "avx2", "avx512", "avx512bf16"};
     return PyUnicode_FromString(names[best_isa()]);
 }
 
@@ -697,7 +889,7 @@ static PyObject *nf4_matmul(PyObject *self, PyObject *args)
                              MM_NF4};
                 jobs[t] = jb;
             }
-            mm_run(jobs, tids, threads);
+            run_jobs(mm_worker, jobs, sizeof(mm_job), tids, threads);
             Py_END_ALLOW_THREADS
             free(xeo);
             free(jobs);
@@ -743,7 +935,7 @@ static PyObject *mm_run_widened(const void *codes, const float *scales, const vo
                      N * t / threads, N * (t + 1) / threads, out_kind, isa, kind};
         jobs[t] = jb;
     }
-    mm_run(jobs, tids, threads);
+    run_jobs(mm_worker, jobs, sizeof(mm_job), tids, threads);
     Py_END_ALLOW_THREADS
     free(xf);
     free(jobs);
@@ -777,7 +969,7 @@ static PyObject *int8_matmul(PyObject *self, PyObject *args)
     } else {
         threads = mm_threads(threads, N);
         if (K % (2 * 16))      /* the vector loops take 32 (AVX-512) or 16 (AVX2) codes a step */
-            isa = K % 16 ? ISA_SCALAR : (isa == ISA_AVX512 ? ISA_AVX2 : isa);
+            isa = K % 16 ? ISA_SCALAR : (isa >= ISA_AVX512 ? ISA_AVX2 : isa);
         ret = mm_run_widened(q.buf, scale.buf, x.buf, x_kind, out.buf, out_kind, M, N, K, 1,
                              threads, isa, MM_INT8);
     }
@@ -825,6 +1017,168 @@ static PyObject *q8_0_matmul(PyObject *self, PyObject *args)
     return ret;
 }
 
+/* out[M, N] = x[M, K] @ W.T with W [N, K] in Q6_K: `blocks` holds N * K/256 blocks of 210 bytes,
+ * row-major, each ql[128], qh[64], 16 int8 scales and a little-endian float16 d. */
+static PyObject *q6_k_matmul(PyObject *self, PyObject *args)
+{
+    Py_buffer x, blocks, out;
+    Py_ssize_t M, N, K;
+    int x_kind, out_kind, threads, isa;
+    if (!PyArg_ParseTuple(args, "y*iy*w*innnii", &x, &x_kind, &blocks, &out, &out_kind, &M, &N,
+                          &K, &threads, &isa))
+        return NULL;
+    PyObject *ret = NULL;
+    Py_ssize_t xs = x_kind == 0 ? 4 : 2, os = out_kind == 0 ? 4 : 2;
+    if (isa < 0 || isa > best_isa())
+        isa = best_isa();
+    if ((x_kind != 0 && x_kind != 1) || (out_kind != 0 && out_kind != 1)) {
+        PyErr_SetString(PyExc_ValueError,
+                        "q6_k_matmul: kinds must be 0 (float32) or 1 (bfloat16)");
+    } else if (M <= 0 || N <= 0 || K <= 0 || K % Q6_BLOCK || M > PY_SSIZE_T_MAX / K
+               || N > PY_SSIZE_T_MAX / K || M > PY_SSIZE_T_MAX / N) {
+        PyErr_Format(PyExc_ValueError, "q6_k_matmul: bad shape M=%zd N=%zd K=%zd (positive, K a "
+                     "multiple of 256)", M, N, K);
+    } else if (x.len != M * K * xs || blocks.len / Q6_BLOCK_BYTES != N * (K / Q6_BLOCK)
+               || blocks.len % Q6_BLOCK_BYTES || out.len != M * N * os) {
+        PyErr_Format(PyExc_ValueError, "q6_k_matmul: buffer sizes %zd/%zd/%zd do not match "
+                     "M=%zd N=%zd K=%zd", x.len, blocks.len, out.len, M, N, K);
+    } else if (((uintptr_t)x.buf) % xs || ((uintptr_t)out.buf) % os) {
+        PyErr_SetString(PyExc_ValueError, "q6_k_matmul: a buffer is not aligned");
+    } else {
+        threads = mm_threads(threads, N);
+        ret = mm_run_widened(blocks.buf, NULL, x.buf, x_kind, out.buf, out_kind, M, N, K,
+                             Q6_BLOCK, threads, isa, MM_Q6_K);
+    }
+    PyBuffer_Release(&x);
+    PyBuffer_Release(&blocks);
+    PyBuffer_Release(&out);
+    return ret;
+}
+
+/* 64-byte aligned, zeroed memory of at least `size` bytes (NULL when out of memory). */
+static void *zalloc64(size_t size)
+{
+    size = (size + 63) & ~(size_t)63;
+    void *p = aligned_alloc(64, size ? size : 64);
+    if (p)
+        memset(p, 0, size);
+    return p;
+}
+
+/* The tiled matmul's run once its buffers are checked: x copied into zero-padded rows of Kp
+ * (bfloat16 kept, or widened to float32), a tile buffer per thread, the tiles taken in turn.
+ * Returns Py_None, or NULL with MemoryError set. */
+static PyObject *tl_run(tl_job proto, const void *x, int x_kind, int threads)
+{
+    Py_ssize_t M = proto.M, K = proto.K, Kp = proto.Kp;
+    size_t esz = proto.bf16 ? 2 : 4;
+    void *xp = zalloc64((size_t)M * Kp * esz);
+    tl_job *jobs = calloc((size_t)threads, sizeof(tl_job));
+    pthread_t *tids = malloc((size_t)threads * sizeof(pthread_t));
+    Py_ssize_t next_tile = 0;
+    int ok = xp && jobs && tids;
+    for (int t = 0; ok && t < threads; t++) {
+        jobs[t] = proto;
+        jobs[t].x = xp;
+        jobs[t].next_tile = &next_tile;
+        jobs[t].tile = zalloc64((size_t)TL_ROWS * Kp * esz);
+        jobs[t].row = zalloc64((size_t)Kp * sizeof(float));
+        ok = jobs[t].tile && jobs[t].row;
+    }
+    if (ok) {
+        Py_BEGIN_ALLOW_THREADS
+        for (Py_ssize_t m = 0; m < M; m++)
+            for (Py_ssize_t k = 0; k < K; k++) {
+                Py_ssize_t i = m * K + k, o = m * Kp + k;
+                if (proto.bf16) {
+                    ((uint16_t *)xp)[o] = ((const uint16_t *)x)[i];
+                } else if (x_kind == 0) {
+                    ((float *)xp)[o] = ((const float *)x)[i];
+                } else {
+                    uint32_t u = (uint32_t)((const uint16_t *)x)[i] << 16;
+                    memcpy((float *)xp + o, &u, 4);
+                }
+            }
+        run_jobs(tl_worker, jobs, sizeof(tl_job), tids, threads);
+        Py_END_ALLOW_THREADS
+    }
+    for (int t = 0; jobs && t < threads; t++) {
+        free(jobs[t].tile);
+        free(jobs[t].row);
+    }
+    free(xp);
+    free(jobs);
+    free(tids);
+    return ok ? Py_NewRef(Py_None) : PyErr_NoMemory();
+}
+
+/* out[M, N] = x[M, K] @ W.T through tiles (kernels/_tiled.h) with W [N, K] of `kind`: TL_NF4
+ * (codes [N, K/2], scales the float32 absmax [N, K/blocksize], table the 16 float32 levels),
+ * TL_INT8 (codes [N, K] int8, scales [N]), TL_Q8_0 or TL_Q6_K (codes the rows' blocks; scales
+ * and table empty). w_bf16: the weights may be rounded to bfloat16 (taken when x is bfloat16 and
+ * the CPU has AVX512_BF16). */
+static PyObject *tiled_matmul(PyObject *self, PyObject *args)
+{
+    Py_buffer x, codes, scales, table, out;
+    Py_ssize_t M, N, K, blocksize;
+    int kind, x_kind, out_kind, w_bf16, threads, isa;
+    if (!PyArg_ParseTuple(args, "iy*iy*y*y*w*innnnpii", &kind, &x, &x_kind, &codes, &scales,
+                          &table, &out, &out_kind, &M, &N, &K, &blocksize, &w_bf16, &threads,
+                          &isa))
+        return NULL;
+    PyObject *ret = NULL;
+    Py_ssize_t xs = x_kind == 0 ? 4 : 2, os = out_kind == 0 ? 4 : 2, stride = 0, nscales = 0;
+    int shape_ok = M > 0 && N > 0 && K > 0 && M <= PY_SSIZE_T_MAX / (K + TL_KALIGN) / 4
+                   && N <= PY_SSIZE_T_MAX / K && M <= PY_SSIZE_T_MAX / N / 4;
+    if (shape_ok && kind == TL_NF4) {
+        shape_ok = blocksize > 0 && blocksize % 2 == 0 && K % blocksize == 0;
+        stride = K / 2;
+        nscales = shape_ok ? N * (K / blocksize) : 0;
+    } else if (shape_ok && kind == TL_INT8) {
+        stride = K;
+        nscales = N;
+    } else if (shape_ok && kind == TL_Q8_0) {
+        shape_ok = K % Q8_BLOCK == 0 && N <= PY_SSIZE_T_MAX / (K / Q8_BLOCK * Q8_BLOCK_BYTES);
+        stride = K / Q8_BLOCK * Q8_BLOCK_BYTES;
+    } else if (shape_ok && kind == TL_Q6_K) {
+        shape_ok = K % Q6_BLOCK == 0;
+        stride = K / Q6_BLOCK * Q6_BLOCK_BYTES;
+    }
+    if (isa < 0 || isa > best_isa())
+        isa = best_isa();
+    if ((x_kind != 0 && x_kind != 1) || (out_kind != 0 && out_kind != 1)) {
+        PyErr_SetString(PyExc_ValueError,
+                        "tiled_matmul: kinds must be 0 (float32) or 1 (bfloat16)");
+    } else if (kind < TL_NF4 || kind > TL_Q6_K) {
+        PyErr_Format(PyExc_ValueError, "tiled_matmul: unknown weight kind %d (0 NF4, 1 int8, "
+                     "2 Q8_0, 3 Q6_K)", kind);
+    } else if (!shape_ok) {
+        PyErr_Format(PyExc_ValueError, "tiled_matmul: bad shape M=%zd N=%zd K=%zd blocksize=%zd "
+                     "for kind %d", M, N, K, blocksize, kind);
+    } else if (x.len != M * K * xs || codes.len != N * stride || scales.len != nscales * 4
+               || table.len != (kind == TL_NF4 ? 16 * 4 : 0) || out.len != M * N * os) {
+        PyErr_Format(PyExc_ValueError, "tiled_matmul: buffer sizes %zd/%zd/%zd/%zd/%zd do not "
+                     "match M=%zd N=%zd K=%zd for kind %d", x.len, codes.len, scales.len,
+                     table.len, out.len, M, N, K, kind);
+    } else if (((uintptr_t)x.buf) % xs || ((uintptr_t)out.buf) % os
+               || ((uintptr_t)scales.buf) % 4 || ((uintptr_t)table.buf) % 4) {
+        PyErr_SetString(PyExc_ValueError, "tiled_matmul: a buffer is not aligned");
+    } else {
+        isa = tl_isa(isa);
+        int bf16 = w_bf16 && x_kind == 1 && isa >= ISA_AVX512BF16;
+        tl_job proto = {kind, bf16, isa, out_kind, codes.buf, scales.buf, table.buf,
+                        blocksize, M, N, K, (K + TL_KALIGN - 1) / TL_KALIGN * TL_KALIGN, stride,
+                        NULL, NULL, out.buf, NULL, NULL, 1, 1};
+        ret = tl_run(proto, x.buf, x_kind, mm_threads(threads, (N + TL_ROWS - 1) / TL_ROWS));
+    }
+    PyBuffer_Release(&x);
+    PyBuffer_Release(&codes);
+    PyBuffer_Release(&scales);
+    PyBuffer_Release(&table);
+    PyBuffer_Release(&out);
+    return ret;
+}
+
 static PyMethodDef methods[] = {
     {"nf4_matmul", nf4_matmul, METH_VARARGS,
      "nf4_matmul(x, x_kind, packed, absmax, code, out, out_kind, M, N, K, blocksize, threads, "
@@ -835,15 +1189,21 @@ static PyMethodDef methods[] = {
     {"q8_0_matmul", q8_0_matmul, METH_VARARGS,
      "q8_0_matmul(x, x_kind, blocks, out, out_kind, M, N, K, threads, isa): fused Q8_0 matmul, "
      "out[M, N] = x[M, K] @ W.T with W in llama.cpp's Q8_0 blocks; isa -1 picks the best."},
+    {"q6_k_matmul", q6_k_matmul, METH_VARARGS,
+     "q6_k_matmul(x, x_kind, blocks, out, out_kind, M, N, K, threads, isa): fused Q6_K matmul, "
+     "out[M, N] = x[M, K] @ W.T with W in llama.cpp's Q6_K blocks; isa -1 picks the best."},
+    {"tiled_matmul", tiled_matmul, METH_VARARGS,
+     "tiled_matmul(kind, x, x_kind, codes, scales, table, out, out_kind, M, N, K, blocksize, "
+     "w_bf16, threads, isa): out[M, N] = x[M, K] @ W.T for many rows of x, W of kind 0 NF4, "
+     "1 int8, 2 Q8_0 or 3 Q6_K dequantized a tile at a time; isa -1 picks the best."},
     {"nf4_matmul_isa", nf4_matmul_isa, METH_NOARGS,
-     "The instruction set nf4_matmul, int8_matmul and q8_0_matmul use here: scalar, avx2 or "
-     "avx512."},
+     "The instruction set the matmuls use here: scalar, avx2, avx512 or avx512bf16."},
     {NULL, NULL, 0, NULL},
 };
 
 static struct PyModuleDef module = {
     PyModuleDef_HEAD_INIT, "lct.kernels._native",
-    "LCT's fused CPU matmuls over NF4, int8 and Q8_0 weights (see kernels/native.py).", -1,
+    "LCT's CPU matmuls over NF4, int8, Q8_0 and Q6_K weights (see kernels/native.py).", -1,
     methods,
 };
 

@@ -1,16 +1,15 @@
 """Kernels over int8 weights with one float32 scale per row (``lct.format.int8``): the LM head's matmul
-(fused in the C extension on the CPU for short inputs, chunked dequantize-and-matmul otherwise and
-on a GPU) and the embedding's row gather."""
+(on the CPU the compiled fused or tiled kernel or the chunked dequantize-and-matmul, whichever
+``kernels/paths.py`` measures fastest; chunked on a GPU) and the embedding's row gather."""
 
 from __future__ import annotations
 
 import torch
 from torch import nn
-from torch.nn import functional as F
 
 from lct.format import constants as C
 from lct.kernels.embedding import masked_gather
-from lct.kernels.linear import DEFAULT_CHUNK_BYTES, fused_call, quantized_forward
+from lct.kernels.linear import DEFAULT_CHUNK_BYTES, QuantizedLinear
 
 
 def dequantize_rows(q_rows: torch.Tensor, scale_rows: torch.Tensor, dtype: torch.dtype,
@@ -34,27 +33,7 @@ def dequantize_rows(q_rows: torch.Tensor, scale_rows: torch.Tensor, dtype: torch
     return out
 
 
-def use_fused(rows: int) -> bool:
-    """Whether a CPU int8 matmul over ``rows`` input rows takes the fused kernel (built, and
-    few enough rows that reading codes per row beats one dequantize for all)."""
-    from lct.kernels import native
-    return native.available() and 0 < rows <= C.INT8_FUSED_MAX_ROWS
-
-
-def fused_int8_matmul(x2: torch.Tensor, q: torch.Tensor, scale: torch.Tensor,
-                      out_dtype: torch.dtype) -> torch.Tensor:
-    """``x2 [M, K] @ (q * scale).T`` through the compiled kernel: codes widened to float32 in
-    registers, float32 sums, each row's scale applied once, ``out_dtype`` (bfloat16 or float32)
-    written once. Uses torch's intra-op thread count."""
-    from lct.kernels import native
-    m, k = x2.shape
-    n = q.shape[0]
-    return fused_call(x2, n, out_dtype, lambda x, xb, out, ob: native.int8_matmul(
-        x, xb, q.contiguous().view(torch.uint8).numpy(), scale.float().contiguous().numpy(),
-        out, ob, (m, n, k), torch.get_num_threads()))
-
-
-class Int8Linear(nn.Module):
+class Int8Linear(QuantizedLinear):
     """``y = x @ W.T`` with ``W`` [out_features, in_features] kept as int8 codes and one float32
     scale per output row.
 
@@ -64,6 +43,8 @@ class Int8Linear(nn.Module):
         chunk_rows: output rows dequantized at a time on the chunked path (default: as many
             as fit in ``DEFAULT_CHUNK_BYTES`` of ``dtype``).
     """
+
+    encoding = C.ENCODING_INT8
 
     def __init__(self, q, scale, dtype: torch.dtype, bias: torch.Tensor | None = None,
                  chunk_rows: int | None = None):
@@ -81,26 +62,25 @@ class Int8Linear(nn.Module):
         """The whole weight dequantized (costs memory; forward never builds it)."""
         return dequantize_rows(self.q, self.scale, self.dtype)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return quantized_forward(self, x, lambda rows: not x.is_cuda and use_fused(rows),
-                                 lambda x2, odt: fused_int8_matmul(x2, self.q, self.scale, odt))
+    def _dequantizer(self, dtype, elements, device):
+        tmp = None if dtype == torch.float32 else torch.empty(elements, device=device)
+        return lambda r0, r1, out: dequantize_rows(
+            self.q[r0:r1], self.scale[r0:r1], dtype, out=out,
+            tmp=None if tmp is None else tmp[:out.numel()])
 
-    def _chunked(self, x2: torch.Tensor, odt: torch.dtype) -> torch.Tensor:
-        """Dequantize ``chunk_rows`` rows at a time and multiply: the path for many input rows,
-        and the GPU path (torch kernels on any device)."""
-        out = x2.new_empty(x2.shape[0], self.out_features, dtype=odt)
-        # One scratch buffer for every chunk: fresh pages cost more than the dequantize.
-        size = min(self.chunk_rows, self.out_features) * self.in_features
-        scratch = torch.empty(size, dtype=odt, device=x2.device)
-        tmp = None if odt == torch.float32 else torch.empty(size, device=x2.device)
-        for r0 in range(0, self.out_features, self.chunk_rows):
-            r1 = min(self.out_features, r0 + self.chunk_rows)
-            n = (r1 - r0) * self.in_features
-            w = dequantize_rows(self.q[r0:r1], self.scale[r0:r1], odt, out=scratch[:n],
-                                tmp=None if tmp is None else tmp[:n])
-            out[:, r0:r1] = F.linear(x2.to(odt), w,
-                                     None if self.bias is None else self.bias[r0:r1])
-        return out
+    def _native(self, path, x, xb, out, ob, r0, r1, w_bf16):
+        """Codes and scales as they are: the codes are exact in bfloat16, so the tiled kernel
+        keeps them so and scales each row's float32 sum once."""
+        from lct.kernels import native
+        q = self.q[r0:r1].contiguous().view(torch.uint8).numpy()
+        scale = self.scale[r0:r1].float().contiguous().numpy()
+        shape = (x.shape[0], r1 - r0, self.in_features)
+        threads = torch.get_num_threads()
+        if path == "fused":
+            native.int8_matmul(x, xb, q, scale, out, ob, shape, threads)
+        else:
+            native.tiled_matmul("int8", x, xb, q, scale, None, out, ob, shape, 0, w_bf16,
+                                threads)
 
     def extra_repr(self) -> str:
         return (f"in_features={self.in_features}, out_features={self.out_features}, int8 per "

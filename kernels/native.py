@@ -1,10 +1,12 @@
-"""The kernels' optional compiled loops (``kernels/_native.c``): the fused CPU matmuls of the NF4,
-int8 and Q8_0 LM heads, which read 4-bit or 8-bit codes in place and sum in float32.
+"""The kernels' optional compiled loops (``kernels/_native.c``): the CPU matmuls of the NF4, int8,
+Q8_0 and Q6_K LM heads. Two kinds: the fused kernels (``nf4_matmul`` ...), which read codes in
+place one weight row against a few rows of x, and ``tiled_matmul``, which dequantizes tiles of
+rows into cache and multiplies many rows of x with each; float32 sums throughout.
 
 The extension is built by ``pip install`` where a C compiler is present. Without it, or with
 ``LCT_NATIVE=0`` (``lct.format.native.requested()``), ``available()`` is False and the heads
-(``kernels/linear.py``, ``kernels/int8.py``) take their torch path instead: dequantize a chunk of
-rows, then ``F.linear`` (slower for a few rows, and rounded as the dequantized weight's matmul).
+(``kernels/linear.py`` and the encodings' modules) take their torch path instead: dequantize a
+chunk of rows, then ``F.linear``.
 """
 
 from __future__ import annotations
@@ -20,17 +22,21 @@ except ImportError:  # pragma: no cover - exercised where no compiler was availa
 
 _ENABLED = _native is not None and requested()
 
-ISAS = ("scalar", "avx2", "avx512")
+# The instruction sets, narrowest first; avx512bf16 (AVX512_BF16 beside AVX-512 F/BW/VL/DQ) adds
+# the tiled matmul's bfloat16 dot products, the fused kernels run their avx512 code there.
+ISAS = ("scalar", "avx2", "avx512", "avx512bf16")
+# tiled_matmul's weight kinds, in the C module's numbering.
+TILED_KINDS = ("nf4", "int8", "q8_0", "q6_k")
 
 
 def available() -> bool:
-    """Whether the fused matmuls (``nf4_matmul``, ``int8_matmul``, ``q8_0_matmul``) can run."""
+    """Whether the compiled matmuls (fused and tiled) can run."""
     return _ENABLED
 
 
 def matmul_isa() -> str:
-    """The instruction set the fused matmuls use on this CPU: ``scalar``, ``avx2`` or ``avx512``
-    (``LCT_NATIVE_ISA=scalar|avx2`` caps it). Only call when ``available()``."""
+    """The instruction set the matmuls use on this CPU, one of ``ISAS``
+    (``LCT_NATIVE_ISA=scalar|avx2|avx512`` caps it). Only call when ``available()``."""
     return _native.nf4_matmul_isa()
 
 
@@ -98,3 +104,61 @@ def q8_0_matmul(x: np.ndarray, x_bf16: bool, blocks: np.ndarray, out: np.ndarray
     m, n, k = shape
     _native.q8_0_matmul(x, 1 if x_bf16 else 0, blocks, out, 1 if out_bf16 else 0, m, n, k,
                         threads, -1 if isa is None else ISAS.index(isa))
+
+
+def q6_k_matmul(x: np.ndarray, x_bf16: bool, blocks: np.ndarray, out: np.ndarray,
+                out_bf16: bool, shape: tuple, threads: int, isa: str | None = None) -> None:
+    """``out[M, N] = x[M, K] @ W.T`` with ``W`` [N, K] in llama.cpp's Q6_K: ``blocks`` is uint8,
+    N * K/256 super-blocks of 210 bytes, row-major, each ``ql[128]``, ``qh[64]``, 16 int8
+    ``scales`` and a little-endian float16 ``d``; ``W = d * scale * (q - 32)`` formed in
+    float32 as gguf's ``dequantize`` forms it, summed in float32; ``x``, ``out``, ``shape``
+    (M, N, K; K a multiple of 256), ``threads`` and ``isa`` as for ``nf4_matmul``.
+
+    Raises:
+        ValueError: a buffer's size or alignment does not match ``shape``.
+
+    Only call when ``available()``.
+
+    Example:
+        >>> q6_k_matmul(x, False, blocks.numpy(), out, False, (1, N, K), 4)
+    """
+    m, n, k = shape
+    _native.q6_k_matmul(x, 1 if x_bf16 else 0, blocks, out, 1 if out_bf16 else 0, m, n, k,
+                        threads, -1 if isa is None else ISAS.index(isa))
+
+
+def tiled_matmul(kind: str, x: np.ndarray, x_bf16: bool, codes: np.ndarray,
+                 scales: np.ndarray | None, table: np.ndarray | None, out: np.ndarray,
+                 out_bf16: bool, shape: tuple, blocksize: int, w_bf16: bool, threads: int,
+                 isa: str | None = None) -> None:
+    """``out[M, N] = x[M, K] @ W.T`` for many rows of ``x``: each thread dequantizes a tile of
+    W's rows into cache once and multiplies every row of ``x`` with it (kernels/_tiled.h).
+
+    Args:
+        kind: one of ``TILED_KINDS``. ``codes``, ``scales``, ``table`` as the fused kernel of
+            that kind takes them: NF4 ``packed`` [N, K/2], float32 ``absmax`` [N, K/blocksize]
+            and the 16 levels; int8 ``q`` [N, K] and float32 ``scale`` [N]; Q8_0 / Q6_K the
+            rows' blocks, with ``scales`` and ``table`` None.
+        x, out, x_bf16, out_bf16: as for ``nf4_matmul``.
+        shape: (M, N, K). blocksize: NF4's (ignored otherwise).
+        w_bf16: the weights may be rounded to bfloat16 once, as the torch path's dequantize to
+            a bfloat16 model dtype does; with a bfloat16 ``x`` on an avx512bf16 CPU the tiles
+            are then bfloat16 and multiplied by VDPBF16PS (exact products, float32 sums).
+            Otherwise weights and ``x`` are float32.
+        isa: force a narrower instruction set than the best (tests); one of ``ISAS``.
+
+    Raises:
+        ValueError: a buffer's size or alignment does not match ``shape``.
+
+    Only call when ``available()``.
+
+    Example:
+        >>> tiled_matmul("q8_0", x, True, blocks.numpy(), None, None, out, True, (64, N, K),
+        ...              0, True, 4)
+    """
+    m, n, k = shape
+    empty = b""
+    _native.tiled_matmul(TILED_KINDS.index(kind), x, 1 if x_bf16 else 0, codes,
+                         empty if scales is None else scales, empty if table is None else table,
+                         out, 1 if out_bf16 else 0, m, n, k, blocksize, bool(w_bf16), threads,
+                         -1 if isa is None else ISAS.index(isa))

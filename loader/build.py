@@ -198,62 +198,44 @@ class Installer:
         self._done.add(full)
 
     def _install_quantized(self, full: str, w) -> None:
-        from lct.io.reader import NF4Weight, Q8_0Weight
+        from lct.format.encodings import map_tensors
         dtype = self.dtype or _dtype(w.dtype)
-        if isinstance(w, NF4Weight):
-            codes, scales = self._to_device(w.packed), self._to_device(w.absmax)
-        elif isinstance(w, Q8_0Weight):
-            codes, scales = self._to_device(w.blocks), None     # the scales are in the blocks
-        else:
-            codes, scales = self._to_device(w.q), self._to_device(w.scale)
-        self._swap(full, w, codes, scales, dtype)
+        w = map_tensors(w, self._to_device)
+        self._swap(full, w, dtype)
         # A tied head shares the embedding's quantized storage.
         for tied, real in self.ties.items():
             if real == full and tied not in self._done and \
                     tied.rpartition(".")[0] != full.rpartition(".")[0]:
-                self._swap(tied, w, codes, scales, dtype)
+                self._swap(tied, w, dtype)
 
-    def _swap(self, full: str, w, codes, scales, dtype) -> None:
-        """Replace the module owning parameter ``full`` by its NF4, int8 or Q8_0 counterpart
-        (``codes``/``scales``: packed codes and absmax, int8 codes and row scales, or Q8_0
-        blocks and None)."""
+    def _swap(self, full: str, w, dtype) -> None:
+        """Replace the module owning parameter ``full`` by its counterpart over the stored
+        weight ``w`` (an ``NF4Weight``, ``Int8Weight`` or ``BlocksWeight``, on the device),
+        as the weight's encoding builds it."""
         import torch
 
-        from lct.format import constants as C
-        from lct.io.reader import NF4Weight, Q8_0Weight
-        from lct.kernels import (Int8Embedding, Int8Linear, NF4Embedding, NF4Linear,
-                                 Q8_0Embedding, Q8_0Linear)
+        from lct.format.encodings import get_encoding
+        from lct.kernels import embedding_for, linear_for
+        enc = get_encoding(w.encoding)
         mod_path = full.rpartition(".")[0]
         parent_path, _, leaf = mod_path.rpartition(".")
         parent = self.model.get_submodule(parent_path) if parent_path else self.model
         old = getattr(parent, leaf)
-        nf4, q8 = isinstance(w, NF4Weight), isinstance(w, Q8_0Weight)
-        label = "NF4" if nf4 else "Q8_0" if q8 else "int8"
         if isinstance(old, torch.nn.Embedding):
             scale = getattr(old, "embed_scale", None)
             if isinstance(scale, (int, float)) and not isinstance(scale, bool):
                 scale = torch.tensor(float(scale))      # BioGPT's and XGLM's: a float
             scale = scale.to(self.device) if scale is not None else None
-            # What is zero exactly when the row is: every block's scale (Q8_0's float16 d).
-            zero = codes.view(w.shape[0], -1, C.Q8_0_BLOCK_BYTES)[:, :, :2] if q8 else \
-                scales.reshape(w.shape[0], -1)
-            pad = self.pad_ids if self.pad_given else _padding_only(self.pad_ids, zero,
+            pad = self.pad_ids if self.pad_given else _padding_only(self.pad_ids,
+                                                                    enc.zero_marker(w),
                                                                     w.shape[0])
-            if nf4:
-                new = NF4Embedding(codes, scales, w.shape[0], w.shape[1], w.blocksize, dtype,
-                                   pad_ids=pad, scale=scale)
-            elif q8:
-                new = Q8_0Embedding(codes, dtype, pad_ids=pad, scale_by=scale)
-            else:
-                new = Int8Embedding(codes, scales, dtype, pad_ids=pad, scale_by=scale)
+            new = embedding_for(w, dtype, pad_ids=pad, scale=scale)
         elif isinstance(old, torch.nn.Linear):
             bias = old.bias if old.bias is not None and not old.bias.is_meta else None
-            new = NF4Linear(codes, scales, w.shape[0], w.shape[1], w.blocksize, dtype,
-                            bias=bias) if nf4 else Q8_0Linear(codes, dtype, bias=bias) if q8 \
-                else Int8Linear(codes, scales, dtype, bias=bias)
+            new = linear_for(w, dtype, bias=bias)
         else:
-            raise LCTError(f"{self.art.path}: tensor {full!r} is {label} but its module is a "
-                           f"{type(old).__name__}; load with nf4='dequantize'")
+            raise LCTError(f"{self.art.path}: tensor {full!r} is {enc.label} but its module is "
+                           f"a {type(old).__name__}; load with nf4='dequantize'")
         setattr(parent, leaf, new)
         self.nf4_modules.append(mod_path)
         self._mark(full)
@@ -321,7 +303,8 @@ def install_maximus(model, art, budget=None, device="cpu"):
     import torch
 
     from lct.format.maximus import MaximusPolicy
-    from lct.kernels import Int8Embedding, MaximusEmbedding, NF4Embedding, Q8_0Embedding
+    from lct.kernels import (Int8Embedding, MaximusEmbedding, NF4Embedding, Q6_KEmbedding,
+                             Q8_0Embedding)
     m = art.manifest.maximus
     if m is None:
         raise LCTError(f"{art.path}: no Maximus shard state (converted without Maximus shards)",
@@ -346,8 +329,9 @@ def install_maximus(model, art, budget=None, device="cpu"):
         new = MaximusEmbedding(old.num_embeddings, old.embedding_dim, pad_ids=pads,
                                nf4=(old.packed.cpu(), old.absmax.cpu(), old.blocksize),
                                dtype=old.dtype, scale=scale, **kw)
-    elif isinstance(old, (torch.nn.Embedding, Int8Embedding, Q8_0Embedding)):
-        # An int8 or Q8_0 table is held dequantized: Maximus shards rows of a dense or NF4 table.
+    elif isinstance(old, (torch.nn.Embedding, Int8Embedding, Q8_0Embedding, Q6_KEmbedding)):
+        # An int8, Q8_0 or Q6_K table is held dequantized: Maximus shards rows of a dense or NF4
+        # table.
         new = MaximusEmbedding(old.num_embeddings, old.embedding_dim, pad_ids=pads,
                                weight=old.weight.detach().cpu(), dtype=old.weight.dtype,
                                scale=scale, **kw)

@@ -257,13 +257,13 @@ def _by_rows(index, info) -> bool:
 
 
 def _quantized_rows(art, info, bufs, pieces, rows: slice):
-    """This rank's ``rows`` of the NF4/int8/Q8_0 table ``info``, still encoded (an
-    ``NF4Weight``, ``Int8Weight`` or ``Q8_0Weight``): its pieces when they are exactly those
-    rows, else sliced from the whole."""
+    """This rank's ``rows`` of the lossy table ``info``, still encoded (an ``NF4Weight``,
+    ``Int8Weight`` or a ``BlocksWeight``): its pieces when they are exactly those rows, else
+    sliced from the whole."""
     import torch
 
-    from lct.format.q8_0 import row_bytes
-    from lct.io.reader import Int8Weight, NF4Weight, Q8_0Weight
+    from lct.format.encodings import BlockEncoding, get_encoding
+    from lct.io.reader import Int8Weight, NF4Weight
     parts = [art.tensor_from_buffer(p, bufs[p.chunk], dequantize=False) for p in pieces] \
         if pieces is not None else [art.assemble(info, bufs, dequantize=False)]
     n, cols = rows.stop - rows.start, info.shape[1]
@@ -275,9 +275,11 @@ def _quantized_rows(art, info, bufs, pieces, rows: slice):
         if len(tensors) > 1:
             return torch.cat([t.reshape(-1, width) for t in tensors])[keep]
         return tensors[0].reshape(-1, width)[keep].clone()
-    if info.encoding == C.ENCODING_Q8_0:
-        return Q8_0Weight(info.name, own([p.blocks for p in parts], row_bytes(cols)), (n, cols),
-                          art.lossy_dtype(info))
+    enc = get_encoding(info.encoding)
+    if isinstance(enc, BlockEncoding):
+        return enc.weight_class(info.name, own([p.blocks for p in parts],
+                                               enc.codec().row_bytes(cols)), (n, cols),
+                                art.lossy_dtype(info))
     if info.encoding == C.ENCODING_INT8:
         return Int8Weight(info.name, own([p.q for p in parts], cols),
                           own([p.scale for p in parts], 1).reshape(-1), (n, cols),
@@ -289,13 +291,12 @@ def _quantized_rows(art, info, bufs, pieces, rows: slice):
 
 
 def _install_sharded(model, arch, quantized: dict, params: dict) -> None:
-    """Put the NF4/int8 tables in: the embedding as a ``ShardedEmbedding`` over this rank's
+    """Put the lossy tables in: the embedding as a ``ShardedEmbedding`` over this rank's
     rows, the head (or the tied head, on the same rows) as a ``GatheredHead``."""
     import torch
     import torch.distributed as dist
 
-    from lct.kernels import (Int8Embedding, Int8Linear, NF4Embedding, NF4Linear,
-                             Q8_0Embedding, Q8_0Linear)
+    from lct.kernels import embedding_for, linear_for
     from lct.kernels.sharded import GatheredHead, ShardedEmbedding
     world = dist.get_world_size()
     targets = [(full, full) for full in quantized] + \
@@ -311,11 +312,8 @@ def _install_sharded(model, arch, quantized: dict, params: dict) -> None:
         parent_path, _, leaf = mod_path.rpartition(".")
         parent = model.get_submodule(parent_path) if parent_path else model
         old = getattr(parent, leaf)
-        n = rows.stop - rows.start
-        nf4, q8 = info.encoding == C.ENCODING_NF4, info.encoding == C.ENCODING_Q8_0
         if isinstance(old, torch.nn.Embedding):
-            local = NF4Embedding(w.packed, w.absmax, n, cols, w.blocksize, dtype) if nf4 else \
-                Q8_0Embedding(w.blocks, dtype) if q8 else Int8Embedding(w.q, w.scale, dtype)
+            local = embedding_for(w, dtype)
             scale = getattr(old, "embed_scale", None)
             new = ShardedEmbedding(local, rows.start, rows.stop, vocab, cols,
                                    scale=None if scale is None or scale.is_meta else scale)
@@ -323,8 +321,7 @@ def _install_sharded(model, arch, quantized: dict, params: dict) -> None:
             if getattr(old, "bias", None) is not None:
                 raise LCTError(f"{mod_path} has a bias; a split quantized head "
                                f"has none (load with nf4='dequantize')", option="nf4")
-            local = NF4Linear(w.packed, w.absmax, n, cols, w.blocksize, dtype) if nf4 else \
-                Q8_0Linear(w.blocks, dtype) if q8 else Int8Linear(w.q, w.scale, dtype)
+            local = linear_for(w, dtype)
             new = GatheredHead(local, sizes)
         setattr(parent, leaf, new)
 

@@ -20,8 +20,9 @@ ROOT = Path(__file__).resolve().parents[1]
 
 def test_the_registry_holds_the_spec_encodings():
     assert list(_REGISTRY) == [C.ENCODING_PLAIN, C.ENCODING_NF4, C.ENCODING_INT8,
-                               C.ENCODING_Q8_0]
-    assert lossy_encodings() == (C.ENCODING_NF4, C.ENCODING_INT8, C.ENCODING_Q8_0)
+                               C.ENCODING_Q8_0, C.ENCODING_Q6_K]
+    assert lossy_encodings() == (C.ENCODING_NF4, C.ENCODING_INT8, C.ENCODING_Q8_0,
+                                 C.ENCODING_Q6_K)
     assert not is_lossy(C.ENCODING_PLAIN) and is_lossy("nf4") and not is_lossy("q4_0")
     with pytest.raises(UnsupportedVersionError, match="unknown encoding 'q4_0'"):
         get_encoding("q4_0", "m.lct/lct.json")
@@ -33,15 +34,16 @@ def test_a_lossy_encoding_round_trips_through_its_own_bytes(name):
     validated as a reader does -> the weight read back from the chunk: the same codes and
     scales, and a dequantized value equal to the policy's roundtrip."""
     enc = get_encoding(name)
-    w = torch.randn(24, 64, generator=torch.Generator().manual_seed(0)).to(torch.bfloat16)
+    cols = max(64, getattr(enc, "block", 0))       # Q6_K's rows are whole blocks of 256
+    w = torch.randn(24, cols, generator=torch.Generator().manual_seed(0)).to(torch.bfloat16)
     bs = 32 if enc.blocked else None
     codes, scales = enc.quantize(w, bs, "t")
-    spec = TensorSpec("t", (24, 64), "bfloat16", enc.stored_dtype("bfloat16"), name, "head",
+    spec = TensorSpec("t", (24, cols), "bfloat16", enc.stored_dtype("bfloat16"), name, "head",
                       "head", bs)
     (lay,) = layout_group("head", [spec])
     assert spec.nbytes == codes.numel() * codes.element_size()
     assert spec.absmax_nbytes == 4 * scales.numel()
-    assert encoded_bytes(name, (24, 64), "bfloat16", bs or C.DEFAULT_BLOCKSIZE) == \
+    assert encoded_bytes(name, (24, cols), "bfloat16", bs or C.DEFAULT_BLOCKSIZE) == \
         spec.nbytes + spec.absmax_nbytes
     buf = lay.allocate()
     # Q8_0 keeps its scales inside its blocks: no scale span, no placement object.
@@ -51,10 +53,10 @@ def test_a_lossy_encoding_round_trips_through_its_own_bytes(name):
     buf[off:off + spec.nbytes] = codes.reshape(-1).view(torch.uint8).numpy()
     buf[a:a + spec.absmax_nbytes] = scales.view(torch.uint8).numpy()
     obj = enc.placement(bs, a, spec.absmax_nbytes)
-    checked, span = enc.check(obj, "tensor 't'", (24, 64), "bfloat16", spec.stored_dtype,
+    checked, span = enc.check(obj, "tensor 't'", (24, cols), "bfloat16", spec.stored_dtype,
                               spec.nbytes, "m/lct.json")
     assert checked == obj and span == ((a, spec.absmax_nbytes) if enc.key else None)
-    info = TensorInfo("t", (24, 64), "bfloat16", spec.stored_dtype, name, "head", "head", 0,
+    info = TensorInfo("t", (24, cols), "bfloat16", spec.stored_dtype, name, "head", "head", 0,
                       off, spec.nbytes, **({enc.key: obj} if enc.key else {}))
     raw = torch.from_numpy(buf[off:off + spec.nbytes])
     got = enc.weight(info, raw, torch.from_numpy(buf[a:a + spec.absmax_nbytes])
@@ -65,7 +67,7 @@ def test_a_lossy_encoding_round_trips_through_its_own_bytes(name):
     assert torch.equal(got.dequantize(torch.float32), enc.roundtrip(w, bs))
     # and as two row pieces joined
     from dataclasses import replace
-    piece = replace(info, shape=(12, 64))
+    piece = replace(info, shape=(12, cols))
     half = [enc.weight(piece, r, sc, "bfloat16") for r, sc in _halves(enc, w, bs)]
     joined = enc.join(info, half, None, "bfloat16")
     assert torch.equal(joined.dequantize(torch.float32), got.dequantize(torch.float32))

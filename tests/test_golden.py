@@ -494,7 +494,7 @@ def test_writer_policy_keys_are_the_spec_table(gemma_art):
     assert set(m["policy"]) == {"mode", "nf4", "int8", "blocksize", "dtype", "codec", "level",
                                 "frame_size", "maximus_shards", "measured"}
     assert set(m["policy"]["measured"]) == {"method", "mode", "budget_kl", "cost_kl", "tied",
-                                            "tokens", "seconds", "costs"}
+                                            "tokens", "seconds", "costs", "sizes", "note"}
     assert m["policy"]["mode"] in ("auto", "manual") and m["policy"]["maximus_shards"] is None
     assert set(m["source"]) == {"id", "kind", "revision", "files"}
     assert all(re.fullmatch("[0-9a-f]{64}", f["sha256"]) and isinstance(f["size"], int)

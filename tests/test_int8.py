@@ -1,4 +1,5 @@
-"""The int8 per-row encoding: the spec's worked example byte for byte, the rounding rule, the
+"""The int8 per-row encoding: the spec's worked example byte for byte, the rounding rule (on the
+compiled codec and its torch fallback; tests/test_int8_native.py holds the two to each other), the
 fused CPU matmul against a float64 reference on every instruction set, the row gather, and int8
 artifacts end to end (load kept and dequantized, verify, export, manifest checks)."""
 
@@ -16,7 +17,6 @@ from lct.errors import ManifestError, PolicyError
 from lct.format import constants as C
 from lct.format import int8
 from lct.kernels import Int8Embedding, Int8Linear
-from lct.kernels import int8 as kint8
 from lct.kernels import native
 
 # FORMAT.md section 2.2, worked example.
@@ -25,7 +25,7 @@ SPEC_CODES = bytes.fromhex("408120002aa1017e")
 SPEC_SCALE = bytes.fromhex("0402013c")
 
 
-def test_spec_example_bytes():
+def test_spec_example_bytes(native_mode):
     w = torch.tensor([SPEC_ROW, [0.0] * 8], dtype=torch.bfloat16)
     q, scale = int8.quantize(w)
     assert bytes(q[0].numpy().view(np.uint8)) == SPEC_CODES
@@ -33,7 +33,7 @@ def test_spec_example_bytes():
     assert q[1].abs().sum() == 0 and scale[1] == 0
 
 
-def test_rule_in_float32():
+def test_rule_in_float32(native_mode):
     g = torch.Generator().manual_seed(1)
     w = torch.randn(37, 96, generator=g, dtype=torch.float32) * torch.rand(37, 1, generator=g)
     q, scale = int8.quantize(w)
@@ -49,7 +49,7 @@ def test_rule_in_float32():
     assert torch.allclose(deq.abs().amax(1), w.abs().amax(1))
 
 
-def test_pieces_equal_whole_and_3d_rows():
+def test_pieces_equal_whole_and_3d_rows(native_mode):
     w = torch.randn(3, 5, 16, dtype=torch.bfloat16)
     q, scale = int8.quantize(w)
     assert q.shape == (15, 16) and scale.shape == (15,)
@@ -59,7 +59,7 @@ def test_pieces_equal_whole_and_3d_rows():
 
 
 @pytest.mark.parametrize("bad", [float("nan"), float("inf")])
-def test_nan_inf_refused(bad):
+def test_nan_inf_refused(bad, native_mode):
     w = torch.zeros(4, 8)
     w[2, 3] = bad
     with pytest.raises(PolicyError, match="row 2"):
@@ -143,7 +143,7 @@ def test_linear_paths_agree(m, dtype, monkeypatch):
     tol = 2e-2 if got.dtype == torch.bfloat16 or dtype == torch.bfloat16 else 1e-4
     assert got.shape == (1, m, 300)
     assert (got.double() - ref).abs().max() <= tol * max(1.0, ref.abs().max().item())
-    monkeypatch.setattr(kint8, "use_fused", lambda rows: False)   # the chunked (and GPU) path
+    monkeypatch.setenv("LCT_HEAD_PATH", "chunked")               # the chunked (and GPU) path
     chunked = lin(x)
     assert (chunked.double() - ref).abs().max() <= tol * max(1.0, ref.abs().max().item())
     # sliced (strided) input gives what contiguous input gives

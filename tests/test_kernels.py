@@ -8,6 +8,7 @@ from lct.format import nf4
 from lct.kernels import NF4Embedding, NF4Linear, PaddedEmbedding, dequantize, padded_lookup
 from lct.kernels import embedding as kemb
 from lct.kernels import linear as klin
+from lct.kernels import paths
 
 V, H, BS = 300, 128, 64
 
@@ -66,7 +67,7 @@ def test_nf4_embedding_scale_like_gemma(table):
 def test_nf4_linear_equals_dequantized_matmul(table, chunk_rows, monkeypatch):
     _, packed, absmax, full = table
     head = NF4Linear(packed, absmax, V, H, BS, torch.bfloat16, chunk_rows=chunk_rows)
-    monkeypatch.setattr(klin, "use_fused", lambda rows: False)  # the chunked path
+    monkeypatch.setenv(paths.ENV, "chunked")
     rows = []
     real = klin.dequantize_rows_into
     monkeypatch.setattr(klin, "dequantize_rows_into",
@@ -98,17 +99,17 @@ def test_parallel_row_dequantize_is_exact(table, threads, monkeypatch):
         knf4._POOL.shutdown(wait=True)
 
 
-@pytest.mark.parametrize("fused", [True, False])
-def test_nf4_linear_bias(table, fused, monkeypatch):
+@pytest.mark.parametrize("path", ["fused", "tiled", "chunked"])
+def test_nf4_linear_bias(table, path, monkeypatch):
     _, packed, absmax, full = table
     from lct.kernels import native
-    if fused and not native.available():
+    if path != "chunked" and not native.available():
         pytest.skip("the compiled extension is not built")
-    monkeypatch.setattr(klin, "use_fused", lambda rows: fused)
+    monkeypatch.setenv(paths.ENV, path)
     bias = torch.randn(V).to(torch.bfloat16)
     x = torch.randn(3, H).to(torch.bfloat16)
     head = NF4Linear(packed, absmax, V, H, BS, torch.bfloat16, bias=bias, chunk_rows=100)
-    if fused:  # the fused kernel sums in float32 in another order: within bf16 rounding
+    if path != "chunked":  # float32 sums in another order: within bf16 rounding
         assert torch.allclose(head(x).float(), F.linear(x, full, bias).float(), rtol=2e-2,
                               atol=2e-3)
         assert not torch.equal(head(x) - bias, head(x))

@@ -7,8 +7,16 @@ import torch
 from torch.nn import functional as F
 
 from lct.format import nf4
-from lct.kernels import FlatLinear, NF4Linear, flatten_head, native
+from lct.kernels import FlatLinear, NF4Linear, flatten_head, native, paths
 from lct.kernels import linear as klin
+
+
+@pytest.fixture(autouse=True)
+def _fresh_paths():
+    paths.reset()
+    yield
+    paths.force(None)
+    paths.reset()
 
 
 def _isas():
@@ -91,18 +99,21 @@ def test_fused_matmul_rejects_mismatched_buffers():
                           False, (1, 8, 64), 48, 1)
 
 
+@pytest.mark.parametrize("path", [None, *paths.PATHS])
 @pytest.mark.parametrize("m", [1, 2, 7, 64])
-def test_nf4_linear_native_and_fallback(native_mode, m):
-    """Through NF4Linear: the fused kernel for short inputs (native), the chunked dequantize
-    otherwise; both within the bf16 path's error, and the fallback equals it exactly."""
+def test_nf4_linear_native_and_fallback(native_mode, m, path):
+    """Through NF4Linear, by the measured path (None) and each forced one: all within the bf16
+    path's error; the chunked path, and every path without the compiled module, equals it
+    exactly."""
     n, k, bs = 1001, 128, 64
     packed, absmax = _weight(n, k, bs)
     head = NF4Linear(packed, absmax, n, k, bs, torch.bfloat16, chunk_rows=300)
     x = torch.randn(m, k).to(torch.bfloat16)
+    paths.force(path)
     got = head(x)
     fused, bf16 = _errors(x, packed, absmax, bs, got)
     assert fused <= bf16 * 1.01 + 1e-6
-    if native_mode == "numpy" or m > klin.C.NF4_FUSED_MAX_ROWS:
+    if native_mode == "numpy" or path == "chunked":
         w16 = nf4.dequantize(packed.reshape(-1), absmax.reshape(-1), (n, k), bs, torch.bfloat16)
         assert torch.equal(got, F.linear(x, w16))
 
@@ -112,9 +123,9 @@ def _sliced():
     return h[:, -1:, :]  # what generate's prefill hands the head: batch stride 6 * H
 
 
-@pytest.mark.parametrize("fused", [True, False])
-def test_nf4_head_sliced_input_equals_fresh_2d(fused, monkeypatch):
-    monkeypatch.setattr(klin, "use_fused", lambda rows: fused and native.available())
+@pytest.mark.parametrize("path", paths.PATHS)
+def test_nf4_head_sliced_input_equals_fresh_2d(path):
+    paths.force(path)
     packed, absmax = _weight(500, 128, 64)
     head = NF4Linear(packed, absmax, 500, 128, 64, torch.bfloat16)
     x = _sliced()
@@ -145,15 +156,15 @@ def test_dense_head_sliced_input_equals_fresh_2d():
 
 def test_heads_never_hand_torch_a_3d_input(monkeypatch):
     """The regression guard for the 4 s prefill head: whatever generate passes, torch's linear
-    sees 2-D activations (dense FlatLinear and both NF4Linear paths)."""
+    sees 2-D activations (dense FlatLinear and every NF4Linear path)."""
     seen = []
     real = F.linear
     monkeypatch.setattr(klin.F, "linear", lambda x, w, b=None: seen.append(x.dim()) or real(x, w, b))
     packed, absmax = _weight(300, 128, 64)
     dense = torch.nn.Linear(128, 300).to(torch.bfloat16)
     dense.__class__ = FlatLinear
-    for fused in (True, False):
-        monkeypatch.setattr(klin, "use_fused", lambda rows, f=fused: f and native.available())
+    for path in paths.PATHS:
+        paths.force(path)
         NF4Linear(packed, absmax, 300, 128, 64, torch.bfloat16, chunk_rows=100)(_sliced())
     dense(_sliced())
     assert seen and set(seen) == {2}

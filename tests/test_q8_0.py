@@ -4,22 +4,16 @@ rounding ties, the float16 scale's range, bfloat16 sources, the errors and the s
 examples; the head's paths and the row gather; Q8_0 artifacts end to end (load kept and
 dequantized, verify, export, manifest checks, Maximus pieces, plan, policy)."""
 
-import json
-import shutil
 
 import numpy as np
 import pytest
 import torch
-from conftest import manifest_text
+from lct.kernels import Q8_0Embedding, Q8_0Linear
 from torch.nn import functional as F
 
-import lct
-from lct.conversion.converter import Policy
-from lct.errors import ManifestError, PlanError, PolicyError
+from lct.errors import PolicyError
 from lct.format import constants as C
 from lct.format import q8_0
-from lct.kernels import Q8_0Embedding, Q8_0Linear
-from lct.kernels import q8_0 as kq8
 
 gguf = pytest.importorskip("gguf")
 Q8_0 = gguf.GGMLQuantizationType.Q8_0
@@ -139,7 +133,7 @@ def test_linear_paths_agree(m, dtype, monkeypatch):
     got = lin(x)
     assert got.shape == (1, m, 300)
     assert (got.double() - ref).abs().max() <= tol * max(1.0, ref.abs().max().item())
-    monkeypatch.setattr(kq8, "use_fused", lambda rows: False)   # the chunked (and GPU) path
+    monkeypatch.setenv("LCT_HEAD_PATH", "chunked")               # the chunked (and GPU) path
     chunked = lin(x)
     assert (chunked.double() - ref).abs().max() <= tol * max(1.0, ref.abs().max().item())
     big = torch.randn(1, m + 2, 128).to(dtype)     # strided input: what contiguous input gives
@@ -162,151 +156,3 @@ def test_embedding_gathers_dequantized_rows_and_pads():
         emb(torch.tensor([50]))
     assert torch.equal(Q8_0Embedding(blocks, torch.bfloat16)(ids), F.embedding(ids, table))
     assert torch.equal(emb.weight, table)
-
-
-# --- artifacts -----------------------------------------------------------------------------
-
-@pytest.fixture(scope="module")
-def q8_arts(gemma_src, llama_src, tmp_path_factory):
-    d = tmp_path_factory.mktemp("q8_0")
-    out = {}
-    for name, src in (("gemma", gemma_src), ("llama", llama_src)):
-        lct.convert(str(src), d / f"{name}.lct", policy=Policy(q8_0=("embed", "head")))
-        out[name] = (src, d / f"{name}.lct")
-    return out
-
-
-def _source_tensor(src, name):
-    from safetensors import safe_open
-    for f in src.glob("*.safetensors"):
-        with safe_open(str(f), framework="pt") as h:
-            if name in h.keys():
-                return h.get_tensor(name)
-    raise KeyError(name)
-
-
-@pytest.mark.parametrize("arch", ["gemma", "llama"])
-def test_q8_0_artifact_loads_kept_and_dequantized(q8_arts, arch):
-    src, art = q8_arts[arch]
-    m = json.loads((art / "lct.json").read_text())
-    assert m["format_version"] == list(C.FORMAT_VERSION) >= [1, 3]
-    encs = {t["role"]: t["encoding"] for t in m["tensors"] if t["role"] in ("embed", "head")}
-    assert set(encs.values()) == {"q8_0"}
-    assert m["policy"]["q8_0"] == ["embed", "head"] and m["policy"]["mode"] == "manual"
-    assert m["policy"]["nf4"] == m["policy"]["int8"] == []
-    with lct.open(art) as a:                 # the stored bytes are the source quantized by gguf
-        info = a.tensor_info("model.embed_tokens.weight")
-        w = a.read_tensor("model.embed_tokens.weight", dequantize=False)
-    table = _source_tensor(src, "model.embed_tokens.weight")
-    assert info.nbytes == table.numel() // 32 * 34
-    assert np.array_equal(w.blocks.numpy().reshape(-1),
-                          gguf.quants.quantize(table.float().numpy(), Q8_0).reshape(-1))
-    kept = lct.load(art)
-    deq = lct.load(art, nf4="dequantize")
-    assert type(kept.get_input_embeddings()).__name__ == "Q8_0Embedding"
-    assert type(kept.get_output_embeddings()).__name__ == "Q8_0Linear"
-    if arch == "gemma":                     # tied: one table, the head shares its blocks
-        assert kept.get_output_embeddings().blocks.data_ptr() == \
-            kept.get_input_embeddings().blocks.data_ptr()
-    ids = torch.tensor([[1, 5, 9, 2, 7, 3]])
-    with torch.no_grad():
-        a, b = kept(ids).logits, deq(ids).logits
-    assert torch.equal(a.argmax(-1), b.argmax(-1))
-    assert (a.float() - b.float()).abs().max() < 0.05
-    assert torch.equal(kept.generate(ids, max_new_tokens=5, do_sample=False),
-                       deq.generate(ids, max_new_tokens=5, do_sample=False))
-    assert torch.equal(kept.get_input_embeddings()(ids), deq.get_input_embeddings()(ids))
-
-
-def test_q8_0_verify_export_and_a_changed_code(q8_arts, tmp_path):
-    from safetensors.torch import load_file
-    src, art = q8_arts["llama"]
-    rep = lct.verify(art, against=str(src))
-    assert rep.ok and "q8_0" in {c.encoding for c in rep.tensors}
-    out = tmp_path / "exp"
-    lct.export(art, out)
-    tensors = {}
-    for f in out.glob("*.safetensors"):
-        tensors.update(load_file(f))
-    want = q8_0.dequantize(q8_0.quantize(_source_tensor(src, "lm_head.weight")),
-                           tuple(tensors["lm_head.weight"].shape), torch.bfloat16)
-    assert tensors["lm_head.weight"].dtype == torch.bfloat16
-    assert torch.equal(tensors["lm_head.weight"], want)
-    bad = tmp_path / "bad.lct"
-    shutil.copytree(art, bad)
-    from test_int8 import _rewrite_chunk_raw
-    from lct.io.reader import open_artifact
-    with open_artifact(bad) as a:
-        info = a.tensor_info("lm_head.weight")
-        chunk = a.manifest.chunks[info.chunk]
-        buf = a.read_chunk(chunk.id).copy()
-    buf[info.offset + 2] = (int(buf[info.offset + 2]) + 1) % 256    # a code of the first block
-    _rewrite_chunk_raw(bad, chunk, buf)
-    rep = lct.verify(bad, against=str(src))
-    assert not rep.ok and any("lm_head" in f and "Q8_0" in f for f in rep.failures), \
-        rep.failures
-
-
-def _edit(path, fn):
-    m = json.loads((path / "lct.json").read_text())
-    fn(m)
-    (path / "lct.json").write_text(manifest_text(m))
-
-
-@pytest.mark.parametrize("mutate,msg", [
-    (lambda t: t.update(nbytes=t["nbytes"] - 34), "q8_0 nbytes"),
-    (lambda t: t.update(stored_dtype="int8"), "stored_dtype 'q8_0'"),
-    (lambda t: t.update(dtype="int32"), "must dequantize to one of"),
-    (lambda t: t.update(shape=[t["shape"][0] * 2, t["shape"][1] // 2 + 1]), "multiple of 32"),
-    (lambda t: t.update(int8={"scale_offset": 0, "scale_nbytes": 4}), "has an 'int8' object"),
-])
-def test_manifest_q8_0_checks(q8_arts, tmp_path, mutate, msg):
-    _, art = q8_arts["llama"]
-    bad = tmp_path / "a.lct"
-    shutil.copytree(art, bad)
-
-    def fn(m):
-        mutate(next(t for t in m["tensors"] if t["name"] == "lm_head.weight"))
-    _edit(bad, fn)
-    with pytest.raises(ManifestError, match=msg):
-        lct.open(bad)
-
-
-def test_q8_0_maximus_pieces(llama_src, tmp_path):
-    art = tmp_path / "m.lct"
-    lct.convert(str(llama_src), art, policy=Policy(q8_0=("embed", "head"), maximus_shards=3))
-    src = _source_tensor(llama_src, "model.embed_tokens.weight")
-    with lct.open(art) as a:
-        info = a.tensor_info("model.embed_tokens.weight")
-        assert info.encoding == "q8_0" and len(info.pieces) == 3
-        whole = a.read_tensor("model.embed_tokens.weight")     # back in token-id order
-    assert torch.equal(whole, q8_0.dequantize(q8_0.quantize(src), tuple(src.shape), src.dtype))
-    m = lct.load(art, maximus=True)
-    assert type(m.get_input_embeddings()).__name__ == "MaximusEmbedding"
-    ids = torch.tensor([[1, 2, 3]])
-    assert m(ids).logits.shape[-1] == src.shape[0]
-
-
-def test_q8_0_policy_options_and_plan(gemma_src, q8_arts, tmp_path):
-    with pytest.raises(PolicyError, match="one tied table"):
-        lct.convert(str(gemma_src), tmp_path / "a.lct",
-                    policy=Policy(q8_0=("embed",), int8=("head",)))
-    with pytest.raises(PolicyError, match="both name 'head'"):
-        Policy(q8_0=("head",), int8=("head",)).check()
-    with pytest.raises(PolicyError, match="unknown part"):
-        Policy(q8_0=("tail",)).check()
-    # The auto policy measures Q8_0 beside NF4 and int8 (and keeps the smallest within budget).
-    rep = lct.convert(str(gemma_src), tmp_path / "auto.lct")
-    costs = rep.manifest.policy["measured"]["costs"]
-    assert all({"nf4", "int8", "q8_0"} <= set(c) for c in costs.values()), costs
-    # The planner counts an artifact's Q8_0 tables as they are stored, and plans them on asking.
-    from lct.plan import plan
-    _, art = q8_arts["llama"]
-    table = 384 * 128        # the tiny Llama's vocabulary x hidden size
-    parts = {pt.name: pt for pt in plan(art).parts}
-    assert parts["embedding"].weights == parts["head"].weights == table // 32 * 34
-    asked = {pt.name: pt for pt in plan(q8_arts["llama"][0], format="lct",
-                                        q8_0=("embed", "head")).parts}
-    assert asked["head"].weights == table // 32 * 34
-    with pytest.raises(PlanError, match="same part"):
-        plan(q8_arts["llama"][0], format="lct", q8_0=("head",), int8=("head",))

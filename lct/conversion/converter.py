@@ -59,13 +59,14 @@ class Policy:
     int8: tuple | None = None
     budget: float = C.DEFAULT_BUDGET_KL
     q8_0: tuple | None = None       # forced to Q8_0 (llama.cpp's 8-bit blocks), as nf4/int8
+    q6_k: tuple | None = None       # forced to Q6_K (llama.cpp's 6-bit k-quant blocks)
     calibration: str | None = None
     max_calibration_tokens: int = C.DEFAULT_CALIBRATION_TOKENS
     tp_pieces: int | None = None    # store what the model's TP plan splits as this many pieces
 
     def parts(self) -> dict:
         """``{lossy encoding: the parts forced to it, or None}``: the fields named as the
-        registry's lossy encodings (``nf4``, ``int8``, ``q8_0``)."""
+        registry's lossy encodings (``nf4``, ``int8``, ``q8_0``, ``q6_k``)."""
         return {e: getattr(self, e) for e in lossy_encodings()}
 
     @property
@@ -589,9 +590,10 @@ def _choose(src: Source, tensors: dict, placed: dict, ties: dict, arch, policy: 
         # auto: measure to choose; a forced lossy encoding: measure what it costs, to say so
         from lct.conversion.policy import decide
         if lossy:
-            say(f"measuring {', '.join(get_encoding(e).label for e in lossy_encodings())} on "
-                f"{','.join(sorted(lossy))} "
-                f"({_how(policy)})")
+            fit = [get_encoding(e).label for e in lossy_encodings()
+                   if any(get_encoding(e).fits(tuple(tensors[n].shape), policy.blocksize)
+                          for n in lossy.values())]
+            say(f"measuring {', '.join(fit)} on {','.join(sorted(lossy))} ({_how(policy)})")
         decision = decide(src, tensors, lossy, bool(ties), arch, policy)
         chosen = decision.chosen
     return lossy, chosen, decision

@@ -223,6 +223,18 @@ def proxy_costs(src, tensors: dict, lossy: dict, tied: bool, arch, policy) -> di
     return costs
 
 
+def _rel_err_of(w, wq) -> float:
+    """``||wq - w||^2 / ||w||^2`` of a table and its round trip, a row slice at a time."""
+    rows, cols = w.shape
+    step = max(1, ROW_STEP_BYTES // (4 * cols))
+    err = norm = 0.0
+    for r0 in range(0, rows, step):
+        wf = w[r0:r0 + step].float()
+        norm += float(wf.pow(2).sum())
+        err += float((wq[r0:r0 + step].float() - wf).pow(2).sum())
+    return err / max(norm, 1e-30)
+
+
 def _rel_err(w, candidates, blocksize: int) -> dict:
     """``||w_q - w||^2 / ||w||^2`` per candidate, a row slice at a time."""
     rows, cols = w.shape
@@ -390,20 +402,24 @@ def calibration_costs(src, tensors: dict, lossy: dict, tied: bool, arch, policy)
             p = (embed if roles[0] == "embed" else head).weight.detach()
             cands = _candidates(tuple(p.shape), policy.blocksize, policy,
                                 "embed" if tied else roles[0])
-            exact = "embed" not in roles or ref_s * len(cands) <= C.CALIBRATION_EXACT_EMBED_S
-            rel = {} if exact else _rel_err(p, cands, policy.blocksize)
-            worst = max(cands, key=rel.get) if rel else None
-            head_kl, embed_kl = {}, {}
-            for e in cands:
+            exact = ref_s * len(cands) <= C.CALIBRATION_EXACT_EMBED_S
+            head_kl, embed_kl, rel = {}, {}, {}
+            worst = None                        # (relative error, encoding, its table)
+            for e in cands:                     # one round trip per candidate
                 wq = roundtrip(e, p, policy.blocksize).to(p.dtype)
                 if "head" in roles:
                     head_kl[e] = kl(head, wq, cached=True)
-                if "embed" in roles and (exact or e == worst):
+                if "embed" in roles and exact:
                     embed_kl[e] = kl(embed, wq, cached=False)
+                elif "embed" in roles:
+                    rel[e] = _rel_err_of(p, wq)
+                    if worst is None or rel[e] > worst[0]:
+                        worst = (rel[e], e, wq)
                 del wq
             if worst is not None:
-                per_err = embed_kl[worst] / max(rel[worst], 1e-30)
-                embed_kl.update({e: per_err * rel[e] for e in cands if e != worst})
+                per_err = kl(embed, worst[2], cached=False) / max(worst[0], 1e-30)
+                embed_kl = {e: per_err * rel[e] for e in cands}
+                del worst
             costs[part] = {e: head_kl.get(e, 0.0) + embed_kl.get(e, 0.0) for e in cands}
     return costs, n
 

@@ -1,7 +1,7 @@
 """Every number of the LCT format, in one place (see docs/FORMAT.md)."""
 
 FORMAT_NAME = "lct"
-FORMAT_VERSION = (1, 3)
+FORMAT_VERSION = (1, 4)
 MAX_VERSION_NUMBER = 0xFFFF             # major and minor are u16s in the data file header
 
 MANIFEST_NAME = "lct.json"
@@ -58,6 +58,7 @@ ENCODING_INT8 = "int8"      # int8 codes, one float32 scale per row (FORMAT.md 2
 ENCODING_Q8_0 = "q8_0"      # since 1.3
 Q8_0_BLOCK = 32
 Q8_0_BLOCK_BYTES = 34
+ENCODING_Q6_K = "q6_k"      # since 1.4
 # llama.cpp's Q6_K blocks: per 256 values 128 bytes of low 4 bits, 64 of high 2 bits, 16 int8
 # scales (one per sub-block of 16 values) and a float16 scale (lct/format/q6_k.py).
 Q6_K_BLOCK = 256
@@ -165,12 +166,10 @@ EXPORT_MARKER = ".lct-export.json"
 # ("50GB"; 4.x used "5GB").
 EXPORT_SHARD_SIZE = "50GB"
 
-# Rows of an NF4 LM head dequantized at a time on the CPU are capped by this many bytes of
-# dequantized weight (kernels/linear.py; the planner models the same chunk).
+# Rows of a quantized LM head dequantized at a time on its chunked path are capped by this many
+# bytes of dequantized weight (kernels/linear.py; the planner models the same chunk). Which CPU
+# path a head takes (fused, tiled, chunked) is measured at run time (kernels/paths.py).
 NF4_HEAD_CHUNK_BYTES = 128 << 20
-# Input rows up to which the CPU NF4 head takes the fused kernel (4-bit codes read per row) rather
-# than dequantizing chunks once for all rows; measured crossover in docs/BENCHMARKS.md, bench_head.
-NF4_FUSED_MAX_ROWS = 24
 
 # The auto policy (lct/conversion/policy.py): the whole artifact's budget for its lossy parts, as a mean KL
 # divergence of the next-token distribution in nats (0.01 nats is about +1 % perplexity), and
@@ -193,13 +192,6 @@ CALIBRATION_EXACT_EMBED_S = 2.0
 PROXY_SAMPLES = 64
 # The proxy's hidden states come from this seed: not 0, which tiny random test models use.
 PROXY_SEED = 7919
-# Input rows up to which the CPU int8 head takes the fused kernel rather than dequantizing chunks
-# once for all rows (docs/BENCHMARKS.md, bench_head).
-INT8_FUSED_MAX_ROWS = 24
-# The same for the Q8_0 head (kernels/q8_0.py): its fused kernel stays ahead of its chunked path
-# up to 48 rows on machine C (docs/BENCHMARKS.md, bench_head: 494 against 662 ms at 48, level at
-# 64).
-Q8_0_FUSED_MAX_ROWS = 48
 
 # Streaming from the Hub (lct/hub/remote.py): the slowest average a range transfer may have after its
 # timeout's grace before it is dropped and retried, and the bytes that must arrive between

@@ -16,6 +16,7 @@ from __future__ import annotations
 import abc
 import math
 from dataclasses import dataclass
+from typing import ClassVar
 
 from lct.errors import UnsupportedVersionError
 from lct.format import constants as C
@@ -41,6 +42,7 @@ class NF4Weight:
     shape: tuple
     blocksize: int
     dtype: str
+    encoding: ClassVar[str] = C.ENCODING_NF4
 
     def dequantize(self, dtype=None, out=None):
         """Dequantize to ``dtype`` (default: the source dtype), exactly as bitsandbytes does;
@@ -66,6 +68,7 @@ class Int8Weight:
     scale: object        # torch.float32 [rows]
     shape: tuple
     dtype: str
+    encoding: ClassVar[str] = C.ENCODING_INT8
 
     def dequantize(self, dtype=None, out=None):
         """Dequantize to ``dtype`` (default: the source dtype): ``q * scale`` in float32; into
@@ -76,21 +79,47 @@ class Int8Weight:
 
 
 @dataclass
-class Q8_0Weight:
-    """A Q8_0-encoded tensor as stored: its rows' blocks (a float16 scale and 32 int8 codes
-    per 32 values, llama.cpp's layout), and what it dequantizes to."""
+class BlocksWeight:
+    """A tensor kept as llama.cpp-style blocks along its rows (each block its codes and scales,
+    as a GGUF tensor holds them): the blocks, and what they dequantize to. Subclassed per
+    encoding (``encoding``: its registry name)."""
 
     name: str
-    blocks: object       # torch.uint8 [rows, cols / 32 * 34]
+    blocks: object       # torch.uint8 [rows, row bytes]
     shape: tuple
     dtype: str
+    encoding: ClassVar[str] = ""
 
     def dequantize(self, dtype=None, out=None):
-        """Dequantize to ``dtype`` (default: the source dtype): ``float32(d) * q``; into
-        ``out`` (a contiguous tensor of that size and dtype) if given."""
-        from lct.format import q8_0
-        return q8_0.dequantize(self.blocks, self.shape, dtype or torch_dtype(self.dtype),
-                               out=out)
+        """Dequantize to ``dtype`` (default: the source dtype) as the encoding's codec does;
+        into ``out`` (a contiguous tensor of that size and dtype) if given."""
+        return get_encoding(self.encoding).codec().dequantize(
+            self.blocks, self.shape, dtype or torch_dtype(self.dtype), out=out)
+
+
+class Q8_0Weight(BlocksWeight):
+    """A Q8_0-encoded tensor as stored: per 32 values a float16 scale and 32 int8 codes
+    (llama.cpp's layout); dequantized ``float32(d) * q``."""
+
+    encoding = C.ENCODING_Q8_0
+
+
+class Q6_KWeight(BlocksWeight):
+    """A Q6_K-encoded tensor as stored: per 256 values 6-bit codes, 16 int8 sub-block scales
+    and a float16 scale (llama.cpp's layout); dequantized ``float32(d) * scale * (q - 32)``."""
+
+    encoding = C.ENCODING_Q6_K
+
+
+def map_tensors(weight, fn):
+    """A copy of the stored ``weight`` (``NF4Weight``, ``Int8Weight``, a ``BlocksWeight``) with
+    ``fn`` applied to each of its tensors (a move to a device, say)."""
+    import dataclasses
+
+    import torch
+    return dataclasses.replace(weight, **{
+        f.name: fn(getattr(weight, f.name)) for f in dataclasses.fields(weight)
+        if isinstance(getattr(weight, f.name), torch.Tensor)})
 
 
 _REGISTRY: dict[str, "Encoding"] = {}
@@ -130,6 +159,7 @@ class Encoding(abc.ABC):
     lossy: bool = False
     key: str | None = None          # the tensor entry's placement object (its scales), if any
     label: str = ""                 # for messages: "NF4", "int8"
+    described: str = ""             # for the model card ({blocksize}: the policy's)
     blocked: bool = False           # whether it takes the policy's blocksize (NF4's)
 
     def stored_dtype(self, dtype: str) -> str:
@@ -206,6 +236,11 @@ class LossyEncoding(Encoding):
     def parts(self, weight) -> tuple:
         """``(codes, scales)`` of a stored weight, as ``quantize`` gives them (verify)."""
 
+    @abc.abstractmethod
+    def zero_marker(self, weight):
+        """A ``[rows, k]`` tensor of the stored ``weight``'s scales: a row whose marker is all
+        zero dequantizes to zeros (what padding detection reads instead of the whole table)."""
+
 
 @register
 class Plain(Encoding):
@@ -236,6 +271,7 @@ class NF4(LossyEncoding):
     name = C.ENCODING_NF4
     key = "nf4"
     label = "NF4"
+    described = "NF4 (blocksize {blocksize}, bitsandbytes layout)"
     blocked = True
 
     def fits(self, shape, blocksize):
@@ -301,6 +337,9 @@ class NF4(LossyEncoding):
     def parts(self, weight):
         return weight.packed, weight.absmax
 
+    def zero_marker(self, weight):
+        return weight.absmax.reshape(weight.shape[0], -1)
+
 
 @register
 class Int8(LossyEncoding):
@@ -309,6 +348,7 @@ class Int8(LossyEncoding):
     name = C.ENCODING_INT8
     key = "int8"
     label = "int8"
+    described = "int8 with one scale per row"
 
     def fits(self, shape, blocksize):
         return len(shape) >= 1
@@ -341,8 +381,8 @@ class Int8(LossyEncoding):
 
     def roundtrip(self, w, blocksize, wf=None):
         from lct.format import int8
-        q, scale = int8.quantize_rows(wf if wf is not None else w.float())
-        return q.mul_(scale.unsqueeze(1))   # q * scale, the dequantized value, without codes
+        q, scale = int8.quantize(wf if wf is not None else w)     # the compiled loop if built
+        return int8.dequantize(q, scale, tuple(w.shape))
 
     def weight(self, info, raw, scales, dtype):
         import torch
@@ -363,60 +403,102 @@ class Int8(LossyEncoding):
     def parts(self, weight):
         return weight.q, weight.scale
 
+    def zero_marker(self, weight):
+        return weight.scale.reshape(weight.shape[0], -1)
 
-@register
-class Q8_0(LossyEncoding):
-    """llama.cpp's Q8_0: per block of 32 values of a row, a float16 scale (absmax / 127) and 32
-    int8 codes rounded half away from zero, the scale first (34 bytes): a GGUF ``Q8_0``
-    tensor's bytes. No scales after the codes: they are in the blocks."""
 
-    name = C.ENCODING_Q8_0
-    label = "Q8_0"
+class BlockEncoding(LossyEncoding):
+    """An encoding of llama.cpp's whose rows are self-contained blocks of ``block`` values in
+    ``block_bytes`` bytes (codes and scales together, as a GGUF tensor's bytes), quantized and
+    dequantized by the codec module ``codec_module``. No scales after the codes: they are in
+    the blocks."""
+
+    block: int
+    block_bytes: int
+    d_bytes: slice          # where in a block its float16 scale ``d`` lies
+    codec_module: str
+    weight_class: type
+
+    def codec(self):
+        """The codec module (``quantize``, ``dequantize``, ``check_shape``, ``row_bytes``)."""
+        import importlib
+        return importlib.import_module(self.codec_module)
 
     def fits(self, shape, blocksize):
-        return bool(shape) and shape[-1] % C.Q8_0_BLOCK == 0
+        return bool(shape) and shape[-1] % self.block == 0
 
     def check_source(self, shape, blocksize, where):
-        from lct.format.q8_0 import check_shape
-        check_shape(shape, where)
+        self.codec().check_shape(shape, where)
 
     def nbytes(self, shape, stored_dtype):
-        from lct.format.q8_0 import blocks_nbytes
-        return blocks_nbytes(math.prod(shape))
+        return math.prod(shape) // self.block * self.block_bytes
 
     def check(self, obj, w, shape, dtype, stored_dtype, nbytes, where):
-        from lct.format.q8_0 import blocks_nbytes
         self._check_common(obj, w, dtype, stored_dtype, where)
         n = self.name
         if not self.fits(shape, None):
-            _fail(where, f"{w}: a {n} tensor's rows must hold a multiple of {C.Q8_0_BLOCK} "
+            _fail(where, f"{w}: a {n} tensor's rows must hold a multiple of {self.block} "
                          f"values, shape is {list(shape)}")
-        if nbytes != blocks_nbytes(math.prod(shape)):
-            _fail(where, f"{w}: {n} nbytes {nbytes} != {blocks_nbytes(math.prod(shape))} "
-                         f"({C.Q8_0_BLOCK_BYTES} per block of {C.Q8_0_BLOCK})")
+        want = self.nbytes(shape, stored_dtype)
+        if nbytes != want:
+            _fail(where, f"{w}: {n} nbytes {nbytes} != {want} ({self.block_bytes} per block of "
+                         f"{self.block})")
         return None, None
 
     def quantize(self, t, blocksize, where):
         import torch
-
-        from lct.format.q8_0 import quantize
-        return quantize(t, where), torch.empty(0, dtype=torch.float32)
+        return self.codec().quantize(t, where), torch.empty(0, dtype=torch.float32)
 
     def roundtrip(self, w, blocksize, wf=None):
-        from lct.format import q8_0
-        return q8_0.dequantize(q8_0.quantize(wf if wf is not None else w), tuple(w.shape))
+        codec = self.codec()
+        return codec.dequantize(codec.quantize(wf if wf is not None else w), tuple(w.shape))
 
     def weight(self, info, raw, scales, dtype):
-        from lct.format.q8_0 import row_bytes
-        return Q8_0Weight(info.name, raw.view(-1, row_bytes(info.shape[-1])), info.shape, dtype)
+        return self.weight_class(info.name, raw.view(-1, self.codec().row_bytes(info.shape[-1])),
+                                 info.shape, dtype)
 
     def join(self, info, parts, perm, dtype):
         import torch
 
         blocks = torch.cat([p.blocks for p in parts])
-        return Q8_0Weight(info.name, blocks[perm] if perm is not None else blocks, info.shape,
-                          dtype)
+        return self.weight_class(info.name, blocks[perm] if perm is not None else blocks,
+                                 info.shape, dtype)
 
     def parts(self, weight):
         import torch
         return weight.blocks, torch.empty(0, dtype=torch.float32)
+
+    def zero_marker(self, weight):
+        # every block's float16 scale d: where it is zero, the block dequantizes to zeros
+        return weight.blocks.view(weight.shape[0], -1, self.block_bytes)[:, :, self.d_bytes]
+
+
+@register
+class Q8_0(BlockEncoding):
+    """llama.cpp's Q8_0: per block of 32 values of a row, a float16 scale (absmax / 127) and 32
+    int8 codes rounded half away from zero, the scale first (34 bytes): a GGUF ``Q8_0``
+    tensor's bytes."""
+
+    name = C.ENCODING_Q8_0
+    label = "Q8_0"
+    described = "Q8_0 (llama.cpp's blocks: a float16 scale per 32 values)"
+    block, block_bytes, d_bytes = C.Q8_0_BLOCK, C.Q8_0_BLOCK_BYTES, slice(0, 2)
+    codec_module = "lct.format.q8_0"
+    weight_class = Q8_0Weight
+
+
+@register
+class Q6_K(BlockEncoding):
+    """llama.cpp's Q6_K: per block of 256 values of a row, 6-bit codes (low 4 bits, then high 2
+    bits), 16 int8 scales of 16-value sub-blocks and a float16 super-block scale, last (210
+    bytes, 6.5625 bits a value): a GGUF ``Q6_K`` tensor's bytes, quantized as llama.cpp's
+    reference quantizer does."""
+
+    name = C.ENCODING_Q6_K
+    label = "Q6_K"
+    described = ("Q6_K (llama.cpp's 6-bit blocks: 16 int8 scales and a float16 scale per 256 "
+                 "values)")
+    block, block_bytes = C.Q6_K_BLOCK, C.Q6_K_BLOCK_BYTES
+    d_bytes = slice(C.Q6_K_BLOCK_BYTES - 2, C.Q6_K_BLOCK_BYTES)
+    codec_module = "lct.format.q6_k"
+    weight_class = Q6_KWeight

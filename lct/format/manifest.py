@@ -14,7 +14,7 @@ from dataclasses import asdict, dataclass, field, replace
 
 from lct.format import codecs
 from lct.format import constants as C
-from lct.format.encodings import get_encoding
+from lct.format.encodings import get_encoding, lossy_encodings
 from lct.format.rules import fail as _fail
 from lct.format.rules import integer as _int
 from lct.errors import ManifestChecksumError, ManifestError, UnsupportedVersionError
@@ -340,7 +340,7 @@ _ARCHITECTURE_KEYS = {"model_type": ("str", "null"), "tie_word_embeddings": ("bo
                       "mapping": ("str",), "class": ("str",), "stacks": ("stacks",),
                       "experts": ("obj",)}
 _EXPERTS_KEYS = {"count": ("int",), "active": ("int", "null"), "layers": ("int",)}
-_POLICY_KEYS = {"mode": ("str",), "nf4": ("strs",), "int8": ("strs",), "q8_0": ("strs",),
+_POLICY_KEYS = {"mode": ("str",), **{e: ("strs",) for e in lossy_encodings()},
                 "blocksize": ("int",),
                 "dtype": ("str", "null"), "codec": ("str",), "level": ("signed",),
                 "frame_size": ("int",), "maximus_shards": ("int", "null"),

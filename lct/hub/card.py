@@ -63,7 +63,7 @@ def model_card(manifest, repo_id: str, *, license: str | None = None) -> str:  #
     if arch.get("model_type"):
         tags.append(str(arch["model_type"]))
     from lct.format.encodings import lossy_encodings
-    tags += [e for e in lossy_encodings() if pol.get(e)]      # nf4, int8, q8_0
+    tags += [e for e in lossy_encodings() if pol.get(e)]      # nf4, int8, q8_0, q6_k
     if manifest.maximus:
         tags.append("maximus")
     meta["tags"] = tags
@@ -79,18 +79,13 @@ def model_card(manifest, repo_id: str, *, license: str | None = None) -> str:  #
     else:
         origin = "a local checkpoint" + (f" (`{Path(str(src.get('id'))).name}`)"
                                          if src.get("id") else "")
-    nf4 = [str(r) for r in pol.get("nf4") or []]
-    int8 = [str(r) for r in pol.get("int8") or []]
+    from lct.format.encodings import get_encoding
     lossy = []
-    if nf4:
-        lossy.append(f"{', '.join(nf4)} in NF4 (blocksize {pol.get('blocksize')}, bitsandbytes "
-                     f"layout)")
-    if int8:
-        lossy.append(f"{', '.join(int8)} in int8 with one scale per row")
-    q8 = [str(r) for r in pol.get("q8_0") or []]
-    if q8:
-        lossy.append(f"{', '.join(q8)} in Q8_0 (llama.cpp's blocks: a float16 scale per 32 "
-                     f"values)")
+    for e in lossy_encodings():
+        roles = pol.get(e) if isinstance(pol.get(e), list) else []
+        if roles:
+            lossy.append(f"{', '.join(map(str, roles))} in "
+                         f"{get_encoding(e).described.format(blocksize=pol.get('blocksize'))}")
     nf4_line = "; ".join(lossy) if lossy else "none (every tensor lossless)"
     measured = pol.get("measured") if isinstance(pol.get("measured"), dict) else {}
     from lct.io.info import measured_line

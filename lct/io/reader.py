@@ -21,7 +21,8 @@ from lct.format.codecs import checksum
 from lct.format import constants as C
 from lct.errors import (ArtifactClosedError, ArtifactNotFoundError, ChecksumError,
                         CorruptChunkError, EntryNotFoundError, ManifestError, OptionError)
-from lct.format.encodings import Int8Weight, NF4Weight, Q8_0Weight, get_encoding, torch_dtype
+from lct.format.encodings import (BlocksWeight, Int8Weight, NF4Weight, Q6_KWeight,  # noqa: F401
+                                  Q8_0Weight, get_encoding, torch_dtype)
 from lct.format.manifest import ChunkInfo, Manifest, TensorInfo
 from lct.io.store import LocalStore, confined
 
@@ -49,7 +50,7 @@ def _check_data_header(head: bytes, index: int, artifact_id: str, where) -> None
                             f"must be zero")
 
 
-QUANTIZED = (NF4Weight, Int8Weight, Q8_0Weight)
+QUANTIZED = (NF4Weight, Int8Weight, BlocksWeight)
 
 
 class Artifact:

@@ -29,7 +29,7 @@ from pathlib import Path
 
 from lct.errors import PlanError
 from lct.format import constants as C
-from lct.format.encodings import get_encoding
+from lct.format.encodings import get_encoding, is_lossy
 from lct.format.layout import encoded_bytes
 from lct.format.maximus import default_budget, shard_bounds
 from lct.format.nf4 import encoded_size
@@ -96,7 +96,7 @@ def lct_layout(specs: list, dtype: str, encodings: dict | None = None,
         if e.lossy and not e.fits(tuple(s.shape), blocksize):
             raise PlanError(f"{e.label} cannot store {s.name} {list(s.shape)}"
                             + (f" with blocksize {blocksize}" if e.blocked else "")
-                            + f"; lct convert would refuse it (pass another "
+                            + "; lct convert would refuse it (pass another "
                             + ("blocksize, or " if e.blocked else "") + f"{enc}=())")
         spec = TensorSpec(s.name, s.shape, dtype, e.stored_dtype(dtype), enc, s.role, s.group,
                           blocksize if e.blocked else None)
@@ -252,44 +252,34 @@ def infer_transient(dims: Dims, batch: int, seq: int, a: int) -> int:
     return t * max(norm, attn, mlp)
 
 
-def nf4_head_transient(vocab: int, hidden: int, tokens: int, a: int, blocksize: int,
-                       device: str) -> int:
-    """Temporaries of an NF4 LM head over ``tokens`` positions (besides its output).
+def head_transient(encoding: str, vocab: int, hidden: int, tokens: int, a: int, blocksize: int,
+                   device: str) -> int:
+    """Temporaries of a quantized LM head (``lct.kernels``' ``NF4Linear``, ``Int8Linear``,
+    ``Q8_0Linear``, ``Q6_KLinear``) over ``tokens`` positions, besides its output.
 
-    CUDA: bitsandbytes' ``matmul_4bit`` dequantizes the whole weight for a multi-token input.
-    CPU, up to ``NF4_FUSED_MAX_ROWS`` tokens with the compiled loops: the fused kernel reads the
-    codes in place and only copies the input. CPU otherwise: LCT's ``NF4Linear`` dequantizes ``NF4_HEAD_CHUNK_BYTES`` of rows at a time into one
-    scratch buffer, besides the rows' slice of the output; without the compiled loops
-    (``lct.format.native``) each piece of ``lct.format.nf4.PIECE_ELEMENTS`` also needs the int64 code, the
-    float32 scale, the table lookup and the product (20 bytes an element).
+    CUDA: bitsandbytes' ``matmul_4bit`` dequantizes a whole NF4 weight for a multi-token input;
+    the other encodings take the chunked path. CPU: the path (fused, tiled or chunked,
+    ``kernels/paths.py``) is chosen by timing all three on the first call of each input size,
+    so the plan counts the costliest, the chunked one: ``NF4_HEAD_CHUNK_BYTES`` of rows
+    dequantized into one scratch buffer beside the rows' slice of the output (the fused and
+    tiled kernels hold a copy of the input and a tile a thread). Without the compiled loops
+    (``lct.format.native``) an NF4 piece of ``PIECE_ELEMENTS`` also needs the int64 code, the
+    float32 scale, the table lookup and the product (20 bytes an element), and the other
+    encodings dequantize through a float32 copy of the chunk.
     """
-    if device == "cuda":
+    if device == "cuda" and encoding == C.ENCODING_NF4:
         return vocab * hidden * a
     from lct.format import native
-    from lct.kernels import native as knative
-    if knative.available() and 0 < tokens <= C.NF4_FUSED_MAX_ROWS:
-        return tokens * hidden * (4 + a)  # the fused kernel: x split into float32, x made contiguous
     rows = min(vocab, max(1, C.NF4_HEAD_CHUNK_BYTES // (hidden * a)))
     temporaries = tokens * rows * a
     if not native.available():
-        from lct.format.nf4 import PIECE_ELEMENTS
-        piece = min(rows * hidden, max(1, PIECE_ELEMENTS // blocksize) * blocksize)
-        temporaries = max(20 * piece, temporaries)
+        if encoding == C.ENCODING_NF4:
+            from lct.format.nf4 import PIECE_ELEMENTS
+            piece = min(rows * hidden, max(1, PIECE_ELEMENTS // blocksize) * blocksize)
+            temporaries = max(20 * piece, temporaries)
+        else:
+            temporaries += rows * hidden * 4
     return rows * hidden * a + temporaries
-
-
-def int8_head_transient(vocab: int, hidden: int, tokens: int, a: int,
-                        fused_max_rows: int = C.INT8_FUSED_MAX_ROWS) -> int:
-    """Temporaries of an int8 LM head (``Int8Linear``) over ``tokens`` positions (besides its
-    output), or of a Q8_0 one (``Q8_0Linear``, with ``fused_max_rows=Q8_0_FUSED_MAX_ROWS``): on
-    the CPU up to ``fused_max_rows`` tokens the fused kernel reads the codes in place and copies
-    the input as float32; otherwise (and on CUDA) ``NF4_HEAD_CHUNK_BYTES`` of rows are
-    dequantized at a time, through a float32 product, beside the rows' output slice."""
-    from lct.kernels import native
-    if native.available() and 0 < tokens <= fused_max_rows:
-        return tokens * hidden * (4 + a)
-    rows = min(vocab, max(1, C.NF4_HEAD_CHUNK_BYTES // (hidden * a)))
-    return rows * hidden * (4 + a) + tokens * rows * a
 
 
 # --------------------------------------------------------------------------------------------
@@ -377,7 +367,7 @@ class Plan:
     vocab_delta: dict | None = None       # {mode: peak with the new vocabulary - peak with the old}
     remedies: list = field(default_factory=list)   # [(remedy, bytes it takes off the peak)]
     notes: list = field(default_factory=list)
-    head_temp: int = 0    # infer: the NF4/int8 head's dequantize-and-matmul temporaries
+    head_temp: int = 0    # infer: a quantized head's dequantize-and-matmul temporaries
     maximus_priced: tuple | None = None   # the K/N maximus_saving is for: the one applied, or
     #                                       the default of the artifact's shards (or of 32)
 
@@ -415,7 +405,8 @@ def plan(model, *, mode: str = "infer", batch: int = 1, seq: int = DEFAULT_SEQ,
          device: str | None = None, loss_chunk: int = DEFAULT_LOSS_CHUNK,
          nf4: tuple | None = None, blocksize: int | None = None,
          revision: str | None = None, int8: tuple | None = None,
-         q8_0: tuple | None = None, options: PlanOptions | None = None) -> Plan:
+         q8_0: tuple | None = None, q6_k: tuple | None = None,
+         options: PlanOptions | None = None) -> Plan:
     """Plan the memory of MODEL for inference or a training step.
 
     Args:
@@ -441,8 +432,9 @@ def plan(model, *, mode: str = "infer", batch: int = 1, seq: int = DEFAULT_SEQ,
             optimizers, LCT's chunked NF4 head, CPU attention kernels): whose temporaries;
             default: this machine's (``default_device()``).
         loss_chunk: tokens per chunk for the chunked-loss figure.
-        nf4, int8, q8_0, blocksize: the NF4, int8 and Q8_0 parts ("embed", "head") and the NF4
-            block size of ``format="lct"``, as ``lct convert --nf4/--int8/--q8_0/--blocksize``
+        nf4, int8, q8_0, q6_k, blocksize: the NF4, int8, Q8_0 and Q6_K parts ("embed", "head")
+            and the NF4 block size of ``format="lct"``, as ``lct convert
+            --nf4/--int8/--q8_0/--q6_k/--blocksize``
             (default: an
             artifact's policy, else both parts in int8, what the auto policy picks for the
             trained models measured in docs/BENCHMARKS.md, and 64).
@@ -465,7 +457,8 @@ def plan(model, *, mode: str = "infer", batch: int = 1, seq: int = DEFAULT_SEQ,
                         add_tokens=add_tokens, precision=precision, optimizer=optimizer,
                         kv_dtype=kv_dtype, format=format, maximus_resident=maximus_resident,
                         memory=memory, device=device, loss_chunk=loss_chunk, nf4=nf4,
-                        blocksize=blocksize, revision=revision, int8=int8, q8_0=q8_0)
+                        blocksize=blocksize, revision=revision, int8=int8, q8_0=q8_0,
+                        q6_k=q6_k)
     if options is not None:
         if asked != PlanOptions():
             raise PlanError("give options=PlanOptions(...) or keyword options, not both",
@@ -727,16 +720,11 @@ def _train_figures(dims, parts, batch, seq, a, device, weights, master, opt, gra
 
 def _infer_figures(dims, batch, seq, a, device, blocksize, weights, kv_held, logits,
                    head) -> dict:
-    """An inference forward's phases (the layers, then the logits with the head's temporaries
-    for an NF4 or int8 ``head``) and what keeping only the last position's logits saves."""
+    """An inference forward's phases (the layers, then the logits with the temporaries of a
+    quantized ``head``) and what keeping only the last position's logits saves."""
     t, V, H = batch * seq, dims.vocab, dims.hidden
     activations = infer_transient(dims, batch, seq, a)
-    # A Q8_0 head runs as int8's does (fused up to its own row count, else chunks through
-    # float32).
-    fused_rows = {C.ENCODING_INT8: C.INT8_FUSED_MAX_ROWS, C.ENCODING_Q8_0: C.Q8_0_FUSED_MAX_ROWS}
-    head_temp = nf4_head_transient(V, H, t, a, blocksize, device) \
-        if head == C.ENCODING_NF4 else int8_head_transient(V, H, t, a, fused_rows[head]) \
-        if head in fused_rows else 0
+    head_temp = head_transient(head, V, H, t, a, blocksize, device) if is_lossy(head) else 0
     final = logits + a * t * H + head_temp
     phases = {"layers": weights + kv_held + activations, "logits": weights + kv_held + final}
     return dict(phases=phases, activations=activations, loss=0, loss_chunked=0, step=0,
