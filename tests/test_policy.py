@@ -266,7 +266,7 @@ def _shipped_blocks(src):
                         C.SHIPPED_CALIBRATION_TOKENS, DEFAULT_BLOCK, spread=True)
 
 
-def test_default_calibration_runs_the_shipped_text(tmp_path, monkeypatch):
+def test_default_calibration_runs_the_shipped_text(tmp_path):
     """With a tokenizer and no --calibration, the policy measures on the text shipped with LCT
     (prose and code, none of it the text verify --quality scores): the head on the model's
     kept trunk output gives what whole forward passes give, for a tied table the head's and
@@ -276,7 +276,6 @@ def test_default_calibration_runs_the_shipped_text(tmp_path, monkeypatch):
     shipped = {t for _, t in sample_text.calibration_samples()}
     assert not shipped & {t for _, t in sample_text.samples()}
     src = _source(tmp_path, "gemma", head_std=0.02, tokenizer=True)
-    monkeypatch.setattr(C, "CALIBRATION_EXACT_EMBED_S", 1e9)   # every candidate whole, loaded or not
     rep = lct.convert(str(src), tmp_path / "g.lct")
     d = rep.decision
     assert d.method == "calibration" and "calibration text" in d.note
@@ -287,11 +286,13 @@ def test_default_calibration_runs_the_shipped_text(tmp_path, monkeypatch):
 
     def wq(e):
         return lambda w: roundtrip(e, w, 64).to(w.dtype)
-    for e in ("nf4", "int8"):
+    for e in ("nf4", "int8"):     # forced, each is measured whole
+        forced = lct.convert(str(src), tmp_path / f"{e}.lct",
+                             policy=Policy(**{e: ("embed", "head")})).decision
         head = _full_forward_kl(src, lambda m: m.lm_head, wq(e), blocks)
         embed = _full_forward_kl(src, lambda m: m.model.embed_tokens, wq(e), blocks)
         assert head > 1e-6 and embed > 1e-6
-        assert d.costs["embed+head"][e] == pytest.approx(head + embed, rel=1e-4)
+        assert forced.costs["embed+head"][e] == pytest.approx(head + embed, rel=1e-4)
     m = json.loads((tmp_path / "g.lct" / "lct.json").read_text())["policy"]["measured"]
     assert m["method"] == "calibration" and m["tokens"] == d.tokens
     assert m["sizes"]["embed+head"]["plain"] > m["sizes"]["embed+head"]["int8"] \
@@ -324,21 +325,27 @@ def sample_text_prose() -> str:
     return sample_text.PROSE[:2000]
 
 
-def test_slow_reference_passes_scale_the_embedding_candidates(tmp_path, monkeypatch):
-    """Past C.CALIBRATION_EXACT_EMBED_S only the most lossy embedding candidate runs whole; the
-    others are its cost scaled by their relative squared weight error."""
-    from lct.conversion import policy as pol
-    src = _source(tmp_path, "llama", head_std=0.5, tokenizer=True)
-    monkeypatch.setattr(C, "CALIBRATION_EXACT_EMBED_S", 1e9)
-    exact = lct.convert(str(src), tmp_path / "e.lct").decision.costs["embed"]
-    monkeypatch.setattr(C, "CALIBRATION_EXACT_EMBED_S", 0.0)
-    scaled = lct.convert(str(src), tmp_path / "s.lct").decision.costs["embed"]
-    assert scaled["nf4"] == pytest.approx(exact["nf4"], rel=1e-6)   # the one measured whole
-    from safetensors import safe_open
-    with safe_open(str(next(src.glob("*.safetensors"))), "pt") as f:
-        w = f.get_tensor("model.embed_tokens.weight")
-    rel = {e: pol._rel_err_of(w, pol.roundtrip(e, w, 64).to(w.dtype))
-           for e in ("nf4", "int8", "q8_0")}
+def test_a_tied_table_measures_the_embedding_only_where_it_can_change_the_choice(tmp_path):
+    """Each embedding candidate is a whole forward pass: smallest first, a candidate whose head
+    alone is over the budget, or that is larger than one within it, keeps its head's cost as a
+    lower bound (``partial``, printed with ≥); a manual policy measures what it forces whole."""
+    src = _source(tmp_path, "gemma", head_std=0.02, tokenizer=True)
+    whole = lct.convert(str(src), tmp_path / "w.lct", policy=Policy(budget=9.0)).decision
+    # a loose budget: NF4 (the smallest) fits, every larger candidate keeps its head's cost
+    assert whole.chosen["embed"] == "nf4"
+    assert sorted(whole.partial["embed+head"]) == ["int8", "q8_0"]
+    blocks = _shipped_blocks(src)
+    from lct.conversion.policy import roundtrip
     for e in ("int8", "q8_0"):
-        assert scaled[e] == pytest.approx(exact["nf4"] * rel[e] / rel["nf4"], rel=1e-6)
-        assert scaled[e] != exact[e]
+        head = _full_forward_kl(src, lambda m: m.lm_head,
+                                lambda w: roundtrip(e, w, 64).to(w.dtype), blocks)
+        assert whole.costs["embed+head"][e] == pytest.approx(head, rel=1e-4)
+    assert "int8 ≥" in whole.summary() and "nf4 ≥" not in whole.summary()
+    # a budget NF4's head alone is over: its embedding is never run either
+    tight = lct.convert(str(src), tmp_path / "t.lct", policy=Policy(budget=1e-9)).decision
+    assert "nf4" in tight.partial["embed+head"]
+    assert tight.chosen["embed"] == "plain"
+    forced = lct.convert(str(src), tmp_path / "f.lct", policy=Policy(int8=("embed", "head")))
+    assert forced.decision.partial == {}
+    m = json.loads((tmp_path / "w.lct" / "lct.json").read_text())["policy"]["measured"]
+    assert sorted(m["partial"]["embed+head"]) == ["int8", "q8_0"]

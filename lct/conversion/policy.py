@@ -55,6 +55,7 @@ class Decision:
     kept: dict = field(default_factory=dict)     # role -> why it stays lossless unmeasured
     sizes: dict = field(default_factory=dict)    # part -> {encoding (and plain): stored bytes}
     note: str = ""                   # which text was measured on, or why none was
+    partial: dict = field(default_factory=dict)  # part -> encodings costed by the head alone
 
     def to_dict(self) -> dict:
         return {"method": self.method, "mode": self.mode, "budget_kl": self.budget,
@@ -63,6 +64,7 @@ class Decision:
                 **({"kept": self.kept} if self.kept else {}),
                 **({"sizes": self.sizes} if self.sizes else {}),
                 **({"note": self.note} if self.note else {}),
+                **({"partial": self.partial} if self.partial else {}),
                 "costs": {p: {e: round(v, 6) if math.isfinite(v) else None
                               for e, v in c.items()} for p, c in self.costs.items()}}
 
@@ -74,7 +76,9 @@ class Decision:
         for part in parts:
             role = "embed" if part == "embed+head" else part
             size = self.sizes.get(part, {})
-            other = ", ".join(f"{e} {v:.4f}" + (f" {human(size[e])}" if e in size else "")
+            low = self.partial.get(part, ())
+            other = ", ".join(f"{e} " + ("≥" if e in low else "") + f"{v:.4f}"
+                              + (f" {human(size[e])}" if e in size else "")
                               for e, v in self.costs[part].items())
             plain = f", plain {human(size[C.ENCODING_PLAIN])}" if C.ENCODING_PLAIN in size \
                 else ""
@@ -223,18 +227,6 @@ def proxy_costs(src, tensors: dict, lossy: dict, tied: bool, arch, policy) -> di
     return costs
 
 
-def _rel_err_of(w, wq) -> float:
-    """``||wq - w||^2 / ||w||^2`` of a table and its round trip, a row slice at a time."""
-    rows, cols = w.shape
-    step = max(1, ROW_STEP_BYTES // (4 * cols))
-    err = norm = 0.0
-    for r0 in range(0, rows, step):
-        wf = w[r0:r0 + step].float()
-        norm += float(wf.pow(2).sum())
-        err += float((wq[r0:r0 + step].float() - wf).pow(2).sum())
-    return err / max(norm, 1e-30)
-
-
 def _rel_err(w, candidates, blocksize: int) -> dict:
     """``||w_q - w||^2 / ||w||^2`` per candidate, a row slice at a time."""
     rows, cols = w.shape
@@ -310,15 +302,18 @@ class _Cached:
 def calibration_costs(src, tensors: dict, lossy: dict, tied: bool, arch, policy) -> tuple:
     """Costs per part and candidate measured on text (``policy.calibration``, or the text shipped
     with LCT, ``sample_text.calibration_samples()``), as mean KL against the source model on the
-    same tokens. Returns ``(costs, tokens scored)``.
+    same tokens.
 
     The model runs once per block as it is (the reference), keeping its trunk's output. A head
     candidate reruns only what follows the trunk (the head and any logit soft-cap) on that kept
     output, with the head's weight quantized-and-dequantized; an embedding candidate reruns the
     whole model with the embedding's weight so. A tied table's cost is the sum of both, each
-    measured alone. While the reference passes were fast (``C.CALIBRATION_EXACT_EMBED_S``) every
-    embedding candidate is measured; otherwise only the most lossy one is, and each other one is
-    its cost times the ratio of their relative squared weight errors.
+    measured alone. The whole passes are the cost of calibration, so for a tied table of an auto
+    policy the candidates go smallest first and the embedding is measured only where it can
+    change the choice: not once a smaller candidate fits ``policy.budget``, nor where the head
+    alone is over it. Such a candidate's cost is its head's, a lower bound, and it is listed in
+    the returned ``partial``. Returns ``(costs, tokens scored, partial)``: ``partial`` is
+    ``{part: [encodings]}``.
 
     Raises:
         CalibrationUnavailable: the model has no tokenizer, or cannot be run on text.
@@ -359,7 +354,7 @@ def calibration_costs(src, tensors: dict, lossy: dict, tied: bool, arch, policy)
                                          f"for text alone ({type(model).__name__})")
         return F.log_softmax(lg[0, :-1].float(), -1)
 
-    refs, t0 = [], time.perf_counter()
+    refs = []
     with torch.no_grad():
         for ids in blocks:
             x = torch.tensor([ids])
@@ -376,7 +371,6 @@ def calibration_costs(src, tensors: dict, lossy: dict, tied: bool, arch, policy)
                 if hook is not None:
                     hook.remove()
             refs.append((x, lr, kept[0] if len(kept) == 1 else None))
-        ref_s = time.perf_counter() - t0
         # The trunk's kept output gives the reference logits again, or the head reruns whole.
         x, lr, out = refs[0]
         if out is not None:
@@ -398,30 +392,28 @@ def calibration_costs(src, tensors: dict, lossy: dict, tied: bool, arch, policy)
             return total / n
 
         costs: dict = {}
+        partial: dict = {}
         for part, roles in parts.items():
             p = (embed if roles[0] == "embed" else head).weight.detach()
-            cands = _candidates(tuple(p.shape), policy.blocksize, policy,
-                                "embed" if tied else roles[0])
-            exact = ref_s * len(cands) <= C.CALIBRATION_EXACT_EMBED_S
-            head_kl, embed_kl, rel = {}, {}, {}
-            worst = None                        # (relative error, encoding, its table)
+            shape, dtype_name = tuple(p.shape), tensors[lossy[roles[0]]].dtype
+            cands = sorted(_candidates(shape, policy.blocksize, policy,
+                                       "embed" if tied else roles[0]),
+                           key=lambda e: encoded_bytes(e, shape, dtype_name, policy.blocksize))
+            prune = tied and policy.auto
+            c, fits = {}, False
             for e in cands:                     # one round trip per candidate
                 wq = roundtrip(e, p, policy.blocksize).to(p.dtype)
-                if "head" in roles:
-                    head_kl[e] = kl(head, wq, cached=True)
-                if "embed" in roles and exact:
-                    embed_kl[e] = kl(embed, wq, cached=False)
-                elif "embed" in roles:
-                    rel[e] = _rel_err_of(p, wq)
-                    if worst is None or rel[e] > worst[0]:
-                        worst = (rel[e], e, wq)
+                c[e] = kl(head, wq, cached=True) if "head" in roles else 0.0
+                if "embed" in roles:
+                    if prune and (fits or not c[e] <= policy.budget):
+                        partial.setdefault(part, []).append(e)
+                    else:
+                        c[e] += kl(embed, wq, cached=False)
+                        fits = fits or c[e] <= policy.budget
                 del wq
-            if worst is not None:
-                per_err = kl(embed, worst[2], cached=False) / max(worst[0], 1e-30)
-                embed_kl = {e: per_err * rel[e] for e in cands}
-                del worst
-            costs[part] = {e: head_kl.get(e, 0.0) + embed_kl.get(e, 0.0) for e in cands}
-    return costs, n
+            costs[part] = {e: c[e] for e in _candidates(shape, policy.blocksize, policy,
+                                                        "embed" if tied else roles[0])}
+    return costs, n, partial
 
 
 def choose(costs: dict, shapes: dict, dtypes: dict, budget: float, blocksize: int) -> tuple:
@@ -466,7 +458,7 @@ def decide(src, tensors: dict, lossy: dict, tied: bool, arch, policy) -> Decisio
     if not lossy:
         return Decision({r: C.ENCODING_PLAIN for r in C.LOSSY_ROLES}, tied, "none",
                         policy.budget, kept=kept)
-    note = ""
+    note, partial = "", {}
     if policy.calibration == C.CALIBRATION_NONE:
         costs, tokens, method = proxy_costs(src, tensors, lossy, tied, arch, policy), 0, "proxy"
     else:
@@ -474,7 +466,7 @@ def decide(src, tensors: dict, lossy: dict, tied: bool, arch, policy) -> Decisio
             why = None if policy.calibration else calibration_obstacle(src, tensors)
             if why:
                 raise CalibrationUnavailable(why)
-            costs, tokens = calibration_costs(src, tensors, lossy, tied, arch, policy)
+            costs, tokens, partial = calibration_costs(src, tensors, lossy, tied, arch, policy)
             method = "calibration"
             if not policy.calibration:
                 note = "LCT's calibration text (lct/conversion/sample_text.py)"
@@ -503,7 +495,7 @@ def decide(src, tensors: dict, lossy: dict, tied: bool, arch, policy) -> Decisio
                     for e in (C.ENCODING_PLAIN, *c)} for part, c in costs.items()}
     return Decision(chosen, tied, method, policy.budget, costs, cost, tokens,
                     time.perf_counter() - t0, "auto" if policy.auto else "manual", kept,
-                    sizes, note)
+                    sizes, note, partial)
 
 
 def _non_finite(src, tensors: dict, lossy: dict, policy) -> dict:

@@ -185,10 +185,6 @@ CALIBRATION_NONE = "none"
 # The model is loaded whole for calibration: only when its bytes are at most this share of the
 # memory available (the rest: the converter's own buffers, the candidates' round trips).
 CALIBRATION_MEMORY_SHARE = 0.5
-# Each embedding candidate costs a whole forward pass. While the reference passes took less than
-# this many seconds in all, every candidate is measured so; beyond it only the most lossy one is,
-# and the others are scaled from it by their relative squared weight error (KL grows with it).
-CALIBRATION_EXACT_EMBED_S = 2.0
 PROXY_SAMPLES = 64
 # The proxy's hidden states come from this seed: not 0, which tiny random test models use.
 PROXY_SEED = 7919

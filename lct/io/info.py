@@ -104,10 +104,13 @@ def measured_line(measured) -> str:
     from lct.units import human
     try:
         sizes = measured.get("sizes") or {}
+        partial = measured.get("partial") or {}
 
         def cand(part, e, v):
             size = (sizes.get(part) or {}).get(e)
-            return f"{e} {float(v):.4f}" + (f" ({human(int(size))})" if size is not None else "")
+            low = "≥" if e in (partial.get(part) or ()) else ""
+            return f"{e} {low}{float(v):.4f}" + (f" ({human(int(size))})" if size is not None
+                                                 else "")
         costs = "; ".join(f"{part}: " + ", ".join(cand(part, e, v) for e, v in c.items())
                           for part, c in measured["costs"].items())
         cost, budget = float(measured["cost_kl"]), float(measured["budget_kl"])
