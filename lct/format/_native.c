@@ -586,26 +586,33 @@ static void q8_dequant(const uint8_t *restrict in, void *restrict out, Py_ssize_
     }
 }
 
-/* The checks q8_0_quantize and q8_0_dequant share: the kind, whole blocks of elements, and the
- * blocks' bytes. Returns the block count, or -1 with a ValueError set. */
-static Py_ssize_t q8_layout(const char *fn, int kind, Py_ssize_t elem_bytes, Py_ssize_t block_len)
+/* The checks a block codec's quantize and dequantize share (Q8_0's, Q6_K's): the kind, whole
+ * blocks of ``qk`` elements, and ``block_bytes`` bytes of blocks per block. Returns the block
+ * count, or -1 with a ValueError set. */
+static Py_ssize_t block_layout(const char *fn, int kind, Py_ssize_t elem_bytes,
+                               Py_ssize_t block_len, int qk, Py_ssize_t block_bytes)
 {
     if (kind != 0 && kind != 1) {
         PyErr_Format(PyExc_ValueError, "%s: kind must be 0 (float32) or 1 (bfloat16)", fn);
         return -1;
     }
-    Py_ssize_t size = kind == 0 ? 4 : 2, n = elem_bytes / size, blocks = n / Q8_BLOCK;
-    if (elem_bytes % size || n % Q8_BLOCK) {
+    Py_ssize_t size = kind == 0 ? 4 : 2, n = elem_bytes / size, blocks = n / qk;
+    if (elem_bytes % size || n % qk) {
         PyErr_Format(PyExc_ValueError, "%s: %zd bytes of elements are not whole blocks of %d "
-                     "%s elements", fn, elem_bytes, Q8_BLOCK, kind == 0 ? "float32" : "bfloat16");
+                     "%s elements", fn, elem_bytes, qk, kind == 0 ? "float32" : "bfloat16");
         return -1;
     }
-    if (block_len / Q8_BLOCK_BYTES != blocks || block_len % Q8_BLOCK_BYTES) {
+    if (block_len / block_bytes != blocks || block_len % block_bytes) {
         PyErr_Format(PyExc_ValueError, "%s: %zd elements need %zd bytes of blocks, got %zd", fn,
-                     n, blocks * Q8_BLOCK_BYTES, block_len);
+                     n, blocks * block_bytes, block_len);
         return -1;
     }
     return blocks;
+}
+
+static Py_ssize_t q8_layout(const char *fn, int kind, Py_ssize_t elem_bytes, Py_ssize_t block_len)
+{
+    return block_layout(fn, kind, elem_bytes, block_len, Q8_BLOCK, Q8_BLOCK_BYTES);
 }
 
 static PyObject *q8_0_quantize(PyObject *self, PyObject *args)
@@ -994,26 +1001,9 @@ static Py_ssize_t q6_run(const void *in, void *out, Py_ssize_t blocks, int kind,
     return bad;
 }
 
-/* The checks q6_k_quantize and q6_k_dequant share: the kind, whole blocks of elements, and the
- * blocks' bytes. Returns the block count, or -1 with a ValueError set. */
 static Py_ssize_t q6_layout(const char *fn, int kind, Py_ssize_t elem_bytes, Py_ssize_t block_len)
 {
-    if (kind != 0 && kind != 1) {
-        PyErr_Format(PyExc_ValueError, "%s: kind must be 0 (float32) or 1 (bfloat16)", fn);
-        return -1;
-    }
-    Py_ssize_t size = kind == 0 ? 4 : 2, n = elem_bytes / size, blocks = n / Q6_BLOCK;
-    if (elem_bytes % size || n % Q6_BLOCK) {
-        PyErr_Format(PyExc_ValueError, "%s: %zd bytes of elements are not whole blocks of %d "
-                     "%s elements", fn, elem_bytes, Q6_BLOCK, kind == 0 ? "float32" : "bfloat16");
-        return -1;
-    }
-    if (block_len / Q6_BLOCK_BYTES != blocks || block_len % Q6_BLOCK_BYTES) {
-        PyErr_Format(PyExc_ValueError, "%s: %zd elements need %zd bytes of blocks, got %zd", fn,
-                     n, blocks * Q6_BLOCK_BYTES, block_len);
-        return -1;
-    }
-    return blocks;
+    return block_layout(fn, kind, elem_bytes, block_len, Q6_BLOCK, Q6_BLOCK_BYTES);
 }
 
 static PyObject *q6_k_quantize(PyObject *self, PyObject *args)
