@@ -85,6 +85,13 @@ def int8_matmul(x: np.ndarray, x_bf16: bool, q: np.ndarray, scale: np.ndarray, o
                         threads, -1 if isa is None else ISAS.index(isa))
 
 
+def _blocks_matmul(fn, x, x_bf16, blocks, out, out_bf16, shape, threads, isa) -> None:
+    """Call a block encoding's compiled fused matmul ``fn`` (Q8_0's, Q6_K's) with its flags."""
+    m, n, k = shape
+    fn(x, 1 if x_bf16 else 0, blocks, out, 1 if out_bf16 else 0, m, n, k, threads,
+       -1 if isa is None else ISAS.index(isa))
+
+
 def q8_0_matmul(x: np.ndarray, x_bf16: bool, blocks: np.ndarray, out: np.ndarray,
                 out_bf16: bool, shape: tuple, threads: int, isa: str | None = None) -> None:
     """``out[M, N] = x[M, K] @ W.T`` with ``W`` [N, K] in llama.cpp's Q8_0: ``blocks`` is uint8,
@@ -101,9 +108,7 @@ def q8_0_matmul(x: np.ndarray, x_bf16: bool, blocks: np.ndarray, out: np.ndarray
     Example:
         >>> q8_0_matmul(x, False, blocks.numpy(), out, False, (1, N, K), 4)
     """
-    m, n, k = shape
-    _native.q8_0_matmul(x, 1 if x_bf16 else 0, blocks, out, 1 if out_bf16 else 0, m, n, k,
-                        threads, -1 if isa is None else ISAS.index(isa))
+    _blocks_matmul(_native.q8_0_matmul, x, x_bf16, blocks, out, out_bf16, shape, threads, isa)
 
 
 def q6_k_matmul(x: np.ndarray, x_bf16: bool, blocks: np.ndarray, out: np.ndarray,
@@ -122,9 +127,7 @@ def q6_k_matmul(x: np.ndarray, x_bf16: bool, blocks: np.ndarray, out: np.ndarray
     Example:
         >>> q6_k_matmul(x, False, blocks.numpy(), out, False, (1, N, K), 4)
     """
-    m, n, k = shape
-    _native.q6_k_matmul(x, 1 if x_bf16 else 0, blocks, out, 1 if out_bf16 else 0, m, n, k,
-                        threads, -1 if isa is None else ISAS.index(isa))
+    _blocks_matmul(_native.q6_k_matmul, x, x_bf16, blocks, out, out_bf16, shape, threads, isa)
 
 
 def tiled_matmul(kind: str, x: np.ndarray, x_bf16: bool, codes: np.ndarray,

@@ -278,7 +278,7 @@ def _quantized_rows(art, info, bufs, pieces, rows: slice):
     enc = get_encoding(info.encoding)
     if isinstance(enc, BlockEncoding):
         return enc.weight_class(info.name, own([p.blocks for p in parts],
-                                               enc.codec().row_bytes(cols)), (n, cols),
+                                               enc.nbytes((cols,), None)), (n, cols),
                                 art.lossy_dtype(info))
     if info.encoding == C.ENCODING_INT8:
         return Int8Weight(info.name, own([p.q for p in parts], cols),

@@ -420,7 +420,7 @@ class BlockEncoding(LossyEncoding):
     weight_class: type
 
     def codec(self):
-        """The codec module (``quantize``, ``dequantize``, ``check_shape``, ``row_bytes``)."""
+        """The codec module (``quantize``, ``dequantize``)."""
         import importlib
         return importlib.import_module(self.codec_module)
 
@@ -428,10 +428,12 @@ class BlockEncoding(LossyEncoding):
         return bool(shape) and shape[-1] % self.block == 0
 
     def check_source(self, shape, blocksize, where):
-        self.codec().check_shape(shape, where)
+        from lct.format.blocks import check_rows
+        check_rows(shape, where, self.label, self.block)
 
     def nbytes(self, shape, stored_dtype):
-        return math.prod(shape) // self.block * self.block_bytes
+        from lct.format.blocks import blocks_nbytes
+        return blocks_nbytes(math.prod(shape), self.block, self.block_bytes)
 
     def check(self, obj, w, shape, dtype, stored_dtype, nbytes, where):
         self._check_common(obj, w, dtype, stored_dtype, where)
@@ -454,7 +456,7 @@ class BlockEncoding(LossyEncoding):
         return codec.dequantize(codec.quantize(wf if wf is not None else w), tuple(w.shape))
 
     def weight(self, info, raw, scales, dtype):
-        return self.weight_class(info.name, raw.view(-1, self.codec().row_bytes(info.shape[-1])),
+        return self.weight_class(info.name, raw.view(-1, self.nbytes(info.shape[-1:], dtype)),
                                  info.shape, dtype)
 
     def join(self, info, parts, perm, dtype):

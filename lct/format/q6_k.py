@@ -21,6 +21,7 @@ import math
 import numpy as np
 
 from lct.errors import OptionError, PolicyError
+from lct.format import blocks as _blocks
 from lct.format import constants as C
 
 PIECE_ELEMENTS = 1 << 20
@@ -39,7 +40,7 @@ _ROUND = 12582912.0                              # 1.5 * 2^23: see _nearest
 
 def blocks_nbytes(numel: int) -> int:
     """Bytes of ``numel`` values in Q6_K (210 per block of 256)."""
-    return numel // C.Q6_K_BLOCK * C.Q6_K_BLOCK_BYTES
+    return _blocks.blocks_nbytes(numel, C.Q6_K_BLOCK, C.Q6_K_BLOCK_BYTES)
 
 
 def row_bytes(cols: int) -> int:
@@ -48,10 +49,8 @@ def row_bytes(cols: int) -> int:
 
 
 def check_shape(shape, name: str = "tensor") -> None:
-    """Refuse a shape whose rows do not split into whole blocks of 256 (``PolicyError``)."""
-    if not shape or shape[-1] % C.Q6_K_BLOCK:
-        raise PolicyError(f"{name}: Q6_K needs rows of a multiple of {C.Q6_K_BLOCK} values, "
-                          f"got shape {tuple(shape)}")
+    """Refuse a shape whose rows do not split into whole blocks (``PolicyError``)."""
+    _blocks.check_rows(shape, name, "Q6_K", C.Q6_K_BLOCK)
 
 
 def _nearest(f):

@@ -17,6 +17,7 @@ from __future__ import annotations
 import math
 
 from lct.errors import OptionError, PolicyError
+from lct.format import blocks as _blocks
 from lct.format import constants as C
 
 PIECE_ELEMENTS = 1 << 22
@@ -24,7 +25,7 @@ PIECE_ELEMENTS = 1 << 22
 
 def blocks_nbytes(numel: int) -> int:
     """Bytes of ``numel`` values in Q8_0 (34 per block of 32)."""
-    return numel // C.Q8_0_BLOCK * C.Q8_0_BLOCK_BYTES
+    return _blocks.blocks_nbytes(numel, C.Q8_0_BLOCK, C.Q8_0_BLOCK_BYTES)
 
 
 def row_bytes(cols: int) -> int:
@@ -33,10 +34,8 @@ def row_bytes(cols: int) -> int:
 
 
 def check_shape(shape, name: str = "tensor") -> None:
-    """Refuse a shape whose rows do not split into whole blocks of 32 (``PolicyError``)."""
-    if not shape or shape[-1] % C.Q8_0_BLOCK:
-        raise PolicyError(f"{name}: Q8_0 needs rows of a multiple of {C.Q8_0_BLOCK} values, "
-                          f"got shape {tuple(shape)}")
+    """Refuse a shape whose rows do not split into whole blocks (``PolicyError``)."""
+    _blocks.check_rows(shape, name, "Q8_0", C.Q8_0_BLOCK)
 
 
 def quantize_blocks(x):
