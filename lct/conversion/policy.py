@@ -396,8 +396,8 @@ def calibration_costs(src, tensors: dict, lossy: dict, tied: bool, arch, policy)
         for part, roles in parts.items():
             p = (embed if roles[0] == "embed" else head).weight.detach()
             shape, dtype_name = tuple(p.shape), tensors[lossy[roles[0]]].dtype
-            cands = sorted(_candidates(shape, policy.blocksize, policy,
-                                       "embed" if tied else roles[0]),
+            order = _candidates(shape, policy.blocksize, policy, "embed" if tied else roles[0])
+            cands = sorted(order,
                            key=lambda e: encoded_bytes(e, shape, dtype_name, policy.blocksize))
             prune = tied and policy.auto
             c, fits = {}, False
@@ -411,8 +411,7 @@ def calibration_costs(src, tensors: dict, lossy: dict, tied: bool, arch, policy)
                         c[e] += kl(embed, wq, cached=False)
                         fits = fits or c[e] <= policy.budget
                 del wq
-            costs[part] = {e: c[e] for e in _candidates(shape, policy.blocksize, policy,
-                                                        "embed" if tied else roles[0])}
+            costs[part] = {e: c[e] for e in order}      # in the registry's order
     return costs, n, partial
 
 
