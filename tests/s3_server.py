@@ -433,7 +433,8 @@ class FaultProxy:
     default 20 ms' worth); ``None`` (default): no cap. ``set_rate`` changes it.
 
     Counters: ``seen`` (requests received), ``injected`` (faults injected), ``bytes_sent``
-    (response body bytes sent to clients), ``log`` (one dict per request: ``method``, ``path``,
+    (response body bytes sent to clients), ``throttled`` (seconds the cap held bodies back,
+    summed over connections), ``log`` (one dict per request: ``method``, ``path``,
     ``range``, ``status`` answered, ``fault`` injected or ``None``, ``headers`` as received, a
     list of pairs, ``sent`` body bytes sent).
     """
@@ -453,6 +454,7 @@ class FaultProxy:
         self.seen = 0
         self.injected = 0
         self.bytes_sent = 0
+        self.throttled = 0.0
         self.log: list[dict] = []
         self._lock = threading.Lock()
         self._bucket: _TokenBucket | None = None
@@ -538,9 +540,11 @@ class FaultProxy:
     def _send_body(self, conn: socket.socket, data, entry: dict) -> None:
         """Send ``data`` (a piece of a response body) under the cap, and count it."""
         bucket = self._bucket
-        if bucket is not None and data and not bucket.take(len(data), self._stopping):
+        waited = bucket.take(len(data), self._stopping) if bucket is not None and data else 0.0
+        if waited is None:
             raise _Closed()  # stopped while waiting for the bucket
         with self._lock:    # counted first: a client that has the bytes finds them counted
+            self.throttled += waited
             self.bytes_sent += len(data)
             entry["sent"] += len(data)
         try:
@@ -600,9 +604,10 @@ class FaultProxy:
             self.faults = []
 
     def reset(self) -> None:
-        """Zero ``seen``, ``injected``, ``bytes_sent`` and ``log``."""
+        """Zero ``seen``, ``injected``, ``bytes_sent``, ``throttled`` and ``log``."""
         with self._lock:
             self.seen = self.injected = self.bytes_sent = 0
+            self.throttled = 0.0
             self.log = []
 
     def _pick(self, method: str, path: str, has_range: bool) -> Fault | None:
@@ -767,19 +772,20 @@ class _TokenBucket:
         self._t = time.monotonic()
         self._lock = threading.Lock()
 
-    def take(self, n: int, stopping: threading.Event | None = None) -> bool:
-        """Wait until ``n`` bytes may be sent; ``False`` if ``stopping`` was set meanwhile."""
+    def take(self, n: int, stopping: threading.Event | None = None) -> float | None:
+        """Wait until ``n`` bytes may be sent; returns the seconds waited for them, ``None`` if
+        ``stopping`` was set meanwhile."""
         with self._lock:
             now = time.monotonic()
             self._tokens = min(self.burst, self._tokens + (now - self._t) * self.rate) - n
             self._t = now
             wait = -self._tokens / self.rate if self._tokens < 0 else 0.0
         if wait <= 0:
-            return True
+            return 0.0
         if stopping is None:
             time.sleep(wait)
-            return True
-        return not stopping.wait(wait)
+            return wait
+        return None if stopping.wait(wait) else wait
 
 
 def _pieces(uf, rbody: bytes | None, length: int | None, size: int = 1 << 16):

@@ -98,7 +98,7 @@ def test_sigint_while_the_source_is_hashed_exits_at_once(sparse_src, tmp_path):
         p.wait()
     assert p.returncode == INTERRUPTED_STATUS, err
     assert "Traceback" not in err and _stderr_lines(err) == [INTERRUPTED], err
-    assert took < 2, f"exited {took:.1f} s after SIGINT"
+    assert took < 5, f"exited {took:.1f} s after SIGINT"  # a loaded CI machine: margin
     assert list(out_dir.iterdir()) == []         # no artifact, no staging folder
 
 
@@ -191,7 +191,7 @@ def test_sigint_during_start_up(gemma_art):
         p.kill()
         p.wait()
     assert p.returncode == INTERRUPTED_STATUS and err == INTERRUPTED + "\n", (p.returncode, err)
-    assert out == "" and time.monotonic() - sent < 2
+    assert out == "" and time.monotonic() - sent < 5
 
 
 def test_the_entry_point_keeps_the_exit_status_and_the_one_line(tmp_path):

@@ -164,7 +164,9 @@ def test_proxy_passes_signed_requests_unchanged(s3, proxy):
 
 def test_rate_cap_is_shared_by_all_connections(s3):
     """``rate``: the bodies of concurrent GETs together leave at the cap; ``bytes_sent`` and
-    each log entry's ``sent`` count them; ``set_rate(None)`` lifts it."""
+    each log entry's ``sent`` count them, ``throttled`` the time the cap held them back;
+    ``set_rate(None)`` lifts it. Only lower bounds on wall time: a loaded CI machine may be slow,
+    never faster than the cap."""
     with FaultProxy(s3, rate=1e6, burst=64 * 1024) as p:
         got = []
 
@@ -179,13 +181,14 @@ def test_rate_cap_is_shared_by_all_connections(s3):
         took = time.monotonic() - t
         assert got == [DATA, DATA]
         # 2 x 256 KiB at 1 MB/s, less the 64 KiB burst: 0.46 s at least; alone each would be 0.2
-        assert 0.42 < took < 5, took
+        assert took > 0.42, took
+        # the two connections' waits overlap, so their sum is at least the wall time's share
+        assert p.throttled > 0.42, p.throttled
         assert p.bytes_sent == 2 * len(DATA) and [e["sent"] for e in p.log] == [len(DATA)] * 2
         p.set_rate(None)
         p.reset()
-        t = time.monotonic()
         assert client(p).get_object(Bucket=BUCKET, Key=KEY)["Body"].read() == DATA
-        assert time.monotonic() - t < 0.4 and p.bytes_sent == len(DATA) and p.rate is None
+        assert p.throttled == 0 and p.bytes_sent == len(DATA) and p.rate is None
     with pytest.raises(ValueError):
         FaultProxy(s3, rate=0)
 
@@ -213,10 +216,8 @@ def test_error500(proxy):
 
 def test_stall_before_headers_and_mid_body(proxy):
     proxy.set_fault("stall", seconds=1.5, count=1)
-    t = time.monotonic()
-    with pytest.raises(ReadTimeoutError):
+    with pytest.raises(ReadTimeoutError):   # raised at all: 0.3 s passed with no byte
         client(proxy, read_timeout=0.3).get_object(Bucket=BUCKET, Key=KEY)
-    assert time.monotonic() - t < 1.4
     proxy.set_fault("stall", seconds=1.5, after=1000, count=1)
     got = client(proxy, read_timeout=0.3).get_object(Bucket=BUCKET, Key=KEY)  # headers came
     with pytest.raises(ReadTimeoutError):
