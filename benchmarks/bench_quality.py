@@ -7,7 +7,8 @@ standard library). Reports perplexity of source and artifact, its change, top-1 
 mean KL, and the artifact's size. Policies: the default (auto, measured on the calibration text
 shipped with LCT), auto with ``--calibration none`` (the text-free proxy), auto with
 ``--calibration`` on other standard-library modules, the seed's all-NF4, all-int8, all-Q8_0,
-all-Q6_K (where the rows are whole 256-value blocks), lossless. None of the calibration texts is
+all-Q6_K (where the rows are whole 256-value blocks), all-int8/128 (a scale per 128 values),
+lossless. None of the calibration texts is
 part of the scored texts.
 A second table sets each way of estimating a candidate beside its real-text KL, with the ratio
 (the estimate's validation: within 2x either way is the target). The models (``--models``) are
@@ -16,6 +17,7 @@ real trained weights shipped in packages: SmolLM2-135M-Instruct from ``llm-smoll
 part packages (``benchmarks/gemma3_270m.py``).
 
     python benchmarks/bench_quality.py --out bench_out [--max-tokens 16384] [--models smollm2]
+        [--policies auto,int8_b128]
 """
 
 from __future__ import annotations
@@ -42,8 +44,11 @@ POLICIES = {
     "all int8 (--int8 embed,head)": ("int8", ["--int8", "embed,head"]),
     "all Q8_0 (--q8_0 embed,head)": ("q8_0", ["--q8_0", "embed,head"]),
     "all Q6_K (--q6_k embed,head)": ("q6_k", ["--q6_k", "embed,head"]),
+    "all int8/128 (--int8_b128 embed,head)": ("int8_b128", ["--int8_b128", "embed,head"]),
     "lossless (--nf4 none)": ("none", ["--nf4", "none"]),
 }
+FORCED = {enc: next(label for label, (key, _) in POLICIES.items() if key == enc)
+          for enc in ("nf4", "int8", "int8_b128", "q8_0", "q6_k")}
 
 
 def texts(out: Path) -> dict:
@@ -94,6 +99,8 @@ def run_model(name: str, src: Path, corpora: dict, args) -> list:
     lct_bin = shutil.which("lct", path=str(Path(PY).parent)) or "lct"
     rows, decisions, timing = [], {}, {}
     for label, (key, flags) in POLICIES.items():
+        if args.policies and key not in args.policies.split(","):
+            continue
         art = args.out / f"{name}-quality-{key}.lct"
         flags = [f.format(cal=corpora["calibration"]) for f in flags]
         t = time.perf_counter()
@@ -132,7 +139,7 @@ def run_model(name: str, src: Path, corpora: dict, args) -> list:
              "`lct convert` s |", "|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for label, kind, q, size, _ in rows:
         pol = decisions[label]
-        enc = next((e for e in ("nf4", "int8", "q8_0", "q6_k") if pol.get(e)), "lossless")
+        enc = next((e for e in FORCED if pol.get(e)), "lossless")
         lines.append(f"| {label} | {enc} | {kind} | {q['tokens']} | {q['ppl_reference']:.3f} | "
                      f"{q['ppl']:.3f} | {q['delta_pct']:+.2f} % | {q['top1_agreement']:.4f} | "
                      f"{q['kl_mean']:.4f} | {size / 1e6:.1f} | {size / src_bytes:.3f} | "
@@ -144,15 +151,14 @@ def run_model(name: str, src: Path, corpora: dict, args) -> list:
               "| candidate | real KL prose | real KL code | LCT's calibration text (default) | "
               "ratio | --calibration TEXT | ratio | text-free proxy | ratio |",
               "|---|---|---|---|---|---|---|---|---|"]
-    forced = {"nf4": "all NF4 (--nf4 embed,head)", "int8": "all int8 (--int8 embed,head)",
-              "q8_0": "all Q8_0 (--q8_0 embed,head)", "q6_k": "all Q6_K (--q6_k embed,head)"}
-    for enc, label in forced.items():
+    for enc, label in FORCED.items():
         if (label, "prose") not in real:
             continue
         truth = (real[(label, "prose")] + real[(label, "code")]) / 2
         cells = []
         for how in (DEFAULT, USER_TEXT, PROXY):
-            est = decisions[how]["measured"]["costs"]["embed+head"].get(enc)
+            est = (decisions[how]["measured"]["costs"]["embed+head"].get(enc)
+                   if how in decisions else None)     # a policy left out by --policies
             ratio = est / truth if est is not None and truth > 0 else float("nan")
             cells += [f"{est:.5f}" if est is not None else "-", f"{ratio:.2f}"]
         lines.append(f"| {enc} | {real[(label, 'prose')]:.5f} | {real[(label, 'code')]:.5f} | "
@@ -160,7 +166,7 @@ def run_model(name: str, src: Path, corpora: dict, args) -> list:
     lines += ["", "Seconds each policy's measurement took inside `lct convert` "
               "(`policy.measured.seconds`): " + ", ".join(
                   f"{lab}: {decisions[lab]['measured']['seconds']:.1f}"
-                  for lab in (DEFAULT, USER_TEXT, PROXY)), ""]
+                  for lab in (DEFAULT, USER_TEXT, PROXY) if lab in decisions), ""]
     return lines
 
 
@@ -170,6 +176,9 @@ def main() -> None:
     ap.add_argument("--max-tokens", type=int, default=16384)
     ap.add_argument("--models", default="smollm2,gemma3-270m",
                     help=f"comma-separated, of: {', '.join(MODELS)}")
+    ap.add_argument("--policies", default=None,
+                    help="comma-separated keys of the policies to run (default: all): "
+                         + ", ".join(key for key, _ in POLICIES.values()))
     args = ap.parse_args()
     corpora = texts(args.out)
     lines = []

@@ -38,12 +38,16 @@ def _parse_calibration(ctx, param, value):
 @click.option("--revision", default=None, help="Hub revision (branch, tag or commit) of SOURCE.")
 @click.option("--nf4", "nf4", default=None, callback=_parse_parts, metavar="PARTS",
               help="Force these parts to NF4 (bitsandbytes layout): embed, head, embed,head or "
-                   "none. Any of --nf4/--int8/--q8_0/--q6_k turns the automatic choice off; parts not "
+                   "none. Any of --nf4/--int8/--int8_b128/--q8_0/--q6_k turns the automatic choice off; parts not "
                    "named are then lossless. A tied embedding/head is one table: name both or "
                    "neither.")
 @click.option("--int8", "int8", default=None, callback=_parse_parts, metavar="PARTS",
               help="Force these parts to int8 with one scale per row: embed, head, embed,head "
                    "or none.")
+@click.option("--int8_b128", "int8_b128", default=None, callback=_parse_parts, metavar="PARTS",
+              help="Force these parts to int8 with one scale per 128 values of a row (8.25 bits "
+                   "a value; rows must be whole blocks of 128): embed, head, embed,head or "
+                   "none.")
 @click.option("--q8_0", "q8_0", default=None, callback=_parse_parts, metavar="PARTS",
               help="Force these parts to Q8_0 (llama.cpp's 8-bit blocks: a float16 scale per 32 "
                    "values, 8.5 bits a value): embed, head, embed,head or none.")
@@ -93,27 +97,27 @@ def _parse_calibration(ctx, param, value):
               help="Print the result as one JSON object (fields in docs/CLI.md); bars stay on "
                    "stderr.")
 @quiet_option("the artifact's path")
-def convert_cmd(source, output, revision, nf4, int8, q8_0, q6_k, budget, calibration, dtype, level, blocksize,
-                codec, max_file_size, workers, maximus_shards, tp_pieces, token_freq, force, quiet,
+def convert_cmd(source, output, revision, nf4, int8, int8_b128, q8_0, q6_k, budget, calibration,
+                dtype, level, blocksize, codec, max_file_size, workers, maximus_shards, tp_pieces, token_freq, force, quiet,
                 as_json):
     """Convert SOURCE (a local model folder with safetensors, or a Hub id such as
     google/gemma-2b or hf://google/gemma-2b@main) into an LCT artifact.
 
     Each transformer layer becomes an independent compressed chunk, kept losslessly in its dtype.
     The embedding and the LM head (a tied table once) are stored in the smallest encoding that
-    keeps the model faithful: NF4, Q6_K (6-bit blocks), int8 with one scale per row, Q8_0 (a
-    scale per 32 values), or lossless, chosen by running the source model on a calibration text
-    (LCT's own by default, or --calibration TEXT; the text-free proxy where the model cannot run)
-    against --budget. --nf4/--int8/--q8_0/--q6_k force a choice. Pickle checkpoints (.bin) are
-    refused. HF_HUB_OFFLINE=1 uses only the local Hugging Face cache.
+    keeps the model faithful: NF4, Q6_K (6-bit blocks), int8 with one scale per row or per 128
+    values, Q8_0 (a scale per 32 values), or lossless, chosen by running the source model on a
+    calibration text (LCT's own by default, or --calibration TEXT; the text-free proxy where the
+    model cannot run) against --budget. --nf4/--int8/--int8_b128/--q8_0/--q6_k force a choice.
+    Pickle checkpoints (.bin) are refused. HF_HUB_OFFLINE=1 uses only the local Hugging Face cache.
     """
     from lct.conversion.converter import Policy, convert
     from lct.units import parse_size
     max_file_size = parse_size(max_file_size, "--max-file-size")
     if token_freq and not maximus_shards:
         raise click.UsageError("--token-freq needs --maximus-shards")
-    policy = Policy(nf4=nf4, int8=int8, q8_0=q8_0, q6_k=q6_k, budget=budget, calibration=calibration,
-                    blocksize=blocksize, dtype=dtype, codec=codec, level=level,
+    policy = Policy(nf4=nf4, int8=int8, int8_b128=int8_b128, q8_0=q8_0, q6_k=q6_k, budget=budget,
+                    calibration=calibration, blocksize=blocksize, dtype=dtype, codec=codec, level=level,
                     maximus_shards=maximus_shards, tp_pieces=tp_pieces)
     bar = GroupProgress("convert", enabled=not quiet)
     try:

@@ -68,6 +68,9 @@ def _parsed(parser_name: str):
               help="With --format lct and no artifact: the Q8_0 parts, as lct convert --q8_0.")
 @click.option("--q6_k", "q6_k", default=None, callback=_parse_parts, metavar="PARTS",
               help="With --format lct and no artifact: the Q6_K parts, as lct convert --q6_k.")
+@click.option("--int8_b128", "int8_b128", default=None, callback=_parse_parts, metavar="PARTS",
+              help="With --format lct and no artifact: the parts in int8 with a scale per 128 "
+                   "values, as lct convert --int8_b128.")
 @click.option("--blocksize", type=click.IntRange(min=2), default=None,
               help="With --format lct and no artifact: the NF4 block size (default 64).")
 @click.option("--maximus-resident", callback=_parsed("parse_resident"), metavar="K/N", default=None,
@@ -86,7 +89,7 @@ def _parsed(parser_name: str):
               help="Print every figure as JSON (integer parameters and bytes).")
 @quiet_option("the peak (and with --memory whether it fits)")
 def plan_cmd(model, mode, batch, seq, vocab_size, add_tokens, precision, optimizer, kv_dtype,
-             fmt, nf4, int8, q8_0, q6_k, blocksize, maximus_resident, memory, device, loss_chunk, revision,
+             fmt, nf4, int8, q8_0, q6_k, int8_b128, blocksize, maximus_resident, memory, device, loss_chunk, revision,
              as_json, quiet):
     """Plan the memory MODEL needs for inference or a training step.
 
@@ -103,7 +106,7 @@ def plan_cmd(model, mode, batch, seq, vocab_size, add_tokens, precision, optimiz
                           kv_dtype=kv_dtype, format=fmt, maximus_resident=maximus_resident,
                           memory=memory, device=device, loss_chunk=loss_chunk, nf4=nf4,
                           blocksize=blocksize, revision=revision, int8=int8, q8_0=q8_0,
-                          q6_k=q6_k)
+                          q6_k=q6_k, int8_b128=int8_b128)
     p = plan(model, options=options)
     if as_json:
         click.echo(p.to_json(), nl=False)

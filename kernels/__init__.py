@@ -41,7 +41,7 @@ def embedding_for(weight, dtype, pad_ids=(), scale=None):
         rows, cols = weight.shape
         return NF4Embedding(weight.packed, weight.absmax, rows, cols, weight.blocksize, dtype,
                             pad_ids=pad_ids, scale=scale)
-    if e == C.ENCODING_INT8:
+    if e in (C.ENCODING_INT8, C.ENCODING_INT8_B128):
         return Int8Embedding(weight.q, weight.scale, dtype, pad_ids=pad_ids, scale_by=scale)
     return _BLOCKS[e][0](weight.blocks, dtype, pad_ids=pad_ids, scale_by=scale)
 
@@ -53,7 +53,7 @@ def linear_for(weight, dtype, bias=None):
         rows, cols = weight.shape
         return NF4Linear(weight.packed, weight.absmax, rows, cols, weight.blocksize, dtype,
                          bias=bias)
-    if e == C.ENCODING_INT8:
+    if e in (C.ENCODING_INT8, C.ENCODING_INT8_B128):
         return Int8Linear(weight.q, weight.scale, dtype, bias=bias)
     return _BLOCKS[e][1](weight.blocks, dtype, bias=bias)
 

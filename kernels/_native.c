@@ -4,9 +4,10 @@
  *   nf4_matmul(x, x_kind, packed, absmax, code, out, out_kind, M, N, K, blocksize, threads, isa)
  *                                     out[M, N] = x[M, K] @ W.T with W [N, K] in NF4
  *                                     (lct/format/nf4.py's layout), float32 sums.
- *   int8_matmul(x, x_kind, q, scale, out, out_kind, M, N, K, threads, isa)
- *                                     out[M, N] = x[M, K] @ (q * scale[:, None]).T with q int8
- *                                     [N, K] and one float32 scale per row (lct/format/int8.py).
+ *   int8_matmul(x, x_kind, q, scale, out, out_kind, M, N, K, blocksize, threads, isa)
+ *                                     out[M, N] = x[M, K] @ W.T with q int8 [N, K] and one
+ *                                     float32 scale per `blocksize` codes of a row (K: per
+ *                                     row), W = q * scale (lct/format/int8.py).
  *   q8_0_matmul(x, x_kind, blocks, out, out_kind, M, N, K, threads, isa)
  *                                     out[M, N] = x[M, K] @ W.T with W [N, K] in llama.cpp's
  *                                     Q8_0 (per 32 weights of a row, 34 bytes: a float16 scale d,
@@ -150,6 +151,28 @@ static inline void i8_row_c(const mm_job *j, const uint8_t *p, const float *am, 
 }
 
 MM_ROW_FNS(i8_rows_c, i8_row_c, )
+
+/* int8 per block (int8_b128): the same with one scale per block of `blocksize` codes, each
+ * block's sum scaled by it (`am`: the row's scales). */
+static inline void i8b_row_c(const mm_job *j, const uint8_t *p, const float *am, Py_ssize_t m0,
+                             int mt, float *res)
+{
+    const int8_t *q = (const int8_t *)p;
+    Py_ssize_t bs = j->blocksize;
+    for (int t = 0; t < mt; t++) {
+        const float *x = j->xe + (m0 + t) * j->K;
+        float acc = 0.0f;
+        for (Py_ssize_t b = 0; b < j->K / bs; b++) {
+            float s = 0.0f;
+            for (Py_ssize_t i = b * bs; i < (b + 1) * bs; i++)
+                s += (float)q[i] * x[i];
+            acc += s * am[b];
+        }
+        res[t] = acc;
+    }
+}
+
+MM_ROW_FNS(i8b_rows_c, i8b_row_c, )
 
 /* ---- Q8_0: W [N, K] as K/32 blocks of 34 bytes per row, each a float16 d and 32 int8 q ------
  *
@@ -378,6 +401,70 @@ i8_row256(const mm_job *j, const uint8_t *p, const float *am, Py_ssize_t m0, int
     }
     for (int t = 0; t < mt; t++)
         res[t] = hsum256(_mm256_add_ps(s[t], s2[t]));
+}
+
+/* int8 per block: per block, the codes' sums as above, then scaled by the block's scale into
+ * one accumulator per input row (as the NF4 kernels do); blocksize a multiple of 32 (16). */
+__attribute__((target("avx512f"), always_inline)) static inline void
+i8b_row512(const mm_job *j, const uint8_t *p, const float *am, Py_ssize_t m0, int mt, float *res)
+{
+    Py_ssize_t bs = j->blocksize;
+    __m512 acc[MM_TILE];
+    for (int t = 0; t < mt; t++)
+        acc[t] = _mm512_setzero_ps();
+    for (Py_ssize_t b = 0; b < j->K / bs; b++) {
+        __m512 s[MM_TILE], s2[MM_TILE];
+        for (int t = 0; t < mt; t++)
+            s[t] = s2[t] = _mm512_setzero_ps();
+        for (Py_ssize_t i = b * bs; i < (b + 1) * bs; i += 32) {
+            if (!(i & 63))
+                _mm_prefetch((const char *)p + i + MM_PREFETCH, _MM_HINT_T0);
+            __m512 w = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)(p + i))));
+            __m512 w2 = _mm512_cvtepi32_ps(
+                _mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)(p + i + 16))));
+            for (int t = 0; t < mt; t++) {
+                const float *x = j->xe + (m0 + t) * j->K + i;
+                s[t] = _mm512_fmadd_ps(w, _mm512_loadu_ps(x), s[t]);
+                s2[t] = _mm512_fmadd_ps(w2, _mm512_loadu_ps(x + 16), s2[t]);
+            }
+        }
+        __m512 a = _mm512_set1_ps(am[b]);
+        for (int t = 0; t < mt; t++)
+            acc[t] = _mm512_fmadd_ps(_mm512_add_ps(s[t], s2[t]), a, acc[t]);
+    }
+    for (int t = 0; t < mt; t++)
+        res[t] = _mm512_reduce_add_ps(acc[t]);
+}
+
+__attribute__((target("avx2,fma"), always_inline)) static inline void
+i8b_row256(const mm_job *j, const uint8_t *p, const float *am, Py_ssize_t m0, int mt, float *res)
+{
+    Py_ssize_t bs = j->blocksize;
+    __m256 acc[MM_TILE];
+    for (int t = 0; t < mt; t++)
+        acc[t] = _mm256_setzero_ps();
+    for (Py_ssize_t b = 0; b < j->K / bs; b++) {
+        __m256 s[MM_TILE], s2[MM_TILE];
+        for (int t = 0; t < mt; t++)
+            s[t] = s2[t] = _mm256_setzero_ps();
+        for (Py_ssize_t i = b * bs; i < (b + 1) * bs; i += 16) {
+            if (!(i & 63))
+                _mm_prefetch((const char *)p + i + MM_PREFETCH, _MM_HINT_T0);
+            __m256 w = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i *)(p + i))));
+            __m256 w2 = _mm256_cvtepi32_ps(
+                _mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i *)(p + i + 8))));
+            for (int t = 0; t < mt; t++) {
+                const float *x = j->xe + (m0 + t) * j->K + i;
+                s[t] = _mm256_fmadd_ps(w, _mm256_loadu_ps(x), s[t]);
+                s2[t] = _mm256_fmadd_ps(w2, _mm256_loadu_ps(x + 8), s2[t]);
+            }
+        }
+        __m256 a = _mm256_set1_ps(am[b]);
+        for (int t = 0; t < mt; t++)
+            acc[t] = _mm256_fmadd_ps(_mm256_add_ps(s[t], s2[t]), a, acc[t]);
+    }
+    for (int t = 0; t < mt; t++)
+        res[t] = hsum256(acc[t]);
 }
 
 /* Q8_0 rows: per block, the 32 codes widened to float32 and scaled by d once for the tile, then
@@ -667,6 +754,8 @@ MM_ROW_FNS(q6_rows_avx2, q6_row256, __attribute__((target("avx2,fma"))))
 MM_ROW_FNS(q8_rows_avx2, q8_row256, __attribute__((target("avx2,fma"))))
 MM_ROW_FNS(i8_rows_avx512, i8_row512, __attribute__((target("avx512f"))))
 MM_ROW_FNS(i8_rows_avx2, i8_row256, __attribute__((target("avx2,fma"))))
+MM_ROW_FNS(i8b_rows_avx512, i8b_row512, __attribute__((target("avx512f"))))
+MM_ROW_FNS(i8b_rows_avx2, i8b_row256, __attribute__((target("avx2,fma"))))
 MM_ROW_FNS(mm_rows_avx512, mm_row512, __attribute__((target("avx512f"))))
 MM_ROW_FNS(mm_rows_avx2, mm_row256, __attribute__((target("avx2,fma"))))
 #endif
@@ -675,18 +764,19 @@ MM_ROW_FNS(mm_rows_avx2, mm_row256, __attribute__((target("avx2,fma"))))
  * kernel per tile size 1..tile). */
 static void mm_rows(const mm_job *j, const mm_row_fn *rows, int tile)
 {
-    /* NF4: K/2 code bytes and K/blocksize absmax per row; int8: K codes and one scale; Q8_0:
-     * K/32 blocks of 34 bytes, Q6_K: K/256 blocks of 210, their scales inside. */
+    /* NF4: K/2 code bytes and K/blocksize absmax per row; int8: K codes and K/blocksize
+     * scales (one per row: the kernel's sum scaled here); Q8_0: K/32 blocks of 34 bytes, Q6_K:
+     * K/256 blocks of 210, their scales inside. */
     Py_ssize_t stride = j->codes == MM_INT8   ? j->K
                         : j->codes == MM_Q8_0 ? j->K / Q8_BLOCK * Q8_BLOCK_BYTES
                         : j->codes == MM_Q6_K ? j->K / Q6_BLOCK * Q6_BLOCK_BYTES
                                               : j->K / 2;
-    Py_ssize_t bpr = j->codes == MM_INT8 ? 1 : j->codes == MM_NF4 ? j->K / j->blocksize : 0;
+    Py_ssize_t bpr = j->codes == MM_INT8 || j->codes == MM_NF4 ? j->K / j->blocksize : 0;
     float res[Q8_TILE];
     for (Py_ssize_t n = j->n0; n < j->n1; n++) {
         const uint8_t *p = j->packed + n * stride;
         const float *am = bpr ? j->absmax + n * bpr : NULL;
-        float scale = j->codes == MM_INT8 ? am[0] : 1.0f;
+        float scale = j->codes == MM_INT8 && bpr == 1 ? am[0] : 1.0f;
         for (Py_ssize_t m0 = 0; m0 < j->M; m0 += tile) {
             int mt = j->M - m0 < tile ? (int)(j->M - m0) : tile;
             rows[mt - 1](j, p, am, m0, res);
@@ -768,7 +858,8 @@ static void *mm_worker(void *arg)
         else if (j->codes == MM_Q6_K)
             mm_rows(j, q6_rows_avx512, Q8_TILE);
         else
-            mm_rows(j, j->codes == MM_INT8 ? i8_rows_avx512 : mm_rows_avx512, MM_TILE);
+            mm_rows(j, j->codes != MM_INT8 ? mm_rows_avx512
+                       : j->blocksize == j->K ? i8_rows_avx512 : i8b_rows_avx512, MM_TILE);
         return NULL;
     }
     if (j->isa == ISA_AVX2) {
@@ -777,12 +868,14 @@ static void *mm_worker(void *arg)
         else if (j->codes == MM_Q6_K)
             mm_rows(j, q6_rows_avx2, MM_TILE);
         else
-            mm_rows(j, j->codes == MM_INT8 ? i8_rows_avx2 : mm_rows_avx2, MM_TILE);
+            mm_rows(j, j->codes != MM_INT8 ? mm_rows_avx2
+                       : j->blocksize == j->K ? i8_rows_avx2 : i8b_rows_avx2, MM_TILE);
         return NULL;
     }
 #endif
     mm_rows(j, j->codes == MM_Q8_0 ? q8_rows_c : j->codes == MM_Q6_K ? q6_rows_c
-               : j->codes == MM_INT8 ? i8_rows_c : mm_rows_c, MM_TILE);
+               : j->codes != MM_INT8 ? mm_rows_c : j->blocksize == j->K ? i8_rows_c : i8b_rows_c,
+            MM_TILE);
     return NULL;
 }
 
@@ -943,14 +1036,15 @@ static PyObject *mm_run_widened(const void *codes, const float *scales, const vo
     return Py_NewRef(Py_None);
 }
 
-/* out[M, N] = x[M, K] @ (q * scale[:, None]).T with q int8 [N, K], one float32 scale per row. */
+/* out[M, N] = x[M, K] @ W.T with q int8 [N, K] and one float32 scale per `blocksize` codes of a
+ * row (blocksize K: one per row), W = q * scale. */
 static PyObject *int8_matmul(PyObject *self, PyObject *args)
 {
     Py_buffer x, q, scale, out;
-    Py_ssize_t M, N, K;
+    Py_ssize_t M, N, K, bs;
     int x_kind, out_kind, threads, isa;
-    if (!PyArg_ParseTuple(args, "y*iy*y*w*innnii", &x, &x_kind, &q, &scale, &out, &out_kind, &M,
-                          &N, &K, &threads, &isa))
+    if (!PyArg_ParseTuple(args, "y*iy*y*w*innnnii", &x, &x_kind, &q, &scale, &out, &out_kind, &M,
+                          &N, &K, &bs, &threads, &isa))
         return NULL;
     PyObject *ret = NULL;
     Py_ssize_t xs = x_kind == 0 ? 4 : 2, os = out_kind == 0 ? 4 : 2;
@@ -959,18 +1053,20 @@ static PyObject *int8_matmul(PyObject *self, PyObject *args)
     if ((x_kind != 0 && x_kind != 1) || (out_kind != 0 && out_kind != 1)) {
         PyErr_SetString(PyExc_ValueError, "int8_matmul: kinds must be 0 (float32) or 1 (bfloat16)");
     } else if (M <= 0 || N <= 0 || K <= 0 || M > PY_SSIZE_T_MAX / K || N > PY_SSIZE_T_MAX / K
-               || M > PY_SSIZE_T_MAX / N) {
-        PyErr_Format(PyExc_ValueError, "int8_matmul: bad shape M=%zd N=%zd K=%zd", M, N, K);
-    } else if (x.len != M * K * xs || q.len != N * K || scale.len != N * 4 || out.len != M * N * os) {
+               || M > PY_SSIZE_T_MAX / N || bs <= 0 || K % bs) {
+        PyErr_Format(PyExc_ValueError, "int8_matmul: bad shape M=%zd N=%zd K=%zd blocksize=%zd",
+                     M, N, K, bs);
+    } else if (x.len != M * K * xs || q.len != N * K || scale.len != N * (K / bs) * 4
+               || out.len != M * N * os) {
         PyErr_Format(PyExc_ValueError, "int8_matmul: buffer sizes %zd/%zd/%zd/%zd do not match "
                      "M=%zd N=%zd K=%zd", x.len, q.len, scale.len, out.len, M, N, K);
     } else if (((uintptr_t)x.buf) % xs || ((uintptr_t)out.buf) % os || ((uintptr_t)scale.buf) % 4) {
         PyErr_SetString(PyExc_ValueError, "int8_matmul: a buffer is not aligned");
     } else {
         threads = mm_threads(threads, N);
-        if (K % (2 * 16))      /* the vector loops take 32 (AVX-512) or 16 (AVX2) codes a step */
-            isa = K % 16 ? ISA_SCALAR : (isa >= ISA_AVX512 ? ISA_AVX2 : isa);
-        ret = mm_run_widened(q.buf, scale.buf, x.buf, x_kind, out.buf, out_kind, M, N, K, 1,
+        if (bs % (2 * 16))     /* the vector loops take 32 (AVX-512) or 16 (AVX2) codes a step */
+            isa = bs % 16 ? ISA_SCALAR : (isa >= ISA_AVX512 ? ISA_AVX2 : isa);
+        ret = mm_run_widened(q.buf, scale.buf, x.buf, x_kind, out.buf, out_kind, M, N, K, bs,
                              threads, isa, MM_INT8);
     }
     PyBuffer_Release(&x);
@@ -1114,7 +1210,8 @@ static PyObject *tl_run(tl_job proto, const void *x, int x_kind, int threads)
 
 /* out[M, N] = x[M, K] @ W.T through tiles (kernels/_tiled.h) with W [N, K] of `kind`: TL_NF4
  * (codes [N, K/2], scales the float32 absmax [N, K/blocksize], table the 16 float32 levels),
- * TL_INT8 (codes [N, K] int8, scales [N]), TL_Q8_0 or TL_Q6_K (codes the rows' blocks; scales
+ * TL_INT8 (codes [N, K] int8, scales [N, K/blocksize]: blocksize K is one per row, else a multiple
+ * of 32), TL_Q8_0 or TL_Q6_K (codes the rows' blocks; scales
  * and table empty). w_bf16: the weights may be rounded to bfloat16 (taken when x is bfloat16 and
  * the CPU has AVX512_BF16). */
 static PyObject *tiled_matmul(PyObject *self, PyObject *args)
@@ -1135,8 +1232,10 @@ static PyObject *tiled_matmul(PyObject *self, PyObject *args)
         stride = K / 2;
         nscales = shape_ok ? N * (K / blocksize) : 0;
     } else if (shape_ok && kind == TL_INT8) {
+        shape_ok = blocksize > 0 && K % blocksize == 0
+                   && (blocksize == K || blocksize % TL_KALIGN == 0);
         stride = K;
-        nscales = N;
+        nscales = shape_ok ? N * (K / blocksize) : 0;
     } else if (shape_ok && kind == TL_Q8_0) {
         shape_ok = K % Q8_BLOCK == 0 && N <= PY_SSIZE_T_MAX / (K / Q8_BLOCK * Q8_BLOCK_BYTES);
         stride = K / Q8_BLOCK * Q8_BLOCK_BYTES;
@@ -1184,8 +1283,9 @@ static PyMethodDef methods[] = {
      "nf4_matmul(x, x_kind, packed, absmax, code, out, out_kind, M, N, K, blocksize, threads, "
      "isa): fused NF4 matmul, out[M, N] = x[M, K] @ W.T; isa -1 picks the best."},
     {"int8_matmul", int8_matmul, METH_VARARGS,
-     "int8_matmul(x, x_kind, q, scale, out, out_kind, M, N, K, threads, isa): fused int8 "
-     "matmul, out[M, N] = x[M, K] @ (q * scale).T; isa -1 picks the best."},
+     "int8_matmul(x, x_kind, q, scale, out, out_kind, M, N, K, blocksize, threads, isa): fused "
+     "int8 matmul, out[M, N] = x[M, K] @ (q * scale).T, a scale per blocksize codes of a row; "
+     "isa -1 picks the best."},
     {"q8_0_matmul", q8_0_matmul, METH_VARARGS,
      "q8_0_matmul(x, x_kind, blocks, out, out_kind, M, N, K, threads, isa): fused Q8_0 matmul, "
      "out[M, N] = x[M, K] @ W.T with W in llama.cpp's Q8_0 blocks; isa -1 picks the best."},

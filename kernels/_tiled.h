@@ -2,7 +2,8 @@
  * kernels, whose helpers it shares: to_bf16, f16_table, q8_scale, q6_d, q6_block_c, q6_codes,
  * q6_scales, lookup16, the ISA levels).
  *
- * out[M, N] = x[M, K] @ W.T for many rows of x, W [N, K] in NF4, int8 per row, Q8_0 or Q6_K.
+ * out[M, N] = x[M, K] @ W.T for many rows of x, W [N, K] in NF4, int8 (per row or per block of
+ * a row), Q8_0 or Q6_K.
  * Threads take tiles of TL_ROWS rows of W from a shared counter, one ahead of the tile they
  * multiply, so a thread slowed by another process on its core does not hold up the rest. A tile
  * is dequantized once into a buffer that stays in L2 (tl_group512 at 16 lanes, four rows at a
@@ -24,7 +25,8 @@
  *          (d * scale) * q) and rounded to bfloat16 once (VCVTNE2PS2BF16, nearest-even, as
  *          torch's cast), so the tile equals the chunked path's dequantized rows bit for bit;
  *          VDPBF16PS multiplies pairs exactly and sums in float32. int8 per row keeps its codes
- *          exact (an int8 is a bfloat16) and scales the float32 sum once, more faithful still.
+ *          exact (an int8 is a bfloat16) and scales the float32 sum once, more faithful still;
+ *          int8 per block forms q * scale as the others do.
  *   float32 (every other case, and CPUs without AVX512_BF16): weights in float32, x widened to
  *          float32, FMA sums in float32.
  * Rows of x are zero-padded to Kp (a multiple of TL_KALIGN), tile rows likewise, so the
@@ -48,7 +50,8 @@ typedef void (*tl_mk_fn)(const tl_job *j, const void *x, const void *w, Py_ssize
 struct tl_job {
     int enc, bf16, isa, out_kind;
     const uint8_t *codes;       /* NF4 [N, K/2]; int8 [N, K]; Q8_0 / Q6_K blocks, row-major */
-    const float *scales, *table; /* NF4 absmax [N, K/bs] and 16 levels; int8 one per row */
+    const float *scales, *table; /* NF4 absmax [N, K/bs] and 16 levels; int8 [N, K/bs] (bs K:
+                                  * one per row, applied to the sums; else to the weights) */
     Py_ssize_t blocksize, M, N, K, Kp, stride;
     Py_ssize_t *next_tile;      /* shared by the jobs: the next tile no thread has taken */
     const void *x;              /* [M, Kp]: bfloat16 bits when bf16, else float32 */
@@ -58,7 +61,13 @@ struct tl_job {
     int group, chunk;           /* the tile's layout: rows per group, elements per chunk */
 };
 
-/* Row n of W in float32 (int8: the codes, its scale applied to the sums). The reference for
+/* Whether the job's scales multiply the sums (int8 per row) rather than the weights. */
+static inline int tl_row_scaled(const tl_job *j)
+{
+    return j->enc == TL_INT8 && j->blocksize == j->K;
+}
+
+/* Row n of W in float32 (int8 per row: the codes, its scale applied to the sums). The reference for
  * every vector dequantizer, and their fallback for NF4 blocksizes they do not step by. */
 static void tl_row_c(const tl_job *j, Py_ssize_t n, float *dst)
 {
@@ -73,8 +82,10 @@ static void tl_row_c(const tl_job *j, Py_ssize_t n, float *dst)
             dst[i + 1] = j->table[p[i / 2] & 15] * a;
         }
     } else if (j->enc == TL_INT8) {
+        Py_ssize_t bs = j->blocksize;
+        const float *am = j->scales + n * (K / bs);
         for (Py_ssize_t i = 0; i < K; i++)
-            dst[i] = (float)(int8_t)p[i];
+            dst[i] = tl_row_scaled(j) ? (float)(int8_t)p[i] : (float)(int8_t)p[i] * am[i / bs];
     } else if (j->enc == TL_Q8_0) {
         for (Py_ssize_t b = 0; b < K / Q8_BLOCK; b++, p += Q8_BLOCK_BYTES) {
             float d = q8_scale(p);
@@ -110,7 +121,7 @@ static void tl_row_c_into(const tl_job *j, Py_ssize_t n, void *grp, int r)
 static inline void tl_store(const tl_job *j, Py_ssize_t m, Py_ssize_t n, float v)
 {
     Py_ssize_t o = m * j->N + n;
-    if (j->enc == TL_INT8)
+    if (tl_row_scaled(j))
         v *= j->scales[n];
     if (j->out_kind == 0)
         ((float *)j->out)[o] = v;
@@ -240,6 +251,26 @@ tl_group512(const tl_job *j, Py_ssize_t n, int count, void *grpv, const int bf16
                 }
             }
         }
+    } else if (j->enc == TL_INT8 && !tl_row_scaled(j)) {
+        /* per block (blocksize a multiple of 32): each code times its block's scale */
+        Py_ssize_t bs = j->blocksize, nb = K / bs;
+        for (Py_ssize_t b = 0; b < nb; b++) {
+            __m512 d[4];
+            for (int r = 0; r < 4; r++)
+                d[r] = _mm512_set1_ps(j->scales[(p[r] - j->codes) / j->stride * nb + b]);
+            for (i = b * bs; i < (b + 1) * bs; i += step) {
+                for (int r = 0; r < 4; r++) {
+                    if (!(i & 63))
+                        _mm_prefetch((const char *)p[r] + i + MM_PREFETCH, _MM_HINT_T0);
+                    __m512 a = _mm512_mul_ps(tl_i8x16(_mm_loadu_si128((const __m128i *)(p[r] + i))),
+                                             d[r]);
+                    TL_V(r, a, bf16 ? _mm512_mul_ps(tl_i8x16(_mm_loadu_si128(
+                                                       (const __m128i *)(p[r] + i + 16))), d[r])
+                                    : a);
+                }
+                tl_put4(grp + i * bytes, v);
+            }
+        }
     } else if (j->enc == TL_INT8) {
         for (; i + step <= K; i += step) {
             for (int r = 0; r < 4; r++) {
@@ -361,6 +392,15 @@ TL_AVX2 static void tl_row_f256(const tl_job *j, Py_ssize_t n, void *grpv, int r
                 tl_put256(grp, TL_AT8(i + 8), lookup16(tlo, thi, hi));
             }
         }
+    } else if (j->enc == TL_INT8 && !tl_row_scaled(j)) {
+        Py_ssize_t bs = j->blocksize;
+        const float *am = j->scales + n * (K / bs);
+        for (; i < K; i += 8) {     /* blocksize a multiple of 32 */
+            if (!(i & 63))
+                _mm_prefetch((const char *)p + i + MM_PREFETCH, _MM_HINT_T0);
+            tl_put256(grp, TL_AT8(i), _mm256_mul_ps(tl_i8x8(_mm_loadl_epi64((const __m128i *)(p + i))),
+                                                    _mm256_set1_ps(am[i / bs])));
+        }
     } else if (j->enc == TL_INT8) {
         for (; i + 8 <= K; i += 8) {
             if (!(i & 63))
@@ -419,7 +459,7 @@ tl_out512(const tl_job *j, const __m512 *a, Py_ssize_t m, Py_ssize_t n0, __mmask
     /* u[4 r + v] is row 4 v + r */
     const __m512i order = _mm512_setr_epi32(0, 4, 8, 12, 1, 5, 9, 13, 2, 6, 10, 14, 3, 7, 11, 15);
     __m512 s = _mm512_permutexvar_ps(order, u);
-    if (j->enc == TL_INT8)
+    if (tl_row_scaled(j))
         s = _mm512_mul_ps(s, _mm512_maskz_loadu_ps(mask, j->scales + n0));
     Py_ssize_t o = m * j->N + n0;
     if (j->out_kind == 0) {
@@ -503,7 +543,7 @@ tl_out256(const tl_job *j, const __m256 *a, Py_ssize_t m, Py_ssize_t n0, int val
     __m256 r = _mm256_permutevar8x32_ps(u, _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7));
     const __m256i mask = _mm256_cmpgt_epi32(_mm256_set1_epi32(valid),
                                             _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7));
-    if (j->enc == TL_INT8)
+    if (tl_row_scaled(j))
         r = _mm256_mul_ps(r, _mm256_maskload_ps(j->scales + n0, mask));
     Py_ssize_t o = m * j->N + n0;
     if (j->out_kind == 0) {

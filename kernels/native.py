@@ -66,11 +66,12 @@ def nf4_matmul(x: np.ndarray, x_bf16: bool, packed: np.ndarray, absmax: np.ndarr
 
 
 def int8_matmul(x: np.ndarray, x_bf16: bool, q: np.ndarray, scale: np.ndarray, out: np.ndarray,
-                out_bf16: bool, shape: tuple, threads: int, isa: str | None = None) -> None:
-    """``out[M, N] = x[M, K] @ (q * scale[:, None]).T`` with ``q`` int8 [N, K] (as uint8 bytes
-    or int8) and one float32 ``scale`` per row, accumulated in float32 over ``threads`` threads
-    with the GIL released; ``x``, ``out``, ``shape`` (M, N, K) and ``isa`` as for
-    ``nf4_matmul``.
+                out_bf16: bool, shape: tuple, threads: int, isa: str | None = None,
+                block: int | None = None) -> None:
+    """``out[M, N] = x[M, K] @ (q * scale).T`` with ``q`` int8 [N, K] (as uint8 bytes or int8)
+    and one float32 ``scale`` per row ([N]), or per ``block`` codes of a row ([N, K/block],
+    row-major; ``block`` None: per row), accumulated in float32 over ``threads`` threads with
+    the GIL released; ``x``, ``out``, ``shape`` (M, N, K) and ``isa`` as for ``nf4_matmul``.
 
     Raises:
         ValueError: a buffer's size or alignment does not match ``shape``.
@@ -82,7 +83,7 @@ def int8_matmul(x: np.ndarray, x_bf16: bool, q: np.ndarray, scale: np.ndarray, o
     """
     m, n, k = shape
     _native.int8_matmul(x, 1 if x_bf16 else 0, q, scale, out, 1 if out_bf16 else 0, m, n, k,
-                        threads, -1 if isa is None else ISAS.index(isa))
+                        block or k, threads, -1 if isa is None else ISAS.index(isa))
 
 
 def _blocks_matmul(fn, x, x_bf16, blocks, out, out_bf16, shape, threads, isa) -> None:
@@ -140,10 +141,12 @@ def tiled_matmul(kind: str, x: np.ndarray, x_bf16: bool, codes: np.ndarray,
     Args:
         kind: one of ``TILED_KINDS``. ``codes``, ``scales``, ``table`` as the fused kernel of
             that kind takes them: NF4 ``packed`` [N, K/2], float32 ``absmax`` [N, K/blocksize]
-            and the 16 levels; int8 ``q`` [N, K] and float32 ``scale`` [N]; Q8_0 / Q6_K the
-            rows' blocks, with ``scales`` and ``table`` None.
+            and the 16 levels; int8 ``q`` [N, K] and float32 ``scale`` [N] (per block of
+            ``blocksize`` codes: [N, K/blocksize]); Q8_0 / Q6_K the rows' blocks, with
+            ``scales`` and ``table`` None.
         x, out, x_bf16, out_bf16: as for ``nf4_matmul``.
-        shape: (M, N, K). blocksize: NF4's (ignored otherwise).
+        shape: (M, N, K). blocksize: NF4's; int8's block (0 or K: one scale per row, else a
+            multiple of 32); ignored otherwise.
         w_bf16: the weights may be rounded to bfloat16 once, as the torch path's dequantize to
             a bfloat16 model dtype does; with a bfloat16 ``x`` on an avx512bf16 CPU the tiles
             are then bfloat16 and multiplied by VDPBF16PS (exact products, float32 sums).
@@ -161,6 +164,8 @@ def tiled_matmul(kind: str, x: np.ndarray, x_bf16: bool, codes: np.ndarray,
     """
     m, n, k = shape
     empty = b""
+    if kind == "int8" and not blocksize:
+        blocksize = k
     _native.tiled_matmul(TILED_KINDS.index(kind), x, 1 if x_bf16 else 0, codes,
                          empty if scales is None else scales, empty if table is None else table,
                          out, 1 if out_bf16 else 0, m, n, k, blocksize, bool(w_bf16), threads,

@@ -17,7 +17,6 @@ from contextlib import contextmanager
 
 from lct import errors
 from lct.errors import LCTError, OptionError
-from lct.format import constants as C
 from lct.format.encodings import is_lossy
 
 # Bytes of an error message the ranks exchange (UTF-8, cut to fit); no pickle crosses ranks.
@@ -262,8 +261,8 @@ def _quantized_rows(art, info, bufs, pieces, rows: slice):
     sliced from the whole."""
     import torch
 
-    from lct.format.encodings import BlockEncoding, get_encoding
-    from lct.io.reader import Int8Weight, NF4Weight
+    from lct.format.encodings import BlockEncoding, Int8, get_encoding
+    from lct.io.reader import NF4Weight
     parts = [art.tensor_from_buffer(p, bufs[p.chunk], dequantize=False) for p in pieces] \
         if pieces is not None else [art.assemble(info, bufs, dequantize=False)]
     n, cols = rows.stop - rows.start, info.shape[1]
@@ -280,10 +279,12 @@ def _quantized_rows(art, info, bufs, pieces, rows: slice):
         return enc.weight_class(info.name, own([p.blocks for p in parts],
                                                enc.nbytes((cols,), None)), (n, cols),
                                 art.lossy_dtype(info))
-    if info.encoding == C.ENCODING_INT8:
-        return Int8Weight(info.name, own([p.q for p in parts], cols),
-                          own([p.scale for p in parts], 1).reshape(-1), (n, cols),
-                          art.lossy_dtype(info))
+    if isinstance(enc, Int8):      # int8, int8_b128: scales per row or per block of a row
+        per_row = 1 if enc.block is None else cols // enc.block
+        scale = own([p.scale for p in parts], per_row)
+        return enc.weight_class(info.name, own([p.q for p in parts], cols),
+                                scale.reshape(-1) if enc.block is None else scale, (n, cols),
+                                art.lossy_dtype(info))
     bs = info.nf4["blocksize"]
     return NF4Weight(info.name, own([p.packed for p in parts], cols // 2).reshape(-1),
                      own([p.absmax for p in parts], cols // bs).reshape(-1), (n, cols), bs,

@@ -9,21 +9,27 @@ import torch
 
 from lct.format import int8, nf4, q6_k, q8_0
 
-ENCODINGS = ("nf4", "int8", "q8_0", "q6_k")
+ENCODINGS = ("nf4", "int8", "int8_b128", "q8_0", "q6_k")
 
 
 @dataclass
 class HeadWeight:
     kind: str
     codes: torch.Tensor            # NF4 packed [n, k/2], int8 q [n, k], or the rows' blocks
-    scales: torch.Tensor | None    # NF4 absmax [n, k/bs] float32, int8 scale [n], else None
-    blocksize: int                 # NF4's, else 0
+    scales: torch.Tensor | None    # NF4 absmax [n, k/bs] float32, int8 scale [n] (int8_b128
+                                   # [n, k/128]), else None
+    blocksize: int                 # NF4's, int8_b128's, else 0
     w32: torch.Tensor              # [n, k] float32: each weight as its encoding defines it
     w16: torch.Tensor              # [n, k] bfloat16: the chunked path's weights
 
     @property
     def shape(self):
         return tuple(self.w32.shape)
+
+    @property
+    def tiled_kind(self) -> str:
+        """The kind ``native.tiled_matmul`` knows it by (int8_b128: int8 with a blocksize)."""
+        return "int8" if self.kind == "int8_b128" else self.kind
 
     def head(self, dtype=torch.bfloat16, bias=None, chunk_rows=None):
         """The encoding's ``QuantizedLinear`` over this weight."""
@@ -32,7 +38,7 @@ class HeadWeight:
         if self.kind == "nf4":
             return NF4Linear(self.codes, self.scales, n, k, self.blocksize, dtype, bias=bias,
                              chunk_rows=chunk_rows)
-        if self.kind == "int8":
+        if self.kind in ("int8", "int8_b128"):
             return Int8Linear(self.codes, self.scales, dtype, bias=bias, chunk_rows=chunk_rows)
         cls = Q8_0Linear if self.kind == "q8_0" else Q6_KLinear
         return cls(self.codes, dtype, bias=bias, chunk_rows=chunk_rows)
@@ -63,10 +69,11 @@ def weight(kind: str, n: int, k: int, seed: int = 0, blocksize: int = 64) -> Hea
         w32 = nf4.dequantize(packed, absmax, (n, k), blocksize, torch.float32)
         return HeadWeight(kind, packed.view(n, k // 2), absmax.view(n, k // blocksize).float(),
                           blocksize, w32, w32.to(torch.bfloat16))
-    if kind == "int8":
-        q, scale = int8.quantize(w)
+    if kind in ("int8", "int8_b128"):
+        block = 128 if kind == "int8_b128" else None
+        q, scale = int8.quantize(w, block=block)
         w32 = int8.dequantize(q, scale, (n, k), torch.float32)
-        return HeadWeight(kind, q, scale.reshape(-1).float(), 0, w32,
+        return HeadWeight(kind, q, scale.float(), block or 0, w32,
                           int8.dequantize(q, scale, (n, k), torch.bfloat16))
     if kind == "q8_0":
         blocks = q8_0.quantize(w)

@@ -20,9 +20,9 @@ ROOT = Path(__file__).resolve().parents[1]
 
 def test_the_registry_holds_the_spec_encodings():
     assert list(_REGISTRY) == [C.ENCODING_PLAIN, C.ENCODING_NF4, C.ENCODING_INT8,
-                               C.ENCODING_Q8_0, C.ENCODING_Q6_K]
-    assert lossy_encodings() == (C.ENCODING_NF4, C.ENCODING_INT8, C.ENCODING_Q8_0,
-                                 C.ENCODING_Q6_K)
+                               C.ENCODING_INT8_B128, C.ENCODING_Q8_0, C.ENCODING_Q6_K]
+    assert lossy_encodings() == (C.ENCODING_NF4, C.ENCODING_INT8, C.ENCODING_INT8_B128,
+                                 C.ENCODING_Q8_0, C.ENCODING_Q6_K)
     assert not is_lossy(C.ENCODING_PLAIN) and is_lossy("nf4") and not is_lossy("q4_0")
     with pytest.raises(UnsupportedVersionError, match="unknown encoding 'q4_0'"):
         get_encoding("q4_0", "m.lct/lct.json")
@@ -34,7 +34,7 @@ def test_a_lossy_encoding_round_trips_through_its_own_bytes(name):
     validated as a reader does -> the weight read back from the chunk: the same codes and
     scales, and a dequantized value equal to the policy's roundtrip."""
     enc = get_encoding(name)
-    cols = max(64, getattr(enc, "block", 0))       # Q6_K's rows are whole blocks of 256
+    cols = max(64, getattr(enc, "block", 0) or 0)   # Q6_K's rows are whole blocks of 256
     w = torch.randn(24, cols, generator=torch.Generator().manual_seed(0)).to(torch.bfloat16)
     bs = 32 if enc.blocked else None
     codes, scales = enc.quantize(w, bs, "t")
@@ -51,7 +51,7 @@ def test_a_lossy_encoding_round_trips_through_its_own_bytes(name):
     a = lay.absmax_offsets.get("t", off + spec.nbytes)
     assert ("t" in lay.absmax_offsets) == bool(spec.absmax_nbytes) == (enc.key is not None)
     buf[off:off + spec.nbytes] = codes.reshape(-1).view(torch.uint8).numpy()
-    buf[a:a + spec.absmax_nbytes] = scales.view(torch.uint8).numpy()
+    buf[a:a + spec.absmax_nbytes] = scales.reshape(-1).view(torch.uint8).numpy()
     obj = enc.placement(bs, a, spec.absmax_nbytes)
     checked, span = enc.check(obj, "tensor 't'", (24, cols), "bfloat16", spec.stored_dtype,
                               spec.nbytes, "m/lct.json")

@@ -16,7 +16,7 @@ from tests.head_weights import ENCODINGS, chunked_error, reference, weight
 
 compiled = pytest.mark.skipif(not native.available(),
                               reason="lct.kernels._native not built, or LCT_NATIVE=0")
-SHAPE = {"nf4": (133, 256), "int8": (133, 200), "q8_0": (133, 256), "q6_k": (69, 512)}
+SHAPE = {"nf4": (133, 256), "int8": (133, 200), "int8_b128": (133, 384), "q8_0": (133, 256), "q6_k": (69, 512)}
 
 
 @pytest.fixture(autouse=True)

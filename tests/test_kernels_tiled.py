@@ -19,6 +19,7 @@ pytestmark = pytest.mark.skipif(not native.available(),
 # vector for int8; NF4 blocksizes the vector dequantizers step by and ones they fall back on.
 SHAPES = {"nf4": [(133, 256, 64), (70, 96, 32), (37, 40, 8)],
           "int8": [(133, 256, 0), (70, 100, 0)],
+          "int8_b128": [(133, 256, 128), (70, 384, 128)],
           "q8_0": [(133, 256, 0), (70, 96, 0)],
           "q6_k": [(133, 512, 0), (5, 256, 0)]}
 CASES = [(kind, *shape) for kind in ENCODINGS for shape in SHAPES[kind]]
@@ -36,7 +37,7 @@ def tiled(w, x: torch.Tensor, out_dtype=torch.float32, w_bf16=False, isa=None, t
     n, k = w.shape
     codes, scales, table, bs = w.tiled_args()
     out = torch.full((x.shape[0], n), float("nan"), dtype=out_dtype)
-    native.tiled_matmul(w.kind, _bits(x), x.dtype == torch.bfloat16, codes, scales, table,
+    native.tiled_matmul(w.tiled_kind, _bits(x), x.dtype == torch.bfloat16, codes, scales, table,
                         _bits(out), out_dtype == torch.bfloat16, (x.shape[0], n, k), bs, w_bf16,
                         threads, isa)
     return out

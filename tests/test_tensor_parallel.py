@@ -98,23 +98,24 @@ def test_qwen2_gqa_four_ranks_equals_from_pretrained(qwen_src, tmp_path):
 
 @pytest.fixture(scope="module")
 def qwen256_src(tmp_path_factory):
-    """``qwen_src`` with rows of 256 values, whole Q6_K blocks."""
+    """``qwen_src`` with rows of 256 values, whole Q6_K (and int8_b128) blocks."""
     from lct.demo import tiny
     return tiny.save_tiny(tmp_path_factory.mktemp("tp256") / "qwen2", "qwen2",
                           num_attention_heads=8, num_key_value_heads=4, hidden_size=256,
                           intermediate_size=256)
 
 
-@pytest.mark.parametrize("encoding", ["nf4", "int8", "q8_0", "q6_k"])
+@pytest.mark.parametrize("encoding", ["nf4", "int8", "int8_b128", "q8_0", "q6_k"])
 @pytest.mark.parametrize("pieces", [None, 2])
 def test_lossy_tables_are_kept_split_by_rows_or_dequantized(request, tmp_path, encoding,
                                                             pieces):
-    """NF4/int8/Q8_0/Q6_K embedding and head under tensor parallelism: kept in their encoding,
+    """NF4/int8/int8_b128/Q8_0/Q6_K embedding and head under tensor parallelism: kept in their encoding,
     each rank holding its rows (a ShardedEmbedding and a GatheredHead), with the logits of a
     single process that keeps them too; or dequantized to plain DTensors on request. Both equal
     the source up to the encoding's error."""
     import torch
-    qwen_src = request.getfixturevalue("qwen256_src" if encoding == "q6_k" else "qwen_src")
+    qwen_src = request.getfixturevalue("qwen256_src" if encoding in ("q6_k", "int8_b128")
+                                       else "qwen_src")
     art = tmp_path / f"{encoding}.lct"
     lct.convert(str(qwen_src), art, policy=Policy(**{encoding: ("embed", "head")},
                                                   tp_pieces=pieces))

@@ -60,13 +60,14 @@ class Policy:
     budget: float = C.DEFAULT_BUDGET_KL
     q8_0: tuple | None = None       # forced to Q8_0 (llama.cpp's 8-bit blocks), as nf4/int8
     q6_k: tuple | None = None       # forced to Q6_K (llama.cpp's 6-bit k-quant blocks)
+    int8_b128: tuple | None = None  # forced to int8 with a scale per 128 values
     calibration: str | None = None
     max_calibration_tokens: int = C.DEFAULT_CALIBRATION_TOKENS
     tp_pieces: int | None = None    # store what the model's TP plan splits as this many pieces
 
     def parts(self) -> dict:
         """``{lossy encoding: the parts forced to it, or None}``: the fields named as the
-        registry's lossy encodings (``nf4``, ``int8``, ``q8_0``, ``q6_k``)."""
+        registry's lossy encodings (``nf4``, ``int8``, ``int8_b128``, ``q8_0``, ``q6_k``)."""
         return {e: getattr(self, e) for e in lossy_encodings()}
 
     @property
@@ -215,7 +216,7 @@ def _write_chunk(writer, layout, policy: Policy, src: Source, get) -> int:
             buf[off: off + s.nbytes] = codes.reshape(-1).view(torch.uint8).numpy()
             if s.absmax_nbytes:         # Q8_0 has its scales in its blocks
                 a = layout.absmax_offsets[s.name]
-                buf[a: a + s.absmax_nbytes] = scales.view(torch.uint8).numpy()
+                buf[a: a + s.absmax_nbytes] = scales.reshape(-1).view(torch.uint8).numpy()
         else:
             if s.stored_dtype != s.dtype:
                 t = _cast(t, s.stored_dtype, s.piece_of or s.name, path)
@@ -591,7 +592,7 @@ def _choose(src: Source, tensors: dict, placed: dict, ties: dict, arch, policy: 
         from lct.conversion.policy import decide
         if lossy:
             fit = [get_encoding(e).label for e in lossy_encodings()
-                   if any(get_encoding(e).fits(tuple(tensors[n].shape), policy.blocksize)
+                   if any(get_encoding(e).candidate(tuple(tensors[n].shape), policy.blocksize)
                           for n in lossy.values())]
             say(f"measuring {', '.join(fit)} on {','.join(sorted(lossy))} ({_how(policy)})")
         decision = decide(src, tensors, lossy, bool(ties), arch, policy)

@@ -177,12 +177,13 @@ def _table(src, st):
 
 
 def _candidates(shape, blocksize: int, policy=None, role: str | None = None) -> tuple:
-    """The lossy encodings to measure for a table: NF4 where the block size divides its rows;
-    of a manual policy, only the one it forces on ``role``."""
-    out = tuple(e for e in CANDIDATES if get_encoding(e).fits(shape, blocksize))
+    """The lossy encodings to measure for a table: those that are candidates for its shape (NF4
+    where the block size divides its rows); of a manual policy, only the one it forces on
+    ``role``, where it fits."""
     if policy is not None and not policy.auto:
-        out = tuple(e for e in out if e == policy.forced()[role])
-    return out
+        return tuple(e for e in CANDIDATES
+                     if e == policy.forced()[role] and get_encoding(e).fits(shape, blocksize))
+    return tuple(e for e in CANDIDATES if get_encoding(e).candidate(shape, blocksize))
 
 
 def proxy_costs(src, tensors: dict, lossy: dict, tied: bool, arch, policy) -> dict:

@@ -1,5 +1,5 @@
-"""What llama.cpp's block encodings share (``q8_0``, ``q6_k``): a row is whole blocks of ``block``
-values, each ``block_bytes`` bytes holding its codes and scales."""
+"""What the block encodings share (llama.cpp's ``q8_0``, ``q6_k``; ``int8_b128``'s rows): a row is
+whole blocks of ``block`` values, each ``block_bytes`` bytes holding its codes and scales."""
 
 from __future__ import annotations
 

@@ -1,7 +1,7 @@
 """Every number of the LCT format, in one place (see docs/FORMAT.md)."""
 
 FORMAT_NAME = "lct"
-FORMAT_VERSION = (1, 4)
+FORMAT_VERSION = (1, 5)
 MAX_VERSION_NUMBER = 0xFFFF             # major and minor are u16s in the data file header
 
 MANIFEST_NAME = "lct.json"
@@ -65,6 +65,10 @@ Q6_K_BLOCK = 256
 Q6_K_BLOCK_BYTES = 210
 Q6_K_SUB_BLOCK = 16
 Q6_K_GROUP_MAX_EPS = 1e-15  # as float32: a sub-block or block under it is all zero
+# int8 codes with one float32 scale per block of 128 values of a row (int8's rule, per block:
+# lct/format/int8.py), the scales after the codes as int8's are (FORMAT.md 2.2).
+ENCODING_INT8_B128 = "int8_b128"  # since 1.5
+INT8_BLOCK = 128
 ROLES = ("embed", "head", "pos_embed", "layer", "norm", "misc")
 NF4_ROLES = ("embed", "head")
 # The roles a lossy encoding may be chosen for, and the encodings a policy may give them.

@@ -60,12 +60,12 @@ class NF4Weight:
 
 @dataclass
 class Int8Weight:
-    """An int8-encoded tensor as stored: codes, one float32 scale per row, and what it
-    dequantizes to."""
+    """An int8-encoded tensor as stored: codes, one float32 scale per row (``int8``) or per block
+    of a row (``Int8B128Weight``), and what it dequantizes to."""
 
     name: str
     q: object            # torch.int8 [rows, cols]
-    scale: object        # torch.float32 [rows]
+    scale: object        # torch.float32 [rows]; per block [rows, cols / block]
     shape: tuple
     dtype: str
     encoding: ClassVar[str] = C.ENCODING_INT8
@@ -76,6 +76,13 @@ class Int8Weight:
         from lct.format import int8
         return int8.dequantize(self.q, self.scale, self.shape, dtype or torch_dtype(self.dtype),
                                out=out)
+
+
+class Int8B128Weight(Int8Weight):
+    """An ``int8_b128`` tensor as stored: int8 codes and one float32 scale per block of 128
+    values of a row (``scale`` [rows, cols / 128])."""
+
+    encoding = C.ENCODING_INT8_B128
 
 
 @dataclass
@@ -169,6 +176,11 @@ class Encoding(abc.ABC):
     def fits(self, shape: tuple, blocksize: int | None) -> bool:
         """Whether a tensor of ``shape`` can take this encoding (``blocksize``: NF4's)."""
         return True
+
+    def candidate(self, shape: tuple, blocksize: int | None) -> bool:
+        """Whether the auto policy measures this encoding for a table of ``shape``: where it
+        fits and is not another candidate's bytes under a second name."""
+        return self.fits(shape, blocksize)
 
     def check_source(self, shape: tuple, blocksize: int | None, where: str) -> None:
         """Refuse, with a ``PolicyError`` naming ``where``, a source tensor this encoding
@@ -349,47 +361,67 @@ class Int8(LossyEncoding):
     key = "int8"
     label = "int8"
     described = "int8 with one scale per row"
+    block: int | None = None        # values per scale; None: the whole row
+    weight_class = Int8Weight
 
     def fits(self, shape, blocksize):
-        return len(shape) >= 1
+        return len(shape) >= 1 and (self.block is None or shape[-1] % self.block == 0)
+
+    def check_source(self, shape, blocksize, where):
+        if self.block is not None:
+            from lct.format.blocks import check_rows
+            check_rows(shape, where, self.label, self.block)
+
+    def _scales(self, shape) -> int:
+        """float32 scales of a tensor of ``shape``: one per row, or per block of a row."""
+        rows = math.prod(shape[:-1])
+        return rows if self.block is None else rows * (shape[-1] // self.block)
 
     def nbytes(self, shape, stored_dtype):
         return math.prod(shape)
 
     def scale_nbytes(self, shape, blocksize):
-        return 4 * math.prod(shape[:-1])
+        return 4 * self._scales(shape)
 
     def placement(self, blocksize, scale_offset, scale_nbytes):
         return {"scale_offset": scale_offset, "scale_nbytes": scale_nbytes}
 
     def check(self, obj, w, shape, dtype, stored_dtype, nbytes, where):
         self._check_common(obj, w, dtype, stored_dtype, where)
+        n = self.name
         if len(shape) < 1:
-            _fail(where, f"{w}: an int8 tensor needs at least one dimension")
-        n, rows = math.prod(shape), math.prod(shape[:-1])
-        if nbytes != n:
-            _fail(where, f"{w}: int8 nbytes {nbytes} != {n}")
+            _fail(where, f"{w}: an {n} tensor needs at least one dimension")
+        if not self.fits(shape, None):
+            _fail(where, f"{w}: an {n} tensor's rows must hold a multiple of {self.block} "
+                         f"values, shape is {list(shape)}")
+        if nbytes != math.prod(shape):
+            _fail(where, f"{w}: {n} nbytes {nbytes} != {math.prod(shape)}")
         s_off = _int(obj.get("scale_offset"), where, f"{w} scale_offset")
         s_n = _int(obj.get("scale_nbytes"), where, f"{w} scale_nbytes")
-        if s_n != 4 * rows:
-            _fail(where, f"{w}: scale_nbytes {s_n} != {4 * rows} (one float32 per row)")
+        want = 4 * self._scales(shape)
+        if s_n != want:
+            per = "row" if self.block is None else f"block of {self.block} values"
+            _fail(where, f"{w}: scale_nbytes {s_n} != {want} (one float32 per {per})")
         return self.placement(None, s_off, s_n), (s_off, s_n)
 
     def quantize(self, t, blocksize, where):
         from lct.format.int8 import quantize
-        return quantize(t, where)
+        return quantize(t, where, self.block)
 
     def roundtrip(self, w, blocksize, wf=None):
         from lct.format import int8
-        q, scale = int8.quantize(wf if wf is not None else w)     # the compiled loop if built
+        q, scale = int8.quantize(wf if wf is not None else w, block=self.block)  # compiled if built
         return int8.dequantize(q, scale, tuple(w.shape))
 
     def weight(self, info, raw, scales, dtype):
         import torch
 
         from lct.format.int8 import row_shape
-        return Int8Weight(info.name, raw.view(torch.int8).view(row_shape(info.shape)), scales,
-                          info.shape, dtype)
+        rows, cols = row_shape(info.shape)
+        if self.block is not None:
+            scales = scales.view(rows, cols // self.block)
+        return self.weight_class(info.name, raw.view(torch.int8).view(rows, cols), scales,
+                                 info.shape, dtype)
 
     def join(self, info, parts, perm, dtype):
         import torch
@@ -398,13 +430,30 @@ class Int8(LossyEncoding):
         scale = torch.cat([p.scale for p in parts])
         if perm is not None:
             q, scale = q[perm], scale[perm]
-        return Int8Weight(info.name, q, scale, info.shape, dtype)
+        return self.weight_class(info.name, q, scale, info.shape, dtype)
 
     def parts(self, weight):
         return weight.q, weight.scale
 
     def zero_marker(self, weight):
         return weight.scale.reshape(weight.shape[0], -1)
+
+
+@register
+class Int8B128(Int8):
+    """int8 codes, one float32 scale per block of 128 values of a row: int8's rule applied to
+    each block (8.25 bits a value), the scales ``[rows, cols / 128]`` after the codes."""
+
+    name = C.ENCODING_INT8_B128
+    key = "int8"                    # the same placement object as int8's
+    label = "int8/128"
+    described = "int8 with one scale per 128 values"
+    block = C.INT8_BLOCK
+    weight_class = Int8B128Weight
+
+    def candidate(self, shape, blocksize):
+        # a row of one block is int8 per row, byte for byte: measured as that
+        return self.fits(shape, blocksize) and shape[-1] > self.block
 
 
 class BlockEncoding(LossyEncoding):

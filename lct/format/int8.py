@@ -1,11 +1,13 @@
-"""int8 per-row reference codec (docs/FORMAT.md section 2.2): one float32 scale per row and one
-signed byte per element.
+"""int8 reference codec (docs/FORMAT.md section 2.2): one signed byte per element and one float32
+scale per row (encoding ``int8``) or per block of ``block`` values of a row (``int8_b128``: 128).
 
 Rule, in float32 throughout: ``scale = absmax(row) / 127``; ``q = clamp(round_half_even(x /
 scale), -127, 127)`` (``q = 0`` for a row whose scale is 0); dequantized value ``q * scale``, then
-cast to the tensor's dtype. Rows are processed in pieces so memory does not grow with the table.
-The compiled loops (``lct.format.native``) give the same codes and scales, bit for bit, faster;
-this torch code is their tested fallback (``LCT_NATIVE=0``).
+cast to the tensor's dtype. Per block, each block of a row is such a row of its own: the codes lie
+as they would per row, the scales ``[rows, cols / block]`` row-major. Rows are processed in pieces
+so memory does not grow with the table. The compiled loops (``lct.format.native``) give the same
+codes and scales, bit for bit, faster; this torch code is their tested fallback
+(``LCT_NATIVE=0``).
 """
 
 from __future__ import annotations
@@ -38,25 +40,34 @@ def quantize_rows(x):
     return q, scale
 
 
-def quantize(tensor, name: str = "tensor"):
-    """Quantize ``tensor`` to int8 with one float32 scale per row (its last dimension).
+def quantize(tensor, name: str = "tensor", block: int | None = None):
+    """Quantize ``tensor`` to int8 with one float32 scale per row (its last dimension), or per
+    ``block`` values of a row.
 
     Args:
         tensor: a floating-point torch tensor whose values are all finite.
         name: used in error messages.
+        block: values per scale, dividing the row length (None: the whole row).
 
     Returns:
-        ``(q, scale)``: int8 ``[rows, cols]`` and float32 ``[rows]``.
+        ``(q, scale)``: int8 ``[rows, cols]`` and float32 ``[rows]`` (per block ``[rows, cols /
+        block]``).
 
     Raises:
-        PolicyError: a non-float tensor, or a NaN/Inf value.
+        PolicyError: a non-float tensor, a row that is not whole blocks, or a NaN/Inf value.
 
     Example:
-        >>> q, scale = quantize(torch.randn(4, 128))
+        >>> q, scale = quantize(torch.randn(4, 256), block=128)
     """
     import torch
     if not tensor.is_floating_point():
         raise PolicyError(f"{name}: int8 needs a floating-point tensor, got {tensor.dtype}")
+    if block is not None:
+        from lct.format.blocks import check_rows
+        check_rows(tuple(tensor.shape), name, f"int8 per {block} values", block)
+        rows, cols = row_shape(tuple(tensor.shape))
+        q, scale = quantize(tensor.reshape(-1, block), name)
+        return q.view(rows, cols), scale.view(rows, cols // block)
     rows, cols = row_shape(tuple(tensor.shape))
     x2 = tensor.reshape(rows, cols)
     q = torch.empty(rows, cols, dtype=torch.int8)
@@ -76,12 +87,19 @@ def quantize(tensor, name: str = "tensor"):
 
 
 def dequantize(q, scale, shape, dtype=None, out=None):
-    """Dequantize int8 ``q`` [rows, cols] with float32 ``scale`` [rows] to ``shape``: ``q * scale``
-    in float32, then cast to ``dtype`` (default float32). ``out``, if given, is a contiguous
-    tensor of ``shape``'s size and ``dtype`` to write into."""
+    """Dequantize int8 ``q`` [rows, cols] with float32 ``scale`` [rows] (or ``[rows, cols /
+    block]``: per block) to ``shape``: ``q * scale`` in float32, then cast to ``dtype`` (default
+    float32). ``out``, if given, is a contiguous tensor of ``shape``'s size and ``dtype`` to
+    write into."""
     import torch
     dtype = dtype or torch.float32
     rows, cols = row_shape(tuple(shape))
+    per_row = scale.numel() // max(rows, 1)
+    if per_row > 1:     # per block: each block dequantized as a row of its own
+        block = cols // per_row
+        got = dequantize(q.reshape(-1, block), scale.reshape(-1), (rows * per_row, block),
+                         dtype, None if out is None else out.view(-1))
+        return got.view(*shape)
     q2 = q.reshape(rows, cols)
     s = scale.reshape(rows).to(torch.float32)
     if out is None:

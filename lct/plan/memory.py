@@ -406,7 +406,7 @@ def plan(model, *, mode: str = "infer", batch: int = 1, seq: int = DEFAULT_SEQ,
          nf4: tuple | None = None, blocksize: int | None = None,
          revision: str | None = None, int8: tuple | None = None,
          q8_0: tuple | None = None, q6_k: tuple | None = None,
-         options: PlanOptions | None = None) -> Plan:
+         int8_b128: tuple | None = None, options: PlanOptions | None = None) -> Plan:
     """Plan the memory of MODEL for inference or a training step.
 
     Args:
@@ -432,9 +432,9 @@ def plan(model, *, mode: str = "infer", batch: int = 1, seq: int = DEFAULT_SEQ,
             optimizers, LCT's chunked NF4 head, CPU attention kernels): whose temporaries;
             default: this machine's (``default_device()``).
         loss_chunk: tokens per chunk for the chunked-loss figure.
-        nf4, int8, q8_0, q6_k, blocksize: the NF4, int8, Q8_0 and Q6_K parts ("embed", "head")
-            and the NF4 block size of ``format="lct"``, as ``lct convert
-            --nf4/--int8/--q8_0/--q6_k/--blocksize``
+        nf4, int8, int8_b128, q8_0, q6_k, blocksize: the NF4, int8, int8 per 128 values, Q8_0
+            and Q6_K parts ("embed", "head") and the NF4 block size of ``format="lct"``, as
+            ``lct convert --nf4/--int8/--int8_b128/--q8_0/--q6_k/--blocksize``
             (default: an
             artifact's policy, else both parts in int8, what the auto policy picks for the
             trained models measured in docs/BENCHMARKS.md, and 64).
@@ -458,7 +458,7 @@ def plan(model, *, mode: str = "infer", batch: int = 1, seq: int = DEFAULT_SEQ,
                         kv_dtype=kv_dtype, format=format, maximus_resident=maximus_resident,
                         memory=memory, device=device, loss_chunk=loss_chunk, nf4=nf4,
                         blocksize=blocksize, revision=revision, int8=int8, q8_0=q8_0,
-                        q6_k=q6_k)
+                        q6_k=q6_k, int8_b128=int8_b128)
     if options is not None:
         if asked != PlanOptions():
             raise PlanError("give options=PlanOptions(...) or keyword options, not both",

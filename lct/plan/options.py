@@ -63,7 +63,7 @@ class PlanOptions:
     The fields are ``plan()``'s keyword arguments, with the same meanings and defaults.
     Construction checks each against its allowed values (``MODES``, ``FORMATS``, ``DEVICES``,
     ``OPTIMIZERS``, ``PRECISIONS``, ``KV_DTYPES``, ``C.LOSSY_ROLES``) and keeps them normalized:
-    ``maximus_resident`` as ``(K, N)``, ``memory`` as bytes, ``nf4``/``int8``/``q8_0``/``q6_k`` as tuples.
+    ``maximus_resident`` as ``(K, N)``, ``memory`` as bytes, ``nf4``/``int8``/``int8_b128``/``q8_0``/``q6_k`` as tuples.
     ``None`` for ``precision``, ``kv_dtype``, ``format`` and ``device`` means the model's (or
     this machine's) default, which ``resolved`` fills in once the model is read. What needs
     the model (a vocabulary grown below one token, more Maximus shards than rows, a blocksize
@@ -99,9 +99,10 @@ class PlanOptions:
     int8: tuple | None = None
     q8_0: tuple | None = None
     q6_k: tuple | None = None
+    int8_b128: tuple | None = None
 
     def forced(self) -> dict:
-        """``{lossy encoding: parts}`` as asked (``nf4``, ``int8``, ``q8_0``, ``q6_k``; None: not
+        """``{lossy encoding: parts}`` as asked (``nf4``, ``int8``, ``int8_b128``, ``q8_0``, ``q6_k``; None: not
         given)."""
         from lct.format.encodings import lossy_encodings
         return {e: getattr(self, e) for e in lossy_encodings()}
