@@ -17,7 +17,7 @@ real trained weights shipped in packages: SmolLM2-135M-Instruct from ``llm-smoll
 part packages (``benchmarks/gemma3_270m.py``).
 
     python benchmarks/bench_quality.py --out bench_out [--max-tokens 16384] [--models smollm2]
-        [--policies auto,int8_b128]
+        [--policies auto,int8_b128] [--dtype float32]
 """
 
 from __future__ import annotations
@@ -119,7 +119,8 @@ def run_model(name: str, src: Path, corpora: dict, args) -> list:
             t = time.perf_counter()
             out = subprocess.run([lct_bin, "verify", str(art), "--against", str(src), "--quality",
                                   "--text", str(corpora[kind]), "--max-tokens",
-                                  str(args.max_tokens), "--json", "--quiet"],
+                                  str(args.max_tokens), "--json", "--quiet",
+                                  *(["--dtype", args.dtype] if args.dtype else [])],
                                  capture_output=True, text=True)
             # exit 1 with the report: a policy over the budget (the forced NF4 one)
             if out.returncode not in (0, 1) or not out.stdout.strip():
@@ -133,7 +134,9 @@ def run_model(name: str, src: Path, corpora: dict, args) -> list:
     src_bytes = sum(f.stat().st_size for f in Path(src).glob("*.safetensors"))
     lines = [f"### {MODELS[name]}", "",
              f"{args.max_tokens} scored tokens per text at most, 512-token blocks; "
-             f"`lct verify --quality` per cell. Source safetensors {src_bytes / 1e6:.1f} MB.", "",
+             f"`lct verify --quality{' --dtype ' + args.dtype if args.dtype else ''}` per cell "
+             f"(both models computing in {args.dtype or 'the model dtype'}). Source safetensors "
+             f"{src_bytes / 1e6:.1f} MB.", "",
              "| policy | stored as (embed+head) | text | tokens | ppl source | ppl artifact | "
              "Δ ppl | top-1 agreement | mean KL nats | data files MB | ÷ safetensors | "
              "`lct convert` s |", "|---|---|---|---|---|---|---|---|---|---|---|---|"]
@@ -176,6 +179,9 @@ def main() -> None:
     ap.add_argument("--max-tokens", type=int, default=16384)
     ap.add_argument("--models", default="smollm2,gemma3-270m",
                     help=f"comma-separated, of: {', '.join(MODELS)}")
+    ap.add_argument("--dtype", default=None, choices=("float32", "bfloat16"),
+                    help="what both models compute in when scored (lct verify --dtype; default: "
+                         "the model's): float32 leaves the compute's rounding out of the KL")
     ap.add_argument("--policies", default=None,
                     help="comma-separated keys of the policies to run (default: all): "
                          + ", ".join(key for key, _ in POLICIES.values()))
@@ -185,7 +191,7 @@ def main() -> None:
     for name in args.models.split(","):
         lines += run_model(name, prepare(name, args.out), corpora, args)
     report = "\n".join(lines) + "\n"
-    (args.out / "quality_results.md").write_text(report)
+    (args.out / f"quality_results{'_' + args.dtype if args.dtype else ''}.md").write_text(report)
     print(report)
 
 

@@ -34,6 +34,11 @@ from lct.format import constants as C
                    "on every forward (the reference is the artifact with its lossy tensors taken "
                    "from the source), so only the embeddings, heads and two prefetch windows are "
                    "resident.")
+@click.option("--dtype", "quality_dtype", type=click.Choice(["float32", "bfloat16", "float16"]),
+              default=None,
+              help="--quality: what both models compute in. Default: the artifact's dtype, as "
+                   "a user runs it; float32 leaves the compute's own rounding out of the KL, so "
+                   "that it measures what the storage costs.")
 @click.option("--expect", default=None, metavar="DIGEST",
               help="The manifest must have this digest (sha256:..., as lct info prints it): a "
                    "pin on every tensor's name, shape, type and place and every chunk's "
@@ -43,7 +48,7 @@ from lct.format import constants as C
               help="Print the whole report as JSON (fields in docs/CLI.md) instead of tables.")
 @quiet_option("OK or FAILED (the problems on stderr)")
 def verify_cmd(artifact, against, revision, quality, text, budget, max_tokens, layerwise,
-               expect, as_json, quiet):
+               quality_dtype, expect, as_json, quiet):
     """Check every chunk of ARTIFACT (a folder, hf://org/name[@rev], pulled first, or
     s3://bucket/prefix, read by range requests):
     checksum and decode. Exits 1 if anything is wrong, or with --quality if the lossy parts cost
@@ -54,9 +59,12 @@ def verify_cmd(artifact, against, revision, quality, text, budget, max_tokens, l
     text. OK proves the artifact is whole and consistent, not that its manifest is the one its
     writer wrote: pin it with --expect."""
     from lct.conversion.verifier import verify
+    from lct.format.encodings import torch_dtype
 
     if layerwise and not quality:
         raise click.UsageError("--layerwise goes with --quality")
+    if quality_dtype and not quality:
+        raise click.UsageError("--dtype goes with --quality")
     if quality and against is None:
         raise click.UsageError("--quality needs --against SOURCE (the lossless reference)")
     bar = GroupProgress("verify", unit="group", enabled=not quiet)
@@ -64,7 +72,8 @@ def verify_cmd(artifact, against, revision, quality, text, budget, max_tokens, l
     try:
         rep = verify(artifact, against=against, revision=revision, progress=bar,
                      quality=quality, text=text, max_tokens=max_tokens, quality_progress=qbar,
-                     layerwise=layerwise, expect=expect, budget=budget)
+                     layerwise=layerwise, expect=expect, budget=budget,
+                     quality_dtype=quality_dtype and torch_dtype(quality_dtype))
     finally:
         bar.close()
         qbar.close()

@@ -100,7 +100,7 @@ class Policy:
                               "forced nf4/int8 parts", option="calibration")
         if not 0 < self.budget < 10:
             raise PolicyError(f"budget {self.budget} must be a mean KL in nats, above 0 and "
-                              f"below 10 (default {C.DEFAULT_BUDGET_KL}, about +1 % perplexity)",
+                              f"below 10 (default {C.DEFAULT_BUDGET_KL}, about +0.5 % perplexity)",
                               option="budget")
         if self.dtype is not None and self.dtype not in C.CAST_TARGETS:
             raise PolicyError(f"dtype {self.dtype!r} is not one of {C.CAST_TARGETS}",

@@ -120,10 +120,13 @@ def score(model, reference, blocks: list, progress=None) -> dict:
 
 def measure_quality(artifact, against: str, *, revision: str | None = None, text=None,
                     max_tokens: int = DEFAULT_MAX_TOKENS, block: int = DEFAULT_BLOCK,
-                    progress=None, layerwise: bool = False) -> QualityReport:
+                    progress=None, layerwise: bool = False, dtype=None) -> QualityReport:
     """Score the loaded ``artifact`` (as ``lct.load`` gives it: lossy parts kept) against the
     source ``against`` loaded with ``from_pretrained``, on ``text`` (a file or folder; default:
-    the sample in ``lct.conversion.sample_text``).
+    the sample in ``lct.conversion.sample_text``), both computing in ``dtype`` (a torch dtype;
+    default: the artifact's). In bfloat16 the KL holds the compute's own rounding as well as
+    the storage's: on a model whose logits are that sensitive, any change of the weights costs
+    about as much (docs/BENCHMARKS.md); float32 measures what the storage costs alone.
 
     With ``layerwise`` neither model is ever whole in memory: the artifact runs as a
     ``LayerwiseModel`` (layers streamed on every forward), and so does the reference, which is
@@ -147,11 +150,12 @@ def measure_quality(artifact, against: str, *, revision: str | None = None, text
     src = resolve(against, revision)
     if layerwise:
         from lct.loader.layerwise import LayerwiseModel
-        with LayerwiseModel(path) as model, LayerwiseModel(path, nf4="dequantize") as reference:
+        with LayerwiseModel(path, dtype=dtype) as model, \
+                LayerwiseModel(path, nf4="dequantize", dtype=dtype) as reference:
             _take_lossy_from_source(reference, src)
             return compare(model, reference, tokenizer, texts, max_tokens=max_tokens,
                            block=block, progress=progress)
-    model = load(path)
+    model = load(path, dtype=dtype)
     first = next(p for p in model.parameters() if p.is_floating_point())
     reference = AutoModelForCausalLM.from_pretrained(src.root, dtype=first.dtype).eval()
     return compare(model, reference, tokenizer, texts, max_tokens=max_tokens, block=block,

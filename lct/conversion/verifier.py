@@ -77,7 +77,8 @@ def _compare(name, info, got, ref) -> TensorCheck:
 def verify(artifact, *, against: str | None = None, revision: str | None = None,
            progress=None, quality: bool = False, text=None, max_tokens: int | None = None,
            quality_progress=None, layerwise: bool = False,
-           expect: str | None = None, budget: float | None = None) -> VerifyReport:
+           expect: str | None = None, budget: float | None = None,
+           quality_dtype=None) -> VerifyReport:
     """Check every chunk of ``artifact``; with ``against``, compare every tensor with the source.
 
     Args:
@@ -90,7 +91,9 @@ def verify(artifact, *, against: str | None = None, revision: str | None = None,
             (``lct.conversion.quality.measure_quality``: perplexity of both, top-1 agreement, KL), from
             ``text`` (a file or folder; default: the sample shipped in ``lct.conversion.sample_text``), at
             most ``max_tokens`` scored tokens; ``quality_progress`` is called per block;
-            ``layerwise`` streams the layers of both models (for models larger than memory).
+            ``layerwise`` streams the layers of both models (for models larger than memory);
+            ``quality_dtype`` (a torch dtype) is what both compute in (default: the
+            artifact's).
         expect: the digest the manifest must have (``sha256:...``, as ``lct info`` prints
             it); a different one is a failure.
         budget: the mean KL (nats) the quality check holds the artifact to (default: the
@@ -150,7 +153,8 @@ def verify(artifact, *, against: str | None = None, revision: str | None = None,
         from lct.conversion.quality import DEFAULT_MAX_TOKENS, measure_quality
         report.quality = measure_quality(art.path, against, revision=revision, text=text,
                                          max_tokens=max_tokens or DEFAULT_MAX_TOKENS,
-                                         progress=quality_progress, layerwise=layerwise)
+                                         progress=quality_progress, layerwise=layerwise,
+                                         dtype=quality_dtype)
         report.quality.budget_kl = budget if budget is not None else conversion_budget(art)
     return report
 

@@ -178,7 +178,8 @@ NF4_HEAD_CHUNK_BYTES = 128 << 20
 # The auto policy (lct/conversion/policy.py): the whole artifact's budget for its lossy parts, as a mean KL
 # divergence of the next-token distribution in nats (0.01 nats is about +1 % perplexity), and
 # how much it measures.
-DEFAULT_BUDGET_KL = 0.01
+# 0.005: the quality bar LCT holds its default to (about +0.5 % perplexity at most).
+DEFAULT_BUDGET_KL = 0.005
 DEFAULT_CALIBRATION_TOKENS = 2048
 # With no --calibration the policy runs the source model on the calibration text shipped with LCT
 # (lct/conversion/sample_text.py, CALIBRATION_*: not the text verify --quality scores), this many
