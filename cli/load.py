@@ -37,6 +37,10 @@ def _ids(ctx, param, value):
 @click.option("--expect", default=None, metavar="DIGEST",
               help="Refuse the artifact unless its manifest has this digest (sha256:..., as "
                    "lct info prints it).")
+@click.option("--cache/--no-cache", "cache", default=None,
+              help="Use the local decoded cache (lct cache --help): map what an earlier load "
+                   "of this artifact decoded, or keep this load's decode there (the command "
+                   "ends once it is written). Default: LCT_CACHE (1/0), else off.")
 @click.option("--layerwise", is_flag=True,
               help="Keep only embedding, head and the prefetch window of layers resident "
                    "(for models larger than memory); layers stream on every forward. For "
@@ -64,7 +68,7 @@ def _ids(ctx, param, value):
               help="Print the breakdown and the generated text as one JSON object (fields in "
                    "docs/CLI.md).")
 @quiet_option("the generated text (nothing without --prompt or --ids)")
-def load_cmd(artifact, prefetch, device, dtype, nf4, workers, no_verify, expect, layerwise,
+def load_cmd(artifact, prefetch, device, dtype, nf4, workers, no_verify, expect, cache, layerwise,
              maximus, stream, tp, prompt, ids, max_new_tokens, as_json, quiet):
     """Load ARTIFACT into a transformers model with the prefetching streaming loader and print a
     breakdown: imports, manifest, read, decode, install, time to ready, time to first token (with
@@ -109,7 +113,8 @@ def load_cmd(artifact, prefetch, device, dtype, nf4, workers, no_verify, expect,
         model = loader.LayerwiseModel(where.source, stream=where.stream, **options)
     else:
         model = loader.load(where.source, stream=where.stream, stats=stats, **options,
-                            maximus=False if maximus is None else (maximus if maximus > 0 else True))
+                            maximus=False if maximus is None else (maximus if maximus > 0 else True),
+                            cache=cache)
     from lct.loader.report import LoadReport
     report = LoadReport(where.folder, imports_s, time.perf_counter() - t1, stats,
                         layerwise=layerwise)
@@ -133,6 +138,11 @@ def load_cmd(artifact, prefetch, device, dtype, nf4, workers, no_verify, expect,
         click.echo(json.dumps(report.data, indent=1))
     elif not quiet:
         click.echo(table(report.rows, ["step", "value"]))
+    if stats is not None and stats.cache == "filling":
+        from lct.io.cache import wait_fills
+        for f in wait_fills():     # the process ends with os._exit: no atexit to wait for it
+            if not f.done and f.reason and not quiet:
+                click.echo(f"note: the decoded cache was not filled: {f.reason}", err=True)
 
 
 def _load_tp(artifact, options: dict, stream: bool, generate: dict, as_json: bool, quiet: bool):

@@ -20,6 +20,7 @@ COMMANDS = {
     "pull": "pull:pull_cmd",
     "plan": "plan:plan_cmd",
     "demo": "demo:demo_cmd",
+    "cache": "cache:cache_cmd",
 }
 
 

@@ -427,6 +427,7 @@ def _load(path, options: LoadOptions, stats: LoadStats | None):
     art = options.open(path)
     stats.manifest_s = time.perf_counter() - t0
     art.thread_nice = DECODE_NICE
+    fill = None
 
     def skeleton():
         t1 = time.perf_counter()
@@ -441,7 +442,9 @@ def _load(path, options: LoadOptions, stats: LoadStats | None):
     builder = ThreadPoolExecutor(1, thread_name_prefix="lct-skeleton")
     budget = held_budget(art)
     try:
-        with GroupStream(art, prefetch=options.prefetch, dequantize=False) as stream:
+        cached, fill = _cache_for(art, options, stats)
+        with GroupStream(art, prefetch=options.prefetch, dequantize=False, cached=cached,
+                         on_decoded=fill.add if fill is not None else None) as stream:
             # Reads first: importing torch holds the interpreter for a while (its libraries
             # load under the GIL), and the store's requests should already be on their way.
             stream.start()
@@ -470,7 +473,13 @@ def _load(path, options: LoadOptions, stats: LoadStats | None):
             model.to(device)  # buffers (rotary tables) follow the weights
         if options.maximus:
             install_maximus(model, art, budget=options.maximus, device=device)
+        if fill is not None:
+            from lct.io.cache import start_fill
+            start_fill(fill)
+            fill = None
     finally:
+        if fill is not None:      # the load failed: keep nothing
+            fill.cancel()
         builder.shutdown(wait=True)  # an import cannot be interrupted: let it end, no thread left
         art.close()
     stats.take_stream(s)
@@ -481,6 +490,24 @@ def _load(path, options: LoadOptions, stats: LoadStats | None):
              stats.skeleton_s, stats.wait_s)
     _generation_config(model, art.path)
     return model.eval()
+
+
+def _cache_for(art, options: LoadOptions, stats: LoadStats) -> tuple:
+    """``(cached chunks or None, fill or None)`` for this load (``lct.io.cache``): a hit maps
+    an earlier load's decode; otherwise a load whose decoded buffers become the model's weights
+    as they are (on the CPU, no cast, lossy parts kept) keeps them afterwards."""
+    from lct.io import cache
+    if not cache.enabled(options.cache):
+        return None, None
+    hit = cache.lookup(art)
+    if hit is not None:
+        stats.cache = "hit"
+        return hit, None
+    if options.device != "cpu" or options.dtype is not None or options.nf4 != "keep":
+        stats.cache = "miss: kept only by a load on the CPU with no dtype cast and nf4='keep'"
+        return None, None
+    stats.cache = "filling"
+    return None, cache.Fill(art)
 
 
 def held_budget(art) -> int:

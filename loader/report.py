@@ -35,7 +35,8 @@ class LoadReport:
                  f"{human(stats.bytes_read)} / {human(stats.bytes_decoded)}"),
                 ("stream throughput",
                  f"{human(stats.bytes_decoded / max(ready_s, 1e-9))}/s decoded"),
-                ("groups, max in flight", f"{stats.groups}, {stats.max_in_flight}")]
+                ("groups, max in flight", f"{stats.groups}, {stats.max_in_flight}"),
+                ("decoded cache", stats.cache)]
         self.rows.append(("load to ready", f"{ready_s:.2f} s"))
         age = process_age()
         self.data: dict = {"artifact": str(artifact), "imports_s": imports_s, "ready_s": ready_s,

@@ -31,6 +31,7 @@ class LoadOptions:
     expect: str | None = None
     pad_ids: object = None
     maximus: object = False
+    cache: bool | None = None       # the decoded cache (lct.io.cache): None: LCT_CACHE decides
 
     def __post_init__(self):
         check_prefetch(self.prefetch)
@@ -84,6 +85,9 @@ class LoadStats:
     max_held_bytes: int = 0         # decoded bytes held while the skeleton was not ready
     nf4_modules: list = field(default_factory=list)
     notes: list = field(default_factory=list)     # what the load did differently, one line each
+    # the decoded cache: "off", "hit" (mapped, nothing decoded), "filling" (decoded, being
+    # kept in the background), or "miss: <why it is not kept>"
+    cache: str = "off"
 
     def take_stream(self, s) -> None:
         """Take a ``GroupStream``'s figures (``StreamStats``): times, bytes, groups, window."""

@@ -32,19 +32,38 @@ def _flat(text: str) -> str:
     return re.sub(r"-\s+", "-", " ".join(text.split()))
 
 
-@pytest.mark.parametrize("name", sorted(COMMANDS))
+def _subcommands():
+    """``[(name, sub)]``: every command, and each subcommand of a group as ``"group sub"``."""
+    import click
+    out = []
+    for name in sorted(COMMANDS):
+        cmd = _command(name)
+        if isinstance(cmd, click.Group):
+            out += [f"{name} {sub}" for sub in sorted(cmd.commands)]
+        else:
+            out.append(name)
+    return out
+
+
+@pytest.mark.parametrize("name", _subcommands())
 def test_help_on_every_command(run, name):
     """``lct --help`` lists each command with its summary, and ``lct NAME --help`` shows the
-    usage with its arguments, its description and every option with its help text."""
+    usage with its arguments, its description and every option with its help text; a group's
+    (``lct cache``) lists its subcommands, each of which is held to the same."""
     import click
-    cmd = _command(name)
-    assert cmd is not None and cmd.name == name
+    group, _, sub = name.partition(" ")
+    cmd = _command(group)
+    assert cmd is not None and cmd.name == group
     top = CliRunner().invoke(cli, ["--help"], terminal_width=200)
     assert top.exit_code == 0
     summary = cmd.get_short_help_str(limit=150)
-    assert summary and re.search(rf"^  {name} +{re.escape(summary)}$", top.output, re.M), \
+    assert summary and re.search(rf"^  {group} +{re.escape(summary)}$", top.output, re.M), \
         top.output
-    res = run(name, "--help")
+    if sub:
+        res = run(group, "--help")
+        assert res.exit_code == 0 and re.search(rf"^  {sub} ", res.output, re.M), res.output
+        cmd = cmd.commands[sub]
+    res = run(*name.split(), "--help")
     assert res.exit_code == 0 and "Traceback" not in res.output
     args = " ".join(p.human_readable_name for p in cmd.params if isinstance(p, click.Argument))
     assert re.search(rf"^Usage: \S+ {name} \[OPTIONS\]{' ' + re.escape(args) if args else ''}$",
@@ -59,7 +78,7 @@ def test_help_on_every_command(run, name):
                 (name, flag)
         if opt.help:
             assert _flat(opt.help)[:60] in text, (name, opt.opts)
-    assert run(name, "-h").output == res.output
+    assert run(*name.split(), "-h").output == res.output
 
 
 def _tensors(path):
@@ -218,9 +237,22 @@ def _real_demo(run, tmp_path, request):
     assert lct.verify(art).ok
 
 
+def _real_cache(run, tmp_path, request):
+    """A load with --cache fills it, ``lct cache list`` shows the entry, ``prune --all``
+    removes it (tests/test_cache.py has the rest)."""
+    monkeypatch = request.getfixturevalue("monkeypatch")
+    monkeypatch.setenv("LCT_CACHE_DIR", str(tmp_path / "cache"))
+    art_path = request.getfixturevalue("llama_art")
+    assert run("load", art_path, "--cache", "-q").exit_code == 0
+    res = run("cache", "list")
+    assert res.exit_code == 0 and str(art_path) in res.output and "1 entry" in res.output
+    res = run("cache", "prune", "--all")
+    assert res.exit_code == 0 and "removed 1 entry" in res.output
+
+
 REAL_RUNS = {"convert": _real_convert, "info": _real_info, "verify": _real_verify,
              "export": _real_export, "load": _real_load, "push": _real_push, "pull": _real_pull,
-             "plan": _real_plan, "demo": _real_demo}
+             "plan": _real_plan, "demo": _real_demo, "cache": _real_cache}
 
 
 def test_every_command_is_covered():
@@ -619,8 +651,8 @@ def test_every_command_has_quiet_and_it_prints_only_the_result(gemma_src, tmp_pa
     from lct.cli.main import COMMANDS, cli
     from lct.demo import tiny
     runner = CliRunner()
-    for name in COMMANDS:
-        help_text = runner.invoke(cli, [name, "--help"]).output
+    for name in _subcommands():
+        help_text = runner.invoke(cli, [*name.split(), "--help"]).output
         assert "-q, --quiet" in help_text, name
     src = tmp_path / "src"
     shutil.copytree(gemma_src, src)

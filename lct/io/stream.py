@@ -142,7 +142,8 @@ class GroupStream:
     """
 
     def __init__(self, artifact, groups=None, *, prefetch: int = DEFAULT_PREFETCH,
-                 dequantize: bool = False, chunks=None, recycle: bool = False):
+                 dequantize: bool = False, chunks=None, recycle: bool = False, cached=None,
+                 on_decoded=None):
         self._closed = True          # until the pool exists: close() (and __del__) do nothing
         check_prefetch(prefetch)
         self.art = artifact
@@ -160,6 +161,10 @@ class GroupStream:
         # into again: a consumer that copies the tensors out (a serving engine's weight
         # loader) then touches fresh memory only for the first window's groups.
         self.pool = BufferPool(limit=prefetch + 2) if recycle else None
+        # ``cached`` (``lct.io.cache.CachedChunks``): the chunks are views of a decoded-cache
+        # entry, nothing is read or decoded; ``on_decoded(chunk id, buffer)`` is told of each
+        # chunk decoded otherwise (a cache fill keeps them).
+        self.cached, self.on_decoded = cached, on_decoded
         self.stats = StreamStats()
         self._next = 0               # next group index to submit
         self._given = 0              # groups handed to the consumer
@@ -209,6 +214,10 @@ class GroupStream:
         buffers = {}
         for chunk in self._chunks_of(name):
             t0 = time.perf_counter()
+            if self.cached is not None:
+                buffers[chunk.id] = self.cached.chunk(chunk.id)
+                self.stats.add(time.perf_counter() - t0, 0.0, 0, chunk.decoded_size)
+                continue
             stored = art.read_stored(chunk)
             t1 = time.perf_counter()
             try:
@@ -219,6 +228,8 @@ class GroupStream:
             t2 = time.perf_counter()
             self.stats.add(t1 - t0, t2 - t1, chunk.stored_size, chunk.decoded_size)
             buffers[chunk.id] = buf
+            if self.on_decoded is not None:
+                self.on_decoded(chunk.id, buf)
         return Group(name, buffers, art, self.dequantize, self.pool)
 
     def _advise(self, upto: int) -> None:
@@ -227,6 +238,8 @@ class GroupStream:
         (``lct.io.store.ReadAhead``) is told every group, and its byte budget decides how far
         its fetches run ahead."""
         upto = min(upto, len(self.names) - 1)
+        if self.cached is not None:
+            return              # nothing of the artifact is read
         while self._advised < upto:
             self._advised += 1
             self.art.will_need(self._chunks_of(self.names[self._advised]))

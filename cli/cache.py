@@ -1,0 +1,70 @@
+"""`lct cache`: the local decoded cache (lct/io/cache.py): list it, size it, prune it."""
+
+from __future__ import annotations
+
+import json
+import time
+
+import click
+
+from lct.cli._util import quiet_option, table
+
+
+@click.group("cache", short_help="List, size and prune the local decoded cache.")
+def cache_cmd():
+    """The local decoded cache: what a load decoded, kept so that a later load of the same
+    artifact maps it instead of decoding it again (LCT_CACHE=1, or lct.load(..., cache=True),
+    or lct load --cache). Entries are named by the manifest's digest (lct info prints it) and
+    the least recently used are evicted to stay within LCT_CACHE_MAX (default 64GiB). The folder
+    is LCT_CACHE_DIR, else $XDG_CACHE_HOME/lct/decoded, else ~/.cache/lct/decoded."""
+
+
+@cache_cmd.command("list")
+@click.option("--json", "as_json", is_flag=True,
+              help="Print {dir, max_bytes, total_bytes, entries: [{digest, artifact, size, "
+                   "last_used}]} as JSON.")
+@quiet_option("the total bytes the entries hold")
+def list_cmd(as_json, quiet):
+    """List the entries, least recently used first, with their sizes and the total."""
+    from lct.io import cache
+    from lct.units import human
+    root, items = cache.cache_dir(), cache.entries()
+    total = sum(e.size for e in items)
+    if as_json:
+        click.echo(json.dumps({
+            "dir": str(root), "max_bytes": cache.max_bytes(), "total_bytes": total,
+            "entries": [{"digest": e.digest, "artifact": e.artifact, "size": e.size,
+                         "last_used": e.last_used} for e in items]}, indent=1))
+        return
+    if quiet:
+        click.echo(str(total))
+        return
+    rows = [[e.digest[:19], e.artifact, human(e.size),
+             time.strftime("%Y-%m-%d %H:%M", time.localtime(e.last_used))] for e in items]
+    if rows:
+        click.echo(table(rows, ["digest", "artifact", "size", "last used"]))
+    click.echo(f"{root}: {len(items)} entr{'y' if len(items) == 1 else 'ies'}, {human(total)} "
+               f"of {human(cache.max_bytes())}")
+
+
+@cache_cmd.command("prune")
+@click.option("--all", "everything", is_flag=True, help="Remove every entry.")
+@click.option("--digest", default=None, metavar="DIGEST",
+              help="Remove the entry of this manifest digest (sha256:..., as lct info prints).")
+@click.option("--max-size", default=None, metavar="SIZE",
+              help="Remove the least recently used entries until the rest fit in SIZE (10GiB).")
+@quiet_option("the number of entries removed")
+def prune_cmd(everything, digest, max_size, quiet):
+    """Remove entries (and what unfinished fills left). Only folders the cache made are
+    touched."""
+    from lct.io import cache
+    from lct.units import human, parse_size
+    if not (everything or digest or max_size):
+        raise click.UsageError("say what to remove: --all, --digest DIGEST or --max-size SIZE")
+    keep = parse_size(max_size, "--max-size") if max_size else None
+    removed = cache.prune(keep_bytes=keep, digest=digest, everything=everything)
+    if quiet:
+        click.echo(str(len(removed)))
+        return
+    click.echo(f"removed {len(removed)} entr{'y' if len(removed) == 1 else 'ies'}, "
+               f"{human(sum(e.size for e in removed))}")

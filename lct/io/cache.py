@@ -1,0 +1,359 @@
+"""The local decoded cache: what a load decoded, kept on disk so that a later load of the same
+artifact maps it lazily instead of reading and decoding it again, as ``from_pretrained`` maps a
+page-cached safetensors file.
+
+One entry per artifact, named by its manifest's digest (``lct info``'s ``sha256:``, which pins
+every tensor and every chunk's checksum): ``<root>/<64 hex digits>/`` holding ``decoded.bin``
+(every chunk's decoded bytes, each at the next multiple of 4096 in chunk-id order, so that the
+offsets follow from the manifest alone) and ``entry.json`` (the digest, the artifact it was
+filled from, its size). An entry is trusted only while it is the one its digest names: the
+manifest gives the layout, and the data file must have exactly that size; the bytes themselves
+were the checked decode of that manifest's chunks. Its last use is ``entry.json``'s mtime.
+
+An entry is filled after a load, from the buffers the load decoded (the model's weights, so
+nothing is copied), by a background thread at the lowest CPU and I/O priority, into a staging
+folder ``.fill-<random>`` that is renamed into place once whole: a half-written entry never
+looks like one, and a process that ends first leaves only staging folders, which ``prune``
+removes. Before filling, least-recently-used entries are evicted to keep the cache within its
+size budget (``LCT_CACHE_MAX``, default ``DEFAULT_MAX_BYTES``), and nothing is written that
+would leave less than ``MIN_FREE_BYTES`` (or 5 %) of the disk free.
+
+Where: ``LCT_CACHE_DIR``, else ``$XDG_CACHE_HOME/lct/decoded``, else ``~/.cache/lct/decoded``.
+``LCT_CACHE=1``/``0`` turns it on or off whatever the default (``DEFAULT_ON``); ``lct.load(...,
+cache=True/False)`` decides for one load. Only folders LCT made (an ``entry.json`` that says so,
+or a staging folder holding ``FILL_MARKER``) are ever removed.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import re
+import shutil
+import threading
+import time
+import uuid
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+
+from lct.errors import LCTError
+
+log = logging.getLogger(__name__)
+
+ENV_SWITCH = "LCT_CACHE"
+ENV_DIR = "LCT_CACHE_DIR"
+ENV_MAX = "LCT_CACHE_MAX"
+DEFAULT_ON = False
+DEFAULT_MAX_BYTES = 64 << 30
+MIN_FREE_BYTES = 2 << 30
+ALIGN = 4096
+DATA = "decoded.bin"
+ENTRY = "entry.json"
+FILL_PREFIX = ".fill-"
+FILL_MARKER = ".lct-cache-fill"
+KIND = "lct-decoded-cache"
+STALE_FILL_S = 3600.0          # a staging folder this old belongs to no running fill
+_DIGEST_DIR = re.compile(r"[0-9a-f]{64}")
+
+
+def cache_dir() -> Path:
+    """The cache's folder: ``LCT_CACHE_DIR``, else the XDG cache home's ``lct/decoded``."""
+    if os.environ.get(ENV_DIR):
+        return Path(os.environ[ENV_DIR]).expanduser()
+    base = os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache"
+    return Path(base).expanduser() / "lct" / "decoded"
+
+
+def enabled(asked: bool | None = None) -> bool:
+    """Whether a load uses the cache: ``asked`` when given, else ``LCT_CACHE`` (1/0, true/false,
+    on/off), else ``DEFAULT_ON``."""
+    if asked is not None:
+        return bool(asked)
+    value = os.environ.get(ENV_SWITCH, "").strip().lower()
+    if value in ("1", "true", "on", "yes"):
+        return True
+    if value in ("0", "false", "off", "no"):
+        return False
+    if value:
+        raise LCTError(f"{ENV_SWITCH}={value!r}: use 1 or 0")
+    return DEFAULT_ON
+
+
+def max_bytes() -> int:
+    """The cache's size budget: ``LCT_CACHE_MAX`` (``64GiB``, ``500GB``...), else
+    ``DEFAULT_MAX_BYTES``."""
+    from lct.units import parse_size
+    value = os.environ.get(ENV_MAX)
+    return parse_size(value, ENV_MAX) if value else DEFAULT_MAX_BYTES
+
+
+def layout(manifest) -> tuple:
+    """``({chunk id: (offset, size)}, total bytes)`` of an entry's data file for ``manifest``:
+    each chunk's decoded bytes at the next multiple of ``ALIGN``, in chunk-id order."""
+    at, spans = 0, {}
+    for chunk in sorted(manifest.chunks, key=lambda c: c.id):
+        spans[chunk.id] = (at, chunk.decoded_size)
+        at += -(-chunk.decoded_size // ALIGN) * ALIGN
+    return spans, at
+
+
+def _hex(digest: str) -> str:
+    return digest.removeprefix("sha256:")
+
+
+@dataclass
+class Entry:
+    """One cached artifact: its digest, the artifact it was filled from, its bytes, last use."""
+
+    digest: str
+    path: Path
+    artifact: str
+    size: int
+    last_used: float
+
+
+def _read_entry(folder: Path) -> Entry | None:
+    """The entry in ``folder``, or None where it is not one of LCT's (or is damaged)."""
+    try:
+        meta = json.loads((folder / ENTRY).read_text())
+        if not isinstance(meta, dict) or meta.get("kind") != KIND or \
+                _hex(str(meta.get("digest"))) != folder.name or \
+                not isinstance(meta.get("size"), int):
+            return None
+        return Entry(str(meta["digest"]), folder, str(meta.get("artifact", "")), meta["size"],
+                     (folder / ENTRY).stat().st_mtime)
+    except (OSError, ValueError):
+        return None
+
+
+def entries(root: Path | None = None) -> list:
+    """Every entry of the cache, least recently used first."""
+    root = Path(root) if root is not None else cache_dir()
+    if not root.is_dir():
+        return []
+    found = [e for d in root.iterdir() if _DIGEST_DIR.fullmatch(d.name) and d.is_dir()
+             for e in [_read_entry(d)] if e is not None]
+    return sorted(found, key=lambda e: e.last_used)
+
+
+def _stale_fills(root: Path, older_than: float) -> list:
+    now = time.time()
+    out = []
+    for d in root.iterdir() if root.is_dir() else ():
+        if d.name.startswith(FILL_PREFIX) and (d / FILL_MARKER).is_file():
+            try:
+                if now - (d / FILL_MARKER).stat().st_mtime > older_than:
+                    out.append(d)
+            except OSError:
+                pass
+    return out
+
+
+def prune(root: Path | None = None, *, keep_bytes: int | None = None, digest: str | None = None,
+          everything: bool = False) -> list:
+    """Remove entries: ``digest``'s, ``everything``, or the least recently used until the rest
+    hold at most ``keep_bytes``; and always the staging folders of fills that ended without
+    finishing. Returns the removed entries. Only LCT's own folders are touched."""
+    root = Path(root) if root is not None else cache_dir()
+    removed = []
+    current = entries(root)
+    total = sum(e.size for e in current)
+    for e in current:
+        if everything or (digest is not None and _hex(digest) == _hex(e.digest)) or \
+                (keep_bytes is not None and total > keep_bytes):
+            shutil.rmtree(e.path, ignore_errors=True)
+            total -= e.size
+            removed.append(e)
+    for d in _stale_fills(root, 0.0 if everything else STALE_FILL_S):
+        shutil.rmtree(d, ignore_errors=True)
+    return removed
+
+
+class CachedChunks:
+    """A hit: the entry's data file mapped copy-on-write (pages are read from the page cache as
+    they are first touched, writes stay private), each chunk a view of it."""
+
+    def __init__(self, entry: Entry, spans: dict, size: int):
+        self.entry, self.spans = entry, spans
+        self._map = np.memmap(entry.path / DATA, dtype=np.uint8, mode="c", shape=(size,))
+
+    def chunk(self, cid: int) -> np.ndarray:
+        """Chunk ``cid``'s decoded bytes (a view of the mapping)."""
+        at, size = self.spans[cid]
+        return self._map[at: at + size]
+
+
+def lookup(art, root: Path | None = None) -> CachedChunks | None:
+    """The cached decode of artifact ``art`` (an open ``Artifact``), or None: no entry under its
+    digest, or one whose data file is not exactly the size its manifest lays out (then it is
+    removed, so that this load's fill replaces it). A hit counts as a use (least-recently-used
+    eviction)."""
+    root = Path(root) if root is not None else cache_dir()
+    folder = root / _hex(art.digest)
+    entry = _read_entry(folder) if folder.is_dir() else None
+    if entry is None:
+        return None
+    spans, size = layout(art.manifest)
+    try:
+        actual = (folder / DATA).stat().st_size
+    except OSError:
+        actual = None
+    if entry.size != size or actual != size:
+        log.warning("decoded cache %s: %s is not the %d bytes %s lays out; removed", folder,
+                    DATA, size, art.digest)
+        shutil.rmtree(folder, ignore_errors=True)
+        return None
+    try:
+        os.utime(folder / ENTRY)
+        return CachedChunks(entry, spans, size)
+    except OSError as e:
+        log.warning("decoded cache %s: cannot map it (%s); ignored", folder, e)
+        return None
+
+
+def _lower_io_priority() -> None:
+    """The calling thread's I/O to the idle class (Linux ioprio_set), CPU nice +19; nothing
+    where unsupported."""
+    from lct.proc import lower_thread_priority
+    lower_thread_priority(19)
+    try:
+        import ctypes
+        import platform
+        nr = {"x86_64": 251, "aarch64": 30}.get(platform.machine())
+        if nr is not None:
+            libc = ctypes.CDLL(None, use_errno=True)
+            libc.syscall(nr, 1, threading.get_native_id(), 3 << 13)   # WHO_PROCESS, CLASS_IDLE
+    except (OSError, AttributeError):
+        pass
+
+
+class Fill:
+    """Fills the entry of one artifact from the chunks a load decoded.
+
+    ``add(cid, buf)`` during the load keeps a reference (no copy: they are the model's weights);
+    ``start()`` after it writes them in a background thread and publishes the entry, or drops
+    everything where the cache has no room. ``wait()`` blocks until that thread ended (tests,
+    ``lct cache``); ``done`` says whether the entry was published."""
+
+    def __init__(self, art, root: Path | None = None):
+        self.root = Path(root) if root is not None else cache_dir()
+        self.digest, self.artifact = art.digest, str(art.path)
+        self.spans, self.size = layout(art.manifest)
+        self.budget = max_bytes()       # read here: a bad LCT_CACHE_MAX fails the load, at once
+        self._bufs: dict = {}
+        self._thread: threading.Thread | None = None
+        self._stop = threading.Event()
+        self.done = False
+        self.reason = ""            # why nothing was published, when it was not
+
+    def add(self, cid: int, buf) -> None:
+        """Keep chunk ``cid``'s decoded buffer for the fill."""
+        if cid in self.spans and buf.nbytes == self.spans[cid][1]:
+            self._bufs[cid] = buf
+
+    def start(self) -> None:
+        """Write in the background if every chunk was added, else drop them."""
+        if len(self._bufs) != len(self.spans):
+            self._bufs.clear()
+            self.reason = "the load did not decode every chunk"
+            return
+        self._thread = threading.Thread(target=self._run, name="lct-cache-fill", daemon=True)
+        self._thread.start()
+
+    def cancel(self) -> None:
+        """Stop writing (the staging folder is removed)."""
+        self._stop.set()
+
+    def wait(self, timeout: float | None = None) -> bool:
+        """Wait for the background write; True once it ended."""
+        if self._thread is not None:
+            self._thread.join(timeout)
+            return not self._thread.is_alive()
+        return True
+
+    def _room(self) -> bool:
+        """Evict least-recently-used entries to fit the budget; False where the entry cannot fit
+        (over the budget alone, or the disk would be left too full)."""
+        budget = self.budget
+        if self.size > budget:
+            self.reason = f"{self.size} bytes is over the cache's budget of {budget}"
+            return False
+        prune(self.root, keep_bytes=budget - self.size)
+        usage = shutil.disk_usage(self.root)
+        keep_free = max(MIN_FREE_BYTES, usage.total // 20)
+        if usage.free - self.size < keep_free:
+            self.reason = (f"{self.root}: {usage.free} bytes free, {self.size} needed and "
+                           f"{keep_free} kept free")
+            return False
+        return True
+
+    def _run(self) -> None:
+        _lower_io_priority()
+        stage = None
+        try:
+            self.root.mkdir(parents=True, exist_ok=True)
+            final = self.root / _hex(self.digest)
+            if _read_entry(final) is not None or not self._room():
+                return
+            stage = self.root / f"{FILL_PREFIX}{uuid.uuid4().hex}"
+            stage.mkdir()
+            (stage / FILL_MARKER).write_text(self.digest)
+            fd = os.open(stage / DATA, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+            try:
+                os.ftruncate(fd, self.size)
+                for cid in sorted(self._bufs):
+                    if self._stop.is_set():
+                        return
+                    at, _ = self.spans[cid]
+                    view = memoryview(self._bufs.pop(cid)).cast("B")
+                    for o in range(0, len(view), 16 << 20):
+                        os.pwrite(fd, view[o: o + (16 << 20)], at + o)
+                os.fsync(fd)
+            finally:
+                os.close(fd)
+            with open(stage / ENTRY, "w") as f:
+                json.dump({"kind": KIND, "digest": self.digest, "artifact": self.artifact,
+                           "size": self.size, "created": time.time()}, f)
+                f.flush()
+                os.fsync(f.fileno())
+            (stage / FILL_MARKER).unlink()
+            try:
+                os.rename(stage, final)
+            except OSError:         # another process published it first
+                return
+            stage = None
+            self.done = True
+            log.info("decoded cache: %s filled (%d bytes) at %s", self.artifact, self.size, final)
+        except OSError as e:
+            self.reason = f"{self.root}: {e.strerror or e}"
+            log.warning("decoded cache: not filled (%s)", self.reason)
+        except Exception as e:      # noqa: BLE001  a background thread: say it, never raise
+            self.reason = f"{type(e).__name__}: {e}"
+            log.warning("decoded cache: not filled (%s)", self.reason)
+        finally:
+            self._bufs.clear()
+            if stage is not None:
+                shutil.rmtree(stage, ignore_errors=True)
+
+
+_FILLS: list = []
+
+
+def start_fill(fill: Fill) -> None:
+    """Start ``fill`` in the background; the interpreter waits for it at exit, so that a
+    short-lived process still leaves its entry (``wait_fills`` waits sooner)."""
+    import atexit
+    if not _FILLS:
+        atexit.register(wait_fills)
+    _FILLS[:] = [f for f in _FILLS if not f.wait(0)] + [fill]
+    fill.start()
+
+
+def wait_fills(timeout: float | None = None) -> list:
+    """Wait for the fills this process started; returns them (``done``, ``reason``)."""
+    for f in _FILLS:
+        f.wait(timeout)
+    return list(_FILLS)

@@ -1,0 +1,183 @@
+"""The local decoded cache (lct/io/cache.py): a load fills it in the background, a later load
+maps it and reads nothing of the artifact, with the same model; LCT_CACHE and cache= switch it;
+a damaged entry is replaced, never used; the size budget evicts the least recently used; a full
+disk or a failed load leaves nothing; only the cache's own folders are ever removed; and
+`lct cache` lists and prunes it."""
+
+import json
+import os
+import shutil
+
+import numpy as np
+import pytest
+import torch
+from click.testing import CliRunner
+
+import lct
+from lct.cli.main import cli
+from lct.errors import LCTError
+from lct.io import cache
+
+
+@pytest.fixture
+def root(tmp_path, monkeypatch):
+    d = tmp_path / "cache"
+    monkeypatch.setenv(cache.ENV_DIR, str(d))
+    monkeypatch.delenv(cache.ENV_SWITCH, raising=False)
+    monkeypatch.delenv(cache.ENV_MAX, raising=False)
+    return d
+
+
+def _load(art, **kw):
+    stats = lct.LoadStats()
+    model = lct.load(art, stats=stats, **kw)
+    fills = cache.wait_fills()
+    return model, stats, fills
+
+
+def _logits(model):
+    with torch.no_grad():
+        return model(torch.tensor([[1, 5, 9, 2, 7, 3]])).logits
+
+
+def test_a_load_fills_and_the_next_maps_it(root, llama_art):
+    model, stats, fills = _load(llama_art, cache=True)
+    assert stats.cache == "filling" and stats.bytes_read > 0
+    assert fills[-1].done, fills[-1].reason
+    (entry,) = cache.entries()
+    with lct.open(llama_art) as a:
+        assert entry.digest == a.digest and entry.artifact == str(a.path)
+        _, size = cache.layout(a.manifest)
+    assert entry.size == size == (entry.path / cache.DATA).stat().st_size
+    again, stats2, _ = _load(llama_art, cache=True)
+    assert stats2.cache == "hit" and stats2.bytes_read == 0
+    assert stats2.bytes_decoded == stats.bytes_decoded
+    assert torch.equal(_logits(model), _logits(again))
+    # the weights are views of the mapping: nothing was copied into fresh memory
+    w = again.get_output_embeddings()
+    base = getattr(w, "weight", None)
+    assert base is None or isinstance(base, torch.Tensor)
+    assert not list(root.glob(f"{cache.FILL_PREFIX}*"))       # no staging folder left
+
+
+def test_the_switch(root, llama_art, monkeypatch):
+    _, stats, _ = _load(llama_art)
+    assert stats.cache == "off" and not root.exists()         # default off
+    monkeypatch.setenv(cache.ENV_SWITCH, "1")
+    _, stats, _ = _load(llama_art)
+    assert stats.cache == "filling"
+    _, stats, _ = _load(llama_art, cache=False)               # the argument wins
+    assert stats.cache == "off"
+    monkeypatch.setenv(cache.ENV_SWITCH, "0")
+    _, stats, _ = _load(llama_art)
+    assert stats.cache == "off"
+    monkeypatch.setenv(cache.ENV_SWITCH, "maybe")
+    with pytest.raises(LCTError, match="LCT_CACHE='maybe': use 1 or 0"):
+        lct.load(llama_art)
+
+
+def test_a_load_that_changes_the_weights_keeps_nothing(root, llama_art):
+    _, stats, _ = _load(llama_art, cache=True, dtype=torch.float32)
+    assert stats.cache.startswith("miss: kept only by a load on the CPU")
+    assert cache.entries() == []
+
+
+def test_a_damaged_entry_is_replaced_not_used(root, llama_art):
+    _load(llama_art, cache=True)
+    (entry,) = cache.entries()
+    data = entry.path / cache.DATA
+    with open(data, "r+b") as f:
+        f.truncate(data.stat().st_size - 4096)
+    model, stats, fills = _load(llama_art, cache=True)
+    assert stats.cache == "filling" and stats.bytes_read > 0 and fills[-1].done
+    (entry,) = cache.entries()
+    assert data.stat().st_size == entry.size
+    _, stats, _ = _load(llama_art, cache=True)
+    assert stats.cache == "hit"
+
+
+def test_the_budget_evicts_the_least_recently_used(root, llama_art, gemma_art, monkeypatch):
+    _load(llama_art, cache=True)
+    (first,) = cache.entries()
+    monkeypatch.setenv(cache.ENV_MAX, f"{-(-first.size // 1024) + 4}KiB")
+    _, _, fills = _load(gemma_art, cache=True)
+    if fills[-1].done:                          # gemma's entry fits the budget alone
+        assert [e.artifact for e in cache.entries()] == [fills[-1].artifact]
+    else:
+        assert "over the cache's budget" in fills[-1].reason
+    monkeypatch.setenv(cache.ENV_MAX, "4KiB")
+    _, _, fills = _load(llama_art, cache=True)
+    assert not fills[-1].done and "over the cache's budget" in fills[-1].reason
+    monkeypatch.setenv(cache.ENV_MAX, "4096")                 # a size needs its unit
+    with pytest.raises(LCTError, match="LCT_CACHE_MAX '4096' needs a number with a unit"):
+        lct.load(gemma_art, cache=True)
+
+
+def test_a_full_disk_is_not_filled(root, llama_art, monkeypatch):
+    real = shutil.disk_usage
+
+    def nearly_full(path):
+        u = real(path)
+        return type(u)(u.total, u.total - 1000, 1000)
+    monkeypatch.setattr(cache.shutil, "disk_usage", nearly_full)
+    _, stats, fills = _load(llama_art, cache=True)
+    assert stats.cache == "filling" and not fills[-1].done
+    assert "1000 bytes free" in fills[-1].reason
+    assert cache.entries() == [] and not list(root.glob(f"{cache.FILL_PREFIX}*"))
+
+
+def test_only_the_caches_own_folders_are_removed(root, llama_art):
+    _load(llama_art, cache=True)
+    mine = cache.entries()[0].path
+    foreign = root / ("a" * 64)                  # named like an entry, not one
+    foreign.mkdir()
+    (foreign / "notes.txt").write_text("mine")
+    other = root / "other"
+    other.mkdir()
+    stale = root / f"{cache.FILL_PREFIX}dead"    # a fill whose process ended
+    stale.mkdir()
+    (stale / cache.FILL_MARKER).write_text("x")
+    (stale / cache.DATA).write_bytes(b"\0" * 10)
+    lookalike = root / f"{cache.FILL_PREFIX}notours"
+    lookalike.mkdir()
+    removed = cache.prune(everything=True)
+    assert [e.path for e in removed] == [mine] and not mine.exists() and not stale.exists()
+    assert (foreign / "notes.txt").read_text() == "mine" and other.is_dir() and lookalike.is_dir()
+
+
+def test_a_second_fill_of_the_same_artifact_leaves_one_entry(root, llama_art):
+    with lct.open(llama_art) as a:
+        fills = []
+        for _ in range(2):
+            f = cache.Fill(a)
+            for c in a.manifest.chunks:
+                f.add(c.id, a.decode(c, a.read_stored(c)))
+            fills.append(f)
+        # both decided to fill before either published: the second finds the entry and stops
+        for f in fills:
+            f.start()
+            f.wait()
+    assert [f.done for f in fills] == [True, False]
+    assert len(cache.entries()) == 1 and not list(root.glob(f"{cache.FILL_PREFIX}*"))
+    # an incomplete fill publishes nothing
+    with lct.open(llama_art) as a:
+        f = cache.Fill(a)
+        f.add(0, np.zeros(a.manifest.chunks[0].decoded_size, np.uint8))
+        f.start()
+    assert "did not decode every chunk" in f.reason
+
+
+def test_cli_lists_and_prunes(root, llama_art):
+    runner = CliRunner()
+    out = runner.invoke(cli, ["load", str(llama_art), "--cache", "--ids", "1,2", "-q"])
+    assert out.exit_code == 0, out.output
+    out = runner.invoke(cli, ["cache", "list", "--json"])
+    data = json.loads(out.output)
+    assert data["dir"] == str(root) and len(data["entries"]) == 1
+    assert data["total_bytes"] == data["entries"][0]["size"] > 0
+    out = runner.invoke(cli, ["load", str(llama_art), "--cache", "--json"])
+    assert json.loads(out.output)["breakdown"]["cache"] == "hit"
+    assert runner.invoke(cli, ["cache", "prune"]).exit_code == 2
+    out = runner.invoke(cli, ["cache", "prune", "--max-size", "0KB"])
+    assert out.exit_code == 0 and "removed 1 entry" in out.output
+    assert cache.entries() == [] and os.listdir(root) == []
