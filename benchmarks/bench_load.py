@@ -6,12 +6,16 @@ What is timed is exactly what a user runs, from process start:
 * ``lct.load(ART, prefetch=2)`` + the artifact's tokenizer + ``generate(max_new_tokens=16)``
   (the README's lines), with ``nf4="keep"`` (default) and ``nf4="dequantize"``;
 * ``AutoModelForCausalLM.from_pretrained(SRC)`` + its tokenizer + the same ``generate`` (the peer);
+* ``lct.load(ART, cache=True)``, the local decoded cache: once as the load that fills it (its
+  entry removed before the run), once as the load that finds it (filled before the first run);
 * a floor: a process that imports torch and the model's transformers class and stops. No loader
   that returns a transformers model can be ready sooner.
 
 Rows: ready, first token, median time per token after the first, peak RSS (each process's own
 VmHWM); cold (page cache dropped, needs root) and warm, interleaved, medians of ``--reps``. Free
-memory is brought to the same state before every run (``--memory``, see ``prime_memory``).
+memory is left as the previous run left it (``--memory none``, the default: what a user's
+process meets, so these are the claim); ``--memory primed`` touches it first (see
+``prime_memory``), a breakdown of what first touches of fresh memory cost.
 The target of issue 10 is checked in the report: ``(LCT - floor) <= 0.5 x (from_pretrained -
 floor)`` for the first token, cold and warm. A breakdown of LCT's load (manifest, skeleton, read,
 decode, install) comes from ``LoadStats`` of the Python contender.
@@ -24,6 +28,8 @@ Scenarios: a short prompt, cold and warm; a 512-token prompt (prefill), warm.
 
     python benchmarks/bench_load.py --out bench_out --reps 3
     python benchmarks/bench_load.py --out bench_out --reps 1 --models smollm2   # quick
+    python benchmarks/bench_load.py --out bench_out --reps 5 --models gemma-2b --no-long \
+        --contenders floor,from_pretrained,lct.load  # the cache rows, unprimed
 
 ``--peers`` adds tensorizer and the Run:ai streamer (``pip install tensorizer
 runai-model-streamer``) on the same weights and the same generate.
@@ -89,18 +95,20 @@ model = AutoModelForCausalLM.from_pretrained(SRC, dtype=torch.bfloat16)
 '''
 
 
-def lct_python(nf4: str) -> str:
-    """The README's lines: import lct, lct.load, the tokenizer stored in the artifact."""
+def lct_python(nf4: str, cache: bool = False) -> str:
+    """The README's lines: import lct, lct.load, the tokenizer stored in the artifact (with
+    ``cache``: ``lct.load(..., cache=True)``, the local decoded cache)."""
     return rf'''
 import lct
 from lct.loader import LoadStats
 st = LoadStats()
-model = lct.load(ART, prefetch=2, nf4="{nf4}", stats=st)
+model = lct.load(ART, prefetch=2, nf4="{nf4}", stats=st{", cache=True" if cache else ""})
 import torch
 from transformers import AutoTokenizer
 tok = AutoTokenizer.from_pretrained(ART)
 extra = {{k: getattr(st, k) for k in ("manifest_s", "skeleton_s", "read_s", "decode_s", "wait_s",
-                                      "install_s", "total_s", "bytes_read", "bytes_decoded")}}
+                                      "install_s", "total_s", "bytes_read", "bytes_decoded",
+                                      "cache")}}
 '''
 
 
@@ -165,13 +173,30 @@ def prime_memory(gb: int) -> float:
 
 
 def settle(memory: str, gb: int) -> None:
-    """Bring free memory to the state ``memory`` names before a run: ``primed`` (recently used,
-    see prime_memory), ``idle`` (left free 10 s, handed back: what the first load after a quiet
-    spell meets on this VM)."""
+    """Bring free memory to the state ``memory`` names before a run: ``none`` (as the previous
+    run left it: what a user's process meets, the claim), ``primed`` (recently used, see
+    prime_memory: a breakdown), ``idle`` (left free 10 s, handed back: what the first load after
+    a quiet spell meets on this VM)."""
     if memory == "primed":
         prime_memory(gb)
     elif memory == "idle":
         time.sleep(10)
+
+
+def _cache_cmd(art: Path, env: dict, code: str) -> None:
+    subprocess.run([PY, "-c", "import os, lct\nfrom lct.io import cache\n"
+                    f"art = lct.open({str(art)!r})\n" + code], env=env, check=True)
+
+
+def prune_cache(art: Path, env: dict) -> None:
+    """Remove ``art``'s decoded-cache entry (``env``'s LCT_CACHE_DIR)."""
+    _cache_cmd(art, env, "cache.prune(digest=art.digest)")
+
+
+def fill_cache(art: Path, env: dict) -> None:
+    """Make sure ``art``'s decoded-cache entry exists (a load with the cache, once)."""
+    _cache_cmd(art, env, "if cache.lookup(art) is None:\n    lct.load(art.path, cache=True)\n"
+               "    assert all(f.done for f in cache.wait_fills()), 'not filled'")
 
 
 def drop_caches() -> bool:
@@ -329,14 +354,20 @@ def main() -> None:
     ap.add_argument("--peers", action="store_true", help="also tensorizer and the Run:ai streamer")
     ap.add_argument("--no-cold", action="store_true")
     ap.add_argument("--no-long", action="store_true", help="skip the 512-token prompt")
-    ap.add_argument("--memory", choices=["primed", "idle"], default="primed",
-                    help="free memory before each run: recently used (primed, default) or left "
-                         "idle 10 s (see prime_memory)")
+    ap.add_argument("--memory", choices=["none", "primed", "idle"], default="none",
+                    help="free memory before each run: as the previous run left it (none, "
+                         "default: the claim, what a user's process meets), recently used "
+                         "(primed: a breakdown) or left idle 10 s (see prime_memory)")
+    ap.add_argument("--contenders", default=None,
+                    help="comma-separated names (or name prefixes) of the contenders to run "
+                         "(default: all)")
     ap.add_argument("--prime-gb", type=int, default=8)
     args = ap.parse_args()
     args.out.mkdir(exist_ok=True)
     env = dict(os.environ, TRANSFORMERS_VERBOSITY="error", HF_HUB_OFFLINE="1",
-               TOKENIZERS_PARALLELISM="false", HF_HUB_DISABLE_PROGRESS_BARS="1", TQDM_DISABLE="1")
+               TOKENIZERS_PARALLELISM="false", HF_HUB_DISABLE_PROGRESS_BARS="1", TQDM_DISABLE="1",
+               LCT_CACHE_DIR=str(args.out / "lct-cache"))
+    env.pop("LCT_CACHE", None)
     cold_ok = not args.no_cold and drop_caches()
     preparers = {"gemma-2b": prepare_gemma, "smollm2": prepare_smollm2}
     report, raw = [], {}
@@ -358,7 +389,17 @@ def main() -> None:
                 "lct.load nf4=dequantize + generate": lambda: run_python(
                     header + PRELUDE + lct_python("dequantize") + GENERATE, env),
                 "lct load CLI": lambda: run_cli(art, prompt, env),
+                # the decoded cache: a load that fills it (the entry removed first), and one
+                # that finds it (filled before the first run and kept)
+                "lct.load cache=True, filling": lambda: (prune_cache(art, env), run_python(
+                    header + PRELUDE + lct_python("keep", cache=True) + GENERATE, env))[1],
+                "lct.load cache=True, hit": lambda: (fill_cache(art, env), run_python(
+                    header + PRELUDE + lct_python("keep", cache=True) + GENERATE, env))[1],
             }
+            if args.contenders:
+                wanted = args.contenders.split(",")
+                contenders = {k: v for k, v in contenders.items()
+                              if any(k.startswith(w) for w in wanted)}
             if args.peers:
                 for name, body in PEERS.items():
                     contenders[name] = (lambda b=body: run_python(header + PRELUDE + b + GENERATE,
@@ -400,14 +441,16 @@ def render(title: str, src: Path, art: Path, results: dict, cold: bool) -> str:
                   "× | per token s | × from_pretrained | peak RSS GB |",
                   "|---|---|---|---|---|---|---|---|"]
         fl = med(floor[phase], "ttft_s") if floor else None
-        bt, bp = med(base[phase], "ttft_s"), med(base[phase], "per_token_s")
+        bt, bp = (med(base[phase], "ttft_s"), med(base[phase], "per_token_s")) if base \
+            else (None, None)       # from_pretrained left out by --contenders
         for name, r in results.items():
             rows = r[phase]
             t, p = med(rows, "ttft_s"), med(rows, "per_token_s")
-            over = "–" if fl is None or t is None or name.startswith("floor") \
+            over = "–" if fl is None or t is None or bt is None or name.startswith("floor") \
                 else f"{(t - fl) / (bt - fl):.2f}"
             lines.append(f"| {name} | {f(med(rows, 'ready_s'))} | {f(t)} | "
-                         f"{'–' if t is None else f'{t / bt:.2f}'} | {over} | {f(p, 3)} | "
+                         f"{'–' if t is None or bt is None else f'{t / bt:.2f}'} | {over} | "
+                         f"{f(p, 3)} | "
                          f"{'–' if p is None or not bp else f'{p / bp:.2f}'} | "
                          f"{f(None if med(rows, 'peak_rss') is None else med(rows, 'peak_rss') / 1e9)} |")
         lines.append("")

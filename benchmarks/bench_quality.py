@@ -18,6 +18,7 @@ part packages (``benchmarks/gemma3_270m.py``).
 
     python benchmarks/bench_quality.py --out bench_out [--max-tokens 16384] [--models smollm2]
         [--policies auto,int8_b128] [--dtype float32]
+    python benchmarks/bench_quality.py --out bench_out --floor    # the bfloat16 floor
 """
 
 from __future__ import annotations
@@ -173,6 +174,30 @@ def run_model(name: str, src: Path, corpora: dict, args) -> list:
     return lines
 
 
+def floor(src: Path, tokens: int = 1024, share: float = 0.01) -> float:
+    """The bfloat16 floor of the KL: the source in bfloat16 against itself with the last bit of
+    ``share`` of its embedding table's values flipped (nothing else), on ``tokens`` tokens of
+    the prose sample. Any table that differs from the source by that much scores about this."""
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from lct.conversion import sample_text
+    model = AutoModelForCausalLM.from_pretrained(src, dtype=torch.bfloat16).eval()
+    ids = AutoTokenizer.from_pretrained(src)(sample_text.PROSE, return_tensors="pt").input_ids
+    ids = ids[:, :tokens]
+
+    def logp():
+        with torch.no_grad():
+            return torch.cat([torch.log_softmax(model(ids[:, i:i + 512]).logits.float(), -1)
+                              for i in range(0, ids.shape[1], 512)], 1)
+    ref = logp()
+    table = model.get_input_embeddings().weight.data
+    bits = table.view(torch.int16)
+    flip = torch.rand(bits.shape, generator=torch.Generator().manual_seed(0)) < share
+    bits[flip] ^= 1
+    return float((ref.exp() * (ref - logp())).sum(-1).mean())
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--out", default="bench_out", type=Path)
@@ -182,10 +207,17 @@ def main() -> None:
     ap.add_argument("--dtype", default=None, choices=("float32", "bfloat16"),
                     help="what both models compute in when scored (lct verify --dtype; default: "
                          "the model's): float32 leaves the compute's rounding out of the KL")
+    ap.add_argument("--floor", action="store_true",
+                    help="only print each model's bfloat16 floor (see floor()) and stop")
     ap.add_argument("--policies", default=None,
                     help="comma-separated keys of the policies to run (default: all): "
                          + ", ".join(key for key, _ in POLICIES.values()))
     args = ap.parse_args()
+    if args.floor:
+        for name in args.models.split(","):
+            print(f"{name}: bfloat16 KL with the last bit of 1 % of the table flipped: "
+                  f"{floor(prepare(name, args.out)):.5f}", flush=True)
+        return
     corpora = texts(args.out)
     lines = []
     for name in args.models.split(","):

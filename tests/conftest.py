@@ -29,6 +29,14 @@ def llama_src(tmp_path_factory):
 
 
 @pytest.fixture(scope="session")
+def wide_srcs(tmp_path_factory):
+    """``{"gemma": folder, "llama": folder}``: tiny random models with a hidden size of 256, so
+    that their rows are whole blocks of the block encodings (Q6_K's 256, int8_b128's 128)."""
+    return {arch: _save(tmp_path_factory, arch, hidden_size=256, intermediate_size=256)
+            for arch in ("gemma", "llama")}
+
+
+@pytest.fixture(scope="session")
 def gemma_art(gemma_src, tmp_path_factory):
     """The default conversion of ``gemma_src`` (read-only: copy before corrupting)."""
     import lct

@@ -25,11 +25,8 @@ HIDDEN = 256
 
 
 @pytest.fixture(scope="module")
-def sources(tmp_path_factory):
-    from lct.demo import tiny
-    d = tmp_path_factory.mktemp("block-src")
-    return {arch: tiny.save_tiny(d / arch, arch, hidden_size=HIDDEN, intermediate_size=256)
-            for arch in ("gemma", "llama")}
+def sources(wide_srcs):
+    return wide_srcs
 
 
 @pytest.fixture(scope="module")

@@ -23,7 +23,6 @@ from lct.format import int8
 from lct.format.encodings import get_encoding
 
 ENC = C.ENCODING_INT8_B128
-HIDDEN = 256
 # FORMAT.md section 2.2, int8_b128's worked example.
 SPEC_ROW0 = [0.5, -1.0, 0.25, 0.0, 0.333984375, -0.75, 0.010009765625, 0.98828125]
 SPEC_ROW1 = [254.0, -127.0, 1.0, -0.5]
@@ -58,11 +57,8 @@ def test_each_block_is_a_row_of_int8(native_mode):
 
 
 @pytest.fixture(scope="module")
-def sources(tmp_path_factory):
-    from lct.demo import tiny
-    d = tmp_path_factory.mktemp("b128-src")
-    return {arch: tiny.save_tiny(d / arch, arch, hidden_size=HIDDEN, intermediate_size=256)
-            for arch in ("gemma", "llama")}
+def sources(wide_srcs):
+    return wide_srcs
 
 
 @pytest.fixture(scope="module")
