@@ -8,7 +8,9 @@ and after the result is printed, in the interpreter's teardown (torch's atexit c
 the collection of its objects take a second or more: a traceback and exit status 0, or a
 silent death). So this module, which imports nothing heavy, answers SIGINT itself before the
 imports and after the command, and ends the process with ``os._exit`` as soon as the command
-is done: every file the command wrote is closed (and fsynced) before it printed its result.
+is done: every file the command wrote is closed (and fsynced) before it printed its result, and
+a fill of the decoded cache that a load started in the background (``lct.io.cache``), which no
+atexit handler would see through ``os._exit``, is waited for first.
 """
 
 import os
@@ -34,12 +36,29 @@ def main():
         signal.signal(signal.SIGINT, _interrupted)
         sys.stderr.write(f"{INTERRUPTED}\n")
         code = INTERRUPTED_STATUS
+    code = _wait_for_cache_fills(code)
     for stream in (sys.stdout, sys.stderr):
         try:
             stream.flush()
         except (OSError, ValueError):       # a closed pipe (lct info | head -1): nothing to do
             pass
     os._exit(code)
+
+
+def _wait_for_cache_fills(code: int) -> int:
+    """Let the decoded cache's background fills end (a Ctrl-C cancels them: status 130)."""
+    cache = sys.modules.get("lct.io.cache")
+    if cache is None:
+        return code
+    signal.signal(signal.SIGINT, signal.default_int_handler)
+    try:
+        cache.wait_fills()
+        return code
+    except KeyboardInterrupt:
+        sys.stderr.write(f"{INTERRUPTED}\n")
+        return INTERRUPTED_STATUS
+    finally:
+        signal.signal(signal.SIGINT, _interrupted)
 
 
 def _run(cli) -> int:

@@ -473,13 +473,7 @@ def _load(path, options: LoadOptions, stats: LoadStats | None):
             model.to(device)  # buffers (rotary tables) follow the weights
         if options.maximus:
             install_maximus(model, art, budget=options.maximus, device=device)
-        if fill is not None:
-            from lct.io.cache import start_fill
-            start_fill(fill)
-            fill = None
     finally:
-        if fill is not None:      # the load failed: keep nothing
-            fill.cancel()
         builder.shutdown(wait=True)  # an import cannot be interrupted: let it end, no thread left
         art.close()
     stats.take_stream(s)
@@ -489,6 +483,9 @@ def _load(path, options: LoadOptions, stats: LoadStats | None):
              "waited %.2f s for decode)", path, stats.groups, stats.bytes_decoded, stats.total_s,
              stats.skeleton_s, stats.wait_s)
     _generation_config(model, art.path)
+    if fill is not None:          # the load succeeded: keep it, in the background
+        from lct.io.cache import start_fill
+        start_fill(fill)
     return model.eval()
 
 
@@ -503,8 +500,10 @@ def _cache_for(art, options: LoadOptions, stats: LoadStats) -> tuple:
     if hit is not None:
         stats.cache = "hit"
         return hit, None
-    if options.device != "cpu" or options.dtype is not None or options.nf4 != "keep":
-        stats.cache = "miss: kept only by a load on the CPU with no dtype cast and nf4='keep'"
+    if options.device != "cpu" or options.dtype is not None or options.nf4 != "keep" or \
+            not options.verify:
+        stats.cache = ("miss: kept only by a load that checks the checksums, on the CPU, with "
+                       "no dtype cast and nf4='keep'")
         return None, None
     stats.cache = "filling"
     return None, cache.Fill(art)

@@ -1,8 +1,11 @@
 """The local decoded cache (lct/io/cache.py): a load fills it in the background, a later load
 maps it and reads nothing of the artifact, with the same model; LCT_CACHE and cache= switch it;
-a damaged entry is replaced, never used; the size budget evicts the least recently used; a full
-disk or a failed load leaves nothing; only the cache's own folders are ever removed; and
-`lct cache` lists and prunes it."""
+a damaged entry is replaced, never used; weights changed in place before they are written, a
+load without checksums, a failed load, a full disk or an over-budget entry keep nothing; the
+size budget evicts the least recently used; only the cache's own folders, and no running
+fill's, are ever removed; and `lct cache` lists and prunes it."""
+
+import fcntl
 
 import json
 import os
@@ -35,6 +38,17 @@ def _load(art, **kw):
     return model, stats, fills
 
 
+def _mapped_file(address: int) -> str | None:
+    """The file mapped at ``address`` in this process (/proc/self/maps), or None."""
+    with open("/proc/self/maps") as f:
+        for line in f:
+            span, *rest = line.split()
+            lo, hi = (int(x, 16) for x in span.split("-"))
+            if lo <= address < hi:
+                return rest[4] if len(rest) > 4 else None
+    return None
+
+
 def _logits(model):
     with torch.no_grad():
         return model(torch.tensor([[1, 5, 9, 2, 7, 3]])).logits
@@ -53,10 +67,14 @@ def test_a_load_fills_and_the_next_maps_it(root, llama_art):
     assert stats2.cache == "hit" and stats2.bytes_read == 0
     assert stats2.bytes_decoded == stats.bytes_decoded
     assert torch.equal(_logits(model), _logits(again))
-    # the weights are views of the mapping: nothing was copied into fresh memory
-    w = again.get_output_embeddings()
-    base = getattr(w, "weight", None)
-    assert base is None or isinstance(base, torch.Tensor)
+    # the weights are views of the entry's file, mapped (nothing copied into fresh memory),
+    # privately: writing to them changes neither the entry nor a later load
+    layer = again.model.layers[0].mlp.down_proj.weight
+    assert _mapped_file(layer.data_ptr()) == str(entry.path / cache.DATA)
+    before = (entry.path / cache.DATA).read_bytes()
+    with torch.no_grad():
+        layer.mul_(2)
+    assert (entry.path / cache.DATA).read_bytes() == before
     assert not list(root.glob(f"{cache.FILL_PREFIX}*"))       # no staging folder left
 
 
@@ -78,8 +96,35 @@ def test_the_switch(root, llama_art, monkeypatch):
 
 def test_a_load_that_changes_the_weights_keeps_nothing(root, llama_art):
     _, stats, _ = _load(llama_art, cache=True, dtype=torch.float32)
-    assert stats.cache.startswith("miss: kept only by a load on the CPU")
+    assert stats.cache.startswith("miss: kept only by a load that checks the checksums")
+    _, stats, _ = _load(llama_art, cache=True, verify=False)
+    assert stats.cache.startswith("miss: kept only by a load that checks the checksums")
     assert cache.entries() == []
+
+
+def test_weights_changed_before_they_are_written_are_not_kept(root, llama_art):
+    with lct.open(llama_art) as a:
+        f = cache.Fill(a)
+        bufs = [a.decode(c, a.read_stored(c)) for c in a.manifest.chunks]
+        for c, b in zip(a.manifest.chunks, bufs):
+            f.add(c.id, b)
+    bufs[-1][0] ^= 1                # what a training step or load_state_dict would do
+    f.start()
+    f.wait()
+    assert not f.done and "changed after the load decoded it" in f.reason
+    assert cache.entries() == [] and not list(root.glob(f"{cache.FILL_PREFIX}*"))
+
+
+def test_a_failed_load_keeps_nothing(root, llama_art, monkeypatch):
+    import lct.loader.build as build
+
+    def broken(model, path):
+        raise RuntimeError("generation config unreadable")
+    monkeypatch.setattr(build, "_generation_config", broken)
+    with pytest.raises(RuntimeError, match="unreadable"):
+        lct.load(llama_art, cache=True)
+    cache.wait_fills()
+    assert cache.entries() == [] and not root.exists()
 
 
 def test_a_damaged_entry_is_replaced_not_used(root, llama_art):
@@ -138,11 +183,22 @@ def test_only_the_caches_own_folders_are_removed(root, llama_art):
     stale.mkdir()
     (stale / cache.FILL_MARKER).write_text("x")
     (stale / cache.DATA).write_bytes(b"\0" * 10)
+    running = root / f"{cache.FILL_PREFIX}running"   # a fill still writing: it holds the lock
+    running.mkdir()
+    (running / cache.FILL_MARKER).write_text("x")
+    held = os.open(running / cache.FILL_MARKER, os.O_RDONLY)
+    fcntl.flock(held, fcntl.LOCK_EX)
     lookalike = root / f"{cache.FILL_PREFIX}notours"
     lookalike.mkdir()
-    removed = cache.prune(everything=True)
+    try:
+        removed = cache.prune(everything=True)
+    finally:
+        os.close(held)
     assert [e.path for e in removed] == [mine] and not mine.exists() and not stale.exists()
     assert (foreign / "notes.txt").read_text() == "mine" and other.is_dir() and lookalike.is_dir()
+    assert running.is_dir()
+    cache.prune(everything=True)            # its process gone (the lock with it): removed now
+    assert not running.exists()
 
 
 def test_a_second_fill_of_the_same_artifact_leaves_one_entry(root, llama_art):
@@ -153,12 +209,25 @@ def test_a_second_fill_of_the_same_artifact_leaves_one_entry(root, llama_art):
             for c in a.manifest.chunks:
                 f.add(c.id, a.decode(c, a.read_stored(c)))
             fills.append(f)
-        # both decided to fill before either published: the second finds the entry and stops
+        # one after the other: the second finds the first's entry and writes nothing
         for f in fills:
             f.start()
             f.wait()
-    assert [f.done for f in fills] == [True, False]
+    assert [f.done for f in fills] == [True, False] and fills[1].reason == ""
     assert len(cache.entries()) == 1 and not list(root.glob(f"{cache.FILL_PREFIX}*"))
+    # a folder under the digest's name that is not an entry is left alone, and said
+    shutil.rmtree(cache.entries()[0].path)
+    squatter = root / fills[0].digest.removeprefix("sha256:")
+    squatter.mkdir()
+    with lct.open(llama_art) as a:
+        f = cache.Fill(a)
+        for c in a.manifest.chunks:
+            f.add(c.id, a.decode(c, a.read_stored(c)))
+        f.start()
+        f.wait()
+    assert not f.done and "is not an entry of this cache; left alone" in f.reason
+    assert squatter.is_dir() and os.listdir(squatter) == []
+    squatter.rmdir()
     # an incomplete fill publishes nothing
     with lct.open(llama_art) as a:
         f = cache.Fill(a)
@@ -181,3 +250,16 @@ def test_cli_lists_and_prunes(root, llama_art):
     out = runner.invoke(cli, ["cache", "prune", "--max-size", "0KB"])
     assert out.exit_code == 0 and "removed 1 entry" in out.output
     assert cache.entries() == [] and os.listdir(root) == []
+
+
+def test_the_lct_command_leaves_its_entry(root, llama_art):
+    """``lct`` ends its process with os._exit, past any atexit handler: it waits for the fill
+    itself, here with LCT_CACHE=1 and a command that loads (``lct load``)."""
+    import subprocess
+    import sys
+    env = {**os.environ, cache.ENV_SWITCH: "1", cache.ENV_DIR: str(root)}
+    out = subprocess.run([sys.executable, "-m", "lct", "load", str(llama_art), "-q"], env=env,
+                         capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stderr
+    (entry,) = cache.entries()
+    assert entry.artifact == str(llama_art.resolve()) or entry.artifact == str(llama_art)

@@ -10,11 +10,13 @@ filled from, its size). An entry is trusted only while it is the one its digest 
 manifest gives the layout, and the data file must have exactly that size; the bytes themselves
 were the checked decode of that manifest's chunks. Its last use is ``entry.json``'s mtime.
 
-An entry is filled after a load, from the buffers the load decoded (the model's weights, so
-nothing is copied), by a background thread at the lowest CPU and I/O priority, into a staging
-folder ``.fill-<random>`` that is renamed into place once whole: a half-written entry never
-looks like one, and a process that ends first leaves only staging folders, which ``prune``
-removes. Before filling, least-recently-used entries are evicted to keep the cache within its
+An entry is filled after a load that checked its chunks' checksums, from the buffers the load
+decoded (the model's weights, so nothing is copied; each one's xxh3 taken as it was decoded and
+checked again as it is written, so that weights changed in place meanwhile are never kept), by a
+background thread at the lowest CPU and I/O priority, into a staging folder ``.fill-<random>``
+that is renamed into place once whole: a half-written entry never looks like one. The filling
+process holds a lock on the staging folder's marker; a staging folder nobody holds is what a
+process that ended first left, and ``prune`` removes it. Before filling, least-recently-used entries are evicted to keep the cache within its
 size budget (``LCT_CACHE_MAX``, default ``DEFAULT_MAX_BYTES``), and nothing is written that
 would leave less than ``MIN_FREE_BYTES`` (or 5 %) of the disk free.
 
@@ -26,6 +28,7 @@ or a staging folder holding ``FILL_MARKER``) are ever removed.
 
 from __future__ import annotations
 
+import fcntl
 import json
 import logging
 import os
@@ -39,7 +42,7 @@ from pathlib import Path
 
 import numpy as np
 
-from lct.errors import LCTError
+from lct.errors import LCTError, WriteError
 
 log = logging.getLogger(__name__)
 
@@ -55,7 +58,6 @@ ENTRY = "entry.json"
 FILL_PREFIX = ".fill-"
 FILL_MARKER = ".lct-cache-fill"
 KIND = "lct-decoded-cache"
-STALE_FILL_S = 3600.0          # a staging folder this old belongs to no running fill
 _DIGEST_DIR = re.compile(r"[0-9a-f]{64}")
 
 
@@ -115,9 +117,17 @@ class Entry:
     last_used: float
 
 
+def _regular(path: Path) -> bool:
+    """Whether ``path`` is a regular file, not a link (nothing else in the cache is opened)."""
+    return path.is_file() and not path.is_symlink()
+
+
 def _read_entry(folder: Path) -> Entry | None:
     """The entry in ``folder``, or None where it is not one of LCT's (or is damaged)."""
     try:
+        if folder.is_symlink() or not _regular(folder / ENTRY) or \
+                (folder / ENTRY).stat().st_size > 1 << 16:
+            return None
         meta = json.loads((folder / ENTRY).read_text())
         if not isinstance(meta, dict) or meta.get("kind") != KIND or \
                 _hex(str(meta.get("digest"))) != folder.name or \
@@ -139,16 +149,22 @@ def entries(root: Path | None = None) -> list:
     return sorted(found, key=lambda e: e.last_used)
 
 
-def _stale_fills(root: Path, older_than: float) -> list:
-    now = time.time()
+def _stale_fills(root: Path) -> list:
+    """Staging folders no running fill holds (its process ended before publishing)."""
     out = []
     for d in root.iterdir() if root.is_dir() else ():
-        if d.name.startswith(FILL_PREFIX) and (d / FILL_MARKER).is_file():
+        if d.name.startswith(FILL_PREFIX) and not d.is_symlink() and _regular(d / FILL_MARKER):
             try:
-                if now - (d / FILL_MARKER).stat().st_mtime > older_than:
-                    out.append(d)
+                fd = os.open(d / FILL_MARKER, os.O_RDONLY | os.O_NOFOLLOW)
             except OSError:
-                pass
+                continue
+            try:
+                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+                out.append(d)         # nobody holds it (the lock goes with this fd)
+            except OSError:
+                pass                  # a running fill
+            finally:
+                os.close(fd)
     return out
 
 
@@ -165,9 +181,10 @@ def prune(root: Path | None = None, *, keep_bytes: int | None = None, digest: st
         if everything or (digest is not None and _hex(digest) == _hex(e.digest)) or \
                 (keep_bytes is not None and total > keep_bytes):
             shutil.rmtree(e.path, ignore_errors=True)
-            total -= e.size
-            removed.append(e)
-    for d in _stale_fills(root, 0.0 if everything else STALE_FILL_S):
+            if not e.path.exists():
+                total -= e.size
+                removed.append(e)
+    for d in _stale_fills(root):
         shutil.rmtree(d, ignore_errors=True)
     return removed
 
@@ -198,7 +215,7 @@ def lookup(art, root: Path | None = None) -> CachedChunks | None:
         return None
     spans, size = layout(art.manifest)
     try:
-        actual = (folder / DATA).stat().st_size
+        actual = (folder / DATA).stat().st_size if _regular(folder / DATA) else None
     except OSError:
         actual = None
     if entry.size != size or actual != size:
@@ -209,9 +226,25 @@ def lookup(art, root: Path | None = None) -> CachedChunks | None:
     try:
         os.utime(folder / ENTRY)
         return CachedChunks(entry, spans, size)
-    except OSError as e:
+    except (OSError, ValueError) as e:   # ValueError: numpy's, for a file changed meanwhile
         log.warning("decoded cache %s: cannot map it (%s); ignored", folder, e)
         return None
+
+
+def _xxh3(buf) -> int:
+    import xxhash
+    return xxhash.xxh3_64_intdigest(memoryview(buf).cast("B"))
+
+
+def _write_all(fd: int, buf, at: int) -> None:
+    """Write all of ``buf`` at offset ``at`` of ``fd``, in pieces (a short write is resumed)."""
+    view = memoryview(buf).cast("B")
+    done = 0
+    while done < len(view):
+        n = os.pwrite(fd, view[done: done + (16 << 20)], at + done)
+        if n <= 0:
+            raise WriteError(f"wrote nothing at offset {at + done}")
+        done += n
 
 
 def _lower_io_priority() -> None:
@@ -233,9 +266,10 @@ def _lower_io_priority() -> None:
 class Fill:
     """Fills the entry of one artifact from the chunks a load decoded.
 
-    ``add(cid, buf)`` during the load keeps a reference (no copy: they are the model's weights);
-    ``start()`` after it writes them in a background thread and publishes the entry, or drops
-    everything where the cache has no room. ``wait()`` blocks until that thread ended (tests,
+    ``add(cid, buf)`` during the load (in the decode workers) keeps a reference (no copy: they
+    are the model's weights) and the buffer's xxh3; ``start()`` after it writes them in a
+    background thread, checking each hash again, and publishes the entry, or drops everything
+    where the cache has no room or a buffer changed. ``wait()`` blocks until that thread ended (tests,
     ``lct cache``); ``done`` says whether the entry was published."""
 
     def __init__(self, art, root: Path | None = None):
@@ -250,9 +284,9 @@ class Fill:
         self.reason = ""            # why nothing was published, when it was not
 
     def add(self, cid: int, buf) -> None:
-        """Keep chunk ``cid``'s decoded buffer for the fill."""
+        """Keep chunk ``cid``'s decoded buffer (and its xxh3) for the fill."""
         if cid in self.spans and buf.nbytes == self.spans[cid][1]:
-            self._bufs[cid] = buf
+            self._bufs[cid] = (buf, _xxh3(buf))
 
     def start(self) -> None:
         """Write in the background if every chunk was added, else drop them."""
@@ -291,26 +325,35 @@ class Fill:
         return True
 
     def _run(self) -> None:
-        _lower_io_priority()
-        stage = None
+        stage, lock = None, None
         try:
-            self.root.mkdir(parents=True, exist_ok=True)
+            _lower_io_priority()
+            self.root.mkdir(mode=0o700, parents=True, exist_ok=True)
             final = self.root / _hex(self.digest)
-            if _read_entry(final) is not None or not self._room():
+            if _read_entry(final) is not None:
+                return
+            if final.exists() or final.is_symlink():
+                self.reason = f"{final} exists and is not an entry of this cache; left alone"
+                log.warning("decoded cache: not filled (%s)", self.reason)
+                return
+            if not self._room():
                 return
             stage = self.root / f"{FILL_PREFIX}{uuid.uuid4().hex}"
             stage.mkdir()
-            (stage / FILL_MARKER).write_text(self.digest)
-            fd = os.open(stage / DATA, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+            lock = os.open(stage / FILL_MARKER, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+            fcntl.flock(lock, fcntl.LOCK_EX)      # held until the end: prune leaves it alone
+            fd = os.open(stage / DATA, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
             try:
                 os.ftruncate(fd, self.size)
                 for cid in sorted(self._bufs):
                     if self._stop.is_set():
                         return
-                    at, _ = self.spans[cid]
-                    view = memoryview(self._bufs.pop(cid)).cast("B")
-                    for o in range(0, len(view), 16 << 20):
-                        os.pwrite(fd, view[o: o + (16 << 20)], at + o)
+                    buf, digest = self._bufs.pop(cid)
+                    if _xxh3(buf) != digest:
+                        self.reason = (f"chunk {cid} changed after the load decoded it (weights "
+                                       f"changed in place): nothing kept")
+                        return
+                    _write_all(fd, buf, self.spans[cid][0])
                 os.fsync(fd)
             finally:
                 os.close(fd)
@@ -323,6 +366,7 @@ class Fill:
             try:
                 os.rename(stage, final)
             except OSError:         # another process published it first
+                self.reason = f"{final} was published by another process meanwhile"
                 return
             stage = None
             self.done = True
@@ -337,6 +381,8 @@ class Fill:
             self._bufs.clear()
             if stage is not None:
                 shutil.rmtree(stage, ignore_errors=True)
+            if lock is not None:
+                os.close(lock)
 
 
 _FILLS: list = []
@@ -347,13 +393,26 @@ def start_fill(fill: Fill) -> None:
     short-lived process still leaves its entry (``wait_fills`` waits sooner)."""
     import atexit
     if not _FILLS:
-        atexit.register(wait_fills)
+        atexit.register(_wait_at_exit)
     _FILLS[:] = [f for f in _FILLS if not f.wait(0)] + [fill]
     fill.start()
 
 
+def _wait_at_exit() -> None:
+    try:
+        wait_fills()
+    except KeyboardInterrupt:       # cancelled: the interpreter ends as it was going to
+        pass
+
+
 def wait_fills(timeout: float | None = None) -> list:
-    """Wait for the fills this process started; returns them (``done``, ``reason``)."""
-    for f in _FILLS:
-        f.wait(timeout)
+    """Wait for the fills this process started; returns them (``done``, ``reason``). A Ctrl-C
+    meanwhile cancels them (what they wrote is left for ``prune``) and is raised again."""
+    try:
+        for f in _FILLS:
+            f.wait(timeout)
+    except KeyboardInterrupt:
+        for f in _FILLS:
+            f.cancel()
+        raise
     return list(_FILLS)

@@ -164,6 +164,9 @@ class GroupStream:
         # ``cached`` (``lct.io.cache.CachedChunks``): the chunks are views of a decoded-cache
         # entry, nothing is read or decoded; ``on_decoded(chunk id, buffer)`` is told of each
         # chunk decoded otherwise (a cache fill keeps them).
+        if recycle and on_decoded is not None:
+            raise OptionError("recycle reuses the buffers on_decoded is given: not both",
+                              option="recycle")
         self.cached, self.on_decoded = cached, on_decoded
         self.stats = StreamStats()
         self._next = 0               # next group index to submit
