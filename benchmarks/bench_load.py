@@ -463,7 +463,7 @@ def render(title: str, src: Path, art: Path, results: dict, cold: bool) -> str:
                                                          "decode_s", "wait_s", "install_s",
                                                          "total_s")), ""]
     same = {n: r["warm"][0].get("tokens") for n, r in results.items() if r["warm"][0].get("tokens")}
-    if same:
+    if same and "from_pretrained + generate" in same:     # not when --contenders left it out
         ref = same.get("from_pretrained + generate")
         lines += ["Greedy tokens equal to from_pretrained's: " + ", ".join(
             f"{n}: {'yes' if t == ref else 'no'}" for n, t in same.items()
