@@ -39,7 +39,7 @@ def dequantize_rows(q_rows: torch.Tensor, scale_rows: torch.Tensor, dtype: torch
 
 def _block(q, scale) -> int:
     """Values per scale of int8 codes ``q`` [rows, cols] with ``scale``: cols (one per row) or a
-    block size dividing it; ``ValueError`` for scales that fit neither."""
+    block size dividing it; ``OptionError`` for scales that fit neither."""
     rows, cols = q.shape
     per_row = scale.numel() // rows if rows else 1
     if per_row * rows != scale.numel() or not per_row or cols % per_row:
