@@ -4,7 +4,9 @@ What is timed is exactly what a user runs, from process start:
 
 * ``lct load ART --prompt P --max-new-tokens 16``: the CLI, as a process of its own;
 * ``lct.load(ART, prefetch=2)`` + the artifact's tokenizer + ``generate(max_new_tokens=16)``
-  (the README's lines), with ``nf4="keep"`` (default) and ``nf4="dequantize"``;
+  (the README's lines), with ``nf4="keep"`` (default) and ``nf4="dequantize"``, and with
+  ``page_cache="keep"`` (the stored bytes' pages kept in the page cache once decoded, where the
+  default drops those the load read in from disk);
 * ``AutoModelForCausalLM.from_pretrained(SRC)`` + its tokenizer + the same ``generate`` (the peer);
 * ``lct.load(ART, cache=True)``, the local decoded cache: once as the load that fills it (its
   entry removed before the run), once as the load that finds it (filled before the first run);
@@ -95,14 +97,17 @@ model = AutoModelForCausalLM.from_pretrained(SRC, dtype=torch.bfloat16)
 '''
 
 
-def lct_python(nf4: str, cache: bool = False) -> str:
+def lct_python(nf4: str, cache: bool = False, page_cache: str | None = None) -> str:
     """The README's lines: import lct, lct.load, the tokenizer stored in the artifact (with
-    ``cache``: ``lct.load(..., cache=True)``, the local decoded cache)."""
+    ``cache``: ``lct.load(..., cache=True)``, the local decoded cache; with ``page_cache``, that
+    argument: a breakdown of what dropping the stored bytes' pages once decoded does)."""
+    more = (", cache=True" if cache else "") + (f", page_cache={page_cache!r}" if page_cache
+                                                 else "")
     return rf'''
 import lct
 from lct.loader import LoadStats
 st = LoadStats()
-model = lct.load(ART, prefetch=2, nf4="{nf4}", stats=st{", cache=True" if cache else ""})
+model = lct.load(ART, prefetch=2, nf4="{nf4}", stats=st{more})
 import torch
 from transformers import AutoTokenizer
 tok = AutoTokenizer.from_pretrained(ART)
@@ -386,6 +391,8 @@ def main() -> None:
                     header + PRELUDE + FROM_PRETRAINED + GENERATE, env),
                 "lct.load + generate": lambda: run_python(
                     header + PRELUDE + lct_python("keep") + GENERATE, env),
+                "lct.load page_cache=keep + generate": lambda: run_python(
+                    header + PRELUDE + lct_python("keep", page_cache="keep") + GENERATE, env),
                 "lct.load nf4=dequantize + generate": lambda: run_python(
                     header + PRELUDE + lct_python("dequantize") + GENERATE, env),
                 "lct load CLI": lambda: run_cli(art, prompt, env),

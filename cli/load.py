@@ -41,6 +41,12 @@ def _ids(ctx, param, value):
               help="Use the local decoded cache (lct cache --help): map what an earlier load "
                    "of this artifact decoded, or keep this load's decode there (the command "
                    "ends once it is written). Default: LCT_CACHE (1/0), else off.")
+@click.option("--page-cache", type=click.Choice(["auto", "keep", "drop"]), default=None,
+              help="What happens to the page-cache pages of the artifact's compressed bytes once "
+                   "decoded: auto drops those this load read from disk (a second copy of the "
+                   "model in memory) and keeps those already cached; keep keeps all (a later "
+                   "load reads them from memory); drop drops all. Default: auto (keep with "
+                   "--layerwise, which reads the layers again on every forward).")
 @click.option("--layerwise", is_flag=True,
               help="Keep only embedding, head and the prefetch window of layers resident "
                    "(for models larger than memory); layers stream on every forward. For "
@@ -68,7 +74,8 @@ def _ids(ctx, param, value):
               help="Print the breakdown and the generated text as one JSON object (fields in "
                    "docs/CLI.md).")
 @quiet_option("the generated text (nothing without --prompt or --ids)")
-def load_cmd(artifact, prefetch, device, dtype, nf4, workers, no_verify, expect, cache, layerwise,
+def load_cmd(artifact, prefetch, device, dtype, nf4, workers, no_verify, expect, cache, page_cache,
+             layerwise,
              maximus, stream, tp, prompt, ids, max_new_tokens, as_json, quiet):
     """Load ARTIFACT into a transformers model with the prefetching streaming loader and print a
     breakdown: imports, manifest, read, decode, install, time to ready, time to first token (with
@@ -91,6 +98,8 @@ def load_cmd(artifact, prefetch, device, dtype, nf4, workers, no_verify, expect,
                                "keeps the embedding as stored)")
     options = dict(prefetch=prefetch, device=device, dtype=dtype, nf4=nf4, workers=workers,
                    verify=not no_verify, expect=expect)
+    if page_cache is not None:
+        options["page_cache"] = page_cache
     generate = dict(prompt=prompt, ids=ids, max_new_tokens=max_new_tokens)
     if tp:
         if layerwise or maximus is not None:

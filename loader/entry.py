@@ -11,7 +11,7 @@ from lct.loader.source import LoadOptions, LoadStats
 def load(path, prefetch: int = DEFAULT_PREFETCH, device="cpu", dtype=None, nf4: str = "keep",
          workers: int | None = None, *, verify: bool = True, pad_ids=None, stats=None,
          maximus=False, stream: bool = False, tp_plan=None, device_map=None, max_memory=None,
-         expect: str | None = None, cache: bool | None = None):
+         expect: str | None = None, cache: bool | None = None, page_cache: str = "auto"):
     """Load an LCT artifact into a transformers model ready for ``generate()``.
 
     Without ``tp_plan`` or ``device_map`` this is ``lct.loader.build.load``, the prefetching
@@ -35,6 +35,11 @@ def load(path, prefetch: int = DEFAULT_PREFETCH, device="cpu", dtype=None, nf4: 
             load of the same artifact decoded and maps it instead of decoding, and a load that
             decodes keeps it there afterwards, in the background. None: ``LCT_CACHE`` (1/0)
             decides, else off. The single-process loader only.
+        page_cache: what happens to the page-cache pages of a local artifact's stored
+            (compressed) bytes once their chunk is decoded: ``"auto"`` drops those this load
+            read in from disk and keeps those that were cached before it, ``"keep"`` keeps
+            them all (a later load without the decoded cache reads them from memory),
+            ``"drop"`` drops them all (README, "The page cache").
         expect: the digest the artifact's manifest must have (``sha256:...``, as ``lct info``
             prints it): a pin on the names, shapes, types and places of every tensor and on
             every chunk's checksum (an ``hf://`` address at a commit is pinned already).
@@ -53,7 +58,8 @@ def load(path, prefetch: int = DEFAULT_PREFETCH, device="cpu", dtype=None, nf4: 
     """
     options = LoadOptions(prefetch=prefetch, device=device, dtype=dtype, nf4=nf4,
                           workers=workers, verify=verify, stream=stream, expect=expect,
-                          pad_ids=pad_ids, maximus=maximus, cache=cache)
+                          pad_ids=pad_ids, maximus=maximus, cache=cache,
+                          page_cache=page_cache)
     _check_stats(stats)
     if max_memory is not None and device_map is None:
         raise OptionError("max_memory is the budget of device_map='auto'; pass device_map too",

@@ -29,12 +29,14 @@ class LayerwiseModel:
 
     def __init__(self, path, prefetch: int = DEFAULT_PREFETCH, device="cpu", dtype=None,
                  nf4: str = "keep", workers: int | None = None, *, verify: bool = True,
-                 pad_ids=None, stream: bool = False, expect: str | None = None):
+                 pad_ids=None, stream: bool = False, expect: str | None = None,
+                 page_cache: str = "keep"):
         import torch
 
+        # page_cache "keep" by default: every forward reads the layers again.
         options = LoadOptions(prefetch=prefetch, device=device, dtype=dtype, nf4=nf4,
                               workers=workers, verify=verify, stream=stream, expect=expect,
-                              pad_ids=pad_ids)
+                              pad_ids=pad_ids, page_cache=page_cache)
         device, dtype = options.device, options.dtype
         check_device(device)
         self.art = options.open(path)

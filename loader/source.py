@@ -32,8 +32,13 @@ class LoadOptions:
     pad_ids: object = None
     maximus: object = False
     cache: bool | None = None       # the decoded cache (lct.io.cache): None: LCT_CACHE decides
+    page_cache: str = "auto"        # the stored bytes' page-cache pages (lct.io.store)
 
     def __post_init__(self):
+        from lct.io.store import PAGE_CACHE_MODES
+        if self.page_cache not in PAGE_CACHE_MODES:
+            raise OptionError(f"page_cache {self.page_cache!r}: expected one of "
+                              f"{', '.join(PAGE_CACHE_MODES)}", option="page_cache")
         check_prefetch(self.prefetch)
         if self.nf4 not in NF4_MODES:
             raise OptionError(f"nf4 must be one of {', '.join(NF4_MODES)}, got {self.nf4!r}",
@@ -63,8 +68,11 @@ class LoadOptions:
 
     def open(self, path):
         """``open_source`` of ``path`` with these options."""
-        return open_source(path, verify=self.verify, workers=self.workers, stream=self.stream,
-                           pin_memory=self.cuda, expect=self.expect)
+        art = open_source(path, verify=self.verify, workers=self.workers, stream=self.stream,
+                          pin_memory=self.cuda, expect=self.expect)
+        if hasattr(art.store, "page_cache"):        # a local store (lct.io.store.LocalStore)
+            art.store.page_cache = self.page_cache
+        return art
 
 
 @dataclass

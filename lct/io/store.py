@@ -5,6 +5,8 @@ file's size and for byte ranges, which is what lets a chunk stream from a URL.
 
 from __future__ import annotations
 
+import ctypes
+import ctypes.util
 import mmap
 import os
 import threading
@@ -15,6 +17,51 @@ from lct.errors import ArtifactNotFoundError, ManifestError
 # Linux's posix_fadvise(WILLNEED) reads at most one readahead window (max of read_ahead_kb and
 # the device's io size) per call and ignores the rest of the range: ask in 2 MiB pieces.
 WILLNEED_STEP = 2 << 20
+
+# What a local load does with the page-cache pages of the stored (compressed) bytes once a chunk
+# is decoded: "auto" drops those it read in from disk and keeps those that were cached when it
+# began, "keep" keeps all, "drop" drops all (README, "The page cache").
+PAGE_CACHE_MODES = ("auto", "keep", "drop")
+
+_LIBC = None
+
+
+def _libc():
+    """The C library (for ``mincore``), or None where it cannot be loaded."""
+    global _LIBC
+    if _LIBC is None:
+        try:
+            lib = ctypes.CDLL(ctypes.util.find_library("c") or None, use_errno=True)
+            lib.mincore.argtypes = (ctypes.c_void_p, ctypes.c_size_t, ctypes.c_void_p)
+            _LIBC = lib
+        except (OSError, AttributeError):
+            _LIBC = False
+    return _LIBC or None
+
+
+def residency(address: int, offset: int, size: int):
+    """One uint8 per page of ``[offset, offset + size)`` of the mapping at ``address`` (from the
+    page ``offset`` rounds down to), 1 where the page is in the page cache (``mincore``); None
+    where that cannot be asked."""
+    lib = _libc()
+    if lib is None or size <= 0:
+        return None
+    import numpy as np
+    page = mmap.PAGESIZE
+    start = offset - offset % page
+    pages = (offset + size - start + page - 1) // page
+    vec = np.zeros(pages, dtype=np.uint8)
+    if lib.mincore(ctypes.c_void_p(address + start), pages * page,
+                   ctypes.c_void_p(vec.ctypes.data)) != 0:
+        return None
+    return vec & 1
+
+
+def resident(address: int, offset: int, size: int) -> bool | None:
+    """Whether every page of ``[offset, offset + size)`` of the mapping at ``address`` is in the
+    page cache; None where that cannot be asked."""
+    vec = residency(address, offset, size)
+    return None if vec is None else bool(vec.all())
 
 
 def confined(path: Path, root: Path) -> bool:
@@ -226,10 +273,14 @@ class LocalStore:
 
     local = True        # reading a range costs no request (a remote store's is False)
 
-    def __init__(self, root):
+    def __init__(self, root, page_cache: str = "auto"):
         self.root = Path(root)
         self._maps: dict = {}
+        self._addresses: dict = {}      # name -> the address of its mapping
+        self._before: dict = {}         # name -> its pages' residency when first mapped
         self._lock = threading.Lock()
+        self.page_cache = page_cache    # one of PAGE_CACHE_MODES
+        self.dropped = 0                # bytes dropped from the page cache by ``release``
 
     def describe(self, name: str) -> str:
         """How to name the file in messages."""
@@ -260,6 +311,13 @@ class LocalStore:
                         raise ManifestError(f"{path}: file is {size} bytes, manifest says "
                                             f"{expected} (changed since the artifact was opened?)")
                     m = mmap.mmap(fh.fileno(), 0, access=mmap.ACCESS_READ) if size else b""
+                if size:
+                    import numpy as np
+                    view = np.frombuffer(m, dtype=np.uint8)
+                    self._addresses[name] = view.ctypes.data
+                    del view
+                    # before this store reads a byte of it: what "auto" keeps
+                    self._before[name] = residency(self._addresses[name], 0, size)
                 self._maps[name] = m
             return m
 
@@ -288,10 +346,49 @@ class LocalStore:
             os.close(fd)
 
     def release(self, name: str, offset: int, size: int) -> None:
-        """Drop the mapped pages of a range from this process (the page cache keeps them)."""
+        """Drop the mapped pages of a decoded range from this process, and, as ``page_cache``
+        says, from the page cache: the decoded chunk is what the model keeps, and a second,
+        compressed copy of it that this load read in would only hold memory that the next
+        allocation has to get back. Pages shared with a neighbouring range stay."""
         m = self._maps.get(name)
         if isinstance(m, mmap.mmap) and hasattr(mmap, "MADV_DONTNEED") and size:
             m.madvise(mmap.MADV_DONTNEED, offset, size)
+        if self.page_cache == "keep" or not size or not hasattr(os, "posix_fadvise"):
+            return
+        runs = self._droppable(name, offset, size)
+        if not runs:
+            return
+        try:
+            fd = os.open(self.root / name, os.O_RDONLY)
+        except OSError:
+            return
+        try:
+            for start, length in runs:
+                os.posix_fadvise(fd, start, length, os.POSIX_FADV_DONTNEED)
+                with self._lock:
+                    self.dropped += length
+        except OSError:
+            pass
+        finally:
+            os.close(fd)
+
+    def _droppable(self, name: str, offset: int, size: int) -> list:
+        """``(start, length)`` runs of the whole pages inside a range that ``release`` drops:
+        all with "drop"; with "auto" those not in the page cache when the file was mapped."""
+        page = mmap.PAGESIZE
+        first, last = -(-offset // page), (offset + size) // page
+        if last <= first:
+            return []
+        if self.page_cache == "drop":
+            return [(first * page, (last - first) * page)]
+        before = self._before.get(name)
+        if before is None:
+            return []                               # unknown: kept
+        import numpy as np
+        cold = np.concatenate(([0], before[first:last] == 0, [0])).astype(np.int8)
+        edges = np.flatnonzero(np.diff(cold))
+        return [(int(first + a) * page, int(b - a) * page)
+                for a, b in zip(edges[::2], edges[1::2])]
 
     def close(self) -> None:
         """Unmap every file (a view still held by a caller is unmapped by the GC later)."""
@@ -303,3 +400,5 @@ class LocalStore:
                 except BufferError:
                     pass
             self._maps.clear()
+            self._addresses.clear()
+            self._before.clear()
