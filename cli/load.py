@@ -43,10 +43,11 @@ def _ids(ctx, param, value):
                    "ends once it is written). Default: LCT_CACHE (1/0), else off.")
 @click.option("--page-cache", type=click.Choice(["auto", "keep", "drop"]), default=None,
               help="What happens to the page-cache pages of the artifact's compressed bytes once "
-                   "decoded: auto drops those this load read from disk (a second copy of the "
-                   "model in memory) and keeps those already cached; keep keeps all (a later "
-                   "load reads them from memory); drop drops all. Default: auto (keep with "
-                   "--layerwise, which reads the layers again on every forward).")
+                   "decoded: auto drops those this load read from disk when --cache keeps its "
+                   "decode (the next load maps that) and keeps them otherwise; keep keeps all; "
+                   "drop drops all (a cold load without the cache is faster, the next one "
+                   "reads the disk again). Default: auto (keep with --layerwise, which reads "
+                   "the layers again on every forward).")
 @click.option("--layerwise", is_flag=True,
               help="Keep only embedding, head and the prefetch window of layers resident "
                    "(for models larger than memory); layers stream on every forward. For "

@@ -506,6 +506,8 @@ def _cache_for(art, options: LoadOptions, stats: LoadStats) -> tuple:
                        "no dtype cast and nf4='keep'")
         return None, None
     stats.cache = "filling"
+    if options.page_cache == "auto" and hasattr(art.store, "page_cache"):
+        art.store.page_cache = "auto"       # drop what is read in from disk (lct.io.store)
     return None, cache.Fill(art)
 
 

@@ -37,9 +37,9 @@ def load(path, prefetch: int = DEFAULT_PREFETCH, device="cpu", dtype=None, nf4: 
             decides, else off. The single-process loader only.
         page_cache: what happens to the page-cache pages of a local artifact's stored
             (compressed) bytes once their chunk is decoded: ``"auto"`` drops those this load
-            read in from disk and keeps those that were cached before it, ``"keep"`` keeps
-            them all (a later load without the decoded cache reads them from memory),
-            ``"drop"`` drops them all (README, "The page cache").
+            read in from disk when the decoded cache keeps this load's decode (the next load
+            maps that) and keeps them otherwise (the next load reads them from memory),
+            ``"keep"`` keeps them all, ``"drop"`` drops them all (README, "The page cache").
         expect: the digest the artifact's manifest must have (``sha256:...``, as ``lct info``
             prints it): a pin on the names, shapes, types and places of every tensor and on
             every chunk's checksum (an ``hf://`` address at a commit is pinned already).

@@ -71,7 +71,9 @@ class LoadOptions:
         art = open_source(path, verify=self.verify, workers=self.workers, stream=self.stream,
                           pin_memory=self.cuda, expect=self.expect)
         if hasattr(art.store, "page_cache"):        # a local store (lct.io.store.LocalStore)
-            art.store.page_cache = self.page_cache
+            # "auto" keeps until the decoded cache is found to keep this load's decode
+            # (build._cache_for): the next load then maps that, not these pages.
+            art.store.page_cache = "keep" if self.page_cache == "auto" else self.page_cache
         return art
 
 

@@ -1,7 +1,8 @@
-"""What a local load leaves in the page cache (lct/io/store.py, ``page_cache``): "auto" drops the
-stored bytes it read in from disk once decoded and keeps what was cached before it, "keep" keeps
-all, "drop" drops all; the model is the same whichever; layer-wise models keep (every forward
-reads again); a bad value is refused by name."""
+"""What a local load leaves in the page cache (lct/io/store.py, ``page_cache``): the store's "auto"
+drops the stored bytes it read in from disk once decoded and keeps what was cached before it,
+"keep" keeps all, "drop" drops all. ``lct.load``'s "auto" (the default) drops while the decoded
+cache keeps the decode and keeps otherwise; the model is the same whichever; layer-wise models
+keep (every forward reads again); a bad value is refused by name."""
 
 import mmap
 import os
@@ -106,15 +107,24 @@ def _logits(model):
         return model(torch.tensor([[1, 5, 9, 2]])).logits
 
 
-def test_a_cold_load_leaves_no_compressed_copy_and_the_same_model(wide_art):
+def test_a_cold_load_keeps_its_pages_unless_the_decoded_cache_keeps_the_decode(
+        wide_art, tmp_path, monkeypatch):
+    from lct.io import cache
+    monkeypatch.setenv(cache.ENV_DIR, str(tmp_path / "cache"))
     files = _data_files(wide_art)
-    kept = lct.load(wide_art, page_cache="keep")
-    assert min(_fraction(f) for f in files) > 0.9     # read in, and kept
+    kept = lct.load(wide_art)                          # the default: auto, no decoded cache
+    assert min(_fraction(f) for f in files) > 0.9     # read in, and kept for the next load
     for f in files:
         _evict(f)
-    auto = lct.load(wide_art)                          # the default: auto
+    filling = lct.load(wide_art, cache=True)           # the next load maps the decoded cache
+    assert all(f.done for f in cache.wait_fills())
     assert max(_fraction(f) for f in files) < 0.5
-    torch.testing.assert_close(_logits(auto), _logits(kept), rtol=0, atol=0)
+    for f in files:
+        _evict(f)
+    dropped = lct.load(wide_art, page_cache="drop")
+    assert max(_fraction(f) for f in files) < 0.5
+    for model in (filling, dropped):
+        torch.testing.assert_close(_logits(model), _logits(kept), rtol=0, atol=0)
 
 
 def test_a_warm_load_keeps_what_was_cached(wide_art):
