@@ -5,8 +5,8 @@ What is timed is exactly what a user runs, from process start:
 * ``lct load ART --prompt P --max-new-tokens 16``: the CLI, as a process of its own;
 * ``lct.load(ART, prefetch=2)`` + the artifact's tokenizer + ``generate(max_new_tokens=16)``
   (the README's lines), with ``nf4="keep"`` (default) and ``nf4="dequantize"``, and with
-  ``page_cache="keep"`` (the stored bytes' pages kept in the page cache once decoded, where the
-  default drops those the load read in from disk);
+  ``page_cache="drop"`` (the stored bytes' pages dropped from the page cache once decoded,
+  where without the decoded cache the default keeps them);
 * ``AutoModelForCausalLM.from_pretrained(SRC)`` + its tokenizer + the same ``generate`` (the peer);
 * ``lct.load(ART, cache=True)``, the local decoded cache: once as the load that fills it (its
   entry removed before the run), once as the load that finds it (filled before the first run);
@@ -391,8 +391,8 @@ def main() -> None:
                     header + PRELUDE + FROM_PRETRAINED + GENERATE, env),
                 "lct.load + generate": lambda: run_python(
                     header + PRELUDE + lct_python("keep") + GENERATE, env),
-                "lct.load page_cache=keep + generate": lambda: run_python(
-                    header + PRELUDE + lct_python("keep", page_cache="keep") + GENERATE, env),
+                "lct.load page_cache=drop + generate": lambda: run_python(
+                    header + PRELUDE + lct_python("keep", page_cache="drop") + GENERATE, env),
                 "lct.load nf4=dequantize + generate": lambda: run_python(
                     header + PRELUDE + lct_python("dequantize") + GENERATE, env),
                 "lct load CLI": lambda: run_cli(art, prompt, env),

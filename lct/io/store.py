@@ -18,9 +18,10 @@ from lct.errors import ArtifactNotFoundError, ManifestError
 # the device's io size) per call and ignores the rest of the range: ask in 2 MiB pieces.
 WILLNEED_STEP = 2 << 20
 
-# What a local load does with the page-cache pages of the stored (compressed) bytes once a chunk
-# is decoded: "auto" drops those it read in from disk and keeps those that were cached when it
-# began, "keep" keeps all, "drop" drops all (README, "The page cache").
+# What a local store does with the page-cache pages of the stored (compressed) bytes once a chunk
+# is decoded (``release``): "auto" drops those it read in from disk and keeps those that were
+# cached when it began, "keep" keeps all, "drop" drops all. lct.load's "auto" is the store's
+# "auto" while the decoded cache keeps the decode, "keep" otherwise (README, "The page cache").
 PAGE_CACHE_MODES = ("auto", "keep", "drop")
 
 _LIBC = None
