@@ -76,8 +76,7 @@ def _ids(ctx, param, value):
                    "docs/CLI.md).")
 @quiet_option("the generated text (nothing without --prompt or --ids)")
 def load_cmd(artifact, prefetch, device, dtype, nf4, workers, no_verify, expect, cache, page_cache,
-             layerwise,
-             maximus, stream, tp, prompt, ids, max_new_tokens, as_json, quiet):
+             layerwise, maximus, stream, tp, prompt, ids, max_new_tokens, as_json, quiet):
     """Load ARTIFACT into a transformers model with the prefetching streaming loader and print a
     breakdown: imports, manifest, read, decode, install, time to ready, time to first token (with
     --prompt or --ids), throughput and peak RSS.

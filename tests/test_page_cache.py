@@ -15,8 +15,14 @@ from click.testing import CliRunner
 import lct
 from lct.cli.main import cli
 from lct.errors import OptionError
-from lct.io.store import LocalStore, resident
+from lct.io.store import LocalStore, residency
 from lct.loader import LayerwiseModel
+
+
+def resident(address: int, offset: int, size: int):
+    """Whether every page of the range of the mapping at ``address`` is in the page cache."""
+    vec = residency(address, offset, size)
+    return None if vec is None else bool(vec.all())
 
 
 def _evict(path) -> None:

@@ -21,7 +21,8 @@ WILLNEED_STEP = 2 << 20
 # What a local store does with the page-cache pages of the stored (compressed) bytes once a chunk
 # is decoded (``release``): "auto" drops those it read in from disk and keeps those that were
 # cached when it began, "keep" keeps all, "drop" drops all. lct.load's "auto" is the store's
-# "auto" while the decoded cache keeps the decode, "keep" otherwise (README, "The page cache").
+# "auto" while the decoded cache keeps the decode, "keep" otherwise (README, "The page cache");
+# a store keeps unless told (lct.open, verify and export read as they did).
 PAGE_CACHE_MODES = ("auto", "keep", "drop")
 
 _LIBC = None
@@ -56,13 +57,6 @@ def residency(address: int, offset: int, size: int):
                    ctypes.c_void_p(vec.ctypes.data)) != 0:
         return None
     return vec & 1
-
-
-def resident(address: int, offset: int, size: int) -> bool | None:
-    """Whether every page of ``[offset, offset + size)`` of the mapping at ``address`` is in the
-    page cache; None where that cannot be asked."""
-    vec = residency(address, offset, size)
-    return None if vec is None else bool(vec.all())
 
 
 def confined(path: Path, root: Path) -> bool:
@@ -274,7 +268,7 @@ class LocalStore:
 
     local = True        # reading a range costs no request (a remote store's is False)
 
-    def __init__(self, root, page_cache: str = "auto"):
+    def __init__(self, root, page_cache: str = "keep"):
         self.root = Path(root)
         self._maps: dict = {}
         self._addresses: dict = {}      # name -> the address of its mapping
