@@ -37,16 +37,18 @@ def dequantize_rows(q_rows: torch.Tensor, scale_rows: torch.Tensor, dtype: torch
     return out
 
 
-def _block(q, scale) -> int:
-    """Values per scale of int8 codes ``q`` [rows, cols] with ``scale``: cols (one per row) or a
-    block size dividing it; ``OptionError`` for scales that fit neither."""
+def _scales(q, scale) -> tuple:
+    """``(block, scale)`` of int8 codes ``q`` [rows, cols]: the values per scale, cols (one per
+    row) or a block size dividing it, and the scales shaped as the kernels read them ([rows] or
+    [rows, cols / block]); ``OptionError`` for scales that fit neither."""
     rows, cols = q.shape
     per_row = scale.numel() // rows if rows else 1
     if per_row * rows != scale.numel() or not per_row or cols % per_row:
         from lct.errors import OptionError
         raise OptionError(f"int8 scales {tuple(scale.shape)} fit neither one per row nor whole "
                           f"blocks of rows of {cols} codes ({rows} rows)", option="scale")
-    return cols // per_row
+    block = cols // per_row
+    return block, scale.reshape(rows, -1) if block != cols else scale.reshape(-1)
 
 
 def _encoding(block: int, cols: int) -> str:
@@ -71,14 +73,13 @@ class Int8Linear(QuantizedLinear):
                  chunk_rows: int | None = None):
         super().__init__()
         self.out_features, self.in_features = q.shape
-        self.block = _block(q, scale)
+        self.block, scale = _scales(q, scale)
         self.encoding = _encoding(self.block, self.in_features)   # the path chooser's key
         self.dtype = dtype
         self.chunk_rows = chunk_rows or max(1, DEFAULT_CHUNK_BYTES // (self.in_features
                                                                          * dtype.itemsize))
         self.register_buffer("q", q)
-        self.register_buffer("scale", scale.reshape(self.out_features, -1)
-                             if self.block != self.in_features else scale.reshape(-1))
+        self.register_buffer("scale", scale)
         self.bias = bias
 
     @property
@@ -130,11 +131,10 @@ class Int8Embedding(nn.Module):
                  scale_by: torch.Tensor | None = None):
         super().__init__()
         self.num_embeddings, self.embedding_dim = q.shape
-        self.block = _block(q, scale)
+        self.block, scale = _scales(q, scale)
         self.dtype = dtype
         self.register_buffer("q", q)
-        self.register_buffer("scale", scale.reshape(self.num_embeddings, -1)
-                             if self.block != self.embedding_dim else scale.reshape(-1))
+        self.register_buffer("scale", scale)
         self.register_buffer("pad_ids", torch.tensor(sorted(set(pad_ids)), dtype=torch.long,
                                                      device=q.device), persistent=False)
         self.register_buffer("embed_scale", scale_by, persistent=False)
