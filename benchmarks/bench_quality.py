@@ -136,7 +136,8 @@ def run_model(name: str, src: Path, corpora: dict, args) -> list:
     lines = [f"### {MODELS[name]}", "",
              f"{args.max_tokens} scored tokens per text at most, 512-token blocks; "
              f"`lct verify --quality{' --dtype ' + args.dtype if args.dtype else ''}` per cell "
-             f"(both models computing in {args.dtype or 'the model dtype'}). Source safetensors "
+             f"(both models computing in {rows[0][2].get('dtype') if rows else args.dtype}). "
+             f"Source safetensors "
              f"{src_bytes / 1e6:.1f} MB.", "",
              "| policy | stored as (embed+head) | text | tokens | ppl source | ppl artifact | "
              "Δ ppl | top-1 agreement | mean KL nats | data files MB | ÷ safetensors | "
@@ -151,15 +152,23 @@ def run_model(name: str, src: Path, corpora: dict, args) -> list:
     real = {(lab, kind): q["kl_mean"] for lab, kind, q, _, _ in rows}
     lines += ["", "Each estimate of each candidate for the tied table against its measured "
               "real-text KL (the forced policies' rows above); ratio = estimate ÷ the mean of "
-              "the two real KLs:", "",
-              "| candidate | real KL prose | real KL code | LCT's calibration text (default) | "
-              "ratio | --calibration TEXT | ratio | text-free proxy | ratio |",
-              "|---|---|---|---|---|---|---|---|---|"]
+              "the two real KLs. \"whole\": the forced policy's own estimate, its embedding "
+              "always measured whole; \"worst text\": the larger real KL ÷ that estimate (what "
+              "the policy's margin covers). The auto policies' columns hold lower bounds, the "
+              "head's cost alone, where they skipped the embedding (`measured.partial`):", "",
+              "| candidate | real KL prose | real KL code | whole | ratio | worst text | "
+              "LCT's calibration text (default) | ratio | --calibration TEXT | ratio | "
+              "text-free proxy | ratio |",
+              "|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for enc, label in FORCED.items():
         if (label, "prose") not in real:
             continue
         truth = (real[(label, "prose")] + real[(label, "code")]) / 2
-        cells = []
+        worst = max(real[(label, "prose")], real[(label, "code")])
+        whole = decisions[label]["measured"]["costs"]["embed+head"].get(enc)
+        cells = [f"{whole:.5f}" if whole is not None else "-",
+                 f"{whole / truth:.2f}" if whole and truth > 0 else "nan",
+                 f"{worst / whole:.2f}" if whole else "nan"]
         for how in (DEFAULT, USER_TEXT, PROXY):
             est = (decisions[how]["measured"]["costs"]["embed+head"].get(enc)
                    if how in decisions else None)     # a policy left out by --policies
@@ -206,7 +215,8 @@ def main() -> None:
                     help=f"comma-separated, of: {', '.join(MODELS)}")
     ap.add_argument("--dtype", default=None, choices=("float32", "bfloat16"),
                     help="what both models compute in when scored (lct verify --dtype; default: "
-                         "the model's): float32 leaves the compute's rounding out of the KL")
+                         "verify's, float32 where both fit in memory): float32 leaves the "
+                         "compute's rounding out of the KL")
     ap.add_argument("--floor", action="store_true",
                     help="only print each model's bfloat16 floor (see floor()) and stop")
     ap.add_argument("--policies", default=None,

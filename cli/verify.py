@@ -36,9 +36,11 @@ from lct.format import constants as C
                    "resident.")
 @click.option("--dtype", "quality_dtype", type=click.Choice(["float32", "bfloat16", "float16"]),
               default=None,
-              help="--quality: what both models compute in. Default: the artifact's dtype, as "
-                   "a user runs it; float32 leaves the compute's own rounding out of the KL, so "
-                   "that it measures what the storage costs.")
+              help="--quality: what both models compute in. Default: float32, which leaves "
+                   "the compute's own rounding out of the KL so that it measures what the "
+                   "storage costs (as the conversion's budget is measured), where both models "
+                   "fit in memory so; else the artifact's dtype. bfloat16 measures what a user "
+                   "running in it sees, rounding included.")
 @click.option("--expect", default=None, metavar="DIGEST",
               help="The manifest must have this digest (sha256:..., as lct info prints it): a "
                    "pin on every tensor's name, shape, type and place and every chunk's "

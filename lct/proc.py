@@ -1,4 +1,5 @@
-"""Process measurements for breakdowns and benchmarks: age since start and peak RSS (Linux)."""
+"""Process measurements for breakdowns and benchmarks: age since start, peak RSS and the memory
+available (Linux)."""
 
 from __future__ import annotations
 
@@ -27,6 +28,18 @@ def _status_kb(field: str) -> int | None:
                 if line.startswith(field + ":"):
                     return int(line.split()[1]) * 1024
     except OSError:
+        pass
+    return None
+
+
+def available_memory() -> int | None:
+    """Bytes of memory available to a new allocation (Linux ``MemAvailable``), or None."""
+    try:
+        with open("/proc/meminfo", encoding="ascii") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except (OSError, ValueError, IndexError):
         pass
     return None
 

@@ -3,6 +3,7 @@ and int8 for one that does not (by the text-free proxy and by calibration text),
 decided once, and what the manifest, convert and info say about it."""
 
 import json
+import math
 
 import pytest
 import torch
@@ -110,6 +111,7 @@ def test_calibration_measures_on_text(tmp_path):
                       policy=Policy(calibration=str(text), max_calibration_tokens=256))
     d = rep.decision
     assert d.method == "calibration" and 0 < d.tokens <= 256
+    assert d.note == "the text given, in float32"
     assert set(d.costs) == {"embed", "head"}
     assert d.costs["head"]["nf4"] > d.costs["head"]["int8"] > 0
     # the calibration cost of the head equals an independent computation on the same tokens
@@ -117,7 +119,8 @@ def test_calibration_measures_on_text(tmp_path):
 
     from lct.conversion.policy import roundtrip
     from lct.conversion.quality import read_texts, token_blocks
-    model = AutoModelForCausalLM.from_pretrained(src, dtype=torch.bfloat16).eval()
+    # in float32, as the calibration computes where the model fits in memory so
+    model = AutoModelForCausalLM.from_pretrained(src, dtype=torch.float32).eval()
     blocks = token_blocks(AutoTokenizer.from_pretrained(src), read_texts(text), 256, 512)
     ref = model.lm_head.weight.data.clone()
     total = n = 0
@@ -125,7 +128,7 @@ def test_calibration_measures_on_text(tmp_path):
         for ids in blocks:
             x = torch.tensor([ids])
             lr = torch.log_softmax(model(x).logits[0, :-1].float(), -1)
-            model.lm_head.weight.data = roundtrip("int8", ref, 64).to(ref.dtype)
+            model.lm_head.weight.data = roundtrip("int8", ref.bfloat16(), 64).to(ref.dtype)
             lq = torch.log_softmax(model(x).logits[0, :-1].float(), -1)
             model.lm_head.weight.data = ref
             total += float((lr.exp() * (lr - lq)).sum())
@@ -239,9 +242,9 @@ def test_non_finite_calibration_costs_are_null_in_standard_json(tmp_path):
 
 def _full_forward_kl(src, module_of, wq_of, blocks) -> float:
     """Mean KL on ``blocks`` of the model with ``module_of(model)``'s weight replaced by
-    ``wq_of(weight)``, every pass a whole forward (no kept trunk output)."""
+    ``wq_of(weight)``, every pass a whole forward (no kept trunk output), in float32."""
     from transformers import AutoModelForCausalLM
-    model = AutoModelForCausalLM.from_pretrained(src, dtype=torch.bfloat16).eval()
+    model = AutoModelForCausalLM.from_pretrained(src, dtype=torch.float32).eval()
     mod = module_of(model)
     total = n = 0
     with torch.no_grad():
@@ -278,14 +281,15 @@ def test_default_calibration_runs_the_shipped_text(tmp_path):
     src = _source(tmp_path, "gemma", head_std=0.02, tokenizer=True)
     rep = lct.convert(str(src), tmp_path / "g.lct")
     d = rep.decision
-    assert d.method == "calibration" and "calibration text" in d.note
+    assert d.method == "calibration" and d.note.endswith("calibration text "
+                                                          "(lct/conversion/sample_text.py), in float32")
     blocks = _shipped_blocks(src)
     assert d.tokens == sum(len(b) - 1 for b in blocks) and 0 < d.tokens <= 256
     assert len(blocks) >= 3             # a share of the prose and of each code module
     assert list(d.costs) == ["embed+head"]
 
-    def wq(e):
-        return lambda w: roundtrip(e, w, 64).to(w.dtype)
+    def wq(e):      # the stored (bfloat16) values' round trip
+        return lambda w: roundtrip(e, w.bfloat16(), 64).to(w.dtype)
     for e in ("nf4", "int8"):     # forced, each is measured whole
         forced = lct.convert(str(src), tmp_path / f"{e}.lct",
                              policy=Policy(**{e: ("embed", "head")})).decision
@@ -300,11 +304,11 @@ def test_default_calibration_runs_the_shipped_text(tmp_path):
 
 
 def test_default_calibration_falls_back_to_the_proxy_and_says_why(tmp_path, monkeypatch):
-    from lct.conversion import policy as pol
+    import lct.proc
     src = _source(tmp_path, "llama", head_std=0.5, tokenizer=True)
     d = lct.convert(str(src), tmp_path / "n.lct", policy=Policy(calibration="none")).decision
     assert d.method == "proxy" and d.note == ""
-    monkeypatch.setattr(pol, "_available_memory", lambda: 1000)
+    monkeypatch.setattr(lct.proc, "available_memory", lambda: 1000)
     d = lct.convert(str(src), tmp_path / "m.lct").decision
     assert d.method == "proxy" and "memory available" in d.note
     # a model that gives no next-token logits for text alone (an encoder-decoder)
@@ -318,6 +322,51 @@ def test_default_calibration_falls_back_to_the_proxy_and_says_why(tmp_path, monk
     text.write_text(sample_text_prose())
     with pytest.raises(lct.errors.LCTError, match="could not run|no next-token"):
         lct.convert(str(t5), tmp_path / "t5b.lct", policy=Policy(calibration=str(text)))
+
+
+def test_a_calibration_estimate_is_held_to_the_budget_times_its_measured_error(tmp_path):
+    """The auto policy keeps a combination only where its estimate times C.ESTIMATE_MARGIN is
+    within the budget; the manifest, convert's line and info say so. The proxy gets none."""
+    from lct.io.info import measured_line
+    src = _source(tmp_path, "llama", head_std=0.5, tokenizer=True)
+    free = lct.convert(str(src), tmp_path / "free.lct", policy=Policy(budget=9.0)).decision
+    assert free.method == "calibration" and free.margin == C.ESTIMATE_MARGIN == 2.0
+    smallest = free.chosen
+    assert set(smallest.values()) != {C.ENCODING_PLAIN} and free.cost > 0
+    held = free.cost * free.margin
+    at = lct.convert(str(src), tmp_path / "at.lct", policy=Policy(budget=held * 1.001)).decision
+    assert at.chosen == smallest and at.held <= at.budget
+    under = lct.convert(str(src), tmp_path / "u.lct",
+                        policy=Policy(budget=free.cost * 1.5)).decision
+    assert under.chosen != smallest     # the estimate fits, the estimate times its error not
+    assert under.cost * under.margin <= under.budget
+    m = json.loads((tmp_path / "at.lct" / "lct.json").read_text())["policy"]["measured"]
+    assert m["margin"] == 2.0
+    assert f"(x2 for the estimate's error: {held:.4f}), within" in measured_line(m)
+    m["cost_kl"] = at.budget * 0.9      # within the budget alone, over it times the margin
+    assert "OVER the budget" in measured_line(m)
+    proxy = lct.convert(str(src), tmp_path / "p.lct", policy=Policy(calibration="none")).decision
+    assert proxy.margin == 1.0
+    assert "margin" not in json.loads((tmp_path / "p.lct" / "lct.json").read_text())[
+        "policy"]["measured"]
+
+
+def test_calibration_computes_in_the_source_dtype_where_float32_does_not_fit(tmp_path,
+                                                                             monkeypatch):
+    """float32 needs twice a bfloat16 model's memory: where only the bfloat16 model fits in the
+    calibration's share, it computes in bfloat16 and the note says what that means."""
+    import lct.proc
+    from lct.conversion.source import resolve, scan
+    src = _source(tmp_path, "llama", head_std=0.5, tokenizer=True)
+    params = sum(math.prod(st.shape) for st in scan(resolve(str(src))).values())
+    monkeypatch.setattr(lct.proc, "available_memory", lambda: 6 * params)  # 2P <= 3P < 4P
+    d = lct.convert(str(src), tmp_path / "b.lct").decision
+    assert d.method == "calibration"
+    assert d.note.endswith(", in bfloat16 (float32 would not fit in memory; the estimate holds "
+                           "the compute's own rounding)"), d.note
+    monkeypatch.undo()
+    f = lct.convert(str(src), tmp_path / "f.lct").decision
+    assert f.note.endswith(", in float32") and f.costs != d.costs
 
 
 def sample_text_prose() -> str:

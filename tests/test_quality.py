@@ -45,8 +45,9 @@ def test_quality_equals_an_independent_computation(src, arts):
         if scored == 300:
             break
     assert token_blocks(tok, sample_text.samples(), 300, 64) == blocks
-    model = lct.load(art)
-    ref = AutoModelForCausalLM.from_pretrained(src, dtype=torch.bfloat16).eval()
+    # both in float32 by default, where they fit in memory so
+    model = lct.load(art, dtype=torch.float32)
+    ref = AutoModelForCausalLM.from_pretrained(src, dtype=torch.float32).eval()
     nll = nll_ref = 0.0
     agree = n = 0
     kls = []
@@ -61,13 +62,30 @@ def test_quality_equals_an_independent_computation(src, arts):
                                 reduction="none").sum(-1))
             n += len(b) - 1
     kl = torch.cat(kls)
-    assert q.tokens == n == 300
+    assert q.tokens == n == 300 and q.dtype == "float32"
     assert q.ppl == pytest.approx(math.exp(nll / n), rel=1e-5)
     assert q.ppl_reference == pytest.approx(math.exp(nll_ref / n), rel=1e-5)
     assert q.top1_agreement == agree / n
     assert q.kl_mean == pytest.approx(kl.mean().item(), rel=1e-4, abs=1e-7)
     assert q.kl_max == pytest.approx(kl.max().item(), rel=1e-4, abs=1e-7)
     assert q.delta_pct != 0.0  # the default artifact's NF4 embedding/head changes something
+
+
+def test_quality_computes_in_the_artifacts_dtype_where_float32_does_not_fit(src, arts, run,
+                                                                           monkeypatch):
+    """float32 by default, which the report and the verdict name; the artifact's dtype where two
+    float32 models would not fit in memory, or where --dtype says so."""
+    import lct.proc
+    res = run("verify", arts[0], "--against", src, "--quality", "--max-tokens", "64")
+    assert res.exit_code in (0, 1) and "tokens in float32: " in res.output, res.output
+    f32 = measure_quality(arts[0], str(src), max_tokens=64, block=64)
+    bf16 = measure_quality(arts[0], str(src), max_tokens=64, block=64, dtype=torch.bfloat16)
+    assert (f32.dtype, bf16.dtype) == ("float32", "bfloat16") and f32.kl_mean != bf16.kl_mean
+    monkeypatch.setattr(lct.proc, "available_memory", lambda: 1000)
+    short = measure_quality(arts[0], str(src), max_tokens=64, block=64)
+    assert short.dtype == "bfloat16" and short.kl_mean == bf16.kl_mean
+    assert measure_quality(arts[0], str(src), max_tokens=64, block=64,
+                           layerwise=True).dtype == "float32"   # a layer at a time
 
 
 def test_lossless_artifact_costs_exactly_nothing(src, arts, run):

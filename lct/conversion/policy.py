@@ -19,6 +19,8 @@ measured one of two ways:
 
 The costs of the embedding and the head add up to the artifact's cost; among the combinations
 whose cost is within the budget, the one with the fewest stored bytes wins (lossless always fits).
+A calibration estimate is held to the budget times its measured error (``C.ESTIMATE_MARGIN``:
+the estimate times that must fit), so that the budget holds on other text too.
 """
 
 from __future__ import annotations
@@ -56,6 +58,13 @@ class Decision:
     sizes: dict = field(default_factory=dict)    # part -> {encoding (and plain): stored bytes}
     note: str = ""                   # which text was measured on, or why none was
     partial: dict = field(default_factory=dict)  # part -> encodings costed by the head alone
+    margin: float = 1.0              # what each estimate is multiplied by before the budget
+
+    @property
+    def held(self) -> float:
+        """The chosen combination's cost as it is held to the budget: the estimate times its
+        measured error (``margin``)."""
+        return self.cost * self.margin
 
     def to_dict(self) -> dict:
         return {"method": self.method, "mode": self.mode, "budget_kl": self.budget,
@@ -65,6 +74,7 @@ class Decision:
                 **({"sizes": self.sizes} if self.sizes else {}),
                 **({"note": self.note} if self.note else {}),
                 **({"partial": self.partial} if self.partial else {}),
+                **({"margin": self.margin} if self.margin != 1.0 else {}),
                 "costs": {p: {e: round(v, 6) if math.isfinite(v) else None
                               for e, v in c.items()} for p, c in self.costs.items()}}
 
@@ -85,15 +95,17 @@ class Decision:
             pick.append(f"{part} {self.chosen[role]} ({other}{plain})")
         how = self.method + (f"; {self.note}" if self.note else "") + \
             (f", {self.tokens} tokens" if self.tokens else "")
+        est = f"estimated mean KL {self.cost:.4f} nats" + (
+            f" (x{self.margin:g} for the estimate's measured error: {self.held:.4f})"
+            if self.margin != 1.0 else "")
         if self.mode == "manual":
-            over = not self.cost <= self.budget      # a NaN cost is not within it
-            return (f"policy manual ({how}): {'; '.join(pick)}; estimated mean "
-                    f"KL {self.cost:.4f} nats, {'OVER' if over else 'within'} the budget "
+            over = not self.held <= self.budget      # a NaN cost is not within it
+            return (f"policy manual ({how}): {'; '.join(pick)}; {est}, "
+                    f"{'OVER' if over else 'within'} the budget "
                     f"{self.budget:g}" + (" (the default auto policy keeps within it)"
                                           if over else ""))
         pick += [f"{role} plain ({why})" for role, why in self.kept.items()]
-        return (f"policy auto ({how}): {'; '.join(pick)}; estimated mean KL "
-                f"{self.cost:.4f} nats, budget {self.budget:g}")
+        return f"policy auto ({how}): {'; '.join(pick)}; {est}, budget {self.budget:g}"
 
 
 def roundtrip(encoding: str, w, blocksize: int, wf=None):
@@ -247,25 +259,14 @@ class CalibrationUnavailable(LCTError):
     policy falls back to the text-free proxy."""
 
 
-def _available_memory() -> int | None:
-    """Bytes of memory available to a new allocation (Linux ``MemAvailable``), or None."""
-    try:
-        with open("/proc/meminfo", encoding="ascii") as f:
-            for line in f:
-                if line.startswith("MemAvailable:"):
-                    return int(line.split()[1]) * 1024
-    except (OSError, ValueError, IndexError):
-        pass
-    return None
-
-
 def calibration_obstacle(src, tensors: dict) -> str | None:
     """Why the shipped calibration text cannot be run through this source here (no tokenizer,
     or a model too large to load beside the conversion), or None."""
     if not any((src.root / n).is_file() for n in ("tokenizer.json", "tokenizer.model")):
         return "the source has no tokenizer"
+    from lct.proc import available_memory
     need = sum(math.prod(st.shape) * C.DTYPE_SIZES.get(st.dtype, 4) for st in tensors.values())
-    avail = _available_memory()
+    avail = available_memory()
     if avail is not None and need > C.CALIBRATION_MEMORY_SHARE * avail:
         return (f"the model ({need / 1e9:.1f} GB) is more than {C.CALIBRATION_MEMORY_SHARE:.0%} "
                 f"of the {avail / 1e9:.1f} GB of memory available")
@@ -311,10 +312,18 @@ def calibration_costs(src, tensors: dict, lossy: dict, tied: bool, arch, policy)
     whole model with the embedding's weight so. A tied table's cost is the sum of both, each
     measured alone. The whole passes are the cost of calibration, so for a tied table of an auto
     policy the candidates go smallest first and the embedding is measured only where it can
-    change the choice: not once a smaller candidate fits ``policy.budget``, nor where the head
-    alone is over it. Such a candidate's cost is its head's, a lower bound, and it is listed in
-    the returned ``partial``. Returns ``(costs, tokens scored, partial)``: ``partial`` is
-    ``{part: [encodings]}``.
+    change the choice: not once a smaller candidate fits the budget (``policy.budget`` over
+    ``C.ESTIMATE_MARGIN``, as ``decide`` holds an estimate to it), nor where the head alone is
+    over it. Such a candidate's cost is its head's, a lower bound, and it is listed in
+    the returned ``partial``.
+
+    The model computes in float32 where it fits in ``C.CALIBRATION_MEMORY_SHARE`` of the
+    memory available so (``quality.compute_dtype``), else in the source's dtype: the budget is
+    what the storage costs, and in bfloat16 the trunk's own rounding turns any change of the
+    table into about as much KL as int8 costs (docs/BENCHMARKS.md, bench_quality).
+
+    Returns ``(costs, tokens scored, partial, dtype)``: ``partial`` is ``{part: [encodings]}``,
+    ``dtype`` the name of what the model computed in.
 
     Raises:
         CalibrationUnavailable: the model has no tokenizer, or cannot be run on text.
@@ -324,7 +333,7 @@ def calibration_costs(src, tensors: dict, lossy: dict, tied: bool, arch, policy)
     from transformers import AutoTokenizer
 
     from lct.conversion import sample_text
-    from lct.conversion.quality import DEFAULT_BLOCK, read_texts, token_blocks
+    from lct.conversion.quality import DEFAULT_BLOCK, compute_dtype, read_texts, token_blocks
     from lct.io.reader import torch_dtype
     if not any((src.root / n).is_file() for n in ("tokenizer.json", "tokenizer.model")):
         raise CalibrationUnavailable(f"{src.root}: a calibration text needs the model's "
@@ -336,7 +345,9 @@ def calibration_costs(src, tensors: dict, lossy: dict, tied: bool, arch, policy)
                           spread=shipped)
     if not blocks:
         raise PolicyError(f"{policy.calibration}: the text is shorter than two tokens")
-    dtype = torch_dtype(tensors[next(iter(lossy.values()))].dtype)
+    native = torch_dtype(tensors[next(iter(lossy.values()))].dtype)
+    params = sum(math.prod(st.shape) for st in tensors.values())
+    dtype = compute_dtype(params, 1, C.CALIBRATION_MEMORY_SHARE) or native
     try:
         model = type(arch.model).from_pretrained(src.root, dtype=dtype).eval()
     except (OSError, ValueError, TypeError, RuntimeError) as e:
@@ -401,19 +412,23 @@ def calibration_costs(src, tensors: dict, lossy: dict, tied: bool, arch, policy)
             cands = sorted(order,
                            key=lambda e: encoded_bytes(e, shape, dtype_name, policy.blocksize))
             prune = tied and policy.auto
+            bound = policy.budget / C.ESTIMATE_MARGIN
             c, fits = {}, False
+            stored = p.to(native)               # the stored values (p is float32: exact)
+            wf = p if p.dtype == torch.float32 else None
             for e in cands:                     # one round trip per candidate
-                wq = roundtrip(e, p, policy.blocksize).to(p.dtype)
+                wq = roundtrip(e, stored, policy.blocksize, wf).to(p.dtype)
                 c[e] = kl(head, wq, cached=True) if "head" in roles else 0.0
                 if "embed" in roles:
-                    if prune and (fits or not c[e] <= policy.budget):
+                    if prune and (fits or not c[e] <= bound):
                         partial.setdefault(part, []).append(e)
                     else:
                         c[e] += kl(embed, wq, cached=False)
-                        fits = fits or c[e] <= policy.budget
+                        fits = fits or c[e] <= bound
                 del wq
+            del stored, wf
             costs[part] = {e: c[e] for e in order}      # in the registry's order
-    return costs, n, partial
+    return costs, n, partial, str(dtype).removeprefix("torch.")
 
 
 def choose(costs: dict, shapes: dict, dtypes: dict, budget: float, blocksize: int) -> tuple:
@@ -466,10 +481,14 @@ def decide(src, tensors: dict, lossy: dict, tied: bool, arch, policy) -> Decisio
             why = None if policy.calibration else calibration_obstacle(src, tensors)
             if why:
                 raise CalibrationUnavailable(why)
-            costs, tokens, partial = calibration_costs(src, tensors, lossy, tied, arch, policy)
+            costs, tokens, partial, dtype = calibration_costs(src, tensors, lossy, tied, arch,
+                                                              policy)
             method = "calibration"
-            if not policy.calibration:
-                note = "LCT's calibration text (lct/conversion/sample_text.py)"
+            note = ("LCT's calibration text (lct/conversion/sample_text.py)"
+                    if not policy.calibration else "the text given") + f", in {dtype}"
+            if dtype != "float32":
+                note += (" (float32 would not fit in memory; the estimate holds the "
+                         "compute's own rounding)")
         except CalibrationUnavailable as e:
             if policy.calibration:
                 raise
@@ -485,8 +504,9 @@ def decide(src, tensors: dict, lossy: dict, tied: bool, arch, policy) -> Decisio
     for part in costs:
         st = tensors[lossy["embed" if part == "embed+head" else part]]
         shapes[part], dtypes[part] = tuple(st.shape), st.dtype
+    margin = C.ESTIMATE_MARGIN if method == "calibration" else 1.0
     if policy.auto:
-        chosen, cost = choose(costs, shapes, dtypes, policy.budget, policy.blocksize)
+        chosen, cost = choose(costs, shapes, dtypes, policy.budget / margin, policy.blocksize)
     else:
         chosen = policy.forced()
         cost = sum(c.get(chosen["embed" if p == "embed+head" else p], 0.0)
@@ -495,7 +515,7 @@ def decide(src, tensors: dict, lossy: dict, tied: bool, arch, policy) -> Decisio
                     for e in (C.ENCODING_PLAIN, *c)} for part, c in costs.items()}
     return Decision(chosen, tied, method, policy.budget, costs, cost, tokens,
                     time.perf_counter() - t0, "auto" if policy.auto else "manual", kept,
-                    sizes, note, partial)
+                    sizes, note, partial, margin)
 
 
 def _non_finite(src, tensors: dict, lossy: dict, policy) -> dict:

@@ -9,6 +9,7 @@ log-likelihood of the true next token; KL is ``sum p_ref * (log p_ref - log p)``
 
 from __future__ import annotations
 
+import math
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
@@ -32,6 +33,7 @@ class QualityReport:
     kl_mean: float = 0.0            # nats
     kl_max: float = 0.0
     budget_kl: float | None = None  # the budget the mean KL is held to (verify sets it)
+    dtype: str = ""                 # what both models computed in ("float32", "bfloat16", ...)
 
     @property
     def delta_pct(self) -> float:
@@ -47,7 +49,8 @@ class QualityReport:
 
     def verdict(self) -> str:
         """One line: the mean KL against the budget, ``within`` or ``OVER``."""
-        return (f"mean KL {self.kl_mean:.5f} nats on {self.tokens} tokens: "
+        return (f"mean KL {self.kl_mean:.5f} nats on {self.tokens} tokens"
+                + (f" in {self.dtype}" if self.dtype else "") + ": "
                 f"{'within' if self.within_budget else 'OVER'} the budget {self.budget_kl:g}")
 
     def to_dict(self) -> dict:
@@ -118,15 +121,29 @@ def score(model, reference, blocks: list, progress=None) -> dict:
     return sums
 
 
+def compute_dtype(params: int, copies: int, share: float):
+    """``torch.float32`` where ``copies`` models of ``params`` parameters fit in float32 within
+    ``share`` of the memory available (or where that cannot be read), else None (compute in the
+    model's own dtype). float32 leaves the compute's own rounding out of a KL, so that it
+    measures what the storage costs."""
+    import torch
+
+    from lct.proc import available_memory
+    avail = available_memory()
+    return torch.float32 if avail is None or 4 * params * copies <= share * avail else None
+
+
 def measure_quality(artifact, against: str, *, revision: str | None = None, text=None,
                     max_tokens: int = DEFAULT_MAX_TOKENS, block: int = DEFAULT_BLOCK,
                     progress=None, layerwise: bool = False, dtype=None) -> QualityReport:
     """Score the loaded ``artifact`` (as ``lct.load`` gives it: lossy parts kept) against the
     source ``against`` loaded with ``from_pretrained``, on ``text`` (a file or folder; default:
-    the sample in ``lct.conversion.sample_text``), both computing in ``dtype`` (a torch dtype;
-    default: the artifact's). In bfloat16 the KL holds the compute's own rounding as well as
-    the storage's: on a model whose logits are that sensitive, any change of the weights costs
-    about as much (docs/BENCHMARKS.md); float32 measures what the storage costs alone.
+    the sample in ``lct.conversion.sample_text``), both computing in ``dtype`` (a torch dtype).
+    By default float32, what the conversion's budget is measured in, where both models fit in
+    memory so (layer-wise, always), else the artifact's dtype. In bfloat16 the KL holds the
+    compute's own rounding as well as the storage's: on a model whose logits are that
+    sensitive, any change of the weights costs about as much (docs/BENCHMARKS.md); float32
+    measures what the storage costs alone. The report's ``dtype`` says which.
 
     With ``layerwise`` neither model is ever whole in memory: the artifact runs as a
     ``LayerwiseModel`` (layers streamed on every forward), and so does the reference, which is
@@ -148,18 +165,37 @@ def measure_quality(artifact, against: str, *, revision: str | None = None, text
     texts = read_texts(text) if text is not None else sample_text.samples()
     tokenizer = AutoTokenizer.from_pretrained(path)
     src = resolve(against, revision)
+    if dtype is None:
+        import torch
+
+        from lct.format import constants as C
+        from lct.io.reader import open_artifact
+        with open_artifact(path, verify=False) as art:
+            params = sum(math.prod(t.shape) for t in art.manifest.tensors.values())
+        dtype = torch.float32 if layerwise else \
+            compute_dtype(params, 2, C.CALIBRATION_MEMORY_SHARE)
     if layerwise:
         from lct.loader.layerwise import LayerwiseModel
         with LayerwiseModel(path, dtype=dtype) as model, \
                 LayerwiseModel(path, nf4="dequantize", dtype=dtype) as reference:
             _take_lossy_from_source(reference, src)
-            return compare(model, reference, tokenizer, texts, max_tokens=max_tokens,
-                           block=block, progress=progress)
+            report = compare(model, reference, tokenizer, texts, max_tokens=max_tokens,
+                             block=block, progress=progress)
+            report.dtype = _dtype_name(model.model)
+            return report
     model = load(path, dtype=dtype)
     first = next(p for p in model.parameters() if p.is_floating_point())
     reference = AutoModelForCausalLM.from_pretrained(src.root, dtype=first.dtype).eval()
-    return compare(model, reference, tokenizer, texts, max_tokens=max_tokens, block=block,
-                   progress=progress)
+    report = compare(model, reference, tokenizer, texts, max_tokens=max_tokens, block=block,
+                     progress=progress)
+    report.dtype = _dtype_name(model)
+    return report
+
+
+def _dtype_name(model) -> str:
+    """The dtype ``model``'s floating-point parameters compute in, as ``"float32"``."""
+    first = next(p for p in model.parameters() if p.is_floating_point())
+    return str(first.dtype).removeprefix("torch.")
 
 
 def compare(model, reference, tokenizer, texts: list, *, max_tokens: int = DEFAULT_MAX_TOKENS,
@@ -170,7 +206,6 @@ def compare(model, reference, tokenizer, texts: list, *, max_tokens: int = DEFAU
     Raises:
         LCTError: ``max_tokens`` below 1, or text shorter than two tokens.
     """
-    import math
     if max_tokens < 1:
         raise LCTError(f"max tokens {max_tokens} must be at least 1")
     blocks = token_blocks(tokenizer, texts, max_tokens, block)

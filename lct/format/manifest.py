@@ -348,7 +348,8 @@ _POLICY_KEYS = {"mode": ("str",), **{e: ("strs",) for e in lossy_encodings()},
 _MEASURED_KEYS = {"method": ("str",), "mode": ("str",), "budget_kl": ("num",),
                   "cost_kl": ("num",), "tied": ("bool",), "tokens": ("int",),
                   "seconds": ("num",), "costs": ("costs",), "kept": ("obj",),
-                  "sizes": ("costs",), "note": ("str",), "partial": ("obj",)}
+                  "sizes": ("costs",), "note": ("str",), "partial": ("obj",),
+                  "margin": ("num",)}
 _FREQUENCY_SOURCE_KEYS = {"kind": ("str",), "path": ("str", "null"), "tokens": ("int",),
                           "note": ("str",)}
 _INFORMATIVE = {"source": _SOURCE_KEYS, "architecture": _ARCHITECTURE_KEYS,

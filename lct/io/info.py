@@ -114,11 +114,14 @@ def measured_line(measured) -> str:
         costs = "; ".join(f"{part}: " + ", ".join(cand(part, e, v) for e, v in c.items())
                           for part, c in measured["costs"].items())
         cost, budget = float(measured["cost_kl"]), float(measured["budget_kl"])
+        margin = float(measured.get("margin", 1.0))
         how = str(measured["method"]) + (f"; {measured['note']}" if measured.get("note") else "")
         if measured.get("tokens"):
             how += f", {int(measured['tokens'])} tokens"
-        return (f"measured ({how}): estimated mean KL {cost:.4f} nats, "
-                f"{'OVER' if not cost <= budget else 'within'} the budget {budget:g}; "
+        held = f" (x{margin:g} for the estimate's error: {cost * margin:.4f})" \
+            if margin != 1.0 else ""
+        return (f"measured ({how}): estimated mean KL {cost:.4f} nats{held}, "
+                f"{'OVER' if not cost * margin <= budget else 'within'} the budget {budget:g}; "
                 f"candidates (mean KL, stored size) {costs}")
     except (TypeError, KeyError, ValueError, AttributeError):
         return ""
