@@ -1,4 +1,4 @@
-"""`lct cache`: the local decoded cache (lct/io/cache.py): list it, size it, prune it."""
+"""`lct cache`: the local decoded cache (lct/io/cache.py): list it, size it, prune it, fill it."""
 
 from __future__ import annotations
 
@@ -7,14 +7,16 @@ import time
 
 import click
 
-from lct.cli._util import quiet_option, table
+from lct.cli._util import GroupProgress, quiet_option, table
 
 
-@click.group("cache", short_help="List, size and prune the local decoded cache.")
+@click.group("cache", short_help="List, size, prune and fill the local decoded cache.")
 def cache_cmd():
     """The local decoded cache: what a load decoded, kept so that a later load of the same
     artifact maps it instead of decoding it again (LCT_CACHE=1, or lct.load(..., cache=True),
-    or lct load --cache). Entries are named by the manifest's digest (lct info prints it) and
+    or lct load --cache); the layer-wise model, device maps and tensor-parallel ranks map an
+    entry that a whole load or `lct cache fill` made. Entries are named by the manifest's
+    digest (lct info prints it) and
     the least recently used are evicted to stay within LCT_CACHE_MAX (default 64GiB). The folder
     is LCT_CACHE_DIR, else $XDG_CACHE_HOME/lct/decoded, else ~/.cache/lct/decoded."""
 
@@ -45,6 +47,36 @@ def list_cmd(as_json, quiet):
         click.echo(table(rows, ["digest", "artifact", "size", "last used"]))
     click.echo(f"{root}: {len(items)} entr{'y' if len(items) == 1 else 'ies'}, {human(total)} "
                f"of {human(cache.max_bytes())}")
+
+
+@cache_cmd.command("fill")
+@click.argument("artifact")
+@quiet_option("the entry's folder")
+def fill_cmd(artifact, quiet):
+    """Decode ARTIFACT (a folder, hf://org/name[@rev], pulled first, or s3://bucket/prefix)
+    into the cache without loading a model, a few groups in memory at a time: for a model that
+    the layer-wise model (lct.LayerwiseModel, lct load --layerwise), a device map or
+    tensor-parallel ranks run, which map the entry instead of decoding (with LCT_CACHE=1 or
+    cache=True). Exits 1 where the entry cannot be kept (over LCT_CACHE_MAX, a disk too full),
+    saying why; an entry that exists is left as it is."""
+    from lct.cloud import local_or_open
+    from lct.io import cache
+    from lct.io.reader import Artifact, open_artifact
+    from lct.units import human
+    target = local_or_open(artifact)
+    art = target if isinstance(target, Artifact) else open_artifact(target)
+    bar = GroupProgress("cache fill", unit="group", enabled=not quiet)
+    try:
+        f = cache.fill(art, progress=bar)
+    finally:
+        bar.close()
+        art.close()
+    if f.reason:
+        raise click.ClickException(f"{artifact}: not cached: {f.reason}")
+    if quiet:
+        click.echo(str(f.folder))
+        return
+    click.echo(f"{'filled' if f.done else 'already cached:'} {f.folder} ({human(f.size)})")
 
 
 @cache_cmd.command("prune")

@@ -39,8 +39,9 @@ def _ids(ctx, param, value):
                    "lct info prints it).")
 @click.option("--cache/--no-cache", "cache", default=None,
               help="Use the local decoded cache (lct cache --help): map what an earlier load "
-                   "of this artifact decoded, or keep this load's decode there (the command "
-                   "ends once it is written). Default: LCT_CACHE (1/0), else off.")
+                   "(or lct cache fill) of this artifact decoded, or keep this load's decode "
+                   "there (the command ends once it is written; not with --layerwise or --tp, "
+                   "which only map). Default: LCT_CACHE (1/0), else off.")
 @click.option("--page-cache", type=click.Choice(["auto", "keep", "drop"]), default=None,
               help="What happens to the page-cache pages of the artifact's compressed bytes once "
                    "decoded: auto drops those this load read from disk when --cache keeps its "
@@ -97,7 +98,7 @@ def load_cmd(artifact, prefetch, device, dtype, nf4, workers, no_verify, expect,
         raise click.UsageError("--maximus does not go with --layerwise (the layer-wise model "
                                "keeps the embedding as stored)")
     options = dict(prefetch=prefetch, device=device, dtype=dtype, nf4=nf4, workers=workers,
-                   verify=not no_verify, expect=expect)
+                   verify=not no_verify, expect=expect, cache=cache)
     if page_cache is not None:
         options["page_cache"] = page_cache
     generate = dict(prompt=prompt, ids=ids, max_new_tokens=max_new_tokens)
@@ -122,8 +123,8 @@ def load_cmd(artifact, prefetch, device, dtype, nf4, workers, no_verify, expect,
         model = loader.LayerwiseModel(where.source, stream=where.stream, **options)
     else:
         model = loader.load(where.source, stream=where.stream, stats=stats, **options,
-                            maximus=False if maximus is None else (maximus if maximus > 0 else True),
-                            cache=cache)
+                            maximus=False if maximus is None
+                            else (maximus if maximus > 0 else True))
     from lct.loader.report import LoadReport
     report = LoadReport(where.folder, imports_s, time.perf_counter() - t1, stats,
                         layerwise=layerwise)

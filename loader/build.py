@@ -511,6 +511,15 @@ def _cache_for(art, options: LoadOptions, stats: LoadStats) -> tuple:
     return None, cache.Fill(art)
 
 
+def cache_hit(art, options: LoadOptions):
+    """The decoded cache's entry of ``art`` mapped (``lct.io.cache.CachedChunks``) where the
+    cache is on for this load and holds one, else None: for the loaders that only map it (the
+    layer-wise model, device maps, tensor-parallel ranks); an entry is filled by a whole
+    ``lct.load`` or by ``lct cache fill``."""
+    from lct.io import cache
+    return cache.lookup(art) if cache.enabled(options.cache) else None
+
+
 def held_budget(art) -> int:
     """How many decoded bytes ``load`` may hold before the model's skeleton exists (it checks
     every stored shape against the model): about 1.5x the weights that config.json describes,

@@ -243,7 +243,9 @@ def load_mapped(path, device_map, options=None, *, max_memory=None, stats=None):
                                "from the artifact")
         inst = Installer(arch, art, device="cpu", dtype=dtype, nf4=nf4)
         from lct.io.stream import GroupStream
-        with GroupStream(art, read, prefetch=options.prefetch) as groups:
+        from lct.loader.build import cache_hit
+        with GroupStream(art, read, prefetch=options.prefetch,
+                         cached=cache_hit(art, options)) as groups:
             for group in groups:
                 _install_all(inst, [group], stats)
             s = groups.stats

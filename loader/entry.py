@@ -34,7 +34,8 @@ def load(path, prefetch: int = DEFAULT_PREFETCH, device="cpu", dtype=None, nf4: 
         cache: use the local decoded cache (``lct.io.cache``): a load finds what an earlier
             load of the same artifact decoded and maps it instead of decoding, and a load that
             decodes keeps it there afterwards, in the background. None: ``LCT_CACHE`` (1/0)
-            decides, else off. The single-process loader only.
+            decides, else off. With ``tp_plan`` or ``device_map`` a load maps an entry (each
+            rank its share) but fills none: a whole load or ``lct cache fill`` does.
         page_cache: what happens to the page-cache pages of a local artifact's stored
             (compressed) bytes once their chunk is decoded: ``"auto"`` drops those this load
             read in from disk when the decoded cache keeps this load's decode (the next load

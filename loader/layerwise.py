@@ -5,14 +5,16 @@ Every forward pass streams the layer groups in order with ``prefetch`` of them d
 (compression stays on: AirLLM prefetches one layer and turns prefetch off when compressed). A
 layer's weights are installed just before its forward and dropped right after, so at most
 ``prefetch + 1`` layers are resident at any time. The logits equal those of the fully loaded
-model, because the weights are the same bytes.
+model, because the weights are the same bytes. Where the decoded cache holds the artifact
+(``lct cache fill``, or an earlier ``lct.load``; ``cache=`` / ``LCT_CACHE``), the layers are
+mapped from it instead of read and decoded.
 """
 
 from __future__ import annotations
 
 from lct.errors import LCTError
 from lct.io.stream import DEFAULT_PREFETCH, GroupStream
-from lct.loader.build import Installer, build_skeleton, check_device
+from lct.loader.build import Installer, build_skeleton, cache_hit, check_device
 from lct.loader.source import LoadOptions
 
 
@@ -30,18 +32,20 @@ class LayerwiseModel:
     def __init__(self, path, prefetch: int = DEFAULT_PREFETCH, device="cpu", dtype=None,
                  nf4: str = "keep", workers: int | None = None, *, verify: bool = True,
                  pad_ids=None, stream: bool = False, expect: str | None = None,
-                 page_cache: str = "keep"):
+                 page_cache: str = "keep", cache: bool | None = None):
         import torch
 
         # page_cache "keep" by default: every forward reads the layers again.
         options = LoadOptions(prefetch=prefetch, device=device, dtype=dtype, nf4=nf4,
                               workers=workers, verify=verify, stream=stream, expect=expect,
-                              pad_ids=pad_ids, page_cache=page_cache)
+                              pad_ids=pad_ids, page_cache=page_cache, cache=cache)
         device, dtype = options.device, options.dtype
         check_device(device)
         self.art = options.open(path)
         self.prefetch = prefetch
         try:
+            # a decoded-cache entry: every forward maps the layers instead of decoding them
+            self.cached = cache_hit(self.art, options)
             arch = build_skeleton(self.art, dtype)
             self.model = arch.model
             if len(arch.stacks) != 1:
@@ -65,7 +69,7 @@ class LayerwiseModel:
             self.layer_groups = [g for i in sorted(units) for g in units[i]]
             self._index_of = {g: i for i, gs in units.items() for g in gs}
             resident = [g for g in self.art.groups if g not in self.layer_groups]
-            with GroupStream(self.art, resident, prefetch=prefetch) as stream:
+            with GroupStream(self.art, resident, prefetch=prefetch, cached=self.cached) as stream:
                 for group in stream:
                     self.installer.install(group)
             self._modules = {}
@@ -106,7 +110,8 @@ class LayerwiseModel:
     # Hooks ----------------------------------------------------------------------------------
     def _start(self, module, args, kwargs):
         self._close_stream()
-        self._stream = GroupStream(self.art, self.layer_groups, prefetch=self.prefetch)
+        self._stream = GroupStream(self.art, self.layer_groups, prefetch=self.prefetch,
+                                   cached=self.cached)
         self._expected = 0
 
     def _end(self, module, args, kwargs, output):

@@ -103,8 +103,11 @@ def load_tp(path, options=None, *, tp_plan="auto", stats=None):
         # stream, which starts at once on the chunks of this rank's pieces.
         future = builder.submit(skeleton)
         chunks = _rank_chunks(art.manifest, dist.get_rank(), dist.get_world_size())
-        with art.stream(prefetch=options.prefetch, chunks=chunks) as groups:
-            model = _fill(future, art, groups, stats, keep=nf4 == "keep")
+        from lct.io.stream import GroupStream
+        from lct.loader.build import cache_hit
+        hit = cache_hit(art, options)      # a decoded-cache entry: this rank maps its share
+        with GroupStream(art, prefetch=options.prefetch, chunks=chunks, cached=hit) as groups:
+            model = _fill(future, art, groups, stats, keep=nf4 == "keep", cached=hit)
     except Exception as e:  # noqa: BLE001 - every rank must hear of it, whatever it is
         failure = e
     finally:
@@ -148,12 +151,13 @@ def _rank_chunks(m, rank: int, world: int) -> set:
     return out
 
 
-def _fill(future, art, groups, stats, keep: bool = False):
+def _fill(future, art, groups, stats, keep: bool = False, cached=None):
     """Give every parameter of the skeleton ``future`` builds its shard (DTensor) or whole
     tensor from the stream ``groups``. A tensor stored as pieces along the axis the plan splits
     takes only the pieces inside this rank's slice; any other tensor is decoded whole and
     sliced; tensors a converter fuses (experts stored one by one) are converted whole, as the
-    single-process load converts them, then sliced. Returns the model."""
+    single-process load converts them, then sliced. A chunk outside the rank's guess is read
+    then, or mapped from ``cached`` (the decoded cache's entry). Returns the model."""
     import torch
 
     from lct.arch import hf
@@ -174,7 +178,8 @@ def _fill(future, art, groups, stats, keep: bool = False):
             full, index, pieces = plans[info.name]
             for p in (pieces if pieces is not None else info.placements()):
                 if p.chunk not in group.buffers:      # outside the rank's guess: read it now
-                    group.buffers[p.chunk] = art.read_chunk(p.chunk)
+                    group.buffers[p.chunk] = art.read_chunk(p.chunk) if cached is None \
+                        else cached.chunk(p.chunk)
             if full is None:                          # an input of a converter
                 fused[info.name] = art.assemble(info, group.buffers)
                 continue

@@ -263,3 +263,61 @@ def test_the_lct_command_leaves_its_entry(root, llama_art):
     assert out.returncode == 0, out.stderr
     (entry,) = cache.entries()
     assert entry.artifact == str(llama_art.resolve()) or entry.artifact == str(llama_art)
+
+
+def _no_reads(monkeypatch):
+    """Make reading any stored chunk of any artifact fail: what still loads maps the cache."""
+    from lct.io.reader import Artifact
+
+    def refuse(self, chunk):
+        raise AssertionError(f"chunk {chunk.id} of {self.path} was read")
+    monkeypatch.setattr(Artifact, "read_stored", refuse)
+
+
+def test_lct_cache_fill_makes_the_entry_a_load_would(root, llama_art, tmp_path, monkeypatch):
+    """`lct cache fill` decodes a group at a time, without a model, into the entry a whole
+    load would have left (byte for byte); a load then maps it; a second fill leaves it."""
+    res = CliRunner().invoke(cli, ["cache", "fill", str(llama_art)])
+    assert res.exit_code == 0 and res.output.startswith("filled "), res.output
+    (entry,) = cache.entries()
+    other = tmp_path / "by-load"
+    monkeypatch.setenv(cache.ENV_DIR, str(other))
+    model, stats, fills = _load(llama_art, cache=True)
+    assert stats.cache == "filling" and fills[-1].done
+    (by_load,) = cache.entries()
+    assert (entry.path / cache.DATA).read_bytes() == (by_load.path / cache.DATA).read_bytes()
+    monkeypatch.setenv(cache.ENV_DIR, str(root))
+    with monkeypatch.context() as m:
+        _no_reads(m)
+        again, stats2, _ = _load(llama_art, cache=True)
+    assert stats2.cache == "hit" and torch.equal(_logits(model), _logits(again))
+    res = CliRunner().invoke(cli, ["cache", "fill", str(llama_art), "-q"])
+    assert res.exit_code == 0 and res.output.strip() == str(entry.path), res.output
+    assert len(cache.entries()) == 1
+
+
+def test_lct_cache_fill_that_cannot_keep_says_why(root, llama_art, monkeypatch):
+    monkeypatch.setenv(cache.ENV_MAX, "1KiB")
+    res = CliRunner().invoke(cli, ["cache", "fill", str(llama_art)])
+    assert res.exit_code == 1 and "not cached: " in res.output \
+        and "over the cache's budget" in res.output, res.output
+    assert not cache.entries() and not list(root.glob(f"{cache.FILL_PREFIX}*"))
+
+
+def test_the_layerwise_model_and_a_device_map_map_an_entry(root, llama_art, monkeypatch):
+    """With an entry (here from `lct cache fill`), the layer-wise model's every forward and a
+    device-mapped load map it: nothing of the artifact is read, the logits are the same."""
+    from lct.loader.layerwise import LayerwiseModel
+    with LayerwiseModel(llama_art) as lm:
+        want = _logits(lm)
+    whole = _logits(lct.load(llama_art, cache=False))
+    with lct.open(llama_art) as art:
+        assert cache.fill(art).done
+    with monkeypatch.context() as m:
+        _no_reads(m)
+        with LayerwiseModel(llama_art, cache=True) as lm:
+            assert torch.equal(_logits(lm), want) and torch.equal(_logits(lm), want)
+        mapped = lct.load(llama_art, device_map={"": "cpu"}, cache=True)
+        assert torch.equal(_logits(mapped), whole)
+        with pytest.raises(AssertionError, match="was read"):   # off: it reads
+            LayerwiseModel(llama_art, cache=False)

@@ -433,3 +433,21 @@ def test_cli_under_torchrun_refuses_cuda_without_it_in_one_line(llama_src, tmp_p
         assert 1 <= len(errors) <= 2 and all(want in e for e in errors), out.stderr[-2000:]
         assert "NCCL" not in out.stderr and "[rank0]: Traceback" not in out.stderr, \
             out.stderr[-2000:]
+
+
+def test_ranks_map_their_share_of_a_decoded_cache_entry(qwen_src, tmp_path):
+    """With an entry of the artifact in the decoded cache (`lct cache fill`) and LCT_CACHE=1,
+    each rank maps its pieces from it: nothing of the artifact is read, the model is the
+    same."""
+    from lct.io import cache
+    art = tmp_path / "pieces.lct"
+    lct.convert(str(qwen_src), art, policy=Policy(nf4=(), tp_pieces=2))
+    root = tmp_path / "cache"
+    env = dict(os.environ, **{cache.ENV_DIR: str(root), cache.ENV_SWITCH: "1"})
+    with lct.open(art) as a:
+        assert cache.fill(a, root=root).done
+    results = launch(2, art, qwen_src, tmp_path / "out", env=env)
+    for r in results:
+        assert "error" not in r, r
+        assert r["max_diff"] == 0.0 and r["placements"] == [] and r["local_shapes"] == [], r
+        assert r["bytes_read"] == 0 and r["bytes_decoded"] > 0, r

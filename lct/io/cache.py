@@ -283,6 +283,11 @@ class Fill:
         self.done = False
         self.reason = ""            # why nothing was published, when it was not
 
+    @property
+    def folder(self) -> Path:
+        """Where the entry is (or will be) published."""
+        return self.root / _hex(self.digest)
+
     def add(self, cid: int, buf) -> None:
         """Keep chunk ``cid``'s decoded buffer (and its xxh3) for the fill."""
         if cid in self.spans and buf.nbytes == self.spans[cid][1]:
@@ -325,11 +330,26 @@ class Fill:
         return True
 
     def _run(self) -> None:
+        _lower_io_priority()
+
+        def kept():
+            for cid in sorted(self._bufs):
+                buf, digest = self._bufs.pop(cid)
+                if _xxh3(buf) != digest:
+                    raise _Changed(f"chunk {cid} changed after the load decoded it (weights "
+                                   f"changed in place): nothing kept")
+                yield cid, buf
+        self.write(kept())
+
+    def write(self, chunks) -> None:
+        """Write the entry from ``chunks`` (``(chunk id, decoded buffer)`` pairs, in any order,
+        every chunk once) into a staging folder and publish it by rename; where it cannot be
+        (no room, a chunk missing or changed, an error), ``reason`` says why and nothing is
+        left."""
         stage, lock = None, None
         try:
-            _lower_io_priority()
             self.root.mkdir(mode=0o700, parents=True, exist_ok=True)
-            final = self.root / _hex(self.digest)
+            final = self.folder
             if _read_entry(final) is not None:
                 return
             if final.exists() or final.is_symlink():
@@ -345,15 +365,19 @@ class Fill:
             fd = os.open(stage / DATA, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
             try:
                 os.ftruncate(fd, self.size)
-                for cid in sorted(self._bufs):
+                written = set()
+                for cid, buf in chunks:
                     if self._stop.is_set():
                         return
-                    buf, digest = self._bufs.pop(cid)
-                    if _xxh3(buf) != digest:
-                        self.reason = (f"chunk {cid} changed after the load decoded it (weights "
-                                       f"changed in place): nothing kept")
-                        return
+                    if cid not in self.spans or buf.nbytes != self.spans[cid][1]:
+                        raise _Changed(f"chunk {cid} is not the {self.spans.get(cid, (0, 0))[1]} "
+                                       f"bytes the manifest lays out: nothing kept")
                     _write_all(fd, buf, self.spans[cid][0])
+                    written.add(cid)
+                if written != set(self.spans):
+                    self.reason = (f"{len(self.spans) - len(written)} chunk(s) were not "
+                                   f"decoded: nothing kept")
+                    return
                 os.fsync(fd)
             finally:
                 os.close(fd)
@@ -371,6 +395,8 @@ class Fill:
             stage = None
             self.done = True
             log.info("decoded cache: %s filled (%d bytes) at %s", self.artifact, self.size, final)
+        except _Changed as e:
+            self.reason = str(e)
         except OSError as e:
             self.reason = f"{self.root}: {e.strerror or e}"
             log.warning("decoded cache: not filled (%s)", self.reason)
@@ -383,6 +409,35 @@ class Fill:
                 shutil.rmtree(stage, ignore_errors=True)
             if lock is not None:
                 os.close(lock)
+
+
+class _Changed(Exception):
+    """A chunk to be written is not what the load decoded or the manifest lays out."""
+
+
+def fill(art, root: Path | None = None, progress=None) -> Fill:
+    """Fill the entry of ``art`` (an open ``Artifact``) in this thread, without building a
+    model: its groups are decoded (checksums checked) ``DEFAULT_PREFETCH`` ahead and written
+    as they come, so memory holds a few groups, not the model: the way to fill the cache for a
+    model that the layer-wise, device-map or tensor-parallel loaders map but that no whole load
+    decodes. ``progress(group, done, total)`` after each group. Returns the ``Fill``: ``done``,
+    or ``reason``; an entry that exists already is left as it is (``done`` False, no reason).
+    """
+    from lct.io.stream import GroupStream
+    f = Fill(art, root)
+
+    def decoded():
+        with GroupStream(art) as stream:
+            for i, group in enumerate(stream, 1):
+                yield from group.buffers.items()
+                if progress is not None:
+                    progress(group.name, i, len(stream.names))
+    chunks = decoded()
+    try:
+        f.write(chunks)
+    finally:
+        chunks.close()          # a write that stopped early ends the stream too
+    return f
 
 
 _FILLS: list = []
