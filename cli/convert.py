@@ -57,14 +57,15 @@ def _parse_calibration(ctx, param, value):
                    "none.")
 @click.option("--budget", type=float, default=C.DEFAULT_BUDGET_KL, show_default=True,
               help="Automatic choice: the most the lossy parts may cost, as mean KL of the "
-                   "next-token distribution in nats (0.01 is about +1 % perplexity). A "
-                   "calibration estimate is doubled for its measured error before it is held "
-                   "to it.")
+                   "next-token distribution in nats (0.01 is about +1 % perplexity). A float32 "
+                   f"calibration estimate is multiplied by {C.ESTIMATE_MARGIN:g}, its measured "
+                   "error, before it is held to it.")
 @click.option("--calibration", default=None, callback=_parse_calibration, metavar="TEXT|none",
               help="What the automatic choice measures each candidate on. Default: the text "
                    "shipped with LCT (256 tokens of prose and code) run through the source "
-                   "model (in float32 where that fits in half the free memory), when it has a "
-                   "tokenizer and fits in half the free memory, else the text-free proxy. TEXT: your text file or folder instead (up to 2048 "
+                   "model (in float32 where that fits in half the free memory, else in its "
+                   "own dtype) when it has a tokenizer and fits there, else the text-free "
+                   "proxy. TEXT: your text file or folder instead (up to 2048 "
                    "tokens). none: the text-free proxy (fastest, least exact).")
 @click.option("--dtype", type=click.Choice(C.CAST_TARGETS), default=None,
               help="Cast the lossless floating-point tensors (refused if a value overflows). "

@@ -39,8 +39,9 @@ from lct.format import constants as C
               help="--quality: what both models compute in. Default: float32, which leaves "
                    "the compute's own rounding out of the KL so that it measures what the "
                    "storage costs (as the conversion's budget is measured), where both models "
-                   "fit in memory so; else the artifact's dtype. bfloat16 measures what a user "
-                   "running in it sees, rounding included.")
+                   "fit in half the free memory so, and always with --layerwise; else the "
+                   "artifact's dtype. bfloat16 measures what a user running in it sees, "
+                   "rounding included.")
 @click.option("--expect", default=None, metavar="DIGEST",
               help="The manifest must have this digest (sha256:..., as lct info prints it): a "
                    "pin on every tensor's name, shape, type and place and every chunk's "

@@ -511,13 +511,19 @@ def _cache_for(art, options: LoadOptions, stats: LoadStats) -> tuple:
     return None, cache.Fill(art)
 
 
-def cache_hit(art, options: LoadOptions):
+def cache_hit(art, options: LoadOptions, stats: LoadStats | None = None):
     """The decoded cache's entry of ``art`` mapped (``lct.io.cache.CachedChunks``) where the
     cache is on for this load and holds one, else None: for the loaders that only map it (the
     layer-wise model, device maps, tensor-parallel ranks); an entry is filled by a whole
-    ``lct.load`` or by ``lct cache fill``."""
+    ``lct.load`` or by ``lct cache fill``. ``stats.cache`` says which."""
     from lct.io import cache
-    return cache.lookup(art) if cache.enabled(options.cache) else None
+    if not cache.enabled(options.cache):
+        return None
+    hit = cache.lookup(art)
+    if stats is not None:
+        stats.cache = "hit" if hit is not None else \
+            "miss: this loader maps an entry but fills none (lct cache fill ARTIFACT makes one)"
+    return hit
 
 
 def held_budget(art) -> int:

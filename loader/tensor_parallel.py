@@ -105,7 +105,7 @@ def load_tp(path, options=None, *, tp_plan="auto", stats=None):
         chunks = _rank_chunks(art.manifest, dist.get_rank(), dist.get_world_size())
         from lct.io.stream import GroupStream
         from lct.loader.build import cache_hit
-        hit = cache_hit(art, options)      # a decoded-cache entry: this rank maps its share
+        hit = cache_hit(art, options, stats)    # a decoded-cache entry: this rank maps its share
         with GroupStream(art, prefetch=options.prefetch, chunks=chunks, cached=hit) as groups:
             model = _fill(future, art, groups, stats, keep=nf4 == "keep", cached=hit)
     except Exception as e:  # noqa: BLE001 - every rank must hear of it, whatever it is

@@ -310,6 +310,9 @@ def test_the_layerwise_model_and_a_device_map_map_an_entry(root, llama_art, monk
     from lct.loader.layerwise import LayerwiseModel
     with LayerwiseModel(llama_art) as lm:
         want = _logits(lm)
+    stats = lct.LoadStats()         # no entry yet: it reads, and says how to make one
+    lct.load(llama_art, device_map={"": "cpu"}, cache=True, stats=stats)
+    assert stats.cache.startswith("miss: ") and "lct cache fill" in stats.cache
     whole = _logits(lct.load(llama_art, cache=False))
     with lct.open(llama_art) as art:
         assert cache.fill(art).done
@@ -317,7 +320,47 @@ def test_the_layerwise_model_and_a_device_map_map_an_entry(root, llama_art, monk
         _no_reads(m)
         with LayerwiseModel(llama_art, cache=True) as lm:
             assert torch.equal(_logits(lm), want) and torch.equal(_logits(lm), want)
-        mapped = lct.load(llama_art, device_map={"": "cpu"}, cache=True)
-        assert torch.equal(_logits(mapped), whole)
+        stats = lct.LoadStats()
+        mapped = lct.load(llama_art, device_map={"": "cpu"}, cache=True, stats=stats)
+        assert torch.equal(_logits(mapped), whole) and stats.cache == "hit"
         with pytest.raises(AssertionError, match="was read"):   # off: it reads
             LayerwiseModel(llama_art, cache=False)
+
+
+def test_a_fill_of_a_damaged_artifact_raises_its_error_and_keeps_nothing(root, llama_art,
+                                                                           tmp_path):
+    """A chunk that fails its checksum mid-fill ends `lct cache fill` with the read's typed
+    error (its one line), no entry and no staging folder; an artifact opened without checking
+    checksums is refused, since an entry is trusted as a checked decode."""
+    from lct.errors import ChecksumError
+    bad = tmp_path / "bad.lct"
+    shutil.copytree(llama_art, bad)
+    with lct.open(bad) as art:
+        chunk = art.manifest.group_chunks("layers.1")[0]
+        path = bad / art.manifest.files[chunk.file]["name"]
+    data = bytearray(path.read_bytes())
+    data[chunk.offset + chunk.stored_size // 2] ^= 0x10
+    path.write_bytes(bytes(data))
+    with lct.open(bad) as art, pytest.raises(ChecksumError, match=rf"chunk {chunk.id} "):
+        cache.fill(art)
+    assert not cache.entries() and not list(root.glob(f"{cache.FILL_PREFIX}*"))
+    res = CliRunner().invoke(cli, ["cache", "fill", str(bad)])
+    assert res.exit_code == 1 and f"chunk {chunk.id}" in res.output, res.output
+    assert not cache.entries() and not list(root.glob(f"{cache.FILL_PREFIX}*"))
+    with lct.open(llama_art, verify=False) as art, \
+            pytest.raises(LCTError, match="opened without checking checksums"):
+        cache.fill(art)
+
+
+def test_a_fill_replaces_a_damaged_entry_and_says_when_one_is_there(root, llama_art):
+    res = CliRunner().invoke(cli, ["cache", "fill", str(llama_art)])
+    assert res.exit_code == 0 and res.output.startswith("filled "), res.output
+    (entry,) = cache.entries()
+    with open(entry.path / cache.DATA, "r+b") as f:        # truncated: not the entry any more
+        f.truncate(4096)
+    res = CliRunner().invoke(cli, ["cache", "fill", str(llama_art)])
+    assert res.exit_code == 0 and res.output.startswith("filled "), res.output
+    res = CliRunner().invoke(cli, ["cache", "fill", str(llama_art)])
+    assert res.exit_code == 0 and res.output.startswith("already cached: "), res.output
+    with lct.open(llama_art) as art:
+        assert cache.lookup(art) is not None

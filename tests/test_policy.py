@@ -342,7 +342,7 @@ def test_a_calibration_estimate_is_held_to_the_budget_times_its_measured_error(t
     assert under.cost * under.margin <= under.budget
     m = json.loads((tmp_path / "at.lct" / "lct.json").read_text())["policy"]["measured"]
     assert m["margin"] == 2.0
-    assert f"(x2 for the estimate's error: {held:.4f}), within" in measured_line(m)
+    assert f"(x2 for the estimate's measured error: {held:.4f}), within" in measured_line(m)
     m["cost_kl"] = at.budget * 0.9      # within the budget alone, over it times the margin
     assert "OVER the budget" in measured_line(m)
     proxy = lct.convert(str(src), tmp_path / "p.lct", policy=Policy(calibration="none")).decision
@@ -364,6 +364,7 @@ def test_calibration_computes_in_the_source_dtype_where_float32_does_not_fit(tmp
     assert d.method == "calibration"
     assert d.note.endswith(", in bfloat16 (float32 would not fit in memory; the estimate holds "
                            "the compute's own rounding)"), d.note
+    assert d.margin == 1.0      # larger than the float32 cost already: no margin on top
     monkeypatch.undo()
     f = lct.convert(str(src), tmp_path / "f.lct").decision
     assert f.note.endswith(", in float32") and f.costs != d.costs

@@ -19,8 +19,9 @@ measured one of two ways:
 
 The costs of the embedding and the head add up to the artifact's cost; among the combinations
 whose cost is within the budget, the one with the fewest stored bytes wins (lossless always fits).
-A calibration estimate is held to the budget times its measured error (``C.ESTIMATE_MARGIN``:
-the estimate times that must fit), so that the budget holds on other text too.
+A calibration estimate in float32 is held to the budget times its measured error
+(``estimate_margin``: the estimate times ``C.ESTIMATE_MARGIN`` must fit), so that the budget
+holds on other text too.
 """
 
 from __future__ import annotations
@@ -95,11 +96,10 @@ class Decision:
             pick.append(f"{part} {self.chosen[role]} ({other}{plain})")
         how = self.method + (f"; {self.note}" if self.note else "") + \
             (f", {self.tokens} tokens" if self.tokens else "")
-        est = f"estimated mean KL {self.cost:.4f} nats" + (
-            f" (x{self.margin:g} for the estimate's measured error: {self.held:.4f})"
-            if self.margin != 1.0 else "")
+        from lct.io.info import estimate_against_budget
+        est, within = estimate_against_budget(self.cost, self.margin, self.budget)
         if self.mode == "manual":
-            over = not self.held <= self.budget      # a NaN cost is not within it
+            over = not within
             return (f"policy manual ({how}): {'; '.join(pick)}; {est}, "
                     f"{'OVER' if over else 'within'} the budget "
                     f"{self.budget:g}" + (" (the default auto policy keeps within it)"
@@ -412,9 +412,9 @@ def calibration_costs(src, tensors: dict, lossy: dict, tied: bool, arch, policy)
             cands = sorted(order,
                            key=lambda e: encoded_bytes(e, shape, dtype_name, policy.blocksize))
             prune = tied and policy.auto
-            bound = policy.budget / C.ESTIMATE_MARGIN
+            bound = policy.budget / estimate_margin("calibration", str(dtype))
             c, fits = {}, False
-            stored = p.to(native)               # the stored values (p is float32: exact)
+            stored = p.to(torch_dtype(dtype_name))  # the stored values (from float32: exact)
             wf = p if p.dtype == torch.float32 else None
             for e in cands:                     # one round trip per candidate
                 wq = roundtrip(e, stored, policy.blocksize, wf).to(p.dtype)
@@ -429,6 +429,16 @@ def calibration_costs(src, tensors: dict, lossy: dict, tied: bool, arch, policy)
             del stored, wf
             costs[part] = {e: c[e] for e in order}      # in the registry's order
     return costs, n, partial, str(dtype).removeprefix("torch.")
+
+
+def estimate_margin(method: str, dtype: str | None) -> float:
+    """What an estimate of ``method`` computed in ``dtype`` is multiplied by before it is held
+    to the budget: ``C.ESTIMATE_MARGIN`` for a calibration in float32, where it was measured;
+    1 for one in bfloat16 or float16 (the compute's own rounding makes it larger than the
+    storage's float32 cost: 1.2-3.5x on the benchmarked models) and for the proxy (an upper
+    bound, 1.5-20x over)."""
+    return C.ESTIMATE_MARGIN if method == "calibration" and \
+        str(dtype).removeprefix("torch.") == "float32" else 1.0
 
 
 def choose(costs: dict, shapes: dict, dtypes: dict, budget: float, blocksize: int) -> tuple:
@@ -473,7 +483,7 @@ def decide(src, tensors: dict, lossy: dict, tied: bool, arch, policy) -> Decisio
     if not lossy:
         return Decision({r: C.ENCODING_PLAIN for r in C.LOSSY_ROLES}, tied, "none",
                         policy.budget, kept=kept)
-    note, partial = "", {}
+    note, partial, dtype = "", {}, None
     if policy.calibration == C.CALIBRATION_NONE:
         costs, tokens, method = proxy_costs(src, tensors, lossy, tied, arch, policy), 0, "proxy"
     else:
@@ -500,11 +510,11 @@ def decide(src, tensors: dict, lossy: dict, tied: bool, arch, policy) -> Decisio
                            f"({e})") from e
     costs = {part: c for part, c in costs.items() if c}
     log.info("%s costs (mean KL, nats): %s", method, costs)
+    margin = estimate_margin(method, dtype)
     shapes, dtypes = {}, {}
     for part in costs:
         st = tensors[lossy["embed" if part == "embed+head" else part]]
         shapes[part], dtypes[part] = tuple(st.shape), st.dtype
-    margin = C.ESTIMATE_MARGIN if method == "calibration" else 1.0
     if policy.auto:
         chosen, cost = choose(costs, shapes, dtypes, policy.budget / margin, policy.blocksize)
     else:

@@ -49,8 +49,10 @@ class QualityReport:
 
     def verdict(self) -> str:
         """One line: the mean KL against the budget, ``within`` or ``OVER``."""
+        rounding = " (the compute's own rounding counts too; --layerwise scores in float32)" \
+            if self.dtype and self.dtype != "float32" else ""
         return (f"mean KL {self.kl_mean:.5f} nats on {self.tokens} tokens"
-                + (f" in {self.dtype}" if self.dtype else "") + ": "
+                + (f" in {self.dtype}" if self.dtype else "") + rounding + ": "
                 f"{'within' if self.within_budget else 'OVER'} the budget {self.budget_kl:g}")
 
     def to_dict(self) -> dict:
@@ -122,15 +124,21 @@ def score(model, reference, blocks: list, progress=None) -> dict:
 
 
 def compute_dtype(params: int, copies: int, share: float):
-    """``torch.float32`` where ``copies`` models of ``params`` parameters fit in float32 within
-    ``share`` of the memory available (or where that cannot be read), else None (compute in the
-    model's own dtype). float32 leaves the compute's own rounding out of a KL, so that it
-    measures what the storage costs."""
+    """What a KL of the storage is computed in: ``torch.float32`` where ``copies`` models of
+    ``params`` parameters fit in float32 within ``share`` of the memory available, else None
+    (the model's own dtype; also where the memory available cannot be read). float32 leaves
+    the compute's own rounding out of a KL, so that it measures what the storage costs.
+
+    Example:
+        >>> compute_dtype(270_000_000, 2, 0.5)      # on a machine with 24 GB free
+        torch.float32
+    """
     import torch
 
     from lct.proc import available_memory
     avail = available_memory()
-    return torch.float32 if avail is None or 4 * params * copies <= share * avail else None
+    return torch.float32 if avail is not None and 4 * params * copies <= share * avail \
+        else None
 
 
 def measure_quality(artifact, against: str, *, revision: str | None = None, text=None,

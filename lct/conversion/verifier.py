@@ -92,8 +92,9 @@ def verify(artifact, *, against: str | None = None, revision: str | None = None,
             ``text`` (a file or folder; default: the sample shipped in ``lct.conversion.sample_text``), at
             most ``max_tokens`` scored tokens; ``quality_progress`` is called per block;
             ``layerwise`` streams the layers of both models (for models larger than memory);
-            ``quality_dtype`` (a torch dtype) is what both compute in (default: the
-            artifact's).
+            ``quality_dtype`` (a torch dtype) is what both compute in (default: float32
+            where both models fit in half the memory available so, or layer-wise; else the
+            artifact's, ``measure_quality``).
         expect: the digest the manifest must have (``sha256:...``, as ``lct info`` prints
             it); a different one is a failure.
         budget: the mean KL (nats) the quality check holds the artifact to (default: the

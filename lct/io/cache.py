@@ -10,15 +10,17 @@ filled from, its size). An entry is trusted only while it is the one its digest 
 manifest gives the layout, and the data file must have exactly that size; the bytes themselves
 were the checked decode of that manifest's chunks. Its last use is ``entry.json``'s mtime.
 
-An entry is filled after a load that checked its chunks' checksums, from the buffers the load
-decoded (the model's weights, so nothing is copied; each one's xxh3 taken as it was decoded and
-checked again as it is written, so that weights changed in place meanwhile are never kept), by a
-background thread at the lowest CPU and I/O priority, into a staging folder ``.fill-<random>``
-that is renamed into place once whole: a half-written entry never looks like one. The filling
-process holds a lock on the staging folder's marker; a staging folder nobody holds is what a
-process that ended first left, and ``prune`` removes it. Before filling, least-recently-used entries are evicted to keep the cache within its
-size budget (``LCT_CACHE_MAX``, default ``DEFAULT_MAX_BYTES``), and nothing is written that
-would leave less than ``MIN_FREE_BYTES`` (or 5 %) of the disk free.
+An entry is filled by ``fill`` (``lct cache fill``: the groups decoded and written a few at a
+time, in the caller's thread), or after a load that checked its chunks' checksums, from the
+buffers the load decoded (the model's weights, so nothing is copied; each one's xxh3 taken as
+it was decoded and checked again as it is written, so that weights changed in place meanwhile
+are never kept), by a background thread at the lowest CPU and I/O priority. Either way it is
+written into a staging folder ``.fill-<random>`` that is renamed into place once whole: a
+half-written entry never looks like one. The filling process holds a lock on the staging
+folder's marker; a staging folder nobody holds is what a process that ended first left, and
+``prune`` removes it. Before filling, least-recently-used entries are evicted to keep the cache
+within its size budget (``LCT_CACHE_MAX``, default ``DEFAULT_MAX_BYTES``), and nothing is
+written that would leave less than ``MIN_FREE_BYTES`` (or 5 %) of the disk free.
 
 Where: ``LCT_CACHE_DIR``, else ``$XDG_CACHE_HOME/lct/decoded``, else ``~/.cache/lct/decoded``.
 ``LCT_CACHE=1``/``0`` turns it on or off whatever the default (``DEFAULT_ON``); ``lct.load(...,
@@ -416,27 +418,56 @@ class _Changed(Exception):
 
 
 def fill(art, root: Path | None = None, progress=None) -> Fill:
-    """Fill the entry of ``art`` (an open ``Artifact``) in this thread, without building a
-    model: its groups are decoded (checksums checked) ``DEFAULT_PREFETCH`` ahead and written
-    as they come, so memory holds a few groups, not the model: the way to fill the cache for a
-    model that the layer-wise, device-map or tensor-parallel loaders map but that no whole load
-    decodes. ``progress(group, done, total)`` after each group. Returns the ``Fill``: ``done``,
-    or ``reason``; an entry that exists already is left as it is (``done`` False, no reason).
+    """Fill the entry of ``art`` in this thread, without building a model.
+
+    Its groups are decoded (checksums checked) ``DEFAULT_PREFETCH`` ahead and written as they
+    come, so memory holds a few groups, not the model: the way to fill the cache for a model
+    that the layer-wise, device-map or tensor-parallel loaders map but that no whole load
+    decodes (``lct cache fill``).
+
+    Args:
+        art: an open ``Artifact`` that checks its chunks' checksums (``verify=True``).
+        root: the cache's folder (default ``cache_dir()``).
+        progress: called as ``progress(group, done, total)`` after each group.
+
+    Returns:
+        The ``Fill``: ``done`` once published, else ``reason`` says why nothing was kept (no
+        room, a disk too full); a valid entry that exists already is left as it is (``done``
+        False, no reason).
+
+    Raises:
+        LCTError: the artifact does not check its checksums, or a chunk is damaged (the typed
+            error of the read, nothing kept).
+
+    Example:
+        >>> with lct.open("gemma-2b.lct") as art:
+        ...     print(fill(art).folder)
     """
     from lct.io.stream import GroupStream
+    if not art.verify:
+        raise LCTError(f"{art.path}: opened without checking checksums; a cache entry is "
+                       f"trusted as the checked decode, so it is filled only from a checked one")
     f = Fill(art, root)
+    if lookup(art, f.root) is not None:     # a damaged entry is removed, then filled again
+        return f
+    failed: list = []
 
     def decoded():
-        with GroupStream(art) as stream:
-            for i, group in enumerate(stream, 1):
-                yield from group.buffers.items()
-                if progress is not None:
-                    progress(group.name, i, len(stream.names))
+        try:
+            with GroupStream(art) as stream:
+                for i, group in enumerate(stream, 1):
+                    yield from group.buffers.items()
+                    if progress is not None:
+                        progress(group.name, i, len(stream.names))
+        except Exception as e:      # noqa: BLE001  raised again below, after the cleanup
+            failed.append(e)
     chunks = decoded()
     try:
         f.write(chunks)
     finally:
         chunks.close()          # a write that stopped early ends the stream too
+    if failed:
+        raise failed[0]
     return f
 
 

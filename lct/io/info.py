@@ -97,6 +97,16 @@ def architecture_line(manifest) -> str:
     return "; ".join(parts)
 
 
+def estimate_against_budget(cost: float, margin: float, budget: float) -> tuple:
+    """``(text, within)``: the estimated mean KL as ``lct convert`` and ``lct info`` print it
+    (with what the policy held to the budget, the estimate times ``margin``, where that is not
+    1) and whether that is within ``budget`` (a NaN is not)."""
+    text = f"estimated mean KL {cost:.4f} nats" + (
+        f" (x{margin:g} for the estimate's measured error: {cost * margin:.4f})"
+        if margin != 1.0 else "")
+    return text, bool(cost * margin <= budget)
+
+
 def measured_line(measured) -> str:
     """The policy's measurement (the manifest's ``policy.measured``) as one line: what it
     measured on, the estimated cost against the budget, and each candidate's cost and stored
@@ -118,11 +128,9 @@ def measured_line(measured) -> str:
         how = str(measured["method"]) + (f"; {measured['note']}" if measured.get("note") else "")
         if measured.get("tokens"):
             how += f", {int(measured['tokens'])} tokens"
-        held = f" (x{margin:g} for the estimate's error: {cost * margin:.4f})" \
-            if margin != 1.0 else ""
-        return (f"measured ({how}): estimated mean KL {cost:.4f} nats{held}, "
-                f"{'OVER' if not cost * margin <= budget else 'within'} the budget {budget:g}; "
-                f"candidates (mean KL, stored size) {costs}")
+        est, within = estimate_against_budget(cost, margin, budget)
+        return (f"measured ({how}): {est}, {'within' if within else 'OVER'} the budget "
+                f"{budget:g}; candidates (mean KL, stored size) {costs}")
     except (TypeError, KeyError, ValueError, AttributeError):
         return ""
 
