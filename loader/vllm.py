@@ -64,7 +64,8 @@ except ImportError as e:                                    # pragma: no cover
 
 LOAD_FORMAT = "lct"
 # model_loader_extra_config keys the loader takes, and their defaults.
-DEFAULTS = {"prefetch": DEFAULT_PREFETCH, "workers": None, "verify": True, "stream": False}
+DEFAULTS = {"prefetch": DEFAULT_PREFETCH, "workers": None, "verify": True, "stream": False,
+            "cache": None}
 
 # Under "vllm." so that vLLM's logging shows it, beside its own loaders' "Loading weights took".
 logger = init_logger(f"vllm.{__name__}")
@@ -102,7 +103,7 @@ def loader_options(extra) -> dict:
 
     Example:
         >>> loader_options({"prefetch": 4})
-        {'prefetch': 4, 'workers': None, 'verify': True, 'stream': False}
+        {'prefetch': 4, 'workers': None, 'verify': True, 'stream': False, 'cache': None}
     """
     extra = {} if extra is None else extra
     if not isinstance(extra, dict):
@@ -119,6 +120,9 @@ def loader_options(extra) -> dict:
         if not isinstance(opts[flag], bool):
             raise OptionError(f"{flag} must be true or false, got {opts[flag]!r}",
                               option=flag)
+    if opts["cache"] is not None and not isinstance(opts["cache"], bool):
+        raise OptionError(f"cache must be true, false or null (LCT_CACHE decides), got "
+                          f"{opts['cache']!r}", option="cache")
     from lct.loader.source import LoadOptions
     LoadOptions(prefetch=opts["prefetch"], workers=opts["workers"])    # LCT's one check of them
     return opts
@@ -217,8 +221,12 @@ class LCTModelLoader(BaseModelLoader):
         # may hold the last one or two it was given), and only if no tensor views them still.
         done = deque()      # (group, tensors handed over when its last one was)
         handed = 0
-        with art.stream(prefetch=self.options["prefetch"], dequantize=True, chunks=chunks,
-                        recycle=True) as stream:
+        # A decoded-cache entry (lct cache fill, or an earlier lct.load): mapped, not decoded.
+        from lct.io import cache
+        from lct.io.stream import GroupStream
+        hit = cache.lookup(art) if cache.enabled(self.options["cache"]) else None
+        with GroupStream(art, prefetch=self.options["prefetch"], dequantize=True,
+                         chunks=chunks, recycle=True, cached=hit) as stream:
             self.stats = stream.stats
             for group in stream:
                 for info in m.group_tensors(group.name):

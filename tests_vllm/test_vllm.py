@@ -253,6 +253,25 @@ def test_a_real_model_serves_the_default_loaders_tokens(smollm2, engine_env, smo
     assert tokens(got) == [smollm2_reference[source]]
 
 
+def test_a_decoded_cache_entry_is_mapped_not_decoded(models, engine_env, reference, tmp_path):
+    """With the artifact's entry in LCT's decoded cache (``lct cache fill``) and ``cache: true``,
+    a restarted engine reads nothing of the artifact and serves the same tokens; with the
+    option false it reads the artifact again."""
+    import lct
+    from lct.io import cache
+    root = tmp_path / "lct-cache"
+    with lct.open(models["llama.lct"]) as art:
+        assert cache.fill(art, root=root).done
+    env = dict(engine_env, LCT_CACHE_DIR=str(root))
+    got = generate(env, [models["llama.lct"], models["llama.lct"]], "lct", {"cache": True})
+    log = got.stdout + got.stderr
+    assert log.count(" (0 bytes) read") == 2, log[-4000:]
+    assert tokens(got) == [reference["llama"]] * 2
+    off = generate(env, models["llama.lct"], "lct", {"cache": False})
+    assert " (0 bytes) read" not in off.stdout + off.stderr
+    assert tokens(off) == [reference["llama"]]
+
+
 def test_the_spawned_engine_core_registers_the_loader_itself(models, engine_env, reference):
     """vLLM's default: the engine core is another process, which finds the loader through the
     ``vllm.general_plugins`` entry point, not through the parent's registration."""
@@ -496,13 +515,14 @@ def test_options_are_checked_in_one_line():
     from lct.errors import OptionError
     from lct.io.stream import DEFAULT_PREFETCH
     assert loader_options(None) == {"prefetch": DEFAULT_PREFETCH, "workers": None,
-                                    "verify": True, "stream": False}
+                                    "verify": True, "stream": False, "cache": None}
     assert loader_options({"prefetch": 0, "workers": 1, "verify": False})["prefetch"] == 0
     for bad, words in [({"prefech": 3}, "unknown option(s) 'prefech'"),
                        ({"prefetch": -1}, "prefetch must be an integer >= 0"),
                        ({"workers": 0}, "workers must be an integer >= 1"),
                        ({"verify": "yes"}, "verify must be true or false"),
-                       ({"stream": 1}, "stream must be true or false")]:
+                       ({"stream": 1}, "stream must be true or false"),
+                       ({"cache": "on"}, "cache must be true, false or null")]:
         with pytest.raises(OptionError) as e:
             loader_options(bad)
         assert words in str(e.value) and "\n" not in str(e.value)
