@@ -511,13 +511,14 @@ def _cache_for(art, options: LoadOptions, stats: LoadStats) -> tuple:
     return None, cache.Fill(art)
 
 
-def cache_hit(art, options: LoadOptions, stats: LoadStats | None = None):
+def cache_hit(art, asked: bool | None, stats: LoadStats | None = None):
     """The decoded cache's entry of ``art`` mapped (``lct.io.cache.CachedChunks``) where the
-    cache is on for this load and holds one, else None: for the loaders that only map it (the
-    layer-wise model, device maps, tensor-parallel ranks); an entry is filled by a whole
-    ``lct.load`` or by ``lct cache fill``. ``stats.cache`` says which."""
+    cache is on for this load (``asked``: ``cache=``, None for ``LCT_CACHE``) and holds one,
+    else None: for the loaders that only map it (the layer-wise model, device maps,
+    tensor-parallel ranks, vLLM's load format); an entry is filled by a whole ``lct.load`` or
+    by ``lct cache fill``. ``stats.cache`` says which."""
     from lct.io import cache
-    if not cache.enabled(options.cache):
+    if not cache.enabled(asked):
         return None
     hit = cache.lookup(art)
     if stats is not None:

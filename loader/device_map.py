@@ -245,7 +245,7 @@ def load_mapped(path, device_map, options=None, *, max_memory=None, stats=None):
         from lct.io.stream import GroupStream
         from lct.loader.build import cache_hit
         with GroupStream(art, read, prefetch=options.prefetch,
-                         cached=cache_hit(art, options, stats)) as groups:
+                         cached=cache_hit(art, options.cache, stats)) as groups:
             for group in groups:
                 _install_all(inst, [group], stats)
             s = groups.stats

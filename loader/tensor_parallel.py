@@ -103,10 +103,9 @@ def load_tp(path, options=None, *, tp_plan="auto", stats=None):
         # stream, which starts at once on the chunks of this rank's pieces.
         future = builder.submit(skeleton)
         chunks = _rank_chunks(art.manifest, dist.get_rank(), dist.get_world_size())
-        from lct.io.stream import GroupStream
         from lct.loader.build import cache_hit
-        hit = cache_hit(art, options, stats)    # a decoded-cache entry: this rank maps its share
-        with GroupStream(art, prefetch=options.prefetch, chunks=chunks, cached=hit) as groups:
+        hit = cache_hit(art, options.cache, stats)  # an entry: this rank maps its share
+        with art.stream(prefetch=options.prefetch, chunks=chunks, cached=hit) as groups:
             model = _fill(future, art, groups, stats, keep=nf4 == "keep", cached=hit)
     except Exception as e:  # noqa: BLE001 - every rank must hear of it, whatever it is
         failure = e

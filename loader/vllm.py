@@ -222,11 +222,9 @@ class LCTModelLoader(BaseModelLoader):
         done = deque()      # (group, tensors handed over when its last one was)
         handed = 0
         # A decoded-cache entry (lct cache fill, or an earlier lct.load): mapped, not decoded.
-        from lct.io import cache
-        from lct.io.stream import GroupStream
-        hit = cache.lookup(art) if cache.enabled(self.options["cache"]) else None
-        with GroupStream(art, prefetch=self.options["prefetch"], dequantize=True,
-                         chunks=chunks, recycle=True, cached=hit) as stream:
+        from lct.loader.build import cache_hit
+        with art.stream(prefetch=self.options["prefetch"], dequantize=True, chunks=chunks,
+                        recycle=True, cached=cache_hit(art, self.options["cache"])) as stream:
             self.stats = stream.stats
             for group in stream:
                 for info in m.group_tensors(group.name):

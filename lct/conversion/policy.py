@@ -348,6 +348,7 @@ def calibration_costs(src, tensors: dict, lossy: dict, tied: bool, arch, policy)
     native = torch_dtype(tensors[next(iter(lossy.values()))].dtype)
     params = sum(math.prod(st.shape) for st in tensors.values())
     dtype = compute_dtype(params, 1, C.CALIBRATION_MEMORY_SHARE) or native
+    name = str(dtype).removeprefix("torch.")
     try:
         model = type(arch.model).from_pretrained(src.root, dtype=dtype).eval()
     except (OSError, ValueError, TypeError, RuntimeError) as e:
@@ -412,7 +413,7 @@ def calibration_costs(src, tensors: dict, lossy: dict, tied: bool, arch, policy)
             cands = sorted(order,
                            key=lambda e: encoded_bytes(e, shape, dtype_name, policy.blocksize))
             prune = tied and policy.auto
-            bound = policy.budget / estimate_margin("calibration", str(dtype))
+            bound = policy.budget / estimate_margin("calibration", name)
             c, fits = {}, False
             stored = p.to(torch_dtype(dtype_name))  # the stored values (from float32: exact)
             wf = p if p.dtype == torch.float32 else None
@@ -428,17 +429,16 @@ def calibration_costs(src, tensors: dict, lossy: dict, tied: bool, arch, policy)
                 del wq
             del stored, wf
             costs[part] = {e: c[e] for e in order}      # in the registry's order
-    return costs, n, partial, str(dtype).removeprefix("torch.")
+    return costs, n, partial, name
 
 
 def estimate_margin(method: str, dtype: str | None) -> float:
-    """What an estimate of ``method`` computed in ``dtype`` is multiplied by before it is held
-    to the budget: ``C.ESTIMATE_MARGIN`` for a calibration in float32, where it was measured;
+    """What an estimate of ``method`` computed in ``dtype`` (a name: ``"float32"``) is multiplied
+    by before it is held to the budget: ``C.ESTIMATE_MARGIN`` for a calibration in float32, where it was measured;
     1 for one in bfloat16 or float16 (the compute's own rounding makes it larger than the
     storage's float32 cost: 1.2-3.5x on the benchmarked models) and for the proxy (an upper
     bound, 1.5-20x over)."""
-    return C.ESTIMATE_MARGIN if method == "calibration" and \
-        str(dtype).removeprefix("torch.") == "float32" else 1.0
+    return C.ESTIMATE_MARGIN if method == "calibration" and dtype == "float32" else 1.0
 
 
 def choose(costs: dict, shapes: dict, dtypes: dict, budget: float, blocksize: int) -> tuple:

@@ -434,10 +434,11 @@ class Artifact:
         return out
 
     def stream(self, groups=None, prefetch: int | None = None, dequantize: bool = False,
-               chunks=None, recycle: bool = False):
+               chunks=None, recycle: bool = False, cached=None):
         """Decoded groups in order, ``prefetch`` of them decoding ahead (default
         ``DEFAULT_PREFETCH``, 2); with ``recycle``, buffers the consumer hands back
-        (``Group.recycle``) are decoded into again; see ``GroupStream``.
+        (``Group.recycle``) are decoded into again; with ``cached`` (a decoded-cache entry,
+        ``lct.io.cache.lookup``), the chunks are mapped from it; see ``GroupStream``.
 
         Example:
             >>> with lct.open("m.lct") as art:
@@ -446,7 +447,8 @@ class Artifact:
         """
         from lct.io.stream import DEFAULT_PREFETCH, GroupStream
         return GroupStream(self, groups, dequantize=dequantize, chunks=chunks, recycle=recycle,
-                           prefetch=DEFAULT_PREFETCH if prefetch is None else prefetch)
+                           prefetch=DEFAULT_PREFETCH if prefetch is None else prefetch,
+                           cached=cached)
 
     def read_tensor(self, name: str, dequantize: bool = True):
         """One tensor by name (decodes its chunk(s); use ``read_group`` for many)."""
