@@ -17,7 +17,9 @@ def cache_cmd():
     or lct load --cache); the layer-wise model, device maps and tensor-parallel ranks map an
     entry that a whole load or `lct cache fill` made. Entries are named by the manifest's
     digest (lct info prints it) and
-    the least recently used are evicted to stay within LCT_CACHE_MAX (default 64GiB). The folder
+    the least recently used are evicted to stay within LCT_CACHE_MAX (default 64GiB), and
+    nothing is written that would leave less of the disk free than LCT_CACHE_MIN_FREE (default
+    5 %, at least 2GiB). The folder
     is LCT_CACHE_DIR, else $XDG_CACHE_HOME/lct/decoded, else ~/.cache/lct/decoded."""
 
 

@@ -171,6 +171,29 @@ def test_a_full_disk_is_not_filled(root, llama_art, monkeypatch):
     assert cache.entries() == [] and not list(root.glob(f"{cache.FILL_PREFIX}*"))
 
 
+def test_the_disk_left_free_is_5_percent_unless_lct_cache_min_free_says(root, llama_art,
+                                                                        monkeypatch):
+    """Unset, the cache leaves the larger of 2 GiB and 5 % of the disk free (a 1 TB disk with
+    40 GB free is too full); ``LCT_CACHE_MIN_FREE`` sets it instead, and a bad value fails the
+    load that would fill, at once, by name."""
+    from collections import namedtuple
+    usage = namedtuple("usage", "total used free")
+    monkeypatch.setattr(cache.shutil, "disk_usage", lambda path: usage(10**12, 96 * 10**10,
+                                                                       4 * 10**10))
+    monkeypatch.delenv(cache.ENV_MIN_FREE, raising=False)
+    assert cache.min_free_bytes(10**9) == cache.MIN_FREE_BYTES
+    assert cache.min_free_bytes(10**12) == 5 * 10**10
+    _, _, fills = _load(llama_art, cache=True)
+    assert not fills[-1].done
+    assert fills[-1].reason.endswith(f"{5 * 10**10} kept free (LCT_CACHE_MIN_FREE sets how much)")
+    monkeypatch.setenv(cache.ENV_MIN_FREE, "lots")
+    with pytest.raises(LCTError, match="LCT_CACHE_MIN_FREE 'lots' needs a number with a unit"):
+        lct.load(llama_art, cache=True)
+    monkeypatch.setenv(cache.ENV_MIN_FREE, "10GB")
+    _, _, fills = _load(llama_art, cache=True)
+    assert fills[-1].done and len(cache.entries()) == 1
+
+
 def test_only_the_caches_own_folders_are_removed(root, llama_art):
     _load(llama_art, cache=True)
     mine = cache.entries()[0].path

@@ -20,7 +20,8 @@ half-written entry never looks like one. The filling process holds a lock on the
 folder's marker; a staging folder nobody holds is what a process that ended first left, and
 ``prune`` removes it. Before filling, least-recently-used entries are evicted to keep the cache
 within its size budget (``LCT_CACHE_MAX``, default ``DEFAULT_MAX_BYTES``), and nothing is
-written that would leave less than ``MIN_FREE_BYTES`` (or 5 %) of the disk free.
+written that would leave less of the disk free than ``min_free_bytes`` says (``LCT_CACHE_MIN_FREE``,
+default the larger of ``MIN_FREE_BYTES`` and 5 % of the disk).
 
 Where: ``LCT_CACHE_DIR``, else ``$XDG_CACHE_HOME/lct/decoded``, else ``~/.cache/lct/decoded``.
 ``LCT_CACHE=1``/``0`` turns it on or off whatever the default (``DEFAULT_ON``); ``lct.load(...,
@@ -51,6 +52,7 @@ log = logging.getLogger(__name__)
 ENV_SWITCH = "LCT_CACHE"
 ENV_DIR = "LCT_CACHE_DIR"
 ENV_MAX = "LCT_CACHE_MAX"
+ENV_MIN_FREE = "LCT_CACHE_MIN_FREE"
 DEFAULT_ON = False
 DEFAULT_MAX_BYTES = 64 << 30
 MIN_FREE_BYTES = 2 << 30
@@ -92,6 +94,14 @@ def max_bytes() -> int:
     from lct.units import parse_size
     value = os.environ.get(ENV_MAX)
     return parse_size(value, ENV_MAX) if value else DEFAULT_MAX_BYTES
+
+
+def min_free_bytes(total: int) -> int:
+    """What the cache leaves free of a disk of ``total`` bytes: ``LCT_CACHE_MIN_FREE``
+    (``10GiB``, ``0GB``...), else the larger of ``MIN_FREE_BYTES`` and 5 % of the disk."""
+    from lct.units import parse_size
+    value = os.environ.get(ENV_MIN_FREE)
+    return parse_size(value, ENV_MIN_FREE) if value else max(MIN_FREE_BYTES, total // 20)
 
 
 def layout(manifest) -> tuple:
@@ -279,6 +289,7 @@ class Fill:
         self.digest, self.artifact = art.digest, str(art.path)
         self.spans, self.size = layout(art.manifest)
         self.budget = max_bytes()       # read here: a bad LCT_CACHE_MAX fails the load, at once
+        min_free_bytes(0)               # and so does a bad LCT_CACHE_MIN_FREE
         self._bufs: dict = {}
         self._thread: threading.Thread | None = None
         self._stop = threading.Event()
@@ -324,10 +335,10 @@ class Fill:
             return False
         prune(self.root, keep_bytes=budget - self.size)
         usage = shutil.disk_usage(self.root)
-        keep_free = max(MIN_FREE_BYTES, usage.total // 20)
+        keep_free = min_free_bytes(usage.total)
         if usage.free - self.size < keep_free:
             self.reason = (f"{self.root}: {usage.free} bytes free, {self.size} needed and "
-                           f"{keep_free} kept free")
+                           f"{keep_free} kept free ({ENV_MIN_FREE} sets how much)")
             return False
         return True
 
