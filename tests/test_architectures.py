@@ -87,7 +87,9 @@ def _greedy(model, inputs, n=3):
 
 
 @pytest.mark.parametrize("model_type", _tiered(sorted(ARCHS)))
-def test_lossless_round_trip_equals_from_pretrained(model_type, sources, tmp_path):
+def test_lossless_round_trip_equals_from_pretrained(model_type, sources, tmp_path, monkeypatch):
+    """Converted and loaded, the model equals ``from_pretrained``'s, state dict, logits and greedy
+    tokens; and so does a load that maps the decoded cache's entry a first load filled."""
     src = sources(model_type)
     cls = _class(model_type)
     ref = cls.from_pretrained(src, dtype=torch.bfloat16).eval()
@@ -105,6 +107,15 @@ def test_lossless_round_trip_equals_from_pretrained(model_type, sources, tmp_pat
     with torch.no_grad():
         assert torch.equal(model(**inputs).logits, ref(**inputs).logits)
     assert _greedy(model, inputs) == _greedy(ref, inputs)
+    from lct.io import cache
+    monkeypatch.setenv(cache.ENV_DIR, str(tmp_path / "cache"))
+    lct.load(art, cache=True)
+    assert [f.done for f in cache.wait_fills()] == [True]
+    stats = lct.LoadStats()
+    got = lct.load(art, cache=True, stats=stats).state_dict()
+    assert stats.cache == "hit" and set(got) == set(want)
+    for k in want:
+        assert got[k].dtype == want[k].dtype and torch.equal(got[k], want[k]), k
 
 
 @pytest.mark.parametrize("model_type", _tiered(sorted(ARCHS)))
