@@ -60,7 +60,8 @@ def fill_cmd(artifact, quiet):
     the layer-wise model (lct.LayerwiseModel, lct load --layerwise), a device map or
     tensor-parallel ranks run, which map the entry instead of decoding (with LCT_CACHE=1 or
     cache=True). Exits 1 where the entry cannot be kept (over LCT_CACHE_MAX, a disk too full),
-    saying why; an entry that exists is left as it is."""
+    saying why; an entry that exists is checked (each chunk's hash) and left as it is, or
+    filled again where a byte of it changed."""
     from lct.cloud import local_or_open
     from lct.io import cache
     from lct.io.reader import Artifact, open_artifact

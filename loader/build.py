@@ -477,6 +477,9 @@ def _load(path, options: LoadOptions, stats: LoadStats | None):
         builder.shutdown(wait=True)  # an import cannot be interrupted: let it end, no thread left
         art.close()
     stats.take_stream(s)
+    if cached is not None and cached.damaged:
+        stats.cache = (f"hit, but {len(cached.damaged)} chunk(s) differed from what was written: "
+                       f"decoded from the artifact instead, and the entry removed")
     stats.nf4_modules = list(inst.nf4_modules)
     stats.total_s = time.perf_counter() - t0
     log.info("loaded %s: %d groups, %d bytes decoded in %.2f s (skeleton %.2f s beside decode, "

@@ -327,6 +327,91 @@ def test_lct_cache_fill_that_cannot_keep_says_why(root, llama_art, monkeypatch):
     assert not cache.entries() and not list(root.glob(f"{cache.FILL_PREFIX}*"))
 
 
+def _spoil(entry, cid: int) -> None:
+    """Change one byte in the middle of chunk ``cid``'s bytes in the entry's data file."""
+    with lct.open(entry.artifact) as a:
+        spans, _ = cache.layout(a.manifest)
+    at, size = spans[cid]
+    with open(entry.path / cache.DATA, "r+b") as f:
+        f.seek(at + size // 2)
+        byte = f.read(1)[0]
+        f.seek(at + size // 2)
+        f.write(bytes([byte ^ 0x40]))
+
+
+def test_a_changed_byte_in_an_entry_is_never_a_weight(root, llama_art, caplog):
+    """One byte of an entry changed (same size, so only its hashes can tell): the hit decodes
+    that chunk from the artifact instead, says so, removes the entry, and the next load fills
+    it again; the weights are the artifact's every time."""
+    want = lct.load(llama_art, cache=False).state_dict()
+    _load(llama_art, cache=True)
+    (entry,) = cache.entries()
+    last = len(entry.hashes) - 1
+    _spoil(entry, last)
+    with caplog.at_level("WARNING", logger="lct"):
+        model, stats, _ = _load(llama_art, cache=True)
+    assert stats.cache.startswith("hit, but 1 chunk(s) differed")
+    assert f"chunk {last}'s bytes differ" in caplog.text and not entry.path.exists()
+    got = model.state_dict()
+    assert all(torch.equal(got[k], want[k]) for k in want)
+    _, stats, fills = _load(llama_art, cache=True)
+    assert stats.cache == "filling" and fills[-1].done
+    _, stats, _ = _load(llama_art, cache=True)
+    assert stats.cache == "hit"
+
+
+def test_the_layerwise_model_checks_an_entry_too(root, llama_art):
+    from lct.loader.layerwise import LayerwiseModel
+    with LayerwiseModel(llama_art) as lm:
+        want = _logits(lm)
+    with lct.open(llama_art) as art:
+        assert cache.fill(art).done
+    (entry,) = cache.entries()
+    _spoil(entry, 1)
+    with LayerwiseModel(llama_art, cache=True) as lm:
+        assert torch.equal(_logits(lm), want) and torch.equal(_logits(lm), want)
+    assert cache.entries() == []
+
+
+def test_an_entry_without_chunk_hashes_is_replaced(root, llama_art):
+    """An entry an earlier LCT wrote (no ``chunks`` hashes) is not trusted: removed, refilled."""
+    _load(llama_art, cache=True)
+    (entry,) = cache.entries()
+    meta = json.loads((entry.path / cache.ENTRY).read_text())
+    del meta["chunks"]
+    (entry.path / cache.ENTRY).write_text(json.dumps(meta))
+    _, stats, fills = _load(llama_art, cache=True)
+    assert stats.cache == "filling" and fills[-1].done
+    (entry,) = cache.entries()
+    with lct.open(llama_art) as a:
+        assert len(entry.hashes) == len(cache.layout(a.manifest)[0])
+
+
+def test_lct_cache_fill_checks_an_entry_that_exists(root, llama_art):
+    """`lct cache fill` over an entry checks every chunk's hash: a sound one is left, one with a
+    changed byte is filled again."""
+    runner = CliRunner()
+    out = runner.invoke(cli, ["cache", "fill", str(llama_art)])
+    assert out.exit_code == 0, out.output
+    (entry,) = cache.entries()
+    before = (entry.path / cache.DATA).read_bytes()
+    out = runner.invoke(cli, ["cache", "fill", str(llama_art)])
+    assert out.exit_code == 0 and "already" in out.output, out.output
+    _spoil(entry, 0)
+    out = runner.invoke(cli, ["cache", "fill", str(llama_art)])
+    assert out.exit_code == 0 and "already" not in out.output, out.output
+    assert (entry.path / cache.DATA).read_bytes() == before
+
+
+def test_a_load_without_checksums_maps_the_entry_unchecked(root, llama_art):
+    """``verify=False`` checks no checksum, the entry's included (what the option means)."""
+    _load(llama_art, cache=True)
+    (entry,) = cache.entries()
+    _spoil(entry, 0)
+    _, stats, _ = _load(llama_art, cache=True, verify=False)
+    assert stats.cache == "hit" and entry.path.exists()
+
+
 def test_the_layerwise_model_and_a_device_map_map_an_entry(root, llama_art, monkeypatch):
     """With an entry (here from `lct cache fill`), the layer-wise model's every forward and a
     device-mapped load map it: nothing of the artifact is read, the logits are the same."""

@@ -6,9 +6,13 @@ One entry per artifact, named by its manifest's digest (``lct info``'s ``sha256:
 every tensor and every chunk's checksum): ``<root>/<64 hex digits>/`` holding ``decoded.bin``
 (every chunk's decoded bytes, each at the next multiple of 4096 in chunk-id order, so that the
 offsets follow from the manifest alone) and ``entry.json`` (the digest, the artifact it was
-filled from, its size). An entry is trusted only while it is the one its digest names: the
-manifest gives the layout, and the data file must have exactly that size; the bytes themselves
-were the checked decode of that manifest's chunks. Its last use is ``entry.json``'s mtime.
+filled from, its size, and each chunk's xxh3-64 as written). An entry is trusted only while it
+is the one its digest names: the manifest gives the layout, and the data file must have
+exactly that size. A load that checks checksums (``verify=True``, the default) checks each
+chunk's xxh3 as it first maps it (about 0.05 s per GB of a core, beside the first forward's
+own page-ins); a chunk that differs (the disk's or someone's change) is decoded from the
+artifact instead, and the entry removed, so that the next load fills it again: a damaged entry
+costs time, never a wrong weight. Its last use is ``entry.json``'s mtime.
 
 An entry is filled by ``fill`` (``lct cache fill``: the groups decoded and written a few at a
 time, in the caller's thread), or after a load that checked its chunks' checksums, from the
@@ -61,6 +65,7 @@ DATA = "decoded.bin"
 ENTRY = "entry.json"
 FILL_PREFIX = ".fill-"
 FILL_MARKER = ".lct-cache-fill"
+ENTRY_MAX_BYTES = 16 << 20           # entry.json: its chunks' hashes, about 21 bytes each
 KIND = "lct-decoded-cache"
 _DIGEST_DIR = re.compile(r"[0-9a-f]{64}")
 
@@ -127,6 +132,7 @@ class Entry:
     artifact: str
     size: int
     last_used: float
+    hashes: list | None = None      # each chunk's xxh3-64, in chunk-id order (None: an old entry)
 
 
 def _regular(path: Path) -> bool:
@@ -138,15 +144,18 @@ def _read_entry(folder: Path) -> Entry | None:
     """The entry in ``folder``, or None where it is not one of LCT's (or is damaged)."""
     try:
         if folder.is_symlink() or not _regular(folder / ENTRY) or \
-                (folder / ENTRY).stat().st_size > 1 << 16:
+                (folder / ENTRY).stat().st_size > ENTRY_MAX_BYTES:
             return None
         meta = json.loads((folder / ENTRY).read_text())
         if not isinstance(meta, dict) or meta.get("kind") != KIND or \
                 _hex(str(meta.get("digest"))) != folder.name or \
                 not isinstance(meta.get("size"), int):
             return None
+        hashes = meta.get("chunks")
+        if not (isinstance(hashes, list) and all(isinstance(h, int) for h in hashes)):
+            hashes = None
         return Entry(str(meta["digest"]), folder, str(meta.get("artifact", "")), meta["size"],
-                     (folder / ENTRY).stat().st_mtime)
+                     (folder / ENTRY).stat().st_mtime, hashes)
     except (OSError, ValueError):
         return None
 
@@ -203,23 +212,53 @@ def prune(root: Path | None = None, *, keep_bytes: int | None = None, digest: st
 
 class CachedChunks:
     """A hit: the entry's data file mapped copy-on-write (pages are read from the page cache as
-    they are first touched, writes stay private), each chunk a view of it."""
+    they are first touched, writes stay private), each chunk a view of it; with ``art`` (one
+    that checks checksums), each chunk's xxh3 checked against the entry's on its first use."""
 
-    def __init__(self, entry: Entry, spans: dict, size: int):
-        self.entry, self.spans = entry, spans
+    def __init__(self, entry: Entry, spans: dict, size: int, art=None):
+        self.entry, self.spans, self.art = entry, spans, art
         self._map = np.memmap(entry.path / DATA, dtype=np.uint8, mode="c", shape=(size,))
+        self._order = {cid: i for i, cid in enumerate(sorted(spans))}
+        self._checked: set = set()
+        self.damaged: list = []         # chunk ids whose bytes differed (decoded instead)
 
     def chunk(self, cid: int) -> np.ndarray:
-        """Chunk ``cid``'s decoded bytes (a view of the mapping)."""
+        """Chunk ``cid``'s decoded bytes: a view of the mapping, or, where its checksum does not
+        match the entry's, its decode from the artifact (and the entry is removed)."""
+        if self.art is None or self._matches(cid):
+            return self._view(cid)
+        return self.art.read_chunk(cid)
+
+    def check(self) -> bool:
+        """Check every chunk's hash now; False (and the entry removed) where one differs."""
+        return all(self._matches(cid) for cid in sorted(self.spans))
+
+    def _view(self, cid: int) -> np.ndarray:
         at, size = self.spans[cid]
         return self._map[at: at + size]
+
+    def _matches(self, cid: int) -> bool:
+        if cid in self._checked:
+            return True
+        if _xxh3(self._view(cid)) == self.entry.hashes[self._order[cid]]:
+            self._checked.add(cid)
+            return True
+        if not self.damaged:
+            log.warning("decoded cache %s: chunk %d's bytes differ from those written (xxh3); "
+                        "the entry is removed (the next load fills it again)%s",
+                        self.entry.path, cid,
+                        f"; decoding from {self.art.path} instead" if self.art else "")
+            shutil.rmtree(self.entry.path, ignore_errors=True)   # the mapping stays valid
+        self.damaged.append(cid)
+        return False
 
 
 def lookup(art, root: Path | None = None) -> CachedChunks | None:
     """The cached decode of artifact ``art`` (an open ``Artifact``), or None: no entry under its
-    digest, or one whose data file is not exactly the size its manifest lays out (then it is
-    removed, so that this load's fill replaces it). A hit counts as a use (least-recently-used
-    eviction)."""
+    digest, or one whose data file is not exactly the size its manifest lays out or that holds
+    no chunk hashes (then it is removed, so that this load's fill replaces it). Where ``art``
+    checks checksums, so does the hit, chunk by chunk (``CachedChunks``). A hit counts as a use
+    (least-recently-used eviction)."""
     root = Path(root) if root is not None else cache_dir()
     folder = root / _hex(art.digest)
     entry = _read_entry(folder) if folder.is_dir() else None
@@ -230,14 +269,17 @@ def lookup(art, root: Path | None = None) -> CachedChunks | None:
         actual = (folder / DATA).stat().st_size if _regular(folder / DATA) else None
     except OSError:
         actual = None
-    if entry.size != size or actual != size:
-        log.warning("decoded cache %s: %s is not the %d bytes %s lays out; removed", folder,
-                    DATA, size, art.digest)
+    if entry.size != size or actual != size or entry.hashes is None or \
+            len(entry.hashes) != len(spans):
+        why = (f"{DATA} is not the {size} bytes {art.digest} lays out"
+               if entry.size != size or actual != size else
+               f"{ENTRY} holds no hash for each of its {len(spans)} chunks")
+        log.warning("decoded cache %s: %s; removed", folder, why)
         shutil.rmtree(folder, ignore_errors=True)
         return None
     try:
         os.utime(folder / ENTRY)
-        return CachedChunks(entry, spans, size)
+        return CachedChunks(entry, spans, size, art if art.verify else None)
     except (OSError, ValueError) as e:   # ValueError: numpy's, for a file changed meanwhile
         log.warning("decoded cache %s: cannot map it (%s); ignored", folder, e)
         return None
@@ -291,6 +333,7 @@ class Fill:
         self.budget = max_bytes()       # read here: a bad LCT_CACHE_MAX fails the load, at once
         min_free_bytes(0)               # and so does a bad LCT_CACHE_MIN_FREE
         self._bufs: dict = {}
+        self._hashes: dict = {}         # chunk id -> xxh3 of what was written (or decoded)
         self._thread: threading.Thread | None = None
         self._stop = threading.Event()
         self.done = False
@@ -304,7 +347,8 @@ class Fill:
     def add(self, cid: int, buf) -> None:
         """Keep chunk ``cid``'s decoded buffer (and its xxh3) for the fill."""
         if cid in self.spans and buf.nbytes == self.spans[cid][1]:
-            self._bufs[cid] = (buf, _xxh3(buf))
+            self._bufs[cid] = buf
+            self._hashes[cid] = _xxh3(buf)
 
     def start(self) -> None:
         """Write in the background if every chunk was added, else drop them."""
@@ -345,14 +389,7 @@ class Fill:
     def _run(self) -> None:
         _lower_io_priority()
 
-        def kept():
-            for cid in sorted(self._bufs):
-                buf, digest = self._bufs.pop(cid)
-                if _xxh3(buf) != digest:
-                    raise _Changed(f"chunk {cid} changed after the load decoded it (weights "
-                                   f"changed in place): nothing kept")
-                yield cid, buf
-        self.write(kept())
+        self.write((cid, self._bufs.pop(cid)) for cid in sorted(self._bufs))
 
     def write(self, chunks) -> None:
         """Write the entry from ``chunks`` (``(chunk id, decoded buffer)`` pairs, in any order,
@@ -385,6 +422,10 @@ class Fill:
                     if cid not in self.spans or buf.nbytes != self.spans[cid][1]:
                         raise _Changed(f"chunk {cid} is not the {self.spans.get(cid, (0, 0))[1]} "
                                        f"bytes the manifest lays out: nothing kept")
+                    digest = _xxh3(buf)
+                    if self._hashes.setdefault(cid, digest) != digest:
+                        raise _Changed(f"chunk {cid} changed after the load decoded it "
+                                       f"(weights changed in place): nothing kept")
                     _write_all(fd, buf, self.spans[cid][0])
                     written.add(cid)
                 if written != set(self.spans):
@@ -396,7 +437,8 @@ class Fill:
                 os.close(fd)
             with open(stage / ENTRY, "w") as f:
                 json.dump({"kind": KIND, "digest": self.digest, "artifact": self.artifact,
-                           "size": self.size, "created": time.time()}, f)
+                           "size": self.size, "created": time.time(),
+                           "chunks": [self._hashes[cid] for cid in sorted(self.spans)]}, f)
                 f.flush()
                 os.fsync(f.fileno())
             (stage / FILL_MARKER).unlink()
@@ -443,8 +485,8 @@ def fill(art, root: Path | None = None, progress=None) -> Fill:
 
     Returns:
         The ``Fill``: ``done`` once published, else ``reason`` says why nothing was kept (no
-        room, a disk too full); a valid entry that exists already is left as it is (``done``
-        False, no reason).
+        room, a disk too full); an entry that exists already, every chunk's hash checked, is
+        left as it is (``done`` False, no reason).
 
     Raises:
         LCTError: the artifact does not check its checksums, or a chunk is damaged (the typed
@@ -459,7 +501,8 @@ def fill(art, root: Path | None = None, progress=None) -> Fill:
         raise LCTError(f"{art.path}: opened without checking checksums; a cache entry is "
                        f"trusted as the checked decode, so it is filled only from a checked one")
     f = Fill(art, root)
-    if lookup(art, f.root) is not None:     # a damaged entry is removed, then filled again
+    hit = lookup(art, f.root)           # a damaged entry is removed, then filled again
+    if hit is not None and hit.check():
         return f
     failed: list = []
 
