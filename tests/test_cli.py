@@ -809,3 +809,34 @@ def test_demo_without_a_workdir_leaves_nothing_behind(tmp_path, monkeypatch):
     monkeypatch.setattr(demo, "_run", fake)
     kept = tmp_path / "keep"
     assert demo.run_demo(kept).workdir == kept and (kept / "model.lct" / "data.lct").is_file()
+
+
+def test_demo_never_replaces_what_it_did_not_write(tmp_path, monkeypatch):
+    """A new user's trial: `lct demo --workdir DIR` replaced the user's own `source` (their
+    model's weights) and `model.lct` in DIR. Now a folder holding any of the demo's outputs that
+    an earlier demo did not write is refused before anything is written, by name; a file is
+    refused in one line; a folder an earlier demo wrote is reused."""
+    import lct.demo.run as demo
+
+    def fake(work, log):
+        for name in demo.OUTPUTS:
+            (work / name).mkdir(exist_ok=True)
+            (work / name / "x").write_text("demo")
+        return demo.DemoResult(work, verify_ok=True, load_agrees=True)
+    monkeypatch.setattr(demo, "_run", fake)
+    mine = tmp_path / "mine"
+    (mine / "source").mkdir(parents=True)
+    (mine / "source" / "model.safetensors").write_bytes(b"my weights")
+    out = CliRunner().invoke(cli, ["demo", "--workdir", str(mine), "-q"])
+    assert out.exit_code == 1 and out.output.count("\n") == 1, out.output
+    assert f"{mine / 'source'} exists and lct demo did not write it" in out.output
+    assert sorted(p.name for p in mine.rglob("*")) == ["model.safetensors", "source"]
+    afile = tmp_path / "afile"
+    afile.write_text("notes")
+    out = CliRunner().invoke(cli, ["demo", "--workdir", str(afile), "-q"])
+    assert out.exit_code == 1 and "is a file, not a folder" in out.output, out.output
+    assert afile.read_text() == "notes"
+    fresh = tmp_path / "fresh"
+    for _ in range(2):          # the second run replaces the first one's outputs
+        out = CliRunner().invoke(cli, ["demo", "--workdir", str(fresh), "-q"])
+        assert out.exit_code == 0 and out.output == f"{fresh}\n", out.output

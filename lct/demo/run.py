@@ -13,6 +13,8 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
+OUTPUTS = ("source", "model.lct", "export")   # what the demo writes in its folder
+MARKER = ".lct-demo"                          # says a folder's outputs are an earlier demo's
 DEMO_CONFIG = dict(vocab_size=8192, hidden_size=256, intermediate_size=1024, num_hidden_layers=4,
                    num_attention_heads=4, num_key_value_heads=1, head_dim=64)
 
@@ -48,11 +50,30 @@ def run_demo(workdir=None, log=print) -> DemoResult:
     """Run the demo in ``workdir``, which keeps its files (default: a new temporary folder,
     removed before this returns, and ``workdir`` None in the result); return what it measured."""
     if workdir is not None:
+        _claim(Path(workdir))
         return _run(Path(workdir), log)
     with tempfile.TemporaryDirectory(prefix="lct-demo-", ignore_cleanup_errors=True) as tmp:
         res = _run(Path(tmp), log)
     res.workdir = None
     return res
+
+
+def _claim(work: Path) -> None:
+    """Make ``work`` the demo's folder: a new or empty one, or one an earlier demo wrote (its
+    ``MARKER``); a folder holding someone else's ``source``, ``model.lct`` or ``export`` is
+    refused before anything is written, and so is a file."""
+    from lct.errors import LCTError
+    if work.exists() and not work.is_dir():
+        raise LCTError(f"{work} is a file, not a folder; give a new or empty folder to --workdir")
+    if not (work / MARKER).is_file():
+        taken = [name for name in OUTPUTS if (work / name).exists() or (work / name).is_symlink()]
+        if taken:
+            raise LCTError(f"{work / taken[0]} exists and lct demo did not write it; give a new "
+                           f"or empty folder to --workdir (the demo writes "
+                           f"{', '.join(OUTPUTS)} there)")
+    work.mkdir(parents=True, exist_ok=True)
+    (work / MARKER).write_text("lct demo's outputs: source, model.lct and export are replaced "
+                               "by the next demo run in this folder\n")
 
 
 def _run(work: Path, log) -> DemoResult:
