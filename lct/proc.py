@@ -1,5 +1,5 @@
 """Process measurements for breakdowns and benchmarks: age since start, peak RSS and the memory
-available (Linux)."""
+available (Linux); and the one check of a thread count a caller asks for."""
 
 from __future__ import annotations
 
@@ -60,3 +60,14 @@ def lower_thread_priority(increment: int) -> None:
         os.setpriority(os.PRIO_PROCESS, tid, os.getpriority(os.PRIO_PROCESS, tid) + increment)
     except (AttributeError, OSError):
         pass
+
+
+def check_workers(workers) -> int | None:
+    """``workers`` if it is a thread count LCT can run (an integer >= 1, or None: all cores),
+    else an ``OptionError``: the one check of it, for convert and load alike."""
+    from lct.errors import OptionError
+    if workers is not None and (not isinstance(workers, int) or isinstance(workers, bool) or
+                                workers < 1):
+        raise OptionError(f"workers must be an integer >= 1 (or None: all cores), got "
+                          f"{workers!r}", option="workers")
+    return workers

@@ -9,6 +9,7 @@ from dataclasses import dataclass, field
 
 from lct.errors import OptionError
 from lct.io.stream import DEFAULT_PREFETCH, check_prefetch
+from lct.proc import check_workers
 
 NF4_MODES = ("keep", "dequantize")
 
@@ -43,10 +44,7 @@ class LoadOptions:
         if self.nf4 not in NF4_MODES:
             raise OptionError(f"nf4 must be one of {', '.join(NF4_MODES)}, got {self.nf4!r}",
                               option="nf4")
-        if self.workers is not None and (not isinstance(self.workers, int) or
-                                         isinstance(self.workers, bool) or self.workers < 1):
-            raise OptionError(f"workers must be an integer >= 1 (or None: all cores), got "
-                              f"{self.workers!r}", option="workers")
+        check_workers(self.workers)
         m = self.maximus
         if isinstance(m, int) and not isinstance(m, bool) and m < 1:
             raise OptionError(f"maximus {m}: a budget is a number of resident shards, at "

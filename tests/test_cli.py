@@ -840,3 +840,21 @@ def test_demo_never_replaces_what_it_did_not_write(tmp_path, monkeypatch):
     for _ in range(2):          # the second run replaces the first one's outputs
         out = CliRunner().invoke(cli, ["demo", "--workdir", str(fresh), "-q"])
         assert out.exit_code == 0 and out.output == f"{fresh}\n", out.output
+
+
+@pytest.mark.parametrize("command", ["convert", "load"])
+@pytest.mark.parametrize("value", ["0", "-3"])
+def test_workers_is_checked_alike_by_convert_and_load(command, value, gemma_src, gemma_art,
+                                                      tmp_path):
+    """A new user's trial: `convert --workers -3` ended in a traceback after the calibration
+    and `--workers 0` meant all cores, where load refused both. One check, before any work."""
+    args = ([str(gemma_src), "-o", str(tmp_path / "x.lct")] if command == "convert" else
+            [str(gemma_art), "--ids", "1,2"])
+    out = CliRunner().invoke(cli, [command, *args, "--workers", value])
+    assert out.exit_code == 1 and out.output.count("\n") == 1, out.output
+    assert f"workers must be an integer >= 1 (or None: all cores), got {value}" in out.output
+    assert not (tmp_path / "x.lct").exists()
+    import lct
+    from lct.errors import OptionError
+    with pytest.raises(OptionError, match="workers must be"):
+        lct.convert(str(gemma_src), tmp_path / "y.lct", workers=int(value))
