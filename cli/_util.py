@@ -51,7 +51,8 @@ class LCTGroup(click.Group):
         except LCTError as e:
             if os.environ.get("LCT_DEBUG"):
                 traceback.print_exc()
-            click.echo(error_line(e), err=True)
+            command = self.get_command(ctx, ctx.invoked_subcommand or "")
+            click.echo(error_line(e, command), err=True)
             sys.exit(1)
         except click.UsageError as e:
             # One line like every other error (click's own is three), exit status 2 as click's.
@@ -75,16 +76,27 @@ OPTION_HINTS = {
 }
 
 
-def error_line(e: BaseException) -> str:
+def error_line(e: BaseException, command: click.Command | None = None) -> str:
     """The one line the CLI prints for a library error: its message, and the CLI's hint when
-    the error names a parameter."""
+    the error names a parameter (as ``command``, the one that ran, spells its flag)."""
     option = getattr(e, "option", None)
-    return f"error: {e}" + (f" ({hint_for(option)})" if option else "")
+    return f"error: {e}" + (f" ({hint_for(option, command)})" if option else "")
 
 
-def hint_for(option: str) -> str:
-    """The CLI's hint for a library error about parameter ``option``."""
-    return OPTION_HINTS.get(option) or "--" + option.replace("_", "-")
+def hint_for(option: str, command: click.Command | None = None) -> str:
+    """The CLI's hint for a library error about parameter ``option``: ``OPTION_HINTS``', else
+    the flag ``command`` (or a subcommand of it) declares for it, else ``--option-name``."""
+    if option in OPTION_HINTS:
+        return OPTION_HINTS[option]
+    commands = [command] if command is not None else []
+    while commands:
+        cmd = commands.pop()
+        for param in cmd.params:
+            longs = [o for o in param.opts if o.startswith("--")]
+            if param.name == option and longs:
+                return longs[0]
+        commands.extend(getattr(cmd, "commands", {}).values())
+    return "--" + option.replace("_", "-")
 
 
 def as_flags(text: str) -> str:

@@ -201,7 +201,7 @@ def _load_tp(artifact, options: dict, stream: bool, generate: dict, as_json: boo
         # a failed distributed load sometimes aborts in gloo's threads (measured: 2 of 6 runs,
         # "terminate called without an active exception", status -6).
         from lct.cli._util import error_line
-        click.echo(error_line(e), err=True)
+        click.echo(error_line(e, click.get_current_context().command), err=True)
         sys.stdout.flush()
         sys.stderr.flush()
         os._exit(1)

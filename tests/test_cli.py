@@ -858,3 +858,12 @@ def test_workers_is_checked_alike_by_convert_and_load(command, value, gemma_src,
     from lct.errors import OptionError
     with pytest.raises(OptionError, match="workers must be"):
         lct.convert(str(gemma_src), tmp_path / "y.lct", workers=int(value))
+
+
+@pytest.mark.parametrize("flag", ["--q6_k", "--q8_0", "--int8_b128"])
+def test_an_error_names_the_flag_as_the_command_spells_it(flag, gemma_src, tmp_path):
+    """A new user's trial: the hint said `(--q6-k)`, a flag that does not exist (the command's
+    is `--q6_k`); the hint is now the flag the command declares."""
+    out = CliRunner().invoke(cli, ["convert", str(gemma_src), "-o", str(tmp_path / "x.lct"),
+                                   flag, "head"])
+    assert out.exit_code == 1 and out.output.rstrip().endswith(f"({flag})"), out.output
