@@ -63,6 +63,7 @@ def fill_cmd(artifact, quiet):
     saying why; an entry that exists is checked (each chunk's hash) and left as it is, or
     filled again where a byte of it changed."""
     from lct.cloud import local_or_open
+    from lct.errors import LCTError
     from lct.io import cache
     from lct.io.reader import Artifact, open_artifact
     from lct.units import human
@@ -75,7 +76,7 @@ def fill_cmd(artifact, quiet):
         bar.close()
         art.close()
     if f.reason:
-        raise click.ClickException(f"{artifact}: not cached: {f.reason}")
+        raise LCTError(f"{artifact}: not cached: {f.reason}")
     if quiet:
         click.echo(str(f.folder))
         return
@@ -85,7 +86,8 @@ def fill_cmd(artifact, quiet):
 @cache_cmd.command("prune")
 @click.option("--all", "everything", is_flag=True, help="Remove every entry.")
 @click.option("--digest", default=None, metavar="DIGEST",
-              help="Remove the entry of this manifest digest (sha256:..., as lct info prints).")
+              help="Remove the entry of this manifest digest (sha256:..., as lct info prints; "
+                   "a prefix only one entry has, as lct cache list prints, will do).")
 @click.option("--max-size", default=None, metavar="SIZE",
               help="Remove the least recently used entries until the rest fit in SIZE (10GiB).")
 @quiet_option("the number of entries removed")

@@ -508,10 +508,14 @@ def _cache_for(art, options: LoadOptions, stats: LoadStats) -> tuple:
         stats.cache = ("miss: kept only by a load that checks the checksums, on the CPU, with "
                        "no dtype cast and nf4='keep'")
         return None, None
+    fill = cache.Fill(art)
+    if fill.over_budget():
+        stats.cache = f"miss: not kept, {fill.over_budget()}"
+        return None, None
     stats.cache = "filling"
     if options.page_cache == "auto" and hasattr(art.store, "page_cache"):
         art.store.page_cache = "auto"       # drop what is read in from disk (lct.io.store)
-    return None, cache.Fill(art)
+    return None, fill
 
 
 def cache_hit(art, asked: bool | None, stats: LoadStats | None = None):

@@ -9,6 +9,7 @@ import fcntl
 
 import json
 import os
+import re
 import shutil
 
 import numpy as np
@@ -145,14 +146,17 @@ def test_the_budget_evicts_the_least_recently_used(root, llama_art, gemma_art, m
     _load(llama_art, cache=True)
     (first,) = cache.entries()
     monkeypatch.setenv(cache.ENV_MAX, f"{-(-first.size // 1024) + 4}KiB")
-    _, _, fills = _load(gemma_art, cache=True)
-    if fills[-1].done:                          # gemma's entry fits the budget alone
-        assert [e.artifact for e in cache.entries()] == [fills[-1].artifact]
+    _, stats, fills = _load(gemma_art, cache=True)
+    if stats.cache == "filling":                # gemma's entry fits the budget alone
+        assert fills[-1].done and [e.artifact for e in cache.entries()] == [fills[-1].artifact]
     else:
-        assert "over the cache's budget" in fills[-1].reason
+        assert stats.cache.startswith("miss: not kept, ") and "over the cache's budget" in \
+            stats.cache
     monkeypatch.setenv(cache.ENV_MAX, "4KiB")
-    _, _, fills = _load(llama_art, cache=True)
-    assert not fills[-1].done and "over the cache's budget" in fills[-1].reason
+    cache.prune(everything=True)
+    _, stats, fills = _load(llama_art, cache=True)   # known before the load: it keeps nothing
+    assert stats.cache.startswith("miss: not kept, ") and \
+        stats.cache.endswith("is over the cache's budget of 4.10 KB (LCT_CACHE_MAX sets it)")
     monkeypatch.setenv(cache.ENV_MAX, "4096")                 # a size needs its unit
     with pytest.raises(LCTError, match="LCT_CACHE_MAX '4096' needs a number with a unit"):
         lct.load(gemma_art, cache=True)
@@ -167,7 +171,7 @@ def test_a_full_disk_is_not_filled(root, llama_art, monkeypatch):
     monkeypatch.setattr(cache.shutil, "disk_usage", nearly_full)
     _, stats, fills = _load(llama_art, cache=True)
     assert stats.cache == "filling" and not fills[-1].done
-    assert "1000 bytes free" in fills[-1].reason
+    assert "1.00 KB free" in fills[-1].reason
     assert cache.entries() == [] and not list(root.glob(f"{cache.FILL_PREFIX}*"))
 
 
@@ -185,7 +189,7 @@ def test_the_disk_left_free_is_5_percent_unless_lct_cache_min_free_says(root, ll
     assert cache.min_free_bytes(10**12) == 5 * 10**10
     _, _, fills = _load(llama_art, cache=True)
     assert not fills[-1].done
-    assert fills[-1].reason.endswith(f"{5 * 10**10} kept free (LCT_CACHE_MIN_FREE sets how much)")
+    assert fills[-1].reason.endswith("50.00 GB kept free (LCT_CACHE_MIN_FREE sets how much)")
     monkeypatch.setenv(cache.ENV_MIN_FREE, "lots")
     with pytest.raises(LCTError, match="LCT_CACHE_MIN_FREE 'lots' needs a number with a unit"):
         lct.load(llama_art, cache=True)
@@ -270,6 +274,16 @@ def test_cli_lists_and_prunes(root, llama_art):
     out = runner.invoke(cli, ["load", str(llama_art), "--cache", "--json"])
     assert json.loads(out.output)["breakdown"]["cache"] == "hit"
     assert runner.invoke(cli, ["cache", "prune"]).exit_code == 2
+    # a digest no entry has, or a prefix of none, is an error, not "removed 0 entries"
+    for wrong in ("foo", "sha256:0000000000000"):
+        out = runner.invoke(cli, ["cache", "prune", "--digest", wrong])
+        assert out.exit_code == 1 and "no entry of the decoded cache has digest" in \
+            out.output, out.output
+    shown = runner.invoke(cli, ["cache", "list"]).output      # the digest as the list prints it
+    short = re.search(r"sha256:[0-9a-f]{12}", shown).group(0)
+    out = runner.invoke(cli, ["cache", "prune", "--digest", short])
+    assert out.exit_code == 0 and "removed 1 entry" in out.output, out.output
+    runner.invoke(cli, ["load", str(llama_art), "--cache", "--ids", "1,2", "-q"])
     out = runner.invoke(cli, ["cache", "prune", "--max-size", "0KB"])
     assert out.exit_code == 0 and "removed 1 entry" in out.output
     assert cache.entries() == [] and os.listdir(root) == []
@@ -322,8 +336,9 @@ def test_lct_cache_fill_makes_the_entry_a_load_would(root, llama_art, tmp_path, 
 def test_lct_cache_fill_that_cannot_keep_says_why(root, llama_art, monkeypatch):
     monkeypatch.setenv(cache.ENV_MAX, "1KiB")
     res = CliRunner().invoke(cli, ["cache", "fill", str(llama_art)])
-    assert res.exit_code == 1 and "not cached: " in res.output \
-        and "over the cache's budget" in res.output, res.output
+    assert res.exit_code == 1 and res.output.startswith("error: ") and "not cached: " in \
+        res.output and "over the cache's budget of 1.02 KB (LCT_CACHE_MAX sets it)" in \
+        res.output, res.output
     assert not cache.entries() and not list(root.glob(f"{cache.FILL_PREFIX}*"))
 
 

@@ -50,6 +50,7 @@ from pathlib import Path
 import numpy as np
 
 from lct.errors import LCTError, WriteError
+from lct.units import human
 
 log = logging.getLogger(__name__)
 
@@ -191,15 +192,27 @@ def _stale_fills(root: Path) -> list:
 
 def prune(root: Path | None = None, *, keep_bytes: int | None = None, digest: str | None = None,
           everything: bool = False) -> list:
-    """Remove entries: ``digest``'s, ``everything``, or the least recently used until the rest
+    """Remove entries: ``digest``'s (the whole digest, or a prefix of it only one entry has,
+    as ``lct cache list`` prints it), ``everything``, or the least recently used until the rest
     hold at most ``keep_bytes``; and always the staging folders of fills that ended without
-    finishing. Returns the removed entries. Only LCT's own folders are touched."""
+    finishing. Returns the removed entries. Only LCT's own folders are touched.
+
+    Raises:
+        LCTError: ``digest`` names no entry, or more than one."""
     root = Path(root) if root is not None else cache_dir()
     removed = []
     current = entries(root)
     total = sum(e.size for e in current)
+    if digest is not None:
+        want = _hex(digest.strip().lower())
+        named = [e for e in current if want and _hex(e.digest).startswith(want)]
+        if len(named) != 1:
+            raise LCTError(f"{root}: {'no entry' if not named else f'{len(named)} entries'} "
+                           f"of the decoded cache {'has' if not named else 'have'} digest "
+                           f"{digest!r}; lct cache list shows them", option="digest")
+        digest = named[0].digest
     for e in current:
-        if everything or (digest is not None and _hex(digest) == _hex(e.digest)) or \
+        if everything or (digest is not None and digest == e.digest) or \
                 (keep_bytes is not None and total > keep_bytes):
             shutil.rmtree(e.path, ignore_errors=True)
             if not e.path.exists():
@@ -344,6 +357,14 @@ class Fill:
         """Where the entry is (or will be) published."""
         return self.root / _hex(self.digest)
 
+    def over_budget(self) -> str:
+        """Why the entry can never be kept (over the cache's whole budget), else ``""``: known
+        before a load decodes anything."""
+        if self.size > self.budget:
+            return (f"{human(self.size)} is over the cache's budget of {human(self.budget)} "
+                    f"({ENV_MAX} sets it)")
+        return ""
+
     def add(self, cid: int, buf) -> None:
         """Keep chunk ``cid``'s decoded buffer (and its xxh3) for the fill."""
         if cid in self.spans and buf.nbytes == self.spans[cid][1]:
@@ -374,15 +395,15 @@ class Fill:
         """Evict least-recently-used entries to fit the budget; False where the entry cannot fit
         (over the budget alone, or the disk would be left too full)."""
         budget = self.budget
-        if self.size > budget:
-            self.reason = f"{self.size} bytes is over the cache's budget of {budget}"
+        if self.over_budget():
+            self.reason = self.over_budget()
             return False
         prune(self.root, keep_bytes=budget - self.size)
         usage = shutil.disk_usage(self.root)
         keep_free = min_free_bytes(usage.total)
         if usage.free - self.size < keep_free:
-            self.reason = (f"{self.root}: {usage.free} bytes free, {self.size} needed and "
-                           f"{keep_free} kept free ({ENV_MIN_FREE} sets how much)")
+            self.reason = (f"{self.root}: {human(usage.free)} free, {human(self.size)} needed "
+                           f"and {human(keep_free)} kept free ({ENV_MIN_FREE} sets how much)")
             return False
         return True
 
