@@ -108,6 +108,18 @@ def test_verify_export_and_a_changed_code(arts, enc, tmp_path):
                             tuple(tensors["lm_head.weight"].shape), torch.bfloat16)
     assert tensors["lm_head.weight"].dtype == torch.bfloat16
     assert torch.equal(tensors["lm_head.weight"], want)
+    # against its own export (the table's dequantized values: Q6_K's quantizing them again is
+    # not exact, a new user's trial got FAIL), it is OK; a value changed in the export is not
+    rep = lct.verify(art, against=str(out))
+    assert rep.ok, rep.failures
+    (f,) = out.glob("*.safetensors")
+    from safetensors.torch import save_file
+    changed = dict(tensors)
+    changed["lm_head.weight"] = changed["lm_head.weight"].clone()
+    changed["lm_head.weight"][0, 0] += 1
+    save_file(changed, str(f), metadata={"format": "pt"})
+    rep = lct.verify(art, against=str(out))
+    assert not rep.ok and any("lm_head" in f for f in rep.failures), rep.failures
     bad = tmp_path / "bad.lct"
     shutil.copytree(art, bad)
     with open_artifact(bad) as a:

@@ -59,14 +59,19 @@ def _compare(name, info, got, ref) -> TensorCheck:
         stored = enc.parts(got)
         same = torch.equal(codes.reshape(-1), stored[0].reshape(-1)) and torch.equal(
             scales.reshape(-1), stored[1].reshape(-1).to(scales.dtype))
+        deq = got.dequantize()
+        # A source that holds exactly this table's dequantized values (its own `lct export`) is
+        # the table, whether or not quantizing them again is exact (Q6_K's scale search is not).
+        exported = not same and torch.equal(deq.to(ref.dtype), ref)
         # float64: a float32 dot product over tens of millions of elements drifts past 1.
-        a, b = got.dequantize().double().reshape(-1), ref.double().reshape(-1)
+        a, b = deq.double().reshape(-1), ref.double().reshape(-1)
         err = (a - b).abs()
         cos = torch.nn.functional.cosine_similarity(a, b, dim=0).item() if a.numel() else 1.0
-        return TensorCheck(name, kind, same, err.max().item() if err.numel() else 0.0,
+        return TensorCheck(name, kind, same or exported, err.max().item() if err.numel() else 0.0,
                            err.mean().item() if err.numel() else 0.0, cos,
-                           "" if same else f"{enc.label} codes differ from the source "
-                                           f"quantized again")
+                           "" if same else "the source holds this table's dequantized values "
+                           "(an export of it)" if exported else f"{enc.label} codes differ from "
+                           f"the source quantized again")
     if info.stored_dtype != info.dtype:
         ref = ref.to(got.dtype)
     same = got.shape == ref.shape and got.dtype == ref.dtype and torch.equal(
@@ -105,8 +110,9 @@ def verify(artifact, *, against: str | None = None, revision: str | None = None,
     What a report that is OK proves: every chunk's stored bytes match their checksum and
     decode to what the manifest declares, every byte between chunks is zero, the side files
     are the ones recorded, and the tensors fill the model config.json builds; with
-    ``against``, every tensor equals the source's (lossless ones bit for bit, NF4/int8 ones
-    quantized again). What it does not: that the manifest is the one its writer wrote. Its
+    ``against``, every tensor equals the source's (lossless ones bit for bit, quantized ones
+    quantized again, or dequantized where the source is the artifact's own export). What it
+    does not: that the manifest is the one its writer wrote. Its
     checksums are xxh3_64, which anyone can compute again after an edit (two tensors of one
     shape exchanged, say): pin the artifact with ``expect`` (a digest recorded when you
     trusted it), or pull it at a commit.
