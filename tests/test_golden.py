@@ -949,6 +949,20 @@ def test_writer_bindings_of_column_pieces_are_the_spec(llama_src, tmp_path):
         pass
 
 # Section 0: the numbers the spec names are the constants --------------------------------------
+def test_the_docs_name_the_version_this_writer_writes():
+    """A new user's trial: docs/CLI.md said 1.2 and FORMAT.md's key table [1, 4] while the
+    writer wrote 1.5. Each place that names the current version names FORMAT_VERSION."""
+    from pathlib import Path
+    docs = Path(__file__).parent.parent / "docs"
+    major, minor = C.FORMAT_VERSION
+    spec, cli_md = (docs / "FORMAT.md").read_text(), (docs / "CLI.md").read_text()
+    assert spec.startswith(f"# LCT format, version {major}.{minor}\n")
+    assert f"`[{major}, {minor}]` for this text" in spec
+    assert f"writes the current version, {major}.{minor})" in spec
+    assert f"`PATH: LCT {major}.{minor}, N groups" in cli_md
+    assert f"`\"{major}.{minor}\"` for what this version writes" in cli_md
+
+
 def test_every_constant_the_spec_names_is_in_constants_with_its_value():
     from pathlib import Path
     text = (Path(__file__).parent.parent / "docs" / "FORMAT.md").read_text()
