@@ -605,3 +605,13 @@ def test_cli_leaves_the_checks_to_the_library(run, llama_src):
     assert res.exit_code == 1 and "(--blocksize)" in res.output, res.output
     res = run("plan", llama_src, "--nf4", "bogus")
     assert res.exit_code == 2 and "--nf4" in res.output, res.output
+
+
+@pytest.mark.parametrize("flag", ["--nf4", "--int8", "--q6_k"])
+def test_an_artifacts_encodings_are_not_replaced_by_options(flag, llama_art, run):
+    """A new user's trial: `lct plan ART --nf4 embed,head` mixed NF4 weights with the
+    artifact's stored int8 size in one table; encoding options with an artifact are refused."""
+    res = run("plan", str(llama_art), flag, "embed,head")
+    assert res.exit_code == 1 and res.output.count("\n") == 1, res.output
+    assert "an artifact's encodings are its own" in res.output and f"({flag})" in res.output
+    assert run("plan", str(llama_art), "-q").exit_code == 0

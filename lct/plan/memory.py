@@ -434,10 +434,10 @@ def plan(model, *, mode: str = "infer", batch: int = 1, seq: int = DEFAULT_SEQ,
         loss_chunk: tokens per chunk for the chunked-loss figure.
         nf4, int8, int8_b128, q8_0, q6_k, blocksize: the NF4, int8, int8 per 128 values, Q8_0
             and Q6_K parts ("embed", "head") and the NF4 block size of ``format="lct"``, as
-            ``lct convert --nf4/--int8/--int8_b128/--q8_0/--q6_k/--blocksize``
-            (default: an
-            artifact's policy, else both parts in int8, what the auto policy picks for the
-            trained models measured in docs/BENCHMARKS.md, and 64).
+            ``lct convert --nf4/--int8/--int8_b128/--q8_0/--q6_k/--blocksize``, for a model
+            that is not an artifact (an artifact's are its policy's; giving them is an error);
+            default: both parts in int8, what the auto policy picks for the trained models
+            measured in docs/BENCHMARKS.md, and 64.
         revision: Hub revision for a Hub id.
         options: all of the above as one ``PlanOptions``, instead of the keywords.
 
@@ -465,6 +465,12 @@ def plan(model, *, mode: str = "infer", batch: int = 1, seq: int = DEFAULT_SEQ,
                             option="options")
         asked = options
     cfg, where, artifact = read_config(model, asked.revision)
+    given = [e for e, parts in asked.forced().items() if parts is not None] + \
+        (["blocksize"] if asked.blocksize is not None else [])
+    if artifact is not None and given:
+        raise PlanError(f"{artifact}: an artifact's encodings are its own (lct info shows "
+                        f"them), so {given[0]} is not applied to it; plan its source folder "
+                        f"with {given[0]} to see another encoding", option=given[0])
     base = model_dims(cfg, where)
     new_vocab = asked.new_vocab(base.vocab)
     manifest = _manifest(artifact) if artifact is not None else None
