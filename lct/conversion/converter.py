@@ -423,8 +423,10 @@ def convert(source: str, out, *, revision: str | None = None, policy: Policy | N
         >>> convert("google/gemma-2b", "gemma-2b.lct")
     """
     from lct.cloud import is_s3_uri
+    from lct.io.reader import check_address
     from lct.proc import check_workers
     check_workers(workers)
+    check_address(out)
     if is_s3_uri(str(out)):
         return _convert_to_s3(source, str(out), revision=revision, policy=policy,
                               max_file_size=max_file_size, workers=workers,

@@ -18,7 +18,7 @@ from pathlib import Path
 from lct.conversion.source import INDEX_NAME
 from lct.errors import LCTError
 from lct.format import constants as C
-from lct.io.reader import Artifact, open_artifact
+from lct.io.reader import Artifact, check_address, open_artifact
 from lct.io.store import confined
 from lct.io.writer import (
     OutputLock,
@@ -95,6 +95,7 @@ def export(artifact, out_dir, *, max_shard_size=DEFAULT_SHARD_SIZE, overwrite: b
         >>> lct.export("gemma.lct", "gemma-hf")
         >>> AutoModelForCausalLM.from_pretrained("gemma-hf")
     """
+    check_address(out_dir)
     out = Path(out_dir).absolute()
     from lct.units import parse_size
     max_shard_size = parse_size(max_shard_size, "max_shard_size", option="max_shard_size")

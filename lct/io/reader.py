@@ -63,6 +63,7 @@ class Artifact:
 
     def __init__(self, path, *, verify: bool = True, workers: int | None = None,
                  pin_memory: bool = False, store=None):
+        check_address(path)
         self.path = Path(path)
         self.pin_memory = pin_memory
         if not self.path.is_dir():
@@ -455,6 +456,21 @@ class Artifact:
         info = self.tensor_info(name)
         bufs = {p.chunk: self.read_chunk(p.chunk) for p in info.placements()}
         return self.assemble(info, bufs, dequantize)
+
+
+def check_address(path) -> None:
+    """Refuse an address whose scheme LCT does not speak (``gs://``, ``az://``, ``https://``),
+    which a path would take for a local folder named ``gs:``: LCT's are a local folder,
+    ``hf://`` and ``s3://``.
+
+    Raises:
+        ArtifactNotFoundError: naming the address and what LCT reads.
+    """
+    scheme = re.match(r"([A-Za-z][A-Za-z0-9+.-]*)://", str(path))
+    if scheme and scheme[1].lower() not in ("hf", "s3"):
+        raise ArtifactNotFoundError(f"{path}: {scheme[1]}:// is not an address LCT reads or "
+                                    f"writes: a local folder, hf://org/name[@rev] or "
+                                    f"s3://bucket/prefix (any S3-compatible store)")
 
 
 def open_artifact(path, *, verify: bool = True, workers: int | None = None,

@@ -333,6 +333,8 @@ class ArtifactWriter:
 
     def __init__(self, out_dir, *, max_file_size: int = C.DEFAULT_MAX_FILE_SIZE,
                  overwrite: bool = False, map_fn=map):
+        from lct.io.reader import check_address
+        check_address(out_dir)
         self.target = Path(out_dir).absolute()
         check_output_path(self.target)
         self.overwrite = overwrite
