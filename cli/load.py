@@ -60,7 +60,8 @@ def _ids(ctx, param, value):
                    "stores, by default a quarter of the shards).")
 @click.option("--stream", is_flag=True,
               help="For an hf://org/name[@revision] ARTIFACT: fetch the chunks by HTTP range "
-                   "requests as they load instead of pulling the files first.")
+                   "requests as they load instead of pulling the files first (an s3:// one "
+                   "always streams; a local folder is read as it is).")
 @click.option("--tp", is_flag=True,
               help="Tensor-parallel over the ranks torchrun started (torchrun --nproc_per_node N "
                    "-m lct load ART --tp): each rank keeps its shards of the model's own plan, "

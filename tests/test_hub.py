@@ -459,6 +459,23 @@ def test_offline_without_cache(hub, monkeypatch, run):
     assert not hub.log
 
 
+def test_an_offline_push_says_so_before_it_verifies(gemma_art, hub, monkeypatch):
+    """A new user's trial: an offline push verified the whole artifact first, then said offline
+    mode blocks it. It says so at once."""
+    import huggingface_hub.constants as hc
+
+    import importlib
+    hpush = importlib.import_module("lct.hub.push")   # the module (lct.hub.push is the function)
+    monkeypatch.setattr(hc, "HF_HUB_OFFLINE", True)
+
+    def verified(*a, **k):
+        raise AssertionError("verified before saying it is offline")
+    monkeypatch.setattr(hpush, "_verified", verified)
+    with pytest.raises(HubOfflineError, match="HF_HUB_OFFLINE is set, and a push needs the Hub"):
+        lhub.push(gemma_art, "alice/g")
+    assert not hub.log
+
+
 def test_unreachable_hub_hint(hub, monkeypatch):
     import huggingface_hub.constants as hc
     url = hub.url

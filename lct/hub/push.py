@@ -92,6 +92,9 @@ def push(artifact, repo_id: str, revision: str | None = None, private: bool = Fa
         HubAuthError, HubNotFoundError, HubOfflineError, HubError: the Hub refused or failed.
     """
     repo_id, revision = split_address(repo_id, revision)
+    hh = _hub()
+    if hh.constants.is_offline_mode():      # said before a verify that may take minutes
+        raise hub_error(hh.errors.OfflineModeIsEnabled("offline"), repo_id, revision, "push")
     root = Path(artifact)
     manifest, report = _verified(root, verify_progress)
     names, skipped = artifact_files(root, manifest)
@@ -106,7 +109,6 @@ def push(artifact, repo_id: str, revision: str | None = None, private: bool = Fa
     big = {f["name"] for f in manifest.files}
     if manifest.maximus:
         big.add(manifest.maximus["file"])
-    hh = _hub()
     api = hh.HfApi(token=token, endpoint=endpoint)
     try:
         api.create_repo(repo_id, private=True if private else None, exist_ok=True)
