@@ -46,7 +46,7 @@ from lct._version import __version__
 _logging.getLogger(__name__).addHandler(_logging.NullHandler())
 
 __all__ = ["__version__", "open", "convert", "export", "verify", "load", "LoadStats", "Policy",
-           "NF4Weight", "Int8Weight"]
+           "NF4Weight", "Int8Weight", "Int8B128Weight", "Q8_0Weight", "Q6_KWeight"]
 
 
 def open(path, *, verify: bool = True, workers=None, stream: bool = False):  # noqa: A001
@@ -84,8 +84,12 @@ _API = {
     "load": "lct.loader.entry",               # artifact -> ready model (TP and device maps too)
     "LoadStats": "lct.loader.source",         # load(..., stats=LoadStats()): time and bytes
     "Policy": "lct.conversion.converter",
-    "NF4Weight": "lct.io.reader",
-    "Int8Weight": "lct.io.reader",
+    # what read_tensor(..., dequantize=False) returns for each lossy encoding
+    "NF4Weight": "lct.format.encodings",
+    "Int8Weight": "lct.format.encodings",
+    "Int8B128Weight": "lct.format.encodings",
+    "Q8_0Weight": "lct.format.encodings",
+    "Q6_KWeight": "lct.format.encodings",
 }
 
 

@@ -216,3 +216,14 @@ def test_the_auto_policy_measures_every_block_encoding_that_fits(sources, gemma_
     assert all("q6_k" not in c and "q8_0" in c for c in costs.values()), costs
     with pytest.raises(PolicyError, match="multiple of 256"):
         lct.convert(str(gemma_src), tmp_path / "q6.lct", policy=Policy(q6_k=("embed", "head")))
+
+
+@pytest.mark.parametrize("enc", ENCODINGS)
+def test_the_kept_weight_is_a_class_lct_exports(arts, enc):
+    """A new user's trial: read_tensor(dequantize=False) returned a Q6_KWeight that ``lct`` did
+    not export (only NF4Weight and Int8Weight)."""
+    _, art = arts[enc, "llama"]
+    with lct.open(art) as a:
+        kept = a.read_tensor("lm_head.weight", dequantize=False)
+    assert type(kept) is getattr(lct, type(kept).__name__) and type(kept).__name__ in lct.__all__
+

@@ -6,11 +6,11 @@ size budget evicts the least recently used; only the cache's own folders, and no
 fill's, are ever removed; and `lct cache` lists and prunes it."""
 
 import fcntl
-
 import json
 import os
 import re
 import shutil
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -487,3 +487,11 @@ def test_a_fill_replaces_a_damaged_entry_and_says_when_one_is_there(root, llama_
     assert res.exit_code == 0 and res.output.startswith("already cached: "), res.output
     with lct.open(llama_art) as art:
         assert cache.lookup(art) is not None
+
+
+def test_an_entry_names_its_artifact_by_an_absolute_path(root, llama_art, monkeypatch):
+    """A new user's trial: `lct cache list` showed the relative path the fill was given."""
+    monkeypatch.chdir(llama_art.parent)
+    _load(Path(llama_art.name), cache=True)
+    (entry,) = cache.entries()
+    assert entry.artifact == str(llama_art.absolute())

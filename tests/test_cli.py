@@ -884,3 +884,11 @@ def test_an_address_lct_does_not_speak_is_refused_not_taken_for_a_folder(scheme,
         assert out.exit_code == 1 and out.output.count("\n") == 1, (args, out.output)
         assert f"{url}: {scheme}:// is not an address LCT reads or writes" in out.output
     assert list(tmp_path.iterdir()) == []
+
+
+def test_an_artifact_given_to_convert_is_named_as_one(gemma_art, tmp_path):
+    """A new user's trial: `lct convert ART -o X` said only "not a model folder"."""
+    out = CliRunner().invoke(cli, ["convert", str(gemma_art), "-o", str(tmp_path / "x.lct")])
+    assert out.exit_code == 1 and "an LCT artifact, not a model folder" in out.output and \
+        f"lct export {gemma_art} DIR" in out.output, out.output
+

@@ -29,6 +29,9 @@ def test_cli_options_take_units(llama_art, llama_src, tmp_path, run):
     assert len(set(index["weight_map"].values())) > 1
     res = run("export", llama_art, tmp_path / "hf2", "--max-shard-size", "200000")
     assert res.exit_code == 1 and "needs a number with a unit" in res.output
+    res = run("export", llama_art, tmp_path / "hf3", "--max-shard-size", "0GB")
+    assert res.exit_code == 1 and "max_shard_size 0 would write a shard per tensor" in \
+        res.output and not (tmp_path / "hf3").exists()
     res = run("plan", llama_src, "--memory", "16")
     assert res.exit_code != 0 and "needs a number with a unit" in res.output
     res = run("plan", llama_src, "--memory", "16GiB")

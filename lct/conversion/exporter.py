@@ -16,7 +16,7 @@ import uuid
 from pathlib import Path
 
 from lct.conversion.source import INDEX_NAME
-from lct.errors import LCTError
+from lct.errors import LCTError, OptionError
 from lct.format import constants as C
 from lct.io.reader import Artifact, check_address, open_artifact
 from lct.io.store import confined
@@ -99,6 +99,9 @@ def export(artifact, out_dir, *, max_shard_size=DEFAULT_SHARD_SIZE, overwrite: b
     out = Path(out_dir).absolute()
     from lct.units import parse_size
     max_shard_size = parse_size(max_shard_size, "max_shard_size", option="max_shard_size")
+    if max_shard_size == 0:
+        raise OptionError("max_shard_size 0 would write a shard per tensor; give a size such as "
+                          "5GB (the default) or 500MB", option="max_shard_size")
     given = artifact if isinstance(artifact, Artifact) else None
     if given is None:
         from lct.cloud import local_or_open

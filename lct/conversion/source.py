@@ -144,6 +144,9 @@ def _local(root: Path, sid: str, kind: str, revision: str | None) -> Source:
             raise SourceError(
                 f"{root}: only pickle checkpoints ({', '.join(pickles[:3])}); LCT never unpickles. "
                 f"Re-save the model as safetensors first (model.save_pretrained(dir) in transformers)")
+        if (root / C.MANIFEST_NAME).is_file():
+            raise SourceError(f"{root}: an LCT artifact, not a model folder; it is converted "
+                              f"already (lct export {root} DIR writes it back as safetensors)")
         raise SourceError(f"{root}: not a model folder (no *.safetensors files)")
     return Source(root=root, id=sid, kind=kind, revision=revision, files=files, config=config)
 

@@ -341,7 +341,7 @@ class Fill:
 
     def __init__(self, art, root: Path | None = None):
         self.root = Path(root) if root is not None else cache_dir()
-        self.digest, self.artifact = art.digest, str(art.path)
+        self.digest, self.artifact = art.digest, str(Path(art.path).absolute())
         self.spans, self.size = layout(art.manifest)
         self.budget = max_bytes()       # read here: a bad LCT_CACHE_MAX fails the load, at once
         min_free_bytes(0)               # and so does a bad LCT_CACHE_MIN_FREE
