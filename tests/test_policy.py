@@ -317,6 +317,13 @@ def test_default_calibration_falls_back_to_the_proxy_and_says_why(tmp_path, monk
     tiny.save_tokenizer(t5, vocab_size=256)
     d = lct.convert(str(t5), tmp_path / "t5.lct").decision
     assert d.method == "proxy" and d.note.startswith("no calibration: ")
+    # a tokenizer whose ids pass the model's vocabulary (a new user's trial: the note held
+    # "IndexError: index out of range in self")
+    small = tiny.save_tiny(tmp_path / "small", "llama", vocab_size=100)
+    tiny.save_tokenizer(small, vocab_size=512)
+    d = lct.convert(str(small), tmp_path / "small.lct").decision
+    assert d.method == "proxy" and "past the model's 100-row embedding: the tokenizer does " \
+        "not match the model" in d.note, d.note
     # a text the user names must run: its failure is an error, not a silent proxy
     text = tmp_path / "t.txt"
     text.write_text(sample_text_prose())

@@ -355,6 +355,12 @@ def calibration_costs(src, tensors: dict, lossy: dict, tied: bool, arch, policy)
         raise CalibrationUnavailable(f"{src.root}: transformers could not load the model to "
                                      f"run it on text ({e})") from e
     embed, head = model.get_input_embeddings(), model.get_output_embeddings()
+    rows = getattr(embed, "num_embeddings", None)
+    top = max(max(ids) for ids in blocks)
+    if isinstance(rows, int) and top >= rows:
+        raise CalibrationUnavailable(f"{src.root}: its tokenizer gives token id {top}, past the "
+                                     f"model's {rows}-row embedding: the tokenizer does not "
+                                     f"match the model")
     parts = {"embed+head": ("embed", "head")} if tied else \
         {r: (r,) for r in lossy if (embed if r == "embed" else head) is not None}
     base = model.base_model if model.base_model is not model else None
