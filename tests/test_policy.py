@@ -398,6 +398,8 @@ def test_a_tied_table_measures_the_embedding_only_where_it_can_change_the_choice
                                 lambda w: roundtrip(e, w, 64).to(w.dtype), blocks)
         assert whole.costs["embed+head"][e] == pytest.approx(head, rel=1e-4)
     assert "int8 ≥" in whole.summary() and "nf4 ≥" not in whole.summary()
+    assert whole.summary().endswith("; ≥: a lower bound, the head's cost alone (measuring the "
+                                    "embedding too could not change the choice)")
     # a budget NF4's head alone is over: its embedding is never run either
     tight = lct.convert(str(src), tmp_path / "t.lct", policy=Policy(budget=1e-9)).decision
     assert "nf4" in tight.partial["embed+head"]
@@ -406,3 +408,6 @@ def test_a_tied_table_measures_the_embedding_only_where_it_can_change_the_choice
     assert forced.decision.partial == {}
     m = json.loads((tmp_path / "w.lct" / "lct.json").read_text())["policy"]["measured"]
     assert sorted(m["partial"]["embed+head"]) == ["int8", "q8_0"]
+    from lct.io.info import LOWER_BOUND, measured_line
+    assert measured_line(m).endswith(LOWER_BOUND)
+    assert LOWER_BOUND not in forced.decision.summary()

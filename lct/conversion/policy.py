@@ -96,16 +96,17 @@ class Decision:
             pick.append(f"{part} {self.chosen[role]} ({other}{plain})")
         how = self.method + (f"; {self.note}" if self.note else "") + \
             (f", {self.tokens} tokens" if self.tokens else "")
-        from lct.io.info import estimate_against_budget
+        from lct.io.info import LOWER_BOUND, estimate_against_budget
         est, within = estimate_against_budget(self.cost, self.margin, self.budget)
+        legend = LOWER_BOUND if any(self.partial.values()) else ""
         if self.mode == "manual":
             over = not within
             return (f"policy manual ({how}): {'; '.join(pick)}; {est}, "
                     f"{'OVER' if over else 'within'} the budget "
                     f"{self.budget:g}" + (" (the default auto policy keeps within it)"
-                                          if over else ""))
+                                          if over else "") + legend)
         pick += [f"{role} plain ({why})" for role, why in self.kept.items()]
-        return f"policy auto ({how}): {'; '.join(pick)}; {est}, budget {self.budget:g}"
+        return f"policy auto ({how}): {'; '.join(pick)}; {est}, budget {self.budget:g}{legend}"
 
 
 def roundtrip(encoding: str, w, blocksize: int, wf=None):

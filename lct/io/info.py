@@ -107,6 +107,11 @@ def estimate_against_budget(cost: float, margin: float, budget: float) -> tuple:
     return text, bool(cost * margin <= budget)
 
 
+# Said once on a line whose candidate costs carry "≥" (the manifest's policy.measured.partial).
+LOWER_BOUND = "; ≥: a lower bound, the head's cost alone (measuring the embedding too could " \
+    "not change the choice)"
+
+
 def measured_line(measured) -> str:
     """The policy's measurement (the manifest's ``policy.measured``) as one line: what it
     measured on, the estimated cost against the budget, and each candidate's cost and stored
@@ -130,7 +135,8 @@ def measured_line(measured) -> str:
             how += f", {int(measured['tokens'])} tokens"
         est, within = estimate_against_budget(cost, margin, budget)
         return (f"measured ({how}): {est}, {'within' if within else 'OVER'} the budget "
-                f"{budget:g}; candidates (mean KL, stored size) {costs}")
+                f"{budget:g}; candidates (mean KL, stored size) {costs}"
+                + (LOWER_BOUND if any(partial.values()) else ""))
     except (TypeError, KeyError, ValueError, AttributeError):
         return ""
 
