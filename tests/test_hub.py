@@ -464,13 +464,12 @@ def test_an_offline_push_says_so_before_it_verifies(gemma_art, hub, monkeypatch)
     mode blocks it. It says so at once."""
     import huggingface_hub.constants as hc
 
-    import importlib
-    hpush = importlib.import_module("lct.hub.push")   # the module (lct.hub.push is the function)
+    import lct.io.check
     monkeypatch.setattr(hc, "HF_HUB_OFFLINE", True)
 
     def verified(*a, **k):
         raise AssertionError("verified before saying it is offline")
-    monkeypatch.setattr(hpush, "_verified", verified)
+    monkeypatch.setattr(lct.io.check, "check_artifact", verified)
     with pytest.raises(HubOfflineError, match="HF_HUB_OFFLINE is set, and a push needs the Hub"):
         lhub.push(gemma_art, "alice/g")
     assert not hub.log

@@ -93,10 +93,13 @@ def push(artifact, repo_id: str, revision: str | None = None, private: bool = Fa
     """
     repo_id, revision = split_address(repo_id, revision)
     hh = _hub()
-    if hh.constants.is_offline_mode():      # said before a verify that may take minutes
-        raise hub_error(hh.errors.OfflineModeIsEnabled("offline"), repo_id, revision, "push")
+
+    def online():                       # said before a verify that may take minutes
+        if hh.constants.is_offline_mode():
+            raise hub_error(hh.errors.OfflineModeIsEnabled("offline"), repo_id, revision,
+                            "push")
     root = Path(artifact)
-    manifest, report = _verified(root, verify_progress)
+    manifest, report = _verified(root, verify_progress, before_check=online)
     names, skipped = artifact_files(root, manifest)
     card = model_card(manifest, repo_id,
                       license=license or _source_license(manifest, token, endpoint))
@@ -134,17 +137,24 @@ def push(artifact, repo_id: str, revision: str | None = None, private: bool = Fa
                       chunks_checked=report.chunks_checked, skipped=skipped)
 
 
-def _verified(root: Path, progress) -> tuple:
+def _verified(root: Path, progress, before_check=None) -> tuple:
     """``(manifest, check report)`` of the artifact at ``root``, every chunk and the Maximus
-    state checked; refuses (raises) an artifact that does not open or fails a check."""
+    state checked; refuses (raises) an artifact that does not open or fails a check.
+    ``before_check()`` runs once it opened, before the check."""
     from lct.io.check import check_artifact
     from lct.io.reader import open_artifact
     try:
-        with open_artifact(root) as art:
-            report = check_artifact(art, progress=progress)
-            manifest = art.manifest
+        art = open_artifact(root)
     except LCTError as e:
         raise type(e)(f"refusing to push: {e}") from e
+    with art:
+        if before_check is not None:
+            before_check()
+        try:
+            report = check_artifact(art, progress=progress)
+        except LCTError as e:
+            raise type(e)(f"refusing to push: {e}") from e
+        manifest = art.manifest
     if not report.ok:
         raise ChecksumError(f"{root}: refusing to push an artifact that fails verification "
                             f"({len(report.failures)} problem(s)); first: {report.failures[0]}")
