@@ -13,10 +13,12 @@ from lct.cli._util import GroupProgress, quiet_option, table
 @click.group("cache", short_help="List, size, prune and fill the local decoded cache.")
 def cache_cmd():
     """The local decoded cache: what a load decoded, kept so that a later load of the same
-    artifact maps it instead of decoding it again (LCT_CACHE=1, or lct.load(..., cache=True),
-    or lct load --cache); the layer-wise model, device maps and tensor-parallel ranks map an
-    entry that a whole load or `lct cache fill` made. Entries are named by the manifest's
-    digest (lct info prints it) and
+    artifact maps it instead of decoding it again. On by default (LCT_CACHE=0,
+    lct.load(..., cache=False) or lct load --no-cache turn it off); the layer-wise model,
+    device maps and tensor-parallel ranks map an entry that a whole load or `lct cache fill`
+    made. Every chunk of an entry is checked, as a load first maps it, against the decoded
+    checksum the artifact's manifest pins (format 1.6; older artifacts are never cached).
+    Entries are named by the manifest's digest (lct info prints it) and
     the least recently used are evicted to stay within LCT_CACHE_MAX (default 64GiB), and
     nothing is written that would leave less of the disk free than LCT_CACHE_MIN_FREE (default
     5 %, at least 2GiB). The folder

@@ -40,8 +40,8 @@ def _ids(ctx, param, value):
 @click.option("--cache/--no-cache", "cache", default=None,
               help="Use the local decoded cache (lct cache --help): map what an earlier load "
                    "(or lct cache fill) of this artifact decoded, or keep this load's decode "
-                   "there (the command ends once it is written; not with --layerwise or --tp, "
-                   "which only map). Default: LCT_CACHE (1/0), else off.")
+                   "there for the next start (the command ends once it is written; not with "
+                   "--layerwise or --tp, which only map). Default: LCT_CACHE (1/0), else on.")
 @click.option("--page-cache", type=click.Choice(["auto", "keep", "drop"]), default=None,
               help="What happens to the page-cache pages of the artifact's compressed bytes once "
                    "decoded: auto drops those this load read from disk when --cache keeps its "
@@ -151,6 +151,9 @@ def load_cmd(artifact, prefetch, device, dtype, nf4, workers, no_verify, expect,
         click.echo(table(report.rows, ["step", "value"]))
     if stats is not None and stats.cache == "filling":
         from lct.io.cache import wait_fills
+        if not quiet:
+            click.echo("keeping the decoded copy for the next start (lct cache list shows it; "
+                       "--no-cache or LCT_CACHE=0 skips it) ...", err=True)
         for f in wait_fills():     # the process ends with os._exit: no atexit to wait for it
             if not f.done and f.reason and not quiet:
                 click.echo(f"note: the decoded cache was not filled: {f.reason}", err=True)

@@ -499,6 +499,9 @@ def _cache_for(art, options: LoadOptions, stats: LoadStats) -> tuple:
     from lct.io import cache
     if not cache.enabled(options.cache):
         return None, None
+    if cache.unpinned(art):
+        stats.cache = f"off: {cache.unpinned(art)}"
+        return None, None
     hit = cache.lookup(art)
     if hit is not None:
         stats.cache = "hit"
@@ -526,6 +529,10 @@ def cache_hit(art, asked: bool | None, stats: LoadStats | None = None):
     by ``lct cache fill``. ``stats.cache`` says which."""
     from lct.io import cache
     if not cache.enabled(asked):
+        return None
+    if cache.unpinned(art):
+        if stats is not None:
+            stats.cache = f"off: {cache.unpinned(art)}"
         return None
     hit = cache.lookup(art)
     if stats is not None:

@@ -1,6 +1,7 @@
 """Shared fixtures: tiny random models saved as Hugging Face folders, and their artifacts."""
 
 import os
+import tempfile
 import warnings
 
 import pytest
@@ -11,6 +12,12 @@ os.environ.setdefault("HF_HUB_DISABLE_PROGRESS_BARS", "1")  # tests read outputs
 # the decoded cache leaves 5 % of the disk free by default: its tests must not depend on how
 # full the host's disk is (CI's was 95 % full); tests/test_cache.py checks that default
 os.environ.setdefault("LCT_CACHE_MIN_FREE", "1MB")
+# The decoded cache is on by default (lct/io/cache.py DEFAULT_ON); tests that are not about it
+# load without it, so that one test's entry never serves another's artifact (a copy of a
+# fixture damaged on purpose has the same digest); tests/test_cache.py, the architecture sweep
+# and the loaders' cache tests switch it on themselves, in a folder of their own.
+os.environ.setdefault("LCT_CACHE", "0")
+os.environ.setdefault("LCT_CACHE_DIR", tempfile.mkdtemp(prefix="lct-test-cache-"))  # never ~/.cache
 warnings.filterwarnings("ignore", message=".*gemm_4bit.*")
 
 

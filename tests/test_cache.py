@@ -80,8 +80,12 @@ def test_a_load_fills_and_the_next_maps_it(root, llama_art):
 
 
 def test_the_switch(root, llama_art, monkeypatch):
+    assert cache.DEFAULT_ON
+    _, stats, fills = _load(llama_art)
+    assert stats.cache == "filling" and fills[-1].done        # on by default (issue 36)
     _, stats, _ = _load(llama_art)
-    assert stats.cache == "off" and not root.exists()         # default off
+    assert stats.cache == "hit"
+    cache.prune(everything=True)
     monkeypatch.setenv(cache.ENV_SWITCH, "1")
     _, stats, _ = _load(llama_art)
     assert stats.cache == "filling"
@@ -112,7 +116,7 @@ def test_weights_changed_before_they_are_written_are_not_kept(root, llama_art):
     bufs[-1][0] ^= 1                # what a training step or load_state_dict would do
     f.start()
     f.wait()
-    assert not f.done and "changed after the load decoded it" in f.reason
+    assert not f.done and f"chunk {len(bufs) - 1} is not the bytes the manifest pins" in f.reason
     assert cache.entries() == [] and not list(root.glob(f"{cache.FILL_PREFIX}*"))
 
 
@@ -361,12 +365,13 @@ def test_a_changed_byte_in_an_entry_is_never_a_weight(root, llama_art, caplog):
     want = lct.load(llama_art, cache=False).state_dict()
     _load(llama_art, cache=True)
     (entry,) = cache.entries()
-    last = len(entry.hashes) - 1
+    with lct.open(llama_art) as a:
+        last = len(a.manifest.chunks) - 1
     _spoil(entry, last)
     with caplog.at_level("WARNING", logger="lct"):
         model, stats, _ = _load(llama_art, cache=True)
     assert stats.cache.startswith("hit, but 1 chunk(s) differed")
-    assert f"chunk {last}'s bytes differ" in caplog.text and not entry.path.exists()
+    assert f"chunk {last}'s bytes are not those" in caplog.text and not entry.path.exists()
     got = model.state_dict()
     assert all(torch.equal(got[k], want[k]) for k in want)
     _, stats, fills = _load(llama_art, cache=True)
@@ -388,18 +393,91 @@ def test_the_layerwise_model_checks_an_entry_too(root, llama_art):
     assert cache.entries() == []
 
 
-def test_an_entry_without_chunk_hashes_is_replaced(root, llama_art):
-    """An entry an earlier LCT wrote (no ``chunks`` hashes) is not trusted: removed, refilled."""
-    _load(llama_art, cache=True)
-    (entry,) = cache.entries()
-    meta = json.loads((entry.path / cache.ENTRY).read_text())
-    del meta["chunks"]
-    (entry.path / cache.ENTRY).write_text(json.dumps(meta))
+def _other_weights(tmp_path_factory, llama_src):
+    """An artifact of the same model type and shapes as ``llama_art`` but other weights."""
+    from lct.demo import tiny
+    src = tmp_path_factory.mktemp("other") / "src"
+    tiny.save_tiny(src, "llama", seed=7)
+    out = src.parent / "other.lct"
+    lct.convert(str(src), out)
+    return out
+
+
+@pytest.mark.parametrize("pinned", [False, True])
+def test_an_entry_swapped_in_from_another_artifact_never_gives_its_weights(
+        root, llama_art, tmp_path_factory, llama_src, pinned):
+    """Issue 36's attack: another artifact's entry (same shapes, other weights) put under this
+    artifact's digest, its entry.json rewritten to name it: every chunk is checked against what
+    this artifact's manifest pins, so the load gives this artifact's weights (with or without
+    ``expect``), the entry is removed, and the next load fills the right one."""
+    other = _other_weights(tmp_path_factory, llama_src)
+    want = lct.load(llama_art, cache=False).state_dict()
+    with lct.open(other) as o, lct.open(llama_art) as a:
+        assert cache.fill(o).done
+        assert cache.layout(o.manifest) == cache.layout(a.manifest)    # the same shapes
+        theirs, mine = root / o.digest.removeprefix("sha256:"), \
+            root / a.digest.removeprefix("sha256:")
+        digest = a.digest
+    theirs.rename(mine)
+    meta = json.loads((mine / cache.ENTRY).read_text())
+    meta.update(digest=digest, artifact=str(llama_art.absolute()))
+    (mine / cache.ENTRY).write_text(json.dumps(meta))
+    assert [e.path for e in cache.entries()] == [mine]
+    model, stats, _ = _load(llama_art, cache=True, **({"expect": digest} if pinned else {}))
+    assert stats.cache.startswith("hit, but") and not mine.exists()
+    got = model.state_dict()
+    assert all(torch.equal(got[k], want[k]) for k in want)
     _, stats, fills = _load(llama_art, cache=True)
     assert stats.cache == "filling" and fills[-1].done
-    (entry,) = cache.entries()
+
+
+def _before_1_6(art, out):
+    """A copy of ``art`` as a format-1.5 writer wrote it: no decoded_checksum (bindings and the
+    manifest checksum made again, so that it is a sound 1.5 artifact)."""
+    from dataclasses import replace
+
+    from lct.format.manifest import Manifest
+    shutil.copytree(art, out)
+    m = Manifest.from_json((out / "lct.json").read_bytes())
+    m.format_version = (1, 5)
+    m.chunks = [replace(c, decoded_checksum=None, binding=None) for c in m.chunks]
+    (out / "lct.json").write_text(m.to_json())
+    return out
+
+
+def test_an_artifact_before_1_6_is_never_cached(root, llama_art, tmp_path):
+    """A manifest that pins no decoded bytes: no entry is kept or used, and the load says why;
+    `lct cache fill` refuses it in one line."""
+    old = _before_1_6(llama_art, tmp_path / "old.lct")
+    want = lct.load(llama_art, cache=False).state_dict()
+    before = cache.wait_fills()
+    model, stats, fills = _load(old, cache=True)
+    assert stats.cache.startswith(f"off: {old} is format 1.5: its manifest pins no decoded bytes")
+    assert cache.entries() == [] and fills == before
+    got = model.state_dict()
+    assert all(torch.equal(got[k], want[k]) for k in want)
+    out = CliRunner().invoke(cli, ["cache", "fill", str(old)])
+    assert out.exit_code != 0 and "pins no decoded bytes" in out.output
+    assert len(out.output.strip().splitlines()) == 1, out.output
+
+
+def test_a_deeply_nested_entry_json_is_not_an_entry(root, llama_art):
+    """Issue 37 (1): an entry.json of '[' * 100000 + ']' * 100000 made `lct cache list`, prune,
+    fill and a load end in a RecursionError. It is no entry of this cache: listed as none, left
+    alone by prune, and a load or fill decodes instead."""
     with lct.open(llama_art) as a:
-        assert len(entry.hashes) == len(cache.layout(a.manifest)[0])
+        folder = root / a.digest.removeprefix("sha256:")
+    folder.mkdir(parents=True)
+    (folder / cache.ENTRY).write_text("[" * 100000 + "]" * 100000)
+    runner = CliRunner()
+    for args in (["cache", "list"], ["cache", "prune", "--all"], ["cache", "fill", str(llama_art)],
+                 ["load", str(llama_art), "--cache"]):
+        out = runner.invoke(cli, args)
+        assert "Traceback" not in out.output and "RecursionError" not in out.output, out.output
+        assert not isinstance(out.exception, RecursionError), args
+    assert cache.entries() == [] and (folder / cache.ENTRY).exists()
+    _, stats, _ = _load(llama_art, cache=True)
+    assert stats.cache == "filling"
 
 
 def test_lct_cache_fill_checks_an_entry_that_exists(root, llama_art):
@@ -418,13 +496,14 @@ def test_lct_cache_fill_checks_an_entry_that_exists(root, llama_art):
     assert (entry.path / cache.DATA).read_bytes() == before
 
 
-def test_a_load_without_checksums_maps_the_entry_unchecked(root, llama_art):
-    """``verify=False`` checks no checksum, the entry's included (what the option means)."""
+def test_a_load_without_checksums_still_checks_the_entry(root, llama_art):
+    """``verify=False`` skips the artifact's stored checksums, but an entry is a copy outside
+    the artifact: it is checked against the manifest's pins whatever ``verify`` says."""
     _load(llama_art, cache=True)
     (entry,) = cache.entries()
     _spoil(entry, 0)
     _, stats, _ = _load(llama_art, cache=True, verify=False)
-    assert stats.cache == "hit" and entry.path.exists()
+    assert stats.cache.startswith("hit, but 1 chunk(s) differed") and not entry.path.exists()
 
 
 def test_the_layerwise_model_and_a_device_map_map_an_entry(root, llama_art, monkeypatch):

@@ -102,6 +102,7 @@ def _build(root, *, extra_manifest=None):
     expected["model.norm.weight"] = torch.from_numpy(f16.copy())
     expected["model.norm.mask"] = torch.from_numpy(bl.copy())
 
+    decoded_bytes = [c0, c1, c2, c3]
     stored = [
         (c0, len(c0), "raw", {}, "embed"),
         (_zstd_chunk(c1, 32), len(c1), "zstd", {"level": 3, "frame_size": 32}, "layers.0"),
@@ -155,6 +156,9 @@ def _build(root, *, extra_manifest=None):
         "unmapped": [],
     }
     manifest.update(extra_manifest or {})
+    if tuple(manifest["format_version"]) >= (1, 6):     # section 6: each chunk's decoded bytes
+        for c, raw in zip(chunks, decoded_bytes):
+            c["decoded_checksum"] = "xxh3_64:" + xxhash.xxh3_64_hexdigest(raw)
     text = json.dumps(manifest, indent=1)
     if tuple(manifest["format_version"]) >= (1, 1):
         text = _seal_by_the_spec(manifest)
@@ -182,6 +186,8 @@ def _seal_by_the_spec(manifest: dict) -> str:
                                   "decoded_size", "codec", "params", "checksum")}
         desc["tensors"] = held
         desc["ties"] = sorted([v, k] for k, v in manifest["ties"].items() if v in names)
+        if "decoded_checksum" in c:         # since 1.6
+            desc["decoded_checksum"] = c["decoded_checksum"]
         canon = json.dumps(desc, sort_keys=True, separators=(",", ":"))
         c["binding"] = "xxh3_64:" + xxhash.xxh3_64_hexdigest(canon.encode())
     manifest["manifest_checksum"] = "xxh3_64:" + "0" * 16
@@ -212,6 +218,40 @@ def test_sealed_hand_built_artifact_reads_back_and_refuses_edits(tmp_path):
     path.write_text(good.replace('"manifest_checksum"', '"manifest_checksum_"'))
     with pytest.raises(ManifestError, match="exactly one top-level 'manifest_checksum'"):
         lct.open(tmp_path / "golden.lct")
+
+
+def test_decoded_checksums_pin_each_chunks_decoded_bytes(tmp_path):
+    """Section 6, since 1.6: each chunk's ``decoded_checksum`` is the xxh3_64 of its decoded
+    bytes, bound into its binding; a 1.6 manifest without one is refused, and one edited (the
+    manifest resealed, the binding left) fails on the binding."""
+    from lct.errors import ManifestError
+    from lct.format.manifest import seal
+    expected, _ = _build(tmp_path / "golden.lct", extra_manifest={"format_version": [1, 6]})
+    with lct.open(tmp_path / "golden.lct") as art:
+        assert art.manifest.chunks[1].decoded_checksum == \
+            "xxh3_64:" + xxhash.xxh3_64_hexdigest(bytes(art.read_chunk(1)))
+        assert _same(art.read_tensor("model.layers.0.bf"), expected["model.layers.0.bf"])
+    path = tmp_path / "golden.lct" / "lct.json"
+    good = json.loads(path.read_text())
+    m = json.loads(path.read_text())
+    m["chunks"][2]["decoded_checksum"] = "xxh3_64:" + "1" * 16
+    path.write_text(seal(json.dumps(m, indent=1)))
+    with pytest.raises(ManifestError, match="chunk 2 .*binding"):
+        lct.open(tmp_path / "golden.lct")
+    del good["chunks"][3]["decoded_checksum"]
+    path.write_text(seal(json.dumps(good, indent=1)))
+    with pytest.raises(ManifestError, match="chunk 3 \\(norm\\) has no 'decoded_checksum', "
+                                            "which format 1.6 requires"):
+        lct.open(tmp_path / "golden.lct")
+
+
+def test_writer_decoded_checksums_are_the_decoded_bytes(gemma_art):
+    """What the converter writes: every chunk's decoded_checksum is its decode's xxh3_64."""
+    with lct.open(gemma_art) as art:
+        assert art.manifest.format_version >= (1, 6)
+        for c in art.manifest.chunks:
+            assert c.decoded_checksum == \
+                "xxh3_64:" + xxhash.xxh3_64_hexdigest(bytes(art.read_chunk(c.id))), c.id
 
 
 def _same(a: torch.Tensor, b: torch.Tensor) -> bool:

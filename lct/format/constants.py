@@ -1,7 +1,7 @@
 """Every number of the LCT format, in one place (see docs/FORMAT.md)."""
 
 FORMAT_NAME = "lct"
-FORMAT_VERSION = (1, 5)
+FORMAT_VERSION = (1, 6)
 MAX_VERSION_NUMBER = 0xFFFF             # major and minor are u16s in the data file header
 
 MANIFEST_NAME = "lct.json"

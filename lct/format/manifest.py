@@ -35,6 +35,7 @@ class ChunkInfo:
     params: dict
     checksum: str
     binding: str | None = None   # xxh3_64 of what the chunk is (FORMAT.md 6), from 1.1 on
+    decoded_checksum: str | None = None  # xxh3_64 of the decoded bytes (FORMAT.md 6), from 1.6 on
 
 
 @dataclass(frozen=True)
@@ -127,8 +128,8 @@ class Manifest:
             "policy": self.policy,
             "files": self.files,
             "groups": self.groups,
-            "chunks": [{k: v for k, v in asdict(c).items() if k != "binding" or v is not None}
-                       for c in self.chunks],
+            "chunks": [{k: v for k, v in asdict(c).items()
+                        if k not in _OPTIONAL_CHUNK_KEYS or v is not None} for c in self.chunks],
             "tensors": [_tensor_dict(t) for t in self.tensors.values()],
             "ties": self.ties,
             "unmapped": self.unmapped,
@@ -244,8 +245,11 @@ def is_side_file_name(name) -> bool:
             and name not in C.NOT_SIDE_FILES and re.fullmatch(C.DATA_FILE_PATTERN, name) is None)
 
 
-# Sealing (FORMAT.md section 6): chunk bindings and the manifest's own checksum, from 1.1 on.
+# Sealing (FORMAT.md section 6): chunk bindings and the manifest's own checksum, from 1.1 on;
+# each chunk's decoded bytes pinned by its entry (and so by the manifest's digest), from 1.6 on.
 SEALED_SINCE = (1, 1)
+DECODED_PINNED_SINCE = (1, 6)
+_OPTIONAL_CHUNK_KEYS = ("binding", "decoded_checksum")
 CHECKSUM_KEY = "manifest_checksum"
 _ZERO_SUM = C.CHECKSUM_ALGO + ":" + "0" * C.CHECKSUM_HEX_DIGITS
 _CHECKSUM_PATTERN = C.CHECKSUM_ALGO + ":[0-9a-f]{%d}" % C.CHECKSUM_HEX_DIGITS
@@ -276,6 +280,8 @@ def chunk_bindings(chunks: list, tensors: dict, ties: dict) -> dict:
                 "stored_size": c.stored_size, "decoded_size": c.decoded_size, "codec": c.codec,
                 "params": c.params, "checksum": c.checksum, "tensors": entries,
                 "ties": sorted([e[0], k] for e in entries for k in tied_to.get(e[0], []))}
+        if c.decoded_checksum is not None:
+            desc["decoded_checksum"] = c.decoded_checksum
         text = json.dumps(desc, sort_keys=True, separators=(",", ":"), allow_nan=False)
         out[c.id] = f"{C.CHECKSUM_ALGO}:{xxhash.xxh3_64_hexdigest(text.encode())}"
     return out
@@ -531,6 +537,11 @@ def _parse(d, where: str) -> Manifest:
                          f"maximus.tensors (section 2.4): without that state its rows cannot be "
                          f"put back in token-id order")
 
+    if tuple(ver) >= DECODED_PINNED_SINCE:
+        for c in chunks:
+            if c.decoded_checksum is None:
+                _fail(where, f"chunk {c.id} ({c.group}) has no 'decoded_checksum', which format "
+                             f"{ver[0]}.{ver[1]} requires (section 6)")
     if tuple(ver) >= SEALED_SINCE:
         binds = chunk_bindings(chunks, tensors, ties)
         for c in chunks:
@@ -599,8 +610,13 @@ def _chunk(c, i: int, files: list, groups: set, where: str) -> ChunkInfo:
     if binding is not None and (not isinstance(binding, str) or not re.fullmatch(
             _CHECKSUM_PATTERN, binding)):
         _fail(where, f"chunk {i} binding {binding!r} is not '{C.CHECKSUM_ALGO}:<16 hex>'")
+    decoded_sum = c.get("decoded_checksum")
+    if decoded_sum is not None and (not isinstance(decoded_sum, str) or not re.fullmatch(
+            _CHECKSUM_PATTERN, decoded_sum)):
+        _fail(where, f"chunk {i} decoded_checksum {decoded_sum!r} is not "
+                     f"'{C.CHECKSUM_ALGO}:<16 hex>'")
     return ChunkInfo(i, group, fidx, offset, stored, decoded, codec_name, params, checksum,
-                     binding)
+                     binding, decoded_sum)
 
 
 def _tensor(t, i: int, chunks: list, where: str) -> TensorInfo:

@@ -6,13 +6,15 @@ One entry per artifact, named by its manifest's digest (``lct info``'s ``sha256:
 every tensor and every chunk's checksum): ``<root>/<64 hex digits>/`` holding ``decoded.bin``
 (every chunk's decoded bytes, each at the next multiple of 4096 in chunk-id order, so that the
 offsets follow from the manifest alone) and ``entry.json`` (the digest, the artifact it was
-filled from, its size, and each chunk's xxh3-64 as written). An entry is trusted only while it
-is the one its digest names: the manifest gives the layout, and the data file must have
-exactly that size. A load that checks checksums (``verify=True``, the default) checks each
-chunk's xxh3 as it first maps it (about 0.05 s per GB of a core, beside the first forward's
-own page-ins); a chunk that differs (the disk's or someone's change) is decoded from the
-artifact instead, and the entry removed, so that the next load fills it again: a damaged entry
-costs time, never a wrong weight. Its last use is ``entry.json``'s mtime.
+filled from, its size). Nothing in an entry is trusted: the manifest gives the layout, the data
+file must have exactly that size, and every chunk's bytes must give the ``decoded_checksum``
+that the artifact's own manifest pins (FORMAT.md section 6, since format 1.6), checked as a load
+first maps the chunk (about 0.05 s per GB of a core, beside the first forward's own page-ins),
+whatever the load's ``verify``. A chunk that differs (the disk's change, an entry swapped in
+from another artifact, an edit) is decoded from the artifact instead, and the entry removed, so
+that the next load fills it again: a damaged entry costs time, never a wrong weight. An artifact
+written before format 1.6 pins no decoded bytes, so no copy of it is kept or used. Its last use
+is ``entry.json``'s mtime.
 
 An entry is filled by ``fill`` (``lct cache fill``: the groups decoded and written a few at a
 time, in the caller's thread), or after a load that checked its chunks' checksums, from the
@@ -50,6 +52,7 @@ from pathlib import Path
 import numpy as np
 
 from lct.errors import LCTError, WriteError
+from lct.format.jsontext import read_json
 from lct.units import human
 
 log = logging.getLogger(__name__)
@@ -58,7 +61,7 @@ ENV_SWITCH = "LCT_CACHE"
 ENV_DIR = "LCT_CACHE_DIR"
 ENV_MAX = "LCT_CACHE_MAX"
 ENV_MIN_FREE = "LCT_CACHE_MIN_FREE"
-DEFAULT_ON = False
+DEFAULT_ON = True
 DEFAULT_MAX_BYTES = 64 << 30
 MIN_FREE_BYTES = 2 << 30
 ALIGN = 4096
@@ -66,7 +69,7 @@ DATA = "decoded.bin"
 ENTRY = "entry.json"
 FILL_PREFIX = ".fill-"
 FILL_MARKER = ".lct-cache-fill"
-ENTRY_MAX_BYTES = 16 << 20           # entry.json: its chunks' hashes, about 21 bytes each
+ENTRY_MAX_BYTES = 1 << 20            # entry.json: a few keys
 KIND = "lct-decoded-cache"
 _DIGEST_DIR = re.compile(r"[0-9a-f]{64}")
 
@@ -124,6 +127,26 @@ def _hex(digest: str) -> str:
     return digest.removeprefix("sha256:")
 
 
+def pins(manifest) -> list | None:
+    """Each chunk's pinned decoded xxh3_64 (FORMAT.md section 6), as integers in chunk-id order;
+    None for an artifact written before format 1.6, whose manifest pins no decoded bytes (no
+    copy of it is kept or used)."""
+    sums = [c.decoded_checksum for c in sorted(manifest.chunks, key=lambda c: c.id)]
+    if any(s is None for s in sums):
+        return None
+    return [int(s.partition(":")[2], 16) for s in sums]
+
+
+def unpinned(art) -> str:
+    """Why the cache neither keeps nor uses a copy of ``art``, else ``""``."""
+    if pins(art.manifest) is not None:
+        return ""
+    major, minor = art.manifest.format_version
+    return (f"{art.path} is format {major}.{minor}: its manifest pins no decoded bytes "
+            f"(decoded_checksum, format 1.6), so no decoded copy of it is kept; convert it "
+            f"again to use the cache")
+
+
 @dataclass
 class Entry:
     """One cached artifact: its digest, the artifact it was filled from, its bytes, last use."""
@@ -133,7 +156,6 @@ class Entry:
     artifact: str
     size: int
     last_used: float
-    hashes: list | None = None      # each chunk's xxh3-64, in chunk-id order (None: an old entry)
 
 
 def _regular(path: Path) -> bool:
@@ -147,17 +169,14 @@ def _read_entry(folder: Path) -> Entry | None:
         if folder.is_symlink() or not _regular(folder / ENTRY) or \
                 (folder / ENTRY).stat().st_size > ENTRY_MAX_BYTES:
             return None
-        meta = json.loads((folder / ENTRY).read_text())
+        meta = read_json(folder / ENTRY, LCTError, ENTRY_MAX_BYTES)
         if not isinstance(meta, dict) or meta.get("kind") != KIND or \
                 _hex(str(meta.get("digest"))) != folder.name or \
-                not isinstance(meta.get("size"), int):
+                not isinstance(meta.get("size"), int) or isinstance(meta.get("size"), bool):
             return None
-        hashes = meta.get("chunks")
-        if not (isinstance(hashes, list) and all(isinstance(h, int) for h in hashes)):
-            hashes = None
         return Entry(str(meta["digest"]), folder, str(meta.get("artifact", "")), meta["size"],
-                     (folder / ENTRY).stat().st_mtime, hashes)
-    except (OSError, ValueError):
+                     (folder / ENTRY).stat().st_mtime)
+    except (OSError, LCTError):     # LCTError: not JSON, or past the caps (deep nesting)
         return None
 
 
@@ -225,20 +244,20 @@ def prune(root: Path | None = None, *, keep_bytes: int | None = None, digest: st
 
 class CachedChunks:
     """A hit: the entry's data file mapped copy-on-write (pages are read from the page cache as
-    they are first touched, writes stay private), each chunk a view of it; with ``art`` (one
-    that checks checksums), each chunk's xxh3 checked against the entry's on its first use."""
+    they are first touched, writes stay private), each chunk a view of it, its xxh3 checked
+    against the one ``art``'s manifest pins on its first use."""
 
-    def __init__(self, entry: Entry, spans: dict, size: int, art=None):
-        self.entry, self.spans, self.art = entry, spans, art
+    def __init__(self, entry: Entry, spans: dict, size: int, art, pinned: list):
+        self.entry, self.spans, self.art, self.pinned = entry, spans, art, pinned
         self._map = np.memmap(entry.path / DATA, dtype=np.uint8, mode="c", shape=(size,))
         self._order = {cid: i for i, cid in enumerate(sorted(spans))}
         self._checked: set = set()
         self.damaged: list = []         # chunk ids whose bytes differed (decoded instead)
 
     def chunk(self, cid: int) -> np.ndarray:
-        """Chunk ``cid``'s decoded bytes: a view of the mapping, or, where its checksum does not
-        match the entry's, its decode from the artifact (and the entry is removed)."""
-        if self.art is None or self._matches(cid):
+        """Chunk ``cid``'s decoded bytes: a view of the mapping, or, where its checksum is not
+        the one the manifest pins, its decode from the artifact (and the entry is removed)."""
+        if self._matches(cid):
             return self._view(cid)
         return self.art.read_chunk(cid)
 
@@ -253,25 +272,28 @@ class CachedChunks:
     def _matches(self, cid: int) -> bool:
         if cid in self._checked:
             return True
-        if _xxh3(self._view(cid)) == self.entry.hashes[self._order[cid]]:
+        if _xxh3(self._view(cid)) == self.pinned[self._order[cid]]:
             self._checked.add(cid)
             return True
         if not self.damaged:
-            log.warning("decoded cache %s: chunk %d's bytes differ from those written (xxh3); "
-                        "the entry is removed (the next load fills it again)%s",
-                        self.entry.path, cid,
-                        f"; decoding from {self.art.path} instead" if self.art else "")
+            log.warning("decoded cache %s: chunk %d's bytes are not those %s's manifest pins "
+                        "(decoded_checksum); the entry is removed (the next load fills it "
+                        "again); decoding from the artifact instead",
+                        self.entry.path, cid, self.art.path)
             shutil.rmtree(self.entry.path, ignore_errors=True)   # the mapping stays valid
         self.damaged.append(cid)
         return False
 
 
 def lookup(art, root: Path | None = None) -> CachedChunks | None:
-    """The cached decode of artifact ``art`` (an open ``Artifact``), or None: no entry under its
-    digest, or one whose data file is not exactly the size its manifest lays out or that holds
-    no chunk hashes (then it is removed, so that this load's fill replaces it). Where ``art``
-    checks checksums, so does the hit, chunk by chunk (``CachedChunks``). A hit counts as a use
-    (least-recently-used eviction)."""
+    """The cached decode of artifact ``art`` (an open ``Artifact``), or None: an artifact
+    whose manifest pins no decoded bytes (``unpinned``), no entry under its digest, or one whose
+    data file is not exactly the size its manifest lays out (then it is removed, so that this
+    load's fill replaces it). Each chunk of a hit is checked against the manifest's pin as it is
+    first used (``CachedChunks``). A hit counts as a use (least-recently-used eviction)."""
+    pinned = pins(art.manifest)
+    if pinned is None:
+        return None
     root = Path(root) if root is not None else cache_dir()
     folder = root / _hex(art.digest)
     entry = _read_entry(folder) if folder.is_dir() else None
@@ -282,17 +304,14 @@ def lookup(art, root: Path | None = None) -> CachedChunks | None:
         actual = (folder / DATA).stat().st_size if _regular(folder / DATA) else None
     except OSError:
         actual = None
-    if entry.size != size or actual != size or entry.hashes is None or \
-            len(entry.hashes) != len(spans):
-        why = (f"{DATA} is not the {size} bytes {art.digest} lays out"
-               if entry.size != size or actual != size else
-               f"{ENTRY} holds no hash for each of its {len(spans)} chunks")
-        log.warning("decoded cache %s: %s; removed", folder, why)
+    if entry.size != size or actual != size:
+        log.warning("decoded cache %s: %s is not the %d bytes %s lays out; removed", folder,
+                    DATA, size, art.digest)
         shutil.rmtree(folder, ignore_errors=True)
         return None
     try:
         os.utime(folder / ENTRY)
-        return CachedChunks(entry, spans, size, art if art.verify else None)
+        return CachedChunks(entry, spans, size, art, pinned)
     except (OSError, ValueError) as e:   # ValueError: numpy's, for a file changed meanwhile
         log.warning("decoded cache %s: cannot map it (%s); ignored", folder, e)
         return None
@@ -334,19 +353,20 @@ class Fill:
     """Fills the entry of one artifact from the chunks a load decoded.
 
     ``add(cid, buf)`` during the load (in the decode workers) keeps a reference (no copy: they
-    are the model's weights) and the buffer's xxh3; ``start()`` after it writes them in a
-    background thread, checking each hash again, and publishes the entry, or drops everything
-    where the cache has no room or a buffer changed. ``wait()`` blocks until that thread ended (tests,
+    are the model's weights); ``start()`` after it writes them in a background thread, each
+    checked against the decoded_checksum the manifest pins (so weights changed in place
+    meanwhile are never kept), and publishes the entry, or drops everything where the cache has
+    no room or a buffer changed. ``art`` must be pinned (``unpinned(art)`` empty). ``wait()`` blocks until that thread ended (tests,
     ``lct cache``); ``done`` says whether the entry was published."""
 
     def __init__(self, art, root: Path | None = None):
         self.root = Path(root) if root is not None else cache_dir()
         self.digest, self.artifact = art.digest, str(Path(art.path).absolute())
         self.spans, self.size = layout(art.manifest)
+        self.pinned = dict(zip(sorted(self.spans), pins(art.manifest) or ()))
         self.budget = max_bytes()       # read here: a bad LCT_CACHE_MAX fails the load, at once
         min_free_bytes(0)               # and so does a bad LCT_CACHE_MIN_FREE
         self._bufs: dict = {}
-        self._hashes: dict = {}         # chunk id -> xxh3 of what was written (or decoded)
         self._thread: threading.Thread | None = None
         self._stop = threading.Event()
         self.done = False
@@ -366,10 +386,9 @@ class Fill:
         return ""
 
     def add(self, cid: int, buf) -> None:
-        """Keep chunk ``cid``'s decoded buffer (and its xxh3) for the fill."""
+        """Keep chunk ``cid``'s decoded buffer for the fill."""
         if cid in self.spans and buf.nbytes == self.spans[cid][1]:
             self._bufs[cid] = buf
-            self._hashes[cid] = _xxh3(buf)
 
     def start(self) -> None:
         """Write in the background if every chunk was added, else drop them."""
@@ -419,6 +438,9 @@ class Fill:
         left."""
         stage, lock = None, None
         try:
+            if len(self.pinned) != len(self.spans):
+                self.reason = "the artifact's manifest pins no decoded bytes (before format 1.6)"
+                return
             self.root.mkdir(mode=0o700, parents=True, exist_ok=True)
             final = self.folder
             if _read_entry(final) is not None:
@@ -443,10 +465,10 @@ class Fill:
                     if cid not in self.spans or buf.nbytes != self.spans[cid][1]:
                         raise _Changed(f"chunk {cid} is not the {self.spans.get(cid, (0, 0))[1]} "
                                        f"bytes the manifest lays out: nothing kept")
-                    digest = _xxh3(buf)
-                    if self._hashes.setdefault(cid, digest) != digest:
-                        raise _Changed(f"chunk {cid} changed after the load decoded it "
-                                       f"(weights changed in place): nothing kept")
+                    if _xxh3(buf) != self.pinned[cid]:
+                        raise _Changed(f"chunk {cid} is not the bytes the manifest pins "
+                                       f"(weights changed in place after the load): nothing "
+                                       f"kept")
                     _write_all(fd, buf, self.spans[cid][0])
                     written.add(cid)
                 if written != set(self.spans):
@@ -458,8 +480,7 @@ class Fill:
                 os.close(fd)
             with open(stage / ENTRY, "w") as f:
                 json.dump({"kind": KIND, "digest": self.digest, "artifact": self.artifact,
-                           "size": self.size, "created": time.time(),
-                           "chunks": [self._hashes[cid] for cid in sorted(self.spans)]}, f)
+                           "size": self.size, "created": time.time()}, f)
                 f.flush()
                 os.fsync(f.fileno())
             (stage / FILL_MARKER).unlink()
@@ -510,8 +531,9 @@ def fill(art, root: Path | None = None, progress=None) -> Fill:
         left as it is (``done`` False, no reason).
 
     Raises:
-        LCTError: the artifact does not check its checksums, or a chunk is damaged (the typed
-            error of the read, nothing kept).
+        LCTError: the artifact does not check its checksums, predates format 1.6 (its manifest
+            pins no decoded bytes), or a chunk is damaged (the typed error of the read, nothing
+            kept).
 
     Example:
         >>> with lct.open("gemma-2b.lct") as art:
@@ -521,6 +543,8 @@ def fill(art, root: Path | None = None, progress=None) -> Fill:
     if not art.verify:
         raise LCTError(f"{art.path}: opened without checking checksums; a cache entry is "
                        f"trusted as the checked decode, so it is filled only from a checked one")
+    if unpinned(art):
+        raise LCTError(unpinned(art))
     f = Fill(art, root)
     hit = lookup(art, f.root)           # a damaged entry is removed, then filled again
     if hit is not None and hit.check():

@@ -439,11 +439,13 @@ class ArtifactWriter:
         if buffer.nbytes != layout.decoded_size:
             raise OptionError(f"buffer has {buffer.nbytes} bytes, the layout says "
                               f"{layout.decoded_size}", option="buffer")
+        decoded_sum = checksum(buffer)     # what a decode must give (a decoded copy is held to it)
         stored = codecs.get_codec(codec).encode(buffer, params, self.map_fn)
         if codec != C.CODEC_RAW and len(stored) >= buffer.nbytes:
             codec, params, stored = C.CODEC_RAW, {}, buffer.tobytes()
         self._drain()
-        self._pending = self._io.submit(self.write_stored, layout, stored, codec, params)
+        self._pending = self._io.submit(self.write_stored, layout, stored, codec, params,
+                                        decoded_sum)
 
     def _drain(self) -> None:
         """Wait for the pending background write (re-raising its error)."""
@@ -451,8 +453,10 @@ class ArtifactWriter:
             pending, self._pending = self._pending, None
             pending.result()
 
-    def write_stored(self, layout: ChunkLayout, stored: bytes, codec: str, params: dict) -> ChunkInfo:
-        """Append already-encoded chunk bytes for ``layout``."""
+    def write_stored(self, layout: ChunkLayout, stored: bytes, codec: str, params: dict,
+                     decoded_checksum: str) -> ChunkInfo:
+        """Append already-encoded chunk bytes for ``layout``; ``decoded_checksum`` is the
+        ``checksum`` of the bytes they decode to (FORMAT.md section 6)."""
         self._require_open()
         fidx, offset = self._place(len(stored))
         self._fh.write(stored)
@@ -466,7 +470,8 @@ class ArtifactWriter:
             os.fdatasync(self._fh.fileno())
             self._unsynced = 0
         info = ChunkInfo(len(self.chunks), layout.group, fidx, offset, len(stored),
-                         layout.decoded_size, codec, dict(params), checksum(stored))
+                         layout.decoded_size, codec, dict(params), checksum(stored),
+                         decoded_checksum=decoded_checksum)
         self.chunks.append(info)
         for spec in layout.specs:
             enc = get_encoding(spec.encoding)
