@@ -6,7 +6,10 @@ hub layer all need it."""
 from __future__ import annotations
 
 import contextlib
+import errno
 import hashlib
+import os
+import stat
 import threading
 from concurrent.futures import CancelledError
 from contextvars import ContextVar
@@ -40,7 +43,9 @@ def sha256_file(path) -> str:
     """Hex sha256 of the file at ``path``, read in blocks.
 
     Raises:
-        OSError: the file cannot be read.
+        OSError: the file cannot be read, or is not a regular file (a FIFO, a device, a
+            socket: its read would wait for a writer or never end; a link to a regular file is
+            read).
         CancelledError: inside ``stop_when(event)``, the event was set (checked once a block).
 
     Example:
@@ -49,7 +54,13 @@ def sha256_file(path) -> str:
     """
     stop = _stop.get()
     h = hashlib.sha256()
-    with open(path, "rb") as f:
+    # Opened without blocking (a FIFO's open waits for a writer), then refused unless regular;
+    # the flag changes nothing for a regular file's reads.
+    fd = os.open(path, os.O_RDONLY | getattr(os, "O_NONBLOCK", 0) | getattr(os, "O_BINARY", 0))
+    if not stat.S_ISREG(os.fstat(fd).st_mode):
+        os.close(fd)
+        raise OSError(errno.EINVAL, "not a regular file", str(path))
+    with open(fd, "rb") as f:
         while block := f.read(_BLOCK):
             if stop is not None and stop.is_set():
                 raise CancelledError(f"{path}: hashing stopped (no longer needed)")

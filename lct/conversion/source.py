@@ -5,6 +5,8 @@ Pickle checkpoints (``.bin``, ``.pt``, ``.pth``, ``.ckpt``) are refused: LCT nev
 
 from __future__ import annotations
 
+import os
+import stat
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -58,9 +60,12 @@ class Source:
         for p in sorted(self.root.iterdir(), key=lambda p: p.name):
             name = p.name
             if name in weights or name.startswith(".") or name in C.NOT_SIDE_FILES \
-                    or name.lower().endswith(C.WEIGHT_SUFFIXES) or not p.is_file():
+                    or name.lower().endswith(C.WEIGHT_SUFFIXES) or p.is_dir():
                 continue
-            if not is_side_file_name(name):
+            kind = _not_regular(p)
+            if kind:    # opening a FIFO would wait for a writer forever; reading a device, too
+                skipped.append((name, f"{kind}, not a regular file"))
+            elif not is_side_file_name(name):
                 skipped.append((name, "not a plain file name"))
             elif not confined(p, self.root):
                 skipped.append((name, "a link that leaves the model folder"))
@@ -72,6 +77,32 @@ class Source:
                 total += p.stat().st_size
                 kept.append(p)
         return kept, skipped
+
+
+def _not_regular(path: Path) -> str | None:
+    """What ``path`` is when it is not a regular file, links followed ("a FIFO", "a directory",
+    "a link to nothing", ...); None for a regular file (or a link to one, as a Hugging Face
+    cache snapshot's files are links to its blobs). Only the file's status is read: a FIFO is
+    never opened (that would wait for a writer)."""
+    try:
+        mode = os.stat(path).st_mode
+    except FileNotFoundError:
+        return "a link to nothing" if os.path.islink(path) else "missing"
+    if stat.S_ISREG(mode):
+        return None
+    for test, kind in ((stat.S_ISDIR, "a directory"), (stat.S_ISFIFO, "a FIFO"),
+                       (stat.S_ISSOCK, "a socket"), (stat.S_ISCHR, "a character device"),
+                       (stat.S_ISBLK, "a block device")):
+        if test(mode):
+            return kind
+    return "another kind of file"
+
+
+def _need_regular(path: Path, what: str) -> None:
+    """Raise ``SourceError`` naming ``path`` unless it is a regular file (or a link to one)."""
+    kind = _not_regular(path)
+    if kind:
+        raise SourceError(f"{path}: is not a regular file ({kind}); expected {what}")
 
 
 def resolve(source: str, revision: str | None = None) -> Source:
@@ -120,12 +151,14 @@ def _download(repo_id: str, revision: str | None) -> Path:
 def _local(root: Path, sid: str, kind: str, revision: str | None) -> Source:
     config = {}
     cfg = root / "config.json"
-    if cfg.is_file():
+    if os.path.lexists(cfg):
+        _need_regular(cfg, "the model's JSON config")
         config = read_json(cfg, SourceError)
         if not isinstance(config, dict):
             raise SourceError(f"{cfg}: must hold a JSON object")
     index = root / INDEX_NAME
-    if index.is_file():
+    if os.path.lexists(index):
+        _need_regular(index, "a safetensors index (JSON)")
         index_data = read_json(index, SourceError)
         try:
             weight_map = index_data["weight_map"]
@@ -133,7 +166,7 @@ def _local(root: Path, sid: str, kind: str, revision: str | None) -> Source:
         except (ValueError, KeyError, TypeError, AttributeError) as e:
             raise SourceError(f"{index}: not a safetensors index (needs a 'weight_map')") from e
         for f in files:
-            if not isinstance(f, str) or Path(f).name != f or not (root / f).is_file():
+            if not isinstance(f, str) or Path(f).name != f or not os.path.lexists(root / f):
                 raise SourceError(f"{index}: refers to {f!r}, which is not a file in {root}")
     else:
         # maximus.safetensors is a saved Maximus state (kernels.save_maximus_state), not weights
@@ -148,6 +181,8 @@ def _local(root: Path, sid: str, kind: str, revision: str | None) -> Source:
             raise SourceError(f"{root}: an LCT artifact, not a model folder; it is converted "
                               f"already (lct export {root} DIR writes it back as safetensors)")
         raise SourceError(f"{root}: not a model folder (no *.safetensors files)")
+    for f in files:     # before anything opens one: a FIFO would hang the open, a device the read
+        _need_regular(root / f, "a safetensors weights file")
     return Source(root=root, id=sid, kind=kind, revision=revision, files=files, config=config)
 
 
