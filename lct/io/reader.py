@@ -10,6 +10,7 @@ from __future__ import annotations
 import hashlib
 import os
 import re
+import reprlib
 import struct
 from concurrent.futures import CancelledError, ThreadPoolExecutor
 from pathlib import Path
@@ -108,9 +109,14 @@ class Artifact:
 
     def check_digest(self, expect: str | None) -> None:
         """Raise ``ManifestError`` unless the manifest's digest is ``expect`` (``sha256:`` and
-        64 hex digits, as ``lct info`` prints it; None checks nothing)."""
+        64 hex digits, as ``lct info`` prints it; None checks nothing), and ``OptionError``
+        (``option="expect"``) unless it is a string or None."""
         if expect is None:
             return
+        if not isinstance(expect, str):     # bytes, a number, a list: an AttributeError before
+            raise OptionError(f"expect must be a string, sha256:<64 hex digits> as lct info "
+                              f"prints it, not {type(expect).__name__} {reprlib.repr(expect)}",
+                              option="expect")
         want = expect if expect.startswith("sha256:") else f"sha256:{expect}"
         if not re.fullmatch(r"sha256:[0-9a-f]{64}", want):
             raise ManifestError(f"expected digest {expect!r}: give sha256:<64 hex digits>, as "
