@@ -11,10 +11,12 @@ Knobs for tests:
 - ``tokens``: ``{token: user}``; when given, a wrong token is answered 401 ("Invalid
   credentials"), a private repo is invisible to others, writes need a token and the namespace.
 - ``corrupt(repo_id, path)``: flip bytes of a stored blob without changing its recorded hashes.
-- ``corrupt_once(path, offset)``: the next GET of ``path`` carries that byte flipped.
+- ``corrupt_once(path, offset)``: the next GET of ``path`` that sends byte ``offset`` carries it
+  flipped.
 - ``fail_once(path, status)``: the next GET of ``path`` is answered with that status.
-- ``drop_once(path, after)``: the next GET of ``path`` sends ``after`` bytes and closes the
-  connection (an interrupted download).
+- ``drop_once(path, after)``: the next GET of ``path`` that would send more than ``after`` bytes
+  sends ``after`` and closes the connection (an interrupted download).
+- ``pending_faults()``: the one-off faults above that no request has met yet.
 - ``trickle(path, rate)``: every GET of ``path`` sends its body at ``rate`` bytes a second.
 - ``drop_always(path, after)``: every GET of ``path`` sends ``after`` bytes and hangs up.
 - ``truncate_lfs_uploads``: keep only the first half of every LFS upload, without complaint,
@@ -186,7 +188,8 @@ class HubServer:
                 blob[i] ^= 0xFF
 
     def drop_once(self, path: str, after: int) -> None:
-        """The next GET of file ``path`` stops after ``after`` bytes and drops the connection."""
+        """The next GET of file ``path`` that would send more than ``after`` bytes stops after
+        ``after`` and drops the connection."""
         with self._lock:
             self._drops[path] = after
 
@@ -206,10 +209,17 @@ class HubServer:
             self._fails[path] = status
 
     def corrupt_once(self, path: str, offset: int) -> None:
-        """The next GET of file ``path`` carries byte ``offset`` flipped (a transient fault: the
-        stored content stays intact)."""
+        """The next GET of file ``path`` that sends byte ``offset`` carries it flipped (a
+        transient fault: the stored content stays intact)."""
         with self._lock:
             self._flips[path] = offset
+
+    def pending_faults(self) -> dict:
+        """The one-off faults not yet met: ``{"fail"|"flip"|"drop": {path: value}}``, empty
+        parts left out (a test shows that its fault was met by asserting this is empty)."""
+        with self._lock:
+            return {k: dict(v) for k, v in (("fail", self._fails), ("flip", self._flips),
+                                            ("drop", self._drops)) if v}
 
     def requests_for(self, path: str, method: str | None = None) -> list:
         """Logged requests whose file is ``path`` (resolve and LFS download URLs)."""
@@ -693,12 +703,20 @@ class _Handler(BaseHTTPRequestHandler):
             self._record(status, 0, path)
             return
         with self.hub._lock:
-            drop = self.hub._drops.pop(path, None)
-            if drop is None:
+            # a one-off fault is spent on the first GET it can affect (a range request that
+            # does not reach it leaves it for the next one)
+            drop = self.hub._drops.get(path)
+            if drop is not None and drop < len(body):
+                del self.hub._drops[path]
+            else:
                 drop = self.hub._always_drop.get(path)
-            flip = self.hub._flips.pop(path, None)
+            flip = self.hub._flips.get(path)
+            if flip is not None and start <= flip <= end:
+                del self.hub._flips[path]
+            else:
+                flip = None
             rate = self.hub._trickles.get(path, 0)
-        if flip is not None and start <= flip <= end:
+        if flip is not None:
             body = bytearray(body)
             body[flip - start] ^= 0xFF
             body = bytes(body)

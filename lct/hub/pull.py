@@ -121,6 +121,23 @@ def _discard(root: Path, names) -> list:
     return removed
 
 
+def check_snapshot(root: Path, at: str) -> None:
+    """Raise unless the downloaded snapshot ``root`` holds the manifest: ``HubError`` when the
+    files landed in another commit's snapshot (the Hub's answers named another commit in
+    ``X-Repo-Commit``), else ``ArtifactNotFoundError``. ``at`` names the repo in messages."""
+    if (root / C.MANIFEST_NAME).is_file():
+        return
+    from lct.errors import ArtifactNotFoundError
+    others = [p.parent.name for p in root.parent.glob(f"*/{C.MANIFEST_NAME}")
+              if p.parent != root] if root.parent.name == "snapshots" else []
+    if others:
+        raise HubError(f"{at}: the Hub's answers for the files named commit "
+                       f"{others[0][:12]} (X-Repo-Commit), not {root.name[:12]}, the commit "
+                       f"the repo is at: a proxy or the Hub served another revision; try "
+                       f"again, or pull a fixed commit (@sha)")
+    raise ArtifactNotFoundError(f"{at}: not an LCT artifact (no {C.MANIFEST_NAME} in the repo)")
+
+
 def verify_download(root: Path, repo_id: str, revision: str | None = None, local_dir=None,
                     chunks: bool = True, progress=None) -> tuple:
     """Verify a downloaded artifact snapshot: the Hub hashes of every file, the data file
@@ -137,17 +154,7 @@ def verify_download(root: Path, repo_id: str, revision: str | None = None, local
     from lct.io.check import check_artifact
     from lct.io.reader import open_artifact
     at = where(repo_id, revision)
-    if not (root / C.MANIFEST_NAME).is_file():
-        from lct.errors import ArtifactNotFoundError
-        others = [p.parent.name for p in root.parent.glob(f"*/{C.MANIFEST_NAME}")
-                  if p.parent != root] if root.parent.name == "snapshots" else []
-        if others:
-            raise HubError(f"{at}: the Hub's answers for the files named commit "
-                           f"{others[0][:12]} (X-Repo-Commit), not {root.name[:12]}, the commit "
-                           f"the repo is at: a proxy or the Hub served another revision; try "
-                           f"again, or pull a fixed commit (@sha)")
-        raise ArtifactNotFoundError(f"{at}: not an LCT artifact (no {C.MANIFEST_NAME} in the "
-                                    f"repo)")
+    check_snapshot(root, at)
     data_names = {n.name for n in root.glob(C.DATA_FILE_GLOB)}
     files_checked, problems = check_files(root, repo_id, revision, local_dir, skip=data_names)
     chunks_checked = 0
@@ -173,7 +180,7 @@ def verify_download(root: Path, repo_id: str, revision: str | None = None, local
     return files_checked, chunks_checked
 
 
-def _transient_status(e: BaseException) -> bool:
+def transient_status(e: BaseException) -> bool:
     """Whether ``e`` (or what it was raised from) is an HTTP 5xx or 429 answer."""
     while e is not None:
         status = getattr(getattr(e, "response", None), "status_code", None)
@@ -199,7 +206,7 @@ def pull_detailed(repo_id: str, revision: str | None = None, local_dir=None, tok
             path = Path(hh.snapshot_download(repo_id, revision=revision, local_dir=local_dir,
                                              token=token, endpoint=endpoint))
         except Exception as e:  # noqa: BLE001
-            if attempt + 1 < attempts and _transient_status(e):
+            if attempt + 1 < attempts and transient_status(e):
                 time.sleep(1.0)  # a 5xx or 429: the server may answer a moment later
                 continue
             from lct.io.writer import write_error

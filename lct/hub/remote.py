@@ -16,11 +16,11 @@ from __future__ import annotations
 
 import time
 
-from lct.errors import ArtifactNotFoundError, HubError, HubOfflineError, LCTError
+from lct.errors import ArtifactNotFoundError, ChecksumError, HubError, HubOfflineError, LCTError
 from lct.format import constants as C
 from lct.hub.address import parse_hf_uri, split_address, where
 from lct.hub.client import _hub, hub_error, hub_timeout
-from lct.hub.pull import check_files, raise_corrupt
+from lct.hub.pull import check_files, check_snapshot, raise_corrupt, transient_status
 from lct.io.store import RemoteStore, receive_range, uninitialized
 
 # Statuses worth retrying (the request may succeed a moment later).
@@ -222,15 +222,26 @@ def fetch_small(repo_id: str, revision: str | None = None, token=None, *,
         raise ArtifactNotFoundError(f"{at}: not an LCT artifact (no {C.MANIFEST_NAME} in the "
                                     f"repo)")
     sizes = {n: s.size for n, s in siblings.items() if n.endswith(".lct") and s.size is not None}
-    try:
-        local = Path(hh.snapshot_download(repo_id, revision=sha, token=token, endpoint=endpoint,
-                                          ignore_patterns=["*.lct"]))
-    except Exception as e:  # noqa: BLE001
-        raise hub_error(e, repo_id, revision) from e
-    _, problems = check_files(local, repo_id, sha)
-    if problems:
-        raise_corrupt(local, at, problems)
-    return local, sha, sizes
+    # As a pull does (lct.hub.pull.pull_detailed): a 5xx/429, or a file that arrived corrupt
+    # (removed from the cache), is fetched once more before giving up.
+    for attempt in range(2):
+        try:
+            local = Path(hh.snapshot_download(repo_id, revision=sha, token=token,
+                                              endpoint=endpoint, ignore_patterns=["*.lct"]))
+        except Exception as e:  # noqa: BLE001
+            if attempt == 0 and transient_status(e):
+                time.sleep(1.0)
+                continue
+            raise hub_error(e, repo_id, revision) from e
+        check_snapshot(local, at)
+        _, problems = check_files(local, repo_id, sha)
+        if not problems:
+            return local, sha, sizes
+        try:
+            raise_corrupt(local, at, problems)      # which removes them from the cache
+        except ChecksumError:
+            if attempt == 1:
+                raise
 
 
 def open_remote(repo_id: str, revision: str | None = None, token=None, *, verify: bool = True,
