@@ -1,6 +1,6 @@
 """The CPU LM head of a Gemma-2B-shaped model (256,000 x 2,048) per call, for each way LCT can
 store it: dense bf16 (``FlatLinear``, what ``from_pretrained`` gives), and NF4, int8 per row, int8
-per 128 values (int8/128), Q8_0 and Q6_K, each by every path (``lct.kernels.paths``: the fused kernel, the tiled kernel, the
+per 128 values (int8_b128), Q8_0 and Q6_K, each by every path (``lct.kernels.paths``: the fused kernel, the tiled kernel, the
 chunked dequantize-and-matmul, each forced) and by the path LCT picks (``auto``: measured on the
 first call of each M bucket, which the untimed warm-up call pays), over input rows M = 1 .. 64;
 the ``auto`` cell names the path it took. What a generated token's head costs, and a batch's.
@@ -16,7 +16,7 @@ import time
 
 import torch
 
-ENCODINGS = ("NF4", "int8", "int8/128", "Q8_0", "Q6_K")
+ENCODINGS = ("NF4", "int8", "int8_b128", "Q8_0", "Q6_K")
 
 
 def timed(fn, repeats: int) -> float:
@@ -41,7 +41,7 @@ def heads(w: torch.Tensor, encodings) -> dict:
             out[enc] = NF4Linear(packed, absmax, n, k, 64, torch.bfloat16)
         elif enc == "int8":
             out[enc] = Int8Linear(*int8.quantize(w), torch.bfloat16)
-        elif enc == "int8/128":
+        elif enc == "int8_b128":
             out[enc] = Int8Linear(*int8.quantize(w, block=128), torch.bfloat16)
         elif enc == "Q8_0":
             out[enc] = Q8_0Linear(q8_0.quantize(w), torch.bfloat16)

@@ -7,7 +7,7 @@ standard library). Reports perplexity of source and artifact, its change, top-1 
 mean KL, and the artifact's size. Policies: the default (auto, measured on the calibration text
 shipped with LCT), auto with ``--calibration none`` (the text-free proxy), auto with
 ``--calibration`` on other standard-library modules, the seed's all-NF4, all-int8, all-Q8_0,
-all-Q6_K (where the rows are whole 256-value blocks), all-int8/128 (a scale per 128 values),
+all-Q6_K (where the rows are whole 256-value blocks), all-int8_b128 (a scale per 128 values),
 lossless. None of the calibration texts is
 part of the scored texts.
 A second table sets each way of estimating a candidate beside its real-text KL, with the ratio
@@ -45,7 +45,7 @@ POLICIES = {
     "all int8 (--int8 embed,head)": ("int8", ["--int8", "embed,head"]),
     "all Q8_0 (--q8_0 embed,head)": ("q8_0", ["--q8_0", "embed,head"]),
     "all Q6_K (--q6_k embed,head)": ("q6_k", ["--q6_k", "embed,head"]),
-    "all int8/128 (--int8_b128 embed,head)": ("int8_b128", ["--int8_b128", "embed,head"]),
+    "all int8_b128 (--int8_b128 embed,head)": ("int8_b128", ["--int8_b128", "embed,head"]),
     "lossless (--nf4 none)": ("none", ["--nf4", "none"]),
 }
 FORCED = {enc: next(label for label, (key, _) in POLICIES.items() if key == enc)

@@ -176,8 +176,9 @@ _QUIET_ENV = {"TQDM_DISABLE": "1", "HF_HUB_DISABLE_PROGRESS_BARS": "1",
 
 class GroupProgress:
     """A tqdm bar fed by the library's ``progress(group, done, total)`` callback (``count``:
-    show how many groups were reported, not just the last one's name). Off with
-    ``enabled=False`` (``--quiet``) or when ``bars_disabled()``."""
+    show how many groups were reported, not just the last one's name; a total that changes,
+    as a measurement's that leaves passes out, is followed). Off with ``enabled=False``
+    (``--quiet``) or when ``bars_disabled()``."""
 
     def __init__(self, desc: str, unit: str = "B", enabled: bool = True, count: bool = True):
         enabled = enabled and not bars_disabled()
@@ -194,6 +195,8 @@ class GroupProgress:
             self.bar = tqdm(total=total, desc=self.desc, unit=self.unit, unit_scale=scale,
                             unit_divisor=1000, file=sys.stderr, leave=True, dynamic_ncols=True)
         self.groups += 1
+        if total != self.bar.total:
+            self.bar.total = total
         self.bar.set_postfix_str(f"{self.groups} groups, {group}" if self.count else group,
                                  refresh=False)
         self.bar.update(done - self.bar.n)

@@ -123,11 +123,19 @@ def convert_cmd(source, output, revision, nf4, int8, int8_b128, q8_0, q6_k, budg
                     calibration=calibration, blocksize=blocksize, dtype=dtype, codec=codec, level=level,
                     maximus_shards=maximus_shards, tp_pieces=tp_pieces)
     bar = GroupProgress("convert", enabled=not quiet)
+    # The policy's measurement: tokens run through the source model, what runs beside them
+    # (which candidate on which part); closed as the next stage starts.
+    measure = GroupProgress("measure", unit="tok", enabled=not quiet, count=False)
+
+    def stage(text):
+        measure.close()
+        bar.stage(text)
     try:
         rep = convert(source, output, revision=revision, policy=policy,
                       max_file_size=max_file_size, workers=workers, overwrite=force, progress=bar,
-                      token_freq=token_freq, stage=bar.stage)
+                      token_freq=token_freq, stage=stage, measuring=measure)
     finally:
+        measure.close()
         bar.close()
     m = rep.manifest
     from lct.io.info import data_bytes, size_ratio, source_weight_bytes
@@ -147,9 +155,15 @@ def convert_cmd(source, output, revision, nf4, int8, int8_b128, q8_0, q6_k, budg
         click.echo(str(rep.path))
         return
     from lct.io.info import architecture_line
+    split = ""
+    if rep.decision is not None and rep.decision.method != "none":   # where the time went
+        measured, encoded = rep.decision.seconds, rep.encode_seconds
+        split = (f": read in {max(0.0, rep.seconds - measured - encoded):.1f} s, measured in "
+                 f"{measured:.1f} s, encoded in {encoded:.1f} s")
     click.echo(f"wrote {rep.path}: {len(m.groups)} groups, {len(m.tensors)} tensors, "
                f"{human(data_bytes(m))} from {human(source_weight_bytes(m) or 0)} of safetensors "
-               f"({ratio or 0:.3f}x) in {rep.seconds:.1f} s ({human(rep.mb_per_s * 1e6)}/s)")
+               f"({ratio or 0:.3f}x) in {rep.seconds:.1f} s{split} "
+               f"({human(rep.mb_per_s * 1e6)}/s)")
     click.echo(architecture_line(m))
     if rep.decision is not None:
         click.echo(rep.decision.summary())

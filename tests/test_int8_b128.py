@@ -191,7 +191,7 @@ def test_policy_measures_it_where_rows_are_whole_blocks(sources, tmp_path):
     assert all(ENC not in c and "int8" in c
                for c in rep.manifest.policy["measured"]["costs"].values())
     with pytest.raises(PolicyError,
-                       match=r"tensor .*\.weight.: int8/128 needs rows of a multiple of 128"):
+                       match=r"tensor .*\.weight.: int8_b128 needs rows of a multiple of 128"):
         lct.convert(str(narrow), tmp_path / "b.lct", policy=Policy(int8_b128=("embed", "head")))
     with pytest.raises(PolicyError, match="both name 'head'"):
         Policy(int8_b128=("head",), int8=("head",)).check()

@@ -411,3 +411,85 @@ def test_a_tied_table_measures_the_embedding_only_where_it_can_change_the_choice
     from lct.io.info import LOWER_BOUND, measured_line
     assert measured_line(m).endswith(LOWER_BOUND)
     assert LOWER_BOUND not in forced.decision.summary()
+
+
+def test_the_calibration_reports_its_passes_to_a_progress_callback(tmp_path):
+    """Issue 37.7: convert said 'measuring NF4, int8, ...' and then nothing for ~115 s on a
+    real model. The calibration tells ``measuring(what, done, total)`` the tokens it has run
+    through the model of all it will run, naming the candidate and the part: from 0 with the
+    reference to the end, never backwards, each pruned embedding pass taken off the total."""
+    from lct.format.encodings import get_encoding
+    src = _source(tmp_path, "gemma", head_std=0.02, tokenizer=True)
+    calls = []
+    d = lct.convert(str(src), tmp_path / "g.lct",
+                    measuring=lambda what, done, total: calls.append((what, done, total))
+                    ).decision
+    assert d.method == "calibration" and list(d.costs) == ["embed+head"]
+    sweep = sum(len(b) for b in _shipped_blocks(src))      # one pass over the text, in tokens
+    reference = "the source model as it is (the reference)"
+    assert calls[0] == (reference, 0, calls[0][2])
+    assert [c for c in calls if c[0] == reference][-1][1] == sweep
+    done = [c[1] for c in calls]
+    assert done == sorted(done) and all(0 <= n <= t for _, n, t in calls)
+    cands, pruned = list(d.costs["embed+head"]), d.partial.get("embed+head", [])
+    assert pruned        # the test's point: the total shrinks as passes are left out
+    assert calls[0][2] == sweep * (1 + 2 * len(cands))
+    assert calls[-1][1] == calls[-1][2] == sweep * (1 + 2 * len(cands) - len(pruned))
+    whats = {c[0] for c in calls}
+    for e in cands:
+        label = get_encoding(e).label
+        assert {f"{label} on embed+head: quantizing", f"{label} on embed+head: head"} <= whats
+        assert (f"{label} on embed+head: embed (whole model)" in whats) == (e not in pruned)
+    # the text-free proxy runs no text: nothing to report
+    calls.clear()
+    lct.convert(str(src), tmp_path / "p.lct", policy=Policy(calibration="none"),
+                measuring=lambda *a: calls.append(a))
+    assert calls == []
+
+
+def test_convert_draws_the_measurement_and_says_where_the_time_went(tmp_path, monkeypatch):
+    """Issue 37.7: lct convert draws the measurement as a bar on stderr (tokens, the candidate
+    and part being measured) and its summary line splits the time between reading,
+    measuring and encoding; --quiet draws nothing."""
+    import re
+
+    from click.testing import CliRunner
+
+    from lct.cli.main import cli
+    src = _source(tmp_path, "gemma", head_std=0.02, tokenizer=True)
+    monkeypatch.delenv("HF_HUB_DISABLE_PROGRESS_BARS", raising=False)
+    monkeypatch.delenv("TQDM_DISABLE", raising=False)
+    res = CliRunner().invoke(cli, ["convert", str(src), "-o", str(tmp_path / "a.lct")])
+    assert res.exit_code == 0, res.output
+    line = next(ln for ln in res.stdout.splitlines() if ln.startswith("wrote "))
+    got = re.search(r" in ([\d.]+) s: read in ([\d.]+) s, measured in ([\d.]+) s, encoded in "
+                    r"([\d.]+) s \(", line)
+    assert got, line
+    total, read, measured, encoded = map(float, got.groups())
+    assert measured > 0 and read + measured + encoded == pytest.approx(total, abs=0.15), line
+    err = res.stderr
+    # the bar's last state: every token run, and the candidate and part it measured last
+    assert re.search(r"measure: 100%\|[^\n]*\| (\d+)/\1 \[[^]]*tok/s, Q8_0 on embed\+head: ",
+                     err), err
+    assert err.index("convert: measuring NF4") < err.index("measure: ") \
+        < err.index("convert: encoding"), err
+    quiet = CliRunner().invoke(cli, ["convert", str(src), "-o", str(tmp_path / "q.lct"), "-q"])
+    assert quiet.exit_code == 0 and quiet.stderr == "", quiet.stderr
+
+
+def test_int8_b128_has_one_name_in_every_message():
+    """Issue 37.7: messages spelled int8_b128 with a slash where the encoding's registry name
+    and its flag (--int8_b128) say int8_b128; no source of LCT, its benchmarks or tests spells
+    it so."""
+    from pathlib import Path
+
+    from lct.format.encodings import get_encoding
+    assert get_encoding(C.ENCODING_INT8_B128).label == C.ENCODING_INT8_B128 == "int8_b128"
+    old = "int8" + "/128"
+    root = Path(__file__).parent.parent
+    found = [f"{f.relative_to(root)}:{n}" for d in ("lct", "loader", "kernels", "cli",
+                                                     "benchmarks", "tests")
+             for f in sorted((root / d).rglob("*")) if f.suffix in (".py", ".c", ".h")
+             for n, text in enumerate(f.read_text(errors="replace").splitlines(), 1)
+             if old in text]
+    assert found == [], found

@@ -154,6 +154,7 @@ class ConvertReport:
     unmapped: list = field(default_factory=list)
     decision: object = None     # the auto policy's ``lct.conversion.policy.Decision`` (None when forced)
     skipped_files: list = field(default_factory=list)   # [(name, why)] side files left out
+    encode_seconds: float = 0.0     # after the policy's measurement: encoding, writing, publishing
 
     @property
     def mb_per_s(self) -> float:
@@ -392,7 +393,8 @@ def _tp_cut(spec, axis: int, n: int):
 def convert(source: str, out, *, revision: str | None = None, policy: Policy | None = None,
             max_file_size: int = C.DEFAULT_MAX_FILE_SIZE, workers: int | None = None,
             overwrite: bool = False, progress: Progress | None = None,
-            token_freq: str | None = None, stage: Stage | None = None) -> ConvertReport:
+            token_freq: str | None = None, stage: Stage | None = None,
+            measuring: Progress | None = None) -> ConvertReport:
     """Convert a Hugging Face checkpoint to an LCT artifact.
 
     Args:
@@ -409,6 +411,8 @@ def convert(source: str, out, *, revision: str | None = None, policy: Policy | N
         stage: called with a short description as each other stage starts (reading the
             model, measuring the lossy encodings, counting token frequencies, waiting for the
             source's hashes, publishing), so that no stage runs unannounced.
+        measuring: called as ``measuring(what, tokens_done, tokens_total)`` while the policy
+            runs the source model on its calibration text (``lct.conversion.policy.decide``).
         token_freq: with ``policy.maximus_shards``: a counts file (.json/.npy) or text
             file/folder tokenized with the model's tokenizer (default: token-id order).
 
@@ -431,7 +435,7 @@ def convert(source: str, out, *, revision: str | None = None, policy: Policy | N
         return _convert_to_s3(source, str(out), revision=revision, policy=policy,
                               max_file_size=max_file_size, workers=workers,
                               overwrite=overwrite, progress=progress, token_freq=token_freq,
-                              stage=stage)
+                              stage=stage, measuring=measuring)
     t0 = time.perf_counter()
     policy = policy or Policy()
     policy.check()
@@ -447,7 +451,8 @@ def convert(source: str, out, *, revision: str | None = None, policy: Policy | N
     placed = {name: arch.place(name) for name in tensors}
     unmapped = sorted(n for n in tensors if arch.target(n)[0] is None)
     ties = _find_ties(src, tensors, placed, arch)
-    lossy, chosen, decision = _choose(src, tensors, placed, ties, arch, policy, say)
+    lossy, chosen, decision = _choose(src, tensors, placed, ties, arch, policy, say, measuring)
+    t_encode = time.perf_counter()
     specs = _specs(src, tensors, placed, lossy, chosen, policy)
     log.info("%s: %s, %d tensors in %d groups; embed/head stored as %s", src.root,
              arch.class_name, len(tensors), len(specs),
@@ -495,8 +500,9 @@ def convert(source: str, out, *, revision: str | None = None, policy: Policy | N
                 created_by=f"lct {__version__}", maximus=maximus)
     finally:
         cancel.set()        # done by now on success
-    return ConvertReport(manifest, Path(out), time.perf_counter() - t0, total, unmapped, decision,
-                         src.skipped_sidecars())
+    done = time.perf_counter()
+    return ConvertReport(manifest, Path(out), done - t0, total, unmapped, decision,
+                         src.skipped_sidecars(), done - t_encode)
 
 
 def _architecture(src: Source, tensors: dict) -> Architecture:
@@ -575,7 +581,7 @@ def _lossy_ok(st) -> bool:
 
 
 def _choose(src: Source, tensors: dict, placed: dict, ties: dict, arch, policy: Policy,
-            say: Stage) -> tuple:
+            say: Stage, measuring: Progress | None = None) -> tuple:
     """``(lossy, chosen, decision)``: the lossy candidates (``{role: first tensor name}``), the
     encoding of each role, and the auto policy's measurement (None when nothing lossy is asked
     for and nothing needs measuring)."""
@@ -599,7 +605,7 @@ def _choose(src: Source, tensors: dict, placed: dict, ties: dict, arch, policy: 
                    if any(get_encoding(e).candidate(tuple(tensors[n].shape), policy.blocksize)
                           for n in lossy.values())]
             say(f"measuring {', '.join(fit)} on {','.join(sorted(lossy))} ({_how(policy)})")
-        decision = decide(src, tensors, lossy, bool(ties), arch, policy)
+        decision = decide(src, tensors, lossy, bool(ties), arch, policy, measuring)
         chosen = decision.chosen
     return lossy, chosen, decision
 

@@ -302,7 +302,8 @@ class _Cached:
         del self.base.forward
 
 
-def calibration_costs(src, tensors: dict, lossy: dict, tied: bool, arch, policy) -> tuple:
+def calibration_costs(src, tensors: dict, lossy: dict, tied: bool, arch, policy,
+                      progress=None) -> tuple:
     """Costs per part and candidate measured on text (``policy.calibration``, or the text shipped
     with LCT, ``sample_text.calibration_samples()``), as mean KL against the source model on the
     same tokens.
@@ -322,6 +323,12 @@ def calibration_costs(src, tensors: dict, lossy: dict, tied: bool, arch, policy)
     memory available so (``quality.compute_dtype``), else in the source's dtype: the budget is
     what the storage costs, and in bfloat16 the trunk's own rounding turns any change of the
     table into about as much KL as int8 costs (docs/BENCHMARKS.md, bench_quality).
+
+    ``progress``, if given, is called as ``progress(what, tokens_done, tokens_total)`` after each
+    pass of the model over a block of the text, and as a candidate's round trip starts: the
+    tokens are those run through the model (the reference once, each candidate's head and
+    embedding once each); ``what`` names the candidate and the part (``"NF4 on embed+head:
+    head"``). A pass pruned as above is taken off the total.
 
     Returns ``(costs, tokens scored, partial, dtype)``: ``partial`` is ``{part: [encodings]}``,
     ``dtype`` the name of what the model computed in.
@@ -374,6 +381,19 @@ def calibration_costs(src, tensors: dict, lossy: dict, tied: bool, arch, policy)
                                          f"for text alone ({type(model).__name__})")
         return F.log_softmax(lg[0, :-1].float(), -1)
 
+    # What the passes will run, for ``progress``: the candidates of each part, in the order
+    # they are measured (smallest first), and the model's passes over the text in tokens.
+    plan = {}
+    for part, roles in parts.items():
+        p = (embed if roles[0] == "embed" else head).weight.detach()
+        shape, dtype_name = tuple(p.shape), tensors[lossy[roles[0]]].dtype
+        order = _candidates(shape, policy.blocksize, policy, "embed" if tied else roles[0])
+        plan[part] = (roles, p, dtype_name, order, sorted(
+            order, key=lambda e: encoded_bytes(e, shape, dtype_name, policy.blocksize)))
+    sweep = sum(len(ids) for ids in blocks)
+    passes = _Passes(progress, sweep * (1 + sum(len(cands) * len(roles)
+                                                for roles, _, _, _, cands in plan.values())))
+    passes.say("the source model as it is (the reference)")
     refs = []
     with torch.no_grad():
         for ids in blocks:
@@ -391,6 +411,7 @@ def calibration_costs(src, tensors: dict, lossy: dict, tied: bool, arch, policy)
                 if hook is not None:
                     hook.remove()
             refs.append((x, lr, kept[0] if len(kept) == 1 else None))
+            passes.ran("the source model as it is (the reference)", len(ids))
         # The trunk's kept output gives the reference logits again, or the head reruns whole.
         x, lr, out = refs[0]
         if out is not None:
@@ -399,7 +420,7 @@ def calibration_costs(src, tensors: dict, lossy: dict, tied: bool, arch, policy)
                     refs = [(x, lr, None) for x, lr, _ in refs]
         n = sum(len(x[0]) - 1 for x, _, _ in refs)
 
-        def kl(role_module, wq, cached: bool) -> float:
+        def kl(role_module, wq, cached: bool, what: str) -> float:
             total = 0.0
             with _Swap(role_module, wq):
                 for x, lr, out in refs:
@@ -409,34 +430,56 @@ def calibration_costs(src, tensors: dict, lossy: dict, tied: bool, arch, policy)
                     else:
                         lq = logits(x)
                     total += float((lr.exp() * (lr - lq)).sum())
+                    passes.ran(what, x.shape[1])
             return total / n
 
         costs: dict = {}
         partial: dict = {}
-        for part, roles in parts.items():
-            p = (embed if roles[0] == "embed" else head).weight.detach()
-            shape, dtype_name = tuple(p.shape), tensors[lossy[roles[0]]].dtype
-            order = _candidates(shape, policy.blocksize, policy, "embed" if tied else roles[0])
-            cands = sorted(order,
-                           key=lambda e: encoded_bytes(e, shape, dtype_name, policy.blocksize))
+        for part, (roles, p, dtype_name, order, cands) in plan.items():
             prune = tied and policy.auto
             bound = policy.budget / estimate_margin("calibration", name)
             c, fits = {}, False
             stored = p.to(torch_dtype(dtype_name))  # the stored values (from float32: exact)
             wf = p if p.dtype == torch.float32 else None
             for e in cands:                     # one round trip per candidate
+                what = f"{get_encoding(e).label} on {part}"
+                passes.say(f"{what}: quantizing")
                 wq = roundtrip(e, stored, policy.blocksize, wf).to(p.dtype)
-                c[e] = kl(head, wq, cached=True) if "head" in roles else 0.0
+                c[e] = kl(head, wq, True, f"{what}: head") if "head" in roles else 0.0
                 if "embed" in roles:
                     if prune and (fits or not c[e] <= bound):
                         partial.setdefault(part, []).append(e)
+                        passes.skip(f"{what}: embed left out (cannot change the choice)",
+                                    sweep)
                     else:
-                        c[e] += kl(embed, wq, cached=False)
+                        c[e] += kl(embed, wq, False, f"{what}: embed (whole model)")
                         fits = fits or c[e] <= bound
                 del wq
             del stored, wf
             costs[part] = {e: c[e] for e in order}      # in the registry's order
     return costs, n, partial, name
+
+
+class _Passes:
+    """The calibration's progress in tokens run through the model, told to ``progress(what,
+    done, total)`` (nothing without one)."""
+
+    def __init__(self, progress, total: int):
+        self.progress, self.done, self.total = progress, 0, total
+
+    def ran(self, what: str, tokens: int) -> None:
+        """A pass over ``tokens`` tokens, for ``what``, is done."""
+        self.done += tokens
+        self.say(what)
+
+    def skip(self, what: str, tokens: int) -> None:
+        """Passes over ``tokens`` tokens counted in the total will not run (``what``: pruned)."""
+        self.total -= tokens
+        self.say(what)
+
+    def say(self, what: str) -> None:
+        if self.progress is not None:
+            self.progress(what, self.done, self.total)
 
 
 def estimate_margin(method: str, dtype: str | None) -> float:
@@ -471,7 +514,8 @@ def choose(costs: dict, shapes: dict, dtypes: dict, budget: float, blocksize: in
     return chosen, best[0][1]
 
 
-def decide(src, tensors: dict, lossy: dict, tied: bool, arch, policy) -> Decision:
+def decide(src, tensors: dict, lossy: dict, tied: bool, arch, policy,
+           progress=None) -> Decision:
     """Choose the encodings of the embedding and the head (see the module docstring).
 
     Args:
@@ -480,6 +524,11 @@ def decide(src, tensors: dict, lossy: dict, tied: bool, arch, policy) -> Decisio
         tied: the embedding and the head are one stored table.
         arch: the model's ``lct.arch.model.Architecture`` (its final norm).
         policy: the converter's ``Policy`` (budget, blocksize, calibration text).
+        progress: called as ``progress(what, tokens_done, tokens_total)`` while a calibration
+            runs the model on its text (``calibration_costs``); the proxy reports nothing.
+
+    Returns:
+        The ``Decision``; its ``seconds`` is the time the measurement took.
 
     Raises:
         PolicyError: calibration text or tokenizer missing.
@@ -499,7 +548,7 @@ def decide(src, tensors: dict, lossy: dict, tied: bool, arch, policy) -> Decisio
             if why:
                 raise CalibrationUnavailable(why)
             costs, tokens, partial, dtype = calibration_costs(src, tensors, lossy, tied, arch,
-                                                              policy)
+                                                              policy, progress)
             method = "calibration"
             note = ("LCT's calibration text (lct/conversion/sample_text.py)"
                     if not policy.calibration else "the text given") + f", in {dtype}"

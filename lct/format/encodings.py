@@ -446,7 +446,7 @@ class Int8B128(Int8):
 
     name = C.ENCODING_INT8_B128
     key = "int8"                    # the same placement object as int8's
-    label = "int8/128"
+    label = "int8_b128"             # its registry name and flag: one name in every message
     described = "int8 with one scale per 128 values"
     block = C.INT8_BLOCK
     weight_class = Int8B128Weight
