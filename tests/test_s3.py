@@ -294,7 +294,7 @@ def test_the_cli_says_what_went_wrong_in_one_line(server, pushed, faulty):
 
 
 def test_only_the_artifacts_files_go_up_and_an_oversized_small_file_is_refused(
-        server, tiny, direct, tmp_path):
+        server, tiny, direct, tmp_path, monkeypatch):
     import shutil
 
     import boto3
@@ -311,8 +311,92 @@ def test_only_the_artifacts_files_go_up_and_an_oversized_small_file_is_refused(
     assert "notes.txt" not in keys and {"lct.json", "config.json"} <= keys, keys
     s3.put_object(Bucket=BUCKET, Key="stray/llama.lct/huge.json",
                   Body=b"0" * (C.MAX_SIDE_FILE_BYTES + 1))
-    with pytest.raises(ObjectStoreError, match="huge.json: .* more than"):
+    with lct.open(uri) as opened:           # not the manifest's: never fetched
+        assert not (opened.path / "huge.json").exists()
+    s3.put_object(Bucket=BUCKET, Key="stray/llama.lct/tokenizer.json",
+                  Body=b"0" * (C.MAX_SIDE_FILE_BYTES + 1))
+    monkeypatch.setenv("LCT_S3_CACHE", str(tmp_path / "fresh-cache"))     # no checked copy
+    with pytest.raises(ObjectStoreError, match="tokenizer.json: .* more than"):
+        lct.open(uri)                       # a named one that grew past the cap: refused unread
+
+
+def _push_fresh(tiny, name: str) -> str:
+    uri = f"s3://{BUCKET}/{name}/llama.lct"
+    cloud.push(tiny, uri)
+    return uri
+
+
+def test_only_the_files_the_manifest_names_are_fetched_by_open_load_and_pull(tiny, faulty,
+                                                                            tmp_path):
+    """Objects under the prefix that the manifest does not name (40 junk objects of 1 MB, a
+    data file it does not list) are never downloaded: not into LCT_S3_CACHE by an open or a
+    load, not into the folder a pull makes."""
+    import boto3
+    uri = _push_fresh(tiny, "junk")
+    s3 = boto3.client("s3")
+    junk = [f"junk/llama.lct/notes-{i:02d}.txt" for i in range(40)]
+    for key in junk:
+        s3.put_object(Bucket=BUCKET, Key=key, Body=os.urandom(1 << 20))
+    s3.put_object(Bucket=BUCKET, Key="junk/llama.lct/model-00007.lct", Body=b"unlisted")
+    junk.append("junk/llama.lct/model-00007.lct")
+    faulty.reset()
+    assert torch.equal(lct.load(uri)(IDS).logits, lct.load(tiny)(IDS).logits)
+    with lct.open(uri) as art:
+        assert art.read_group(art.groups[0])
+    pulled = cloud.pull(uri, tmp_path / "pulled")
+    want = sorted(p.name for p in tiny.iterdir())
+    assert sorted(p.name for p in pulled.iterdir()) == want
+    cached = sorted(p.name for p in (tmp_path / "cache").rglob("*") if p.is_file())
+    assert cached == sorted(n for n in want if not n.endswith(".lct")), cached
+    fetched = [e["path"] for e in faulty.log if e["method"] == "GET"
+               and any(e["path"].endswith(k) for k in junk)]
+    assert fetched == [], fetched
+
+
+def test_a_side_file_changed_in_the_local_cache_is_fetched_again(tiny, faulty):
+    """The cached copies are checked against the manifest's sha256 and size each time they are
+    used: one changed (or removed) in LCT_S3_CACHE is downloaded again, never used."""
+    uri = _push_fresh(tiny, "recache")
+    with lct.open(uri) as art:
+        folder = art.path
+    for name in ("tokenizer.json", "config.json"):
+        data = bytearray((folder / name).read_bytes())
+        data[len(data) // 2] ^= 1                       # the same size, one bit off
+        (folder / name).write_bytes(bytes(data))
+    (folder / "tokenizer_config.json").unlink()
+    (folder / "special_tokens_map.json").write_text("{}")    # named by no manifest: removed
+    faulty.reset()
+    model = lct.load(uri)
+    assert model.name_or_path == str(folder)
+    for name in ("tokenizer.json", "config.json", "tokenizer_config.json"):
+        assert (folder / name).read_bytes() == (tiny / name).read_bytes(), name
+    assert not (folder / "special_tokens_map.json").exists()
+    got = sorted(e["path"].rsplit("/", 1)[1] for e in faulty.log if e["method"] == "GET"
+                 and not e["path"].endswith((".lct", "/lct.json", f"/{BUCKET}")))
+    assert got == ["config.json", "tokenizer.json", "tokenizer_config.json"], got
+
+
+def test_a_side_file_changed_on_the_store_is_refused_or_harmless(tiny, direct, tmp_path,
+                                                                 monkeypatch):
+    """A side file replaced on the store under an unchanged manifest: a copy already checked in
+    the cache is the one the manifest names and keeps being used; with no such copy, the
+    download does not match the manifest and the open is refused, naming the file."""
+    import boto3
+    uri = _push_fresh(tiny, "changed")
+    with lct.open(uri) as art:
+        folder = art.path
+    tok = (tiny / "tokenizer.json").read_bytes()
+    boto3.client("s3").put_object(Bucket=BUCKET, Key="changed/llama.lct/tokenizer.json",
+                                  Body=tok.replace(b"<", b">", 1))
+    with lct.open(uri) as art:                  # the checked copy: still the manifest's bytes
+        assert art.path == folder and (folder / "tokenizer.json").read_bytes() == tok
+    monkeypatch.setenv("LCT_S3_CACHE", str(tmp_path / "fresh-cache"))
+    with pytest.raises(ChecksumError, match="tokenizer.json.*manifest") as e:
         lct.open(uri)
+    assert "\n" not in str(e.value) and "s3://" in str(e.value)
+    with pytest.raises(ChecksumError, match="tokenizer.json"):
+        cloud.pull(uri, tmp_path / "pulled")
+    assert not (tmp_path / "pulled").exists()
 
 
 def test_read_ahead_is_bounded_and_hands_over_errors():

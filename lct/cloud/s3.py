@@ -1,11 +1,13 @@
 """Artifacts in S3 and S3-compatible object stores (MinIO, SeaweedFS, Ceph, R2): ``s3://bucket/prefix``.
 
 An artifact under ``s3://bucket/prefix`` is its folder's files as objects ``prefix/lct.json``,
-``prefix/model-00001.lct``, ... . ``open_s3`` downloads the small files (manifest, config,
-tokenizer, Maximus state) into a local cache folder and reads the data files by range requests
-(``S3Store``), each chunk checked like a local read, the loader's prefetch window deciding how many
-are in flight; ``pull`` downloads all of it and checks every chunk; ``push`` uploads a local
-artifact, the manifest last, and reads it back to check it.
+``prefix/model-00001.lct``, ... . ``open_s3`` reads the manifest, downloads the small files it
+names (config, tokenizer and the other side files of ``source.files``, the Maximus state), each
+checked against its sha256, into a local cache folder, and reads the data files it lists by range
+requests (``S3Store``), each chunk checked like a local read, the loader's prefetch window
+deciding how many are in flight; ``pull`` downloads the same files and checks every chunk;
+``push`` uploads a local artifact, the manifest last, and reads it back to check it. Other
+objects under the prefix are never downloaded.
 
 The client is boto3 (``pip install 'lct[s3]'``): credentials and endpoints are found the way the
 AWS CLI finds them (environment, shared config and credentials files, ``AWS_PROFILE``, SSO,
@@ -28,7 +30,9 @@ from pathlib import Path
 
 from lct.errors import (
     ArtifactNotFoundError,
+    ChecksumError,
     LCTError,
+    ManifestError,
     MissingDependencyError,
     ObjectStoreAuthError,
     ObjectStoreError,
@@ -38,6 +42,7 @@ from lct.errors import (
     WriteError,
 )
 from lct.format import constants as C
+from lct.hashing import sha256_file
 from lct.io.store import RemoteStore, receive_range, uninitialized
 
 S3_SCHEME = "s3://"
@@ -47,7 +52,6 @@ RETRY_CODES = {"SlowDown", "InternalError", "ServiceUnavailable", "RequestTimeou
                "503", "504"}
 _AUTH_CODES = {"AccessDenied", "InvalidAccessKeyId", "SignatureDoesNotMatch", "403",
                "ExpiredToken", "InvalidToken", "AllAccessDisabled"}
-_DATA_FILE = re.compile(C.DATA_FILE_PATTERN)
 # Bytes of a data file fetched by one GET when a file is downloaded whole (pull).
 DOWNLOAD_PIECE = 64 << 20
 
@@ -312,22 +316,110 @@ def _get(s3, bucket: str, key: str, where: str, etag: str = "") -> bytes:
 
 # The listing a fetch_small made, taken (once) by the open_s3 that follows it within this many
 # seconds: a load that resolved its address first (the CLI: config and tokenizer) lists once. An
-# object replaced meanwhile is still caught, by the ETag every range request must match.
+# object replaced meanwhile is still caught, by the ETag every range request must match; the
+# cached files are checked again (locally) before they are used.
 RELIST_AFTER_S = 30.0
-_listed: dict = {}      # (bucket, prefix) -> (monotonic time, local folder, data objects, client)
+# (bucket, prefix) -> (monotonic time, local folder, data objects, client, small files wanted)
+_listed: dict = {}
+
+
+def small_files(manifest, where: str) -> dict:
+    """``{name: (size or None, sha256)}`` of the files other than data files that the manifest
+    names: the side files of ``source.files`` (FORMAT.md section 1) and the Maximus state file
+    (its size is not recorded).
+
+    Raises:
+        ManifestError: a side file's entry gives no sha256 and size to check it by, or the
+            sizes exceed ``MAX_SIDE_FILE_BYTES`` / ``MAX_SIDE_FILES_BYTES``.
+    """
+    recorded = manifest.source.get("files")
+    wanted, total = {}, 0
+    for name in manifest.side_files():
+        e = recorded[name]
+        size, sha = (e.get("size"), e.get("sha256")) if isinstance(e, dict) else (None, None)
+        if not isinstance(size, int) or isinstance(size, bool) or \
+                not isinstance(sha, str) or not re.fullmatch(r"[0-9a-f]{64}", sha):
+            raise ManifestError(f"{where}: source.files[{name!r}] gives no sha256 and size to "
+                                f"check the side file by")
+        if not 0 <= size <= C.MAX_SIDE_FILE_BYTES:
+            raise ManifestError(f"{where}: source.files[{name!r}] records {size:,} bytes, more "
+                                f"than the {C.MAX_SIDE_FILE_BYTES:,} a side file may have")
+        total += size
+        wanted[name] = (size, sha)
+    if total > C.MAX_SIDE_FILES_BYTES:
+        raise ManifestError(f"{where}: source.files records {total:,} bytes of side files, more "
+                            f"than the {C.MAX_SIDE_FILES_BYTES:,} an artifact may carry")
+    if manifest.maximus is not None:
+        wanted[manifest.maximus["file"]] = (None, manifest.maximus["sha256"])
+    return wanted
+
+
+def _intact(path: Path, size, sha: str) -> bool:
+    """Whether ``path`` is a regular file (not a link) with this size and sha256."""
+    try:
+        if not path.is_file() or path.is_symlink() or \
+                (size is not None and path.stat().st_size != size):
+            return False
+        return sha256_file(path) == sha
+    except OSError:
+        return False
+
+
+def _write(path: Path, data: bytes) -> None:
+    """``data`` into ``path``, atomically (a unique name beside it, then ``os.replace``)."""
+    tmp = path.with_name(f".{path.name}.{os.getpid()}.{os.urandom(4).hex()}.partial")
+    try:
+        tmp.write_bytes(data)
+        os.replace(tmp, path)
+    finally:
+        tmp.unlink(missing_ok=True)
+
+
+def _prune(local: Path, keep) -> None:
+    """Remove what ``local`` holds besides ``keep`` and other writers' ``.partial`` files (an
+    older LCT downloaded every object under the prefix: transformers would read a stray
+    tokenizer file there)."""
+    for p in local.iterdir():
+        if p.name in keep or (p.name.startswith(".") and p.name.endswith(".partial")):
+            continue
+        if p.is_dir() and not p.is_symlink():
+            shutil.rmtree(p, ignore_errors=True)
+        else:
+            p.unlink(missing_ok=True)
 
 
 def fetch_small(uri: str, s3=None) -> tuple:
-    """Download every object of the artifact at ``uri`` but its data files into the cache
-    (``cache_root()/bucket/prefix/<manifest digest>``, written whole or not at all).
+    """Read the manifest of the artifact at ``uri`` and download the small files it names
+    (``small_files``) into the cache folder ``cache_root()/bucket/prefix/<manifest digest>``;
+    objects under the prefix that the manifest names neither as a data file (``files``) nor as
+    a small file are never downloaded.
+
+    Each file is checked against the manifest (sha256 and size) when it is downloaded, and
+    again each time the cached copy is used: one changed, replaced or removed in the cache is
+    downloaded again (a file is replaced atomically; files the manifest does not name are
+    removed from the folder). So a side file that changes on the store under the same manifest
+    is harmless while the cache holds the checked copy (it is the file the manifest names), and
+    is refused when it must be downloaded (``ChecksumError``); a new manifest is a new digest,
+    a new folder. A named side file missing from the store is left missing (verification says
+    so). Costs a sha256 of the cached files (config, tokenizer) per use, no request.
 
     Returns:
-        ``(local folder, {data file name: (size, etag)}, s3 client)``.
+        ``(local folder, {data file name: (size, etag)}, s3 client)``: the data files the
+        manifest lists that the store holds.
 
     Raises:
         ObjectStoreURIError, ObjectStoreNotFoundError (no such bucket), ObjectStoreAuthError,
-        ArtifactNotFoundError (no ``lct.json`` under the prefix), ObjectStoreError.
+        ArtifactNotFoundError (no ``lct.json`` under the prefix), ObjectStoreError (a named
+        file over the size caps), ManifestError, ChecksumError (a file on the store differs
+        from the manifest's record), WriteError (the cache folder).
     """
+    return _sync(uri, s3)[:3]
+
+
+def _sync(uri: str, s3) -> tuple:
+    """``fetch_small``'s work; also returns the small files it checked (``small_files``, the
+    manifest included)."""
+    from lct.format.manifest import Manifest
     bucket, prefix = parse_s3_uri(uri)
     s3 = s3 if s3 is not None else client()
     objects = list_objects(s3, bucket, prefix)
@@ -335,46 +427,56 @@ def fetch_small(uri: str, s3=None) -> tuple:
     if C.MANIFEST_NAME not in objects:
         raise ArtifactNotFoundError(f"{where}: not an LCT artifact (no {C.MANIFEST_NAME} under "
                                     f"the prefix)")
-    bad = [n for n in objects if n.startswith("/") or ".." in n.split("/")]
-    if bad:
-        raise ObjectStoreError(f"{where}: object name {bad[0]!r} leaves the artifact folder")
-    data = {n: v for n, v in objects.items() if _DATA_FILE.fullmatch(n)}
-    for name, (size, _) in objects.items():     # the store is untrusted: bounded downloads
-        cap = C.MAX_MANIFEST_BYTES if name == C.MANIFEST_NAME else C.MAX_SIDE_FILE_BYTES
-        if name not in data and size > cap:
-            raise ObjectStoreError(f"{where}/{name}: {size:,} bytes, more than the "
-                                   f"{cap:,} a small file of an artifact may have")
-    manifest = _get(s3, bucket, f"{prefix}/{C.MANIFEST_NAME}", f"{where}/{C.MANIFEST_NAME}",
-                    objects[C.MANIFEST_NAME][1])
-    digest = hashlib.sha256(manifest).hexdigest()[:16]
-    local = cache_root() / bucket / prefix / digest
-    small = sorted(n for n in objects if n not in data and n != C.MANIFEST_NAME)
-    _listed[(bucket, prefix)] = (time.monotonic(), local, data, s3)
-    if (local / C.MANIFEST_NAME).is_file():
-        return local, data, s3
-    staging = local.parent / f".{digest}.{os.getpid()}.partial"
-    shutil.rmtree(staging, ignore_errors=True)
+    _capped(where, C.MANIFEST_NAME, objects[C.MANIFEST_NAME][0], C.MAX_MANIFEST_BYTES)
+    raw = _get(s3, bucket, f"{prefix}/{C.MANIFEST_NAME}", f"{where}/{C.MANIFEST_NAME}",
+               objects[C.MANIFEST_NAME][1])
+    manifest = Manifest.from_json(raw, f"{where}/{C.MANIFEST_NAME}")
+    data = {f["name"]: objects[f["name"]] for f in manifest.files if f["name"] in objects}
+    wanted = small_files(manifest, f"{where}/{C.MANIFEST_NAME}")
+    wanted[C.MANIFEST_NAME] = (len(raw), hashlib.sha256(raw).hexdigest())
+    local = cache_root() / bucket / prefix / wanted[C.MANIFEST_NAME][1][:16]
+    stale = [n for n, (size, sha) in wanted.items() if not _intact(local / n, size, sha)]
+    fetch = [n for n in stale if n in objects and n != C.MANIFEST_NAME]
+    for name in fetch:                          # the store is untrusted: bounded downloads
+        _capped(where, name, objects[name][0], C.MAX_SIDE_FILE_BYTES)
+        size = wanted[name][0]
+        if size is not None and objects[name][0] != size:
+            raise ChecksumError(f"{where}/{name}: {objects[name][0]:,} bytes on the store, the "
+                                f"manifest records {size:,}: not the file the artifact was "
+                                f"written with")
     try:
+        local.mkdir(parents=True, exist_ok=True)
+        _prune(local, wanted)
+        for name in stale:
+            if name not in fetch and name != C.MANIFEST_NAME:
+                (local / name).unlink(missing_ok=True)      # named, but not on the store
         # At the same time: each is a request's latency, and the chunks wait for all of them.
-        with ThreadPoolExecutor(min(8, len(small) or 1)) as pool:
+        with ThreadPoolExecutor(min(8, len(fetch) or 1)) as pool:
             blobs = pool.map(lambda n: _get(s3, bucket, f"{prefix}/{n}", f"{where}/{n}",
-                                            objects[n][1]), small)
-            for name, blob in zip(small, blobs, strict=True):
-                dst = staging / name
-                dst.parent.mkdir(parents=True, exist_ok=True)
-                dst.write_bytes(blob)
-        staging.mkdir(parents=True, exist_ok=True)
-        (staging / C.MANIFEST_NAME).write_bytes(manifest)      # last: only whole folders count
-        try:
-            staging.rename(local)
-        except OSError:
-            if not (local / C.MANIFEST_NAME).is_file():     # not another process's, same bytes
-                raise
+                                            objects[n][1]), fetch)
+            for name, blob in zip(fetch, blobs, strict=True):
+                size, sha = wanted[name]
+                got = hashlib.sha256(blob).hexdigest()
+                if (size is not None and len(blob) != size) or got != sha:
+                    raise ChecksumError(f"{where}/{name}: differs from the file the manifest "
+                                        f"records ({len(blob):,} bytes, sha256 {got[:12]}..., "
+                                        f"expected {sha[:12]}...): changed after the artifact "
+                                        f"was written")
+                _write(local / name, blob)
+        if C.MANIFEST_NAME in stale:
+            _write(local / C.MANIFEST_NAME, raw)
     except OSError as e:
+        if isinstance(e, LCTError):
+            raise
         raise WriteError(f"{local}: cannot write the S3 artifact's small files ({e})") from e
-    finally:
-        shutil.rmtree(staging, ignore_errors=True)
-    return local, data, s3
+    _listed[(bucket, prefix)] = (time.monotonic(), local, data, s3, wanted)
+    return local, data, s3, wanted
+
+
+def _capped(where: str, name: str, size: int, cap: int) -> None:
+    if size > cap:
+        raise ObjectStoreError(f"{where}/{name}: {size:,} bytes, more than the {cap:,} a small "
+                               f"file of an artifact may have")
 
 
 def open_s3(uri: str, *, verify: bool = True, workers: int | None = None,
@@ -389,8 +491,8 @@ def open_s3(uri: str, *, verify: bool = True, workers: int | None = None,
     bucket, prefix = parse_s3_uri(uri)
     seen = _listed.pop((bucket, prefix), None) if s3 is None else None
     if seen is not None and time.monotonic() - seen[0] < RELIST_AFTER_S and \
-            (seen[1] / C.MANIFEST_NAME).is_file():
-        local, data, s3 = seen[1:]          # resolve() listed it a moment ago
+            all(_intact(seen[1] / n, size, sha) for n, (size, sha) in seen[4].items()):
+        local, data, s3 = seen[1:4]         # resolve() listed it a moment ago
     else:
         local, data, s3 = fetch_small(uri, s3)
         _listed.pop((bucket, prefix), None)     # only a listing made before the open is reused
@@ -420,8 +522,10 @@ def _check(art, where: str) -> int:
 
 
 def pull(uri: str, local_dir, *, s3=None, progress=None) -> Path:
-    """Download the artifact at ``s3://bucket/prefix`` into the new folder ``local_dir`` and
-    check every chunk; the folder appears only when all of it is there and checked.
+    """Download the artifact at ``s3://bucket/prefix`` into the new folder ``local_dir``: the
+    manifest, the data files it lists and the small files it names (``fetch_small``), each
+    checked (every chunk; each small file's sha256); the folder appears only when all of it is
+    there and checked. Other objects under the prefix are not copied.
 
     Args:
         progress: called as ``progress(name, bytes_done, total)`` after each piece.
@@ -431,14 +535,15 @@ def pull(uri: str, local_dir, *, s3=None, progress=None) -> Path:
 
     Raises:
         WriteError: ``local_dir`` exists (nothing is overwritten).
-        ChecksumError: a downloaded chunk does not match (nothing is left behind).
+        ChecksumError: a downloaded chunk or small file does not match (nothing is left
+            behind).
     """
     from lct.io.reader import open_artifact
     local_dir = Path(local_dir)
     if local_dir.exists():
         raise WriteError(f"{local_dir}: already exists; pull into a new folder",
                          option="local_dir")
-    small, data, s3 = fetch_small(uri, s3)
+    small, data, s3, wanted = _sync(uri, s3)
     bucket, prefix = parse_s3_uri(uri)
     store = S3Store(bucket, prefix, data, s3)
     staging = local_dir.parent / f".{local_dir.name}.{os.getpid()}.partial"
@@ -446,7 +551,13 @@ def pull(uri: str, local_dir, *, s3=None, progress=None) -> Path:
     total = sum(size for size, _ in data.values())
     done = 0
     try:
-        shutil.copytree(small, staging)
+        staging.mkdir(parents=True)
+        for name, (size, sha) in wanted.items():
+            if (small / name).is_file():
+                shutil.copyfile(small / name, staging / name)
+                if not _intact(staging / name, size, sha):   # the cache changed meanwhile
+                    raise ChecksumError(f"{small / name}: changed while it was copied; pull "
+                                        f"again")
         for name in sorted(data):
             size = data[name][0]
             with open(staging / name, "wb") as fh:
