@@ -10,6 +10,10 @@ import click
 
 from lct.errors import INTERRUPTED, INTERRUPTED_STATUS, LCTError
 
+# ``ctx.meta`` key of the arguments the ``lct`` group was given (after the program's name), for
+# a command that runs itself again in other processes (``lct load --tp N``).
+ARGV = "lct.argv"
+
 
 class LCTGroup(click.Group):
     """A click group that turns library errors into one-line messages and a non-zero exit.
@@ -31,6 +35,10 @@ class LCTGroup(click.Group):
             module, attr = self.lazy_commands[name].split(":")
             self.add_command(getattr(importlib.import_module(f"lct.cli.{module}"), attr), name)
         return super().get_command(ctx, name)
+
+    def parse_args(self, ctx, args):
+        ctx.meta[ARGV] = list(args)
+        return super().parse_args(ctx, args)
 
     def resolve_command(self, ctx, args):
         """click's, with a "did you mean" for a mistyped command (click suggests close option
@@ -71,7 +79,8 @@ OPTION_HINTS = {
     "ids": "pass token ids with --ids 1,5,9",
     "maximus_shards": "lct convert --maximus-shards N",
     "stream": "drop --stream",
-    "tp": "torchrun --nproc_per_node N -m lct load ARTIFACT --tp",
+    "tp": "lct load ARTIFACT --tp N starts N ranks here; or torchrun --nproc_per_node N -m lct "
+          "load ARTIFACT --tp",
     "convert": "lct convert FOLDER -o OUT.lct",
 }
 

@@ -22,6 +22,25 @@ def _ids(ctx, param, value):
     return ids
 
 
+class _Ranks(click.ParamType):
+    """``--tp``'s value: a number of ranks, at least 1 (0: ``--tp`` alone, under torchrun)."""
+
+    name = "N"
+
+    def convert(self, value, param, ctx):
+        if isinstance(value, int):
+            return value
+        try:
+            n = int(value)
+        except ValueError:
+            self.fail(f"{value!r} is not a number of ranks: --tp N starts N ranks, --tp alone "
+                      f"is one rank of a job torchrun started (give ARTIFACT before --tp)",
+                      param, ctx)
+        if n < 1:
+            self.fail(f"{n}: a job has at least 1 rank", param, ctx)
+        return n
+
+
 @click.command("load", short_help="Load an artifact into a transformers model and generate.")
 @click.argument("artifact", type=click.Path())
 @click.option("--prefetch", type=click.IntRange(0, 64), default=DEFAULT_PREFETCH, show_default=True,
@@ -62,13 +81,17 @@ def _ids(ctx, param, value):
               help="For an hf://org/name[@revision] ARTIFACT: fetch the chunks by HTTP range "
                    "requests as they load instead of pulling the files first (an s3:// one "
                    "always streams; a local folder is read as it is).")
-@click.option("--tp", is_flag=True,
-              help="Tensor-parallel over the ranks torchrun started (torchrun --nproc_per_node N "
-                   "-m lct load ART --tp): each rank keeps its shards of the model's own plan, "
-                   "as from_pretrained(tp_plan='auto'); every rank prints what it read, rank 0 "
-                   "the text. The attention and key/value heads must divide by N; an artifact "
-                   "converted with --tp-pieces (a multiple of N) lets each rank read only its "
-                   "share. Not with --layerwise or --maximus.")
+@click.option("--tp", type=_Ranks(), is_flag=False, flag_value=0, default=None,
+              help="Tensor-parallel: --tp N starts N ranks on this machine (gloo on CPU, NCCL "
+                   "with --device cuda); --tp alone is one rank of a job torchrun started "
+                   "(torchrun --nproc_per_node N -m lct load ART --tp). Each rank keeps its "
+                   "shards of the model's own plan, as from_pretrained(tp_plan='auto'); every "
+                   "rank prints what it read, rank 0 the text. A rank that fails prints one "
+                   "line, 'error: rank R: ...', without a traceback (an error that is not "
+                   "LCT's, a bug, shows its traceback first; LCT_DEBUG=1 shows every error's); "
+                   "under torchrun, torchrun adds its own report. The attention and key/value heads must divide by N; an "
+                   "artifact converted with --tp-pieces (a multiple of N) lets each rank read "
+                   "only its share. Not with --layerwise or --maximus.")
 @click.option("--prompt", default=None, help="Generate from this text (needs the artifact's tokenizer).")
 @click.option("--ids", default=None, callback=_ids, help="Generate from these token ids (1,5,9).")
 @click.option("--max-new-tokens", type=click.IntRange(1, 4096), default=16, show_default=True,
@@ -103,9 +126,15 @@ def load_cmd(artifact, prefetch, device, dtype, nf4, workers, no_verify, expect,
     if page_cache is not None:
         options["page_cache"] = page_cache
     generate = dict(prompt=prompt, ids=ids, max_new_tokens=max_new_tokens)
-    if tp:
+    if tp is not None:
         if layerwise or maximus is not None:
             raise click.UsageError("--tp does not go with --layerwise or --maximus")
+        import os
+        if tp and "RANK" not in os.environ:
+            return _launch_tp(tp)
+        if tp and os.environ.get("WORLD_SIZE") != str(tp):
+            raise click.UsageError(f"--tp {tp} in a job of {os.environ.get('WORLD_SIZE')} "
+                                   f"ranks: under torchrun, give --tp alone")
         return _load_tp(artifact, options, stream, generate, as_json, quiet)
 
     from lct.loader.source import resolve
@@ -159,20 +188,56 @@ def load_cmd(artifact, prefetch, device, dtype, nf4, workers, no_verify, expect,
                 click.echo(f"note: the decoded cache was not filled: {f.reason}", err=True)
 
 
-def _load_tp(artifact, options: dict, stream: bool, generate: dict, as_json: bool, quiet: bool):
-    """``lct load --tp``: one rank of a tensor-parallel load in the process group torchrun's
-    environment describes; every rank prints its own line, rank 0 the generated text."""
-    import os
+def _launch_tp(world: int):
+    """``lct load --tp N`` outside a job: this command line again as ``world`` ranks on this
+    machine (``lct.loader.tensor_parallel.launch``). The ranks print their own lines, errors
+    included; a rank ended by a signal, which printed nothing, is said here. Exit status: 0
+    when every rank succeeded, else a failed rank's (1 where a signal ended it)."""
+    import signal
     import sys
 
+    from lct.cli._util import ARGV
+    from lct.loader.tensor_parallel import launch
+    ctx = click.get_current_context()
+    args = ctx.meta.get(ARGV)
+    if args is None:
+        raise click.UsageError("--tp N starts the lct command again in N processes: run it as "
+                               "lct, not through another program")
+    exits = launch(world, [sys.executable, "-m", "lct", *args])
+    for x in exits:
+        if x.code < 0 and not x.stopped:
+            try:
+                how = signal.Signals(-x.code).name
+            except ValueError:
+                how = f"signal {-x.code}"
+            click.echo(f"error: rank {x.rank}: ended by {how}, before it could say why",
+                       err=True)
+    failed = [x.code for x in exits if x.code]
+    if failed:
+        ctx.exit(next((c for c in failed if c > 0), 1))
+
+
+def _load_tp(artifact, options: dict, stream: bool, generate: dict, as_json: bool, quiet: bool):
+    """``lct load --tp``: one rank of a tensor-parallel load in the process group torchrun's
+    (or ``--tp N``'s) environment describes; every rank prints its own line, rank 0 the
+    generated text. A rank whose load failed prints ``error: rank R: ...``; a rank that only
+    heard of another's failure prints nothing, so each failure is said once. An error that is
+    not LCT's (a bug) prints its traceback first; LCT_DEBUG=1 prints every error's. torch's
+    DTensor UserWarnings are not shown (``dtensor_warnings_ignored``)."""
+    import os
+    import sys
+    import traceback
+
     import lct.loader as loader
+    from lct.cli._util import error_line
     from lct.errors import LCTError
     from lct.loader.report import rank_report
-    from lct.loader.tensor_parallel import in_turn, rank_group
+    from lct.loader.tensor_parallel import dtensor_warnings_ignored, in_turn, rank_group
     from lct.units import human
     stats = loader.LoadStats()
+    me = os.environ.get("RANK")       # None: not in a job, which rank_group refuses
     try:
-        with rank_group(options["device"]) as (rank, world):
+        with rank_group(options["device"]) as (rank, world), dtensor_warnings_ignored():
             t0 = time.perf_counter()
             model = loader.load(artifact, stream=stream, stats=stats, tp_plan="auto", **options)
             ready_s = time.perf_counter() - t0
@@ -199,13 +264,21 @@ def _load_tp(artifact, options: dict, stream: bool, generate: dict, as_json: boo
                             click.echo(f"output: {res.text}")
                 sys.stdout.flush()
             in_turn(say)
-    except LCTError as e:
-        # Every rank has the same error (the ranks agree on it) and has left the group: the
-        # line is printed and the process ends at once, since a normal interpreter exit after
-        # a failed distributed load sometimes aborts in gloo's threads (measured: 2 of 6 runs,
+    except Exception as e:  # noqa: BLE001 - every failure ends the rank with its line
+        # Every rank has an error (the ranks agree on it) and has left the group: the line is
+        # printed and the process ends at once, since a normal interpreter exit after a failed
+        # distributed load sometimes aborts in gloo's threads (measured: 2 of 6 runs,
         # "terminate called without an active exception", status -6).
-        from lct.cli._util import error_line
-        click.echo(error_line(e, click.get_current_context().command), err=True)
+        failed = getattr(e, "failed_rank", None)
+        if failed is None or str(failed) == me:          # this rank's own failure
+            lct_error = isinstance(e, LCTError)
+            if not lct_error or os.environ.get("LCT_DEBUG"):
+                traceback.print_exc()
+            line = error_line(e, click.get_current_context().command) if lct_error else \
+                f"error: {type(e).__name__}: {e} (a bug in LCT: the traceback above)"
+            if me is not None:
+                line = f"error: rank {me}: {line.removeprefix('error: ')}"
+            click.echo(line, err=True)
         sys.stdout.flush()
         sys.stderr.flush()
         os._exit(1)

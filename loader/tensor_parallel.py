@@ -6,7 +6,13 @@ tensor-parallel plan (DTensor placements, forward hooks, the device mesh), then 
 artifact's groups (the same prefetch window and checksums as ``lct.load``) and keeps of each
 tensor only its own slice. A rank never holds more than one group's decoded tensors besides its
 shards. Whatever goes wrong on one rank ends every rank with that error: the ranks agree on
-success before anyone runs a collective of the model.
+success before anyone runs a collective of the model. A rank that failed raises its own error;
+the others raise one naming that rank (``failed_rank``), so that each failure can be said once.
+torch's DTensor UserWarnings are not shown while the model is built and filled.
+
+``launch`` starts the ranks of a job on this machine itself (``lct load ART --tp N``), as
+``torchrun --nproc_per_node N`` would, without torchrun's own report of a failed rank (a
+traceback of the launcher under the ranks' errors).
 """
 
 from __future__ import annotations
@@ -14,6 +20,7 @@ from __future__ import annotations
 import os
 import time
 from contextlib import contextmanager
+from dataclasses import dataclass
 
 from lct import errors
 from lct.errors import LCTError, OptionError
@@ -21,6 +28,9 @@ from lct.format.encodings import is_lossy
 
 # Bytes of an error message the ranks exchange (UTF-8, cut to fit); no pickle crosses ranks.
 _MESSAGE_BYTES = 2048
+# How long ``launch`` lets the other ranks run on after one has failed: they end at once when
+# they agree on the failure; one left in a collective by a rank that died waits for ever.
+LAUNCH_GRACE_S = 30.0
 
 
 def load_tp(path, options=None, *, tp_plan="auto", stats=None):
@@ -44,16 +54,13 @@ def load_tp(path, options=None, *, tp_plan="auto", stats=None):
 
     Raises:
         LCTError: no process group, a plan or model this cannot shard, or any rank's failure
-            (on every rank, naming the rank and the chunk).
+            (on every rank: a rank that failed raises its own error, the others one of its
+            class naming that rank and the chunk, with ``failed_rank`` set to it).
     """
-    from concurrent.futures import ThreadPoolExecutor
-
     import torch.distributed as dist
 
-    from lct.loader.build import DECODE_NICE
     from lct.loader.source import LoadOptions, LoadStats
     options = options or LoadOptions()
-    device, dtype, nf4 = options.device, options.dtype, options.nf4
     if not dist.is_available() or not dist.is_initialized():
         raise LCTError("tensor-parallel loading needs an initialised torch.distributed process "
                        "group (launch with torchrun)", option="tp_plan")
@@ -61,8 +68,20 @@ def load_tp(path, options=None, *, tp_plan="auto", stats=None):
         raise LCTError(f"tp_plan {tp_plan!r}: only 'auto' (the model's own plan) is supported",
                        option="tp_plan")
     from lct.loader.build import check_device
-    check_device(device)
+    check_device(options.device)
     stats = stats if stats is not None else LoadStats()
+    with dtensor_warnings_ignored():
+        return _load_checked(path, options, stats)
+
+
+def _load_checked(path, options, stats):
+    """``load_tp`` once the group and the options are checked."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    import torch.distributed as dist
+
+    from lct.loader.build import DECODE_NICE
+    device, dtype, nf4 = options.device, options.dtype, options.nf4
     t0 = time.perf_counter()
     if str(device).startswith("cuda"):   # the current device is per thread: set it where we install
         import torch
@@ -416,8 +435,8 @@ def rank_group(device="cpu"):
     Yields ``(rank, world size)``."""
     import torch.distributed as dist
     if "RANK" not in os.environ and not dist.is_initialized():
-        raise OptionError("tensor-parallel loading runs under torchrun (RANK is not set)",
-                          option="tp")
+        raise OptionError("tensor-parallel loading runs as one of the ranks of a job (RANK is "
+                          "not set)", option="tp")
     if not dist.is_initialized():
         from lct.loader.build import check_device
         check_device(device)
@@ -441,9 +460,105 @@ def in_turn(fn) -> None:
         dist.barrier()
 
 
+@contextmanager
+def dtensor_warnings_ignored():
+    """Within the block, the UserWarnings of torch's DTensor (``torch.distributed.tensor``, such
+    as "DTensor random operators may not have complete support on cpu device mesh" as
+    transformers initialises a sharded model) are not shown; every other warning is, and the
+    filters are as they were after the block."""
+    import warnings
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", category=UserWarning,
+                                module=r"torch\.distributed\.tensor(\.|$)")
+        yield
+
+
+@dataclass
+class RankExit:
+    """How one rank that ``launch`` started ended."""
+
+    rank: int
+    code: int           # its exit status; negative: the signal that ended it
+    stopped: bool       # ended by ``launch``: still running ``LAUNCH_GRACE_S`` after a failure
+
+
+def launch(world: int, argv: list, *, env: dict | None = None,
+           grace_s: float = LAUNCH_GRACE_S) -> list:
+    """Run ``argv`` as the ``world`` ranks of one job on this machine, as ``torchrun
+    --nproc_per_node world`` does on one node: each with its ``RANK``, ``LOCAL_RANK``,
+    ``WORLD_SIZE``, ``LOCAL_WORLD_SIZE``, ``MASTER_ADDR`` and ``MASTER_PORT`` (a free loopback
+    port), and ``OMP_NUM_THREADS=1`` for several ranks unless it is set; and wait for them.
+    The ranks write to this process's stdout and stderr; the launcher itself writes nothing.
+    Once a rank has failed the others have ``grace_s`` seconds to end, then are stopped.
+
+    Args:
+        world: the number of ranks, at least 1.
+        argv: the command each rank runs (``[sys.executable, "-m", "lct", "load", ...]``).
+        env: the ranks' environment besides those variables (default: this process's).
+        grace_s: how long the other ranks may run on after one has failed.
+
+    Returns:
+        A ``RankExit`` per rank, in rank order.
+
+    Raises:
+        OptionError: ``world`` below 1.
+        KeyboardInterrupt: a Ctrl-C; the ranks (which had it too) are ended first.
+
+    Example:
+        >>> [x.code for x in launch(2, [sys.executable, "-m", "lct", "load", "m.lct", "--tp"])]
+        [0, 0]
+    """
+    import socket
+    import subprocess
+    if world < 1:
+        raise OptionError(f"{world} ranks: a job has at least one", option="tp")
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    base = dict(os.environ if env is None else env)
+    if world > 1:
+        base.setdefault("OMP_NUM_THREADS", "1")
+    procs, stopped = [], set()
+    try:
+        for rank in range(world):
+            procs.append(subprocess.Popen(argv, stdin=subprocess.DEVNULL, env=dict(
+                base, RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(world),
+                LOCAL_WORLD_SIZE=str(world), MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))))
+        deadline = None
+        while any(p.poll() is None for p in procs):
+            if deadline is None and any(p.returncode for p in procs):
+                deadline = time.monotonic() + grace_s
+            if deadline is not None and time.monotonic() > deadline:
+                stopped = {r for r, p in enumerate(procs) if p.poll() is None}
+                break
+            time.sleep(0.05)
+    finally:
+        _end(procs, 0.0 if stopped else 5.0)
+    return [RankExit(r, p.returncode, r in stopped) for r, p in enumerate(procs)]
+
+
+def _end(procs: list, wait_s: float) -> None:
+    """Give the ``procs`` still running ``wait_s`` seconds to end, then SIGTERM, then SIGKILL."""
+    import subprocess
+    deadline = time.monotonic() + wait_s
+    for step in (None, "terminate", "kill"):
+        for p in procs:
+            if p.poll() is None and step is not None:
+                getattr(p, step)()
+        for p in procs:
+            try:
+                p.wait(timeout=max(0.0, deadline - time.monotonic()))
+            except subprocess.TimeoutExpired:
+                pass
+        if all(p.poll() is not None for p in procs):
+            return
+        deadline = time.monotonic() + 5.0
+
+
 def _agree(failure: BaseException | None) -> None:
-    """Every rank learns whether any rank failed, and raises the first failure (by rank) as its
-    own error class, naming that rank: no rank is left waiting in a collective."""
+    """Every rank learns whether any rank failed: no rank is left waiting in a collective. A rank
+    that failed raises its own ``failure``; any other raises the first failure (by rank) as its
+    error class, naming that rank, with ``failed_rank`` set to it."""
     import torch
     import torch.distributed as dist
     payload = torch.zeros(_MESSAGE_BYTES + 1, dtype=torch.uint8)
@@ -463,6 +578,8 @@ def _agree(failure: BaseException | None) -> None:
             cls = getattr(errors, kind, None)
             if not (isinstance(cls, type) and issubclass(cls, LCTError)):
                 cls = LCTError
-            if failure is not None and rank == dist.get_rank():
+            if failure is not None:
                 raise failure
-            raise cls(f"rank {rank}: {message}")
+            err = cls(f"rank {rank}: {message}")
+            err.failed_rank = rank
+            raise err

@@ -150,6 +150,29 @@ def test_a_corrupt_chunk_on_one_rank_ends_every_rank_with_the_typed_error(llama_
         assert r["error"].startswith("ChecksumError"), r
         assert f"chunk {chunk.id}" in r["error"], r
     assert "rank 1: " in results[0]["error"]
+    # rank 0 only heard of it (and says whose it is), rank 1 raised its own
+    assert results[0]["failed_rank"] == 1 and results[1]["failed_rank"] is None
+
+
+def _one_kv_head(tmp_path):
+    """A tiny Gemma with one key/value head (whose heads no tensor-parallel plan splits over
+    2 ranks), converted."""
+    from lct.demo import tiny
+    src = tiny.save_tiny(tmp_path / "gemma1", "gemma")
+    art = tmp_path / "gemma1.lct"
+    lct.convert(str(src), art)
+    return src, art
+
+
+def test_every_rank_that_fails_raises_its_own_error(tmp_path):
+    """Issue 37.8: two ranks that fail alike each raise their own error; rank 1 raised rank 0's
+    ('rank 0: ...'), as if it had not failed itself."""
+    src, art = _one_kv_head(tmp_path)
+    results = launch(2, art, src, tmp_path / "out")
+    for r in results:
+        assert r["error"] == f"LCTError: {art}: num_key_value_heads = 1 does not divide over 2 " \
+                             f"ranks; tensor-parallel attention needs whole heads on every rank", r
+        assert r["failed_rank"] is None, r
 
 
 def _lct_load_tp(art, cwd, *args):
@@ -159,6 +182,81 @@ def _lct_load_tp(art, cwd, *args):
          "--master_port", str(_free_port()), "-m", "lct", "load", str(art), "--tp", *args],
         capture_output=True, text=True, timeout=TIMEOUT, cwd=cwd,
         env=dict(os.environ, OMP_NUM_THREADS="1"))
+
+
+def _lct_load_tp_n(art, cwd, *args, env=None):
+    """``lct load ART --tp 2 ARGS``: LCT starts the two ranks itself."""
+    return subprocess.run(
+        [sys.executable, "-m", "lct", "load", str(art), "--tp", "2", *args],
+        capture_output=True, text=True, timeout=TIMEOUT, cwd=cwd,
+        env=dict(env or os.environ, OMP_NUM_THREADS="1"))
+
+
+def test_cli_tp_n_says_each_ranks_error_in_one_line(tmp_path):
+    """Issue 37.8: a model whose key/value heads do not divide over the ranks. Under torchrun
+    the line came under ~40 lines of torchrun's traceback, and rank 1 printed rank 0's error;
+    ``lct load ART --tp 2`` starts the ranks itself and prints one line per failed rank, its
+    number and its error, and nothing else: no traceback, no torch warning."""
+    src, art = _one_kv_head(tmp_path)
+    out = _lct_load_tp_n(art, tmp_path, "--ids", "1,5,9")
+    assert out.returncode == 1, out.stderr[-3000:]
+    why = f"{art}: num_key_value_heads = 1 does not divide over 2 ranks; tensor-parallel " \
+          f"attention needs whole heads on every rank"
+    assert sorted(out.stderr.splitlines()) == [f"error: rank {r}: {why}" for r in (0, 1)], \
+        out.stderr[-3000:]
+    assert out.stdout == ""
+    assert "Traceback" not in out.stderr and "UserWarning" not in out.stderr
+
+
+def test_cli_tp_n_loads_and_generates_without_torch_warnings(tmp_path):
+    """``lct load ART --tp 2 --ids ...``: both ranks' lines and rank 0's text, and no
+    UserWarning of torch's DTensor (they leaked into the normal output; only --quiet hid
+    them, with every other warning)."""
+    from lct.demo import tiny
+    src = tiny.save_tiny(tmp_path / "gemma", "gemma", num_attention_heads=4,
+                         num_key_value_heads=2)
+    art = tmp_path / "gemma.lct"
+    lct.convert(str(src), art)
+    out = _lct_load_tp_n(art, tmp_path, "--ids", "1,5,9", "--max-new-tokens", "2")
+    assert out.returncode == 0, out.stderr[-3000:]
+    lines = out.stdout.splitlines()
+    assert [ln.split(":")[0] for ln in lines if ln.startswith("rank ")] == \
+        ["rank 0/2", "rank 1/2"], out.stdout
+    assert len([ln for ln in lines if ln.startswith("output: ")]) == 1, out.stdout
+    assert "Warning" not in out.stderr and "Traceback" not in out.stderr, out.stderr[-3000:]
+    # under torchrun too, without --quiet
+    out = _lct_load_tp(art, tmp_path, "--ids", "1,5,9", "--max-new-tokens", "2")
+    assert out.returncode == 0, out.stderr[-3000:]
+    assert "Warning" not in out.stderr, out.stderr[-3000:]
+
+
+def test_cli_tp_n_shows_a_bugs_traceback_and_its_line(tmp_path):
+    """An error that is not LCT's (a bug, here a RuntimeError put into the load) keeps its
+    traceback, followed by the rank's line saying it is a bug; a bad argument is refused
+    before any rank starts."""
+    from lct.demo import tiny
+    src = tiny.save_tiny(tmp_path / "gemma", "gemma", num_attention_heads=4,
+                         num_key_value_heads=2)
+    art = tmp_path / "gemma.lct"
+    lct.convert(str(src), art, policy=Policy(nf4=()))
+    site = tmp_path / "site"
+    site.mkdir()
+    (site / "sitecustomize.py").write_text(
+        "import lct.loader.tensor_parallel as tp\n"
+        "def _bug(*args):\n"
+        "    raise RuntimeError('injected')\n"
+        "tp._rank_chunks = _bug\n")
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join(
+        [str(site)] + [p for p in [os.environ.get("PYTHONPATH")] if p]))
+    out = _lct_load_tp_n(art, tmp_path, "--ids", "1,5,9", env=env)
+    assert out.returncode == 1, out.stderr[-3000:]
+    for r in (0, 1):
+        assert f"error: rank {r}: RuntimeError: injected (a bug in LCT: the traceback " \
+               f"above)" in out.stderr.splitlines(), out.stderr[-3000:]
+    assert out.stderr.count("Traceback (most recent call last)") == 2, out.stderr[-3000:]
+    bad = subprocess.run([sys.executable, "-m", "lct", "load", "--tp", str(art)],
+                         capture_output=True, text=True, timeout=TIMEOUT)
+    assert bad.returncode == 2 and "is not a number of ranks" in bad.stderr, bad.stderr
 
 
 def test_without_a_process_group_the_error_says_what_to_do(llama_src, tmp_path):
@@ -411,6 +509,7 @@ def test_cli_under_torchrun_fails_with_one_line_on_every_rank(llama_src, tmp_pat
     assert out.returncode == 1
     errors = [ln for ln in out.stderr.splitlines() if ln.startswith("error: ")]
     assert len(errors) == 2 and all(f"chunk {chunk.id}" in e for e in errors), out.stderr[-2000:]
+    assert sorted(e.split(":")[1] for e in errors) == [" rank 0", " rank 1"], errors
     assert "terminate called" not in out.stderr and "exitcode  : -6" not in out.stderr
 
 

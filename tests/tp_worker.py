@@ -27,6 +27,7 @@ def main(art: str, src: str, out: str, nf4: str, corrupt_rank: int, stream: bool
                          stream=stream)
     except Exception as e:  # noqa: BLE001 - reported to the test
         result["error"] = f"{type(e).__name__}: {e}"
+        result["failed_rank"] = getattr(e, "failed_rank", None)    # another rank's failure
         Path(out, f"rank{rank}.json").write_text(json.dumps(result))
         dist.barrier()                  # leave together: gloo's threads abort an untidy exit
         dist.destroy_process_group()
