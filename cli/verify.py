@@ -54,7 +54,8 @@ def verify_cmd(artifact, against, revision, quality, text, budget, max_tokens, l
                quality_dtype, expect, as_json, quiet):
     """Check every chunk of ARTIFACT (a folder, hf://org/name[@rev], pulled first, or
     s3://bucket/prefix, read by range requests):
-    checksum and decode. Exits 1 if anything is wrong, or with --quality if the lossy parts cost
+    checksum and decode, every scale of a quantized table finite, every tensor of a type the
+    model holds. Exits 1 if anything is wrong, or with --quality if the lossy parts cost
     more than --budget.
 
     With --against SOURCE, every tensor is compared with the source: lossless ones bit for bit,

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from lct.errors import LCTError
+from lct.errors import LCTError, PolicyError
 from lct.format.encodings import get_encoding
 from lct.io.check import check_artifact
 from lct.io.reader import Artifact, open_artifact
@@ -55,7 +55,11 @@ def _compare(name, info, got, ref) -> TensorCheck:
             return TensorCheck(name, kind, False, nan, nan, nan,
                                note=f"shape {tuple(got.shape)} differs from the source's "
                                     f"{tuple(ref.shape)}")
-        codes, scales = enc.quantize(ref, getattr(got, "blocksize", None), name)
+        try:
+            codes, scales = enc.quantize(ref, getattr(got, "blocksize", None), name)
+        except PolicyError as e:    # a source no writer could have stored so
+            nan = float("nan")
+            return TensorCheck(name, kind, False, nan, nan, nan, note=str(e))
         stored = enc.parts(got)
         same = torch.equal(codes.reshape(-1), stored[0].reshape(-1)) and torch.equal(
             scales.reshape(-1), stored[1].reshape(-1).to(scales.dtype))
@@ -108,8 +112,10 @@ def verify(artifact, *, against: str | None = None, revision: str | None = None,
             --quality`` exits 1 when it is over.
 
     What a report that is OK proves: every chunk's stored bytes match their checksum and
-    decode to what the manifest declares, every byte between chunks is zero, the side files
-    are the ones recorded, and the tensors fill the model config.json builds; with
+    decode to what the manifest declares, every scale a lossy tensor stores is finite, every
+    byte between chunks is zero, the side files are the ones recorded, and the tensors fill
+    the model config.json builds, each of a type the model holds there (as ``lct.load``
+    checks); with
     ``against``, every tensor equals the source's (lossless ones bit for bit, quantized ones
     quantized again, or dequantized where the source is the artifact's own export). What it
     does not: that the manifest is the one its writer wrote. Its
@@ -179,10 +185,12 @@ def conversion_budget(art) -> float:
 def model_misfits(art) -> list:
     """What keeps the artifact's tensors from filling the model its config.json builds (names
     and shapes against transformers' skeleton on the meta device, with the checkpoint renames
-    and ties the load applies), one line each: a ``verify`` that says OK means the artifact
-    loads as a whole model."""
+    and ties the load applies; each tensor's stored type against what the model holds there,
+    the check ``lct.load`` makes before it installs anything, ``StoredDtypes``), one line
+    each: a ``verify`` that says OK means the artifact loads as a whole model."""
     from lct.errors import ArchitectureError
     from lct.loader.build import build_skeleton
+    from lct.loader.source import StoredDtypes
     if not (art.path / "config.json").is_file():
         return [f"{art.path}: no config.json, so no model can be built from the artifact"]
     try:
@@ -190,7 +198,14 @@ def model_misfits(art) -> list:
     except (ArchitectureError, LCTError) as e:
         return [f"{art.path / 'config.json'}: {e}"]
     shapes = {n: t.shape for n, t in art.manifest.tensors.items()}
-    return [f"{art.path}: {m}" for m in arch.misfits(shapes)]
+    out = [f"{art.path}: {m}" for m in arch.misfits(shapes)]
+    check = StoredDtypes(art, arch)
+    for name in art.manifest.tensors:
+        try:
+            check(name, arch.target(name)[0])
+        except LCTError as e:
+            out.append(str(e))
+    return out
 
 
 def _check_group(art, group, bufs, src, src_tensors, report) -> None:

@@ -163,6 +163,7 @@ class Encoding(abc.ABC):
     """How a tensor's values are kept (FORMAT.md 2.2)."""
 
     name: str
+    since: tuple = (1, 0)           # the format version that introduced it (FORMAT.md 2.2)
     lossy: bool = False
     key: str | None = None          # the tensor entry's placement object (its scales), if any
     label: str = ""                 # for messages: "NF4", "int8"
@@ -205,12 +206,22 @@ class Encoding(abc.ABC):
         returns ``(placement object or None, (scale offset, scale nbytes) or None)``. Raises
         ``ManifestError`` naming the tensor ``w``."""
 
+    def check_version(self, version: tuple, w: str, where: str) -> None:
+        """Refuse (``ManifestError`` naming the tensor ``w``) this encoding in a manifest whose
+        ``format_version`` is older than the version that introduced it (FORMAT.md 2.2): a
+        reader of that version could not have read it."""
+        if tuple(version) < self.since:
+            _fail(where, f"{w}: encoding {self.name!r} needs format_version "
+                         f"{self.since[0]}.{self.since[1]} or later, the manifest declares "
+                         f"{version[0]}.{version[1]}")
+
 
 class LossyEncoding(Encoding):
     """An encoding of the embedding and head tables: codes and float32 scales, quantized from
     the source and dequantized at load."""
 
     lossy = True
+    scale_name = "scale"            # for messages: what a stored scale is called
 
     def _check_common(self, obj, w: str, dtype: str, stored_dtype, where: str) -> None:
         """What every lossy encoding's entry must say: its name as ``stored_dtype``, a float
@@ -253,6 +264,31 @@ class LossyEncoding(Encoding):
         """A ``[rows, k]`` tensor of the stored ``weight``'s scales: a row whose marker is all
         zero dequantizes to zeros (what padding detection reads instead of the whole table)."""
 
+    def scales(self, weight):
+        """The stored ``weight``'s scales as floats, ``[rows, scales a row]`` (NF4's absmax,
+        int8's float32 scales, a block's float16 ``d``): what must be finite."""
+        return self.parts(weight)[1].reshape(math.prod(weight.shape[:-1]), -1)
+
+    def bad_scale(self, weight) -> str | None:
+        """Where the first stored scale of ``weight`` that is NaN or Inf lies and what it is
+        (``"row 17, block 3: d = inf"``), or None when every one is finite: FORMAT.md 2.2
+        says a stored scale MUST be finite, a writer never writes another and a verifying
+        reader refuses one.
+
+        Example:
+            >>> get_encoding("q8_0").bad_scale(weight)     # None: all finite
+        """
+        import torch
+        grid = self.scales(weight)
+        bad = ~torch.isfinite(grid)
+        if not bool(bad.any()):
+            return None
+        per_row = grid.shape[1] if grid.dim() > 1 else 1
+        first = int(bad.reshape(-1).to(torch.uint8).argmax())
+        row, block = divmod(first, per_row)
+        at = f"row {row}" + (f", block {block}" if per_row > 1 else "")
+        return f"{at}: {self.scale_name} = {grid.reshape(-1)[first].item()}"
+
 
 @register
 class Plain(Encoding):
@@ -283,6 +319,7 @@ class NF4(LossyEncoding):
     name = C.ENCODING_NF4
     key = "nf4"
     label = "NF4"
+    scale_name = "absmax"
     described = "NF4 (blocksize {blocksize}, bitsandbytes layout)"
     blocked = True
 
@@ -358,6 +395,7 @@ class Int8(LossyEncoding):
     """int8 codes, one float32 scale per row (absmax / 127), rounded half to even."""
 
     name = C.ENCODING_INT8
+    since = (1, 1)
     key = "int8"
     label = "int8"
     described = "int8 with one scale per row"
@@ -445,6 +483,7 @@ class Int8B128(Int8):
     each block (8.25 bits a value), the scales ``[rows, cols / 128]`` after the codes."""
 
     name = C.ENCODING_INT8_B128
+    since = (1, 5)
     key = "int8"                    # the same placement object as int8's
     label = "int8_b128"             # its registry name and flag: one name in every message
     described = "int8 with one scale per 128 values"
@@ -467,6 +506,7 @@ class BlockEncoding(LossyEncoding):
     d_bytes: slice          # where in a block its float16 scale ``d`` lies
     codec_module: str
     weight_class: type
+    scale_name = "d"
 
     def codec(self):
         """The codec module (``quantize``, ``dequantize``)."""
@@ -498,7 +538,15 @@ class BlockEncoding(LossyEncoding):
 
     def quantize(self, t, blocksize, where):
         import torch
-        return self.codec().quantize(t, where), torch.empty(0, dtype=torch.float32)
+
+        from lct.errors import PolicyError
+        blocks = self.codec().quantize(t, where)
+        # finite values can still give a float16 d past 65504 (Inf): refused, as the spec says
+        bad = self.bad_scale(self.weight_class(where, blocks, tuple(t.shape), "float32"))
+        if bad is not None:
+            raise PolicyError(f"{where}: {self.label} cannot encode values this large ({bad}: "
+                              f"its float16 scale overflows; a stored scale must be finite)")
+        return blocks, torch.empty(0, dtype=torch.float32)
 
     def roundtrip(self, w, blocksize, wf=None):
         codec = self.codec()
@@ -523,6 +571,12 @@ class BlockEncoding(LossyEncoding):
         # every block's float16 scale d: where it is zero, the block dequantizes to zeros
         return weight.blocks.view(weight.shape[0], -1, self.block_bytes)[:, :, self.d_bytes]
 
+    def scales(self, weight):
+        import torch
+        rows = math.prod(weight.shape[:-1])
+        d = weight.blocks.reshape(rows, -1, self.block_bytes)[:, :, self.d_bytes]
+        return d.contiguous().view(torch.float16).squeeze(-1)
+
 
 @register
 class Q8_0(BlockEncoding):
@@ -531,6 +585,7 @@ class Q8_0(BlockEncoding):
     tensor's bytes."""
 
     name = C.ENCODING_Q8_0
+    since = (1, 3)
     label = "Q8_0"
     described = "Q8_0 (llama.cpp's blocks: a float16 scale per 32 values)"
     block, block_bytes, d_bytes = C.Q8_0_BLOCK, C.Q8_0_BLOCK_BYTES, slice(0, 2)
@@ -546,6 +601,7 @@ class Q6_K(BlockEncoding):
     reference quantizer does."""
 
     name = C.ENCODING_Q6_K
+    since = (1, 4)
     label = "Q6_K"
     described = ("Q6_K (llama.cpp's 6-bit blocks: 16 int8 scales and a float16 scale per 256 "
                  "values)")

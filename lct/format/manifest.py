@@ -491,7 +491,7 @@ def _parse(d, where: str) -> Manifest:
     tensors: dict[str, TensorInfo] = {}
     spans = []
     for i, t in enumerate(raw_tensors):
-        info = _tensor(t, i, chunks, where)
+        info = _tensor(t, i, chunks, where, tuple(ver))
         if info.name in tensors:
             _fail(where, f"tensor name {info.name!r} appears twice")
         tensors[info.name] = info
@@ -619,7 +619,8 @@ def _chunk(c, i: int, files: list, groups: set, where: str) -> ChunkInfo:
                      binding, decoded_sum)
 
 
-def _tensor(t, i: int, chunks: list, where: str) -> TensorInfo:
+def _tensor(t, i: int, chunks: list, where: str, version: tuple) -> TensorInfo:
+    """Validate tensor entry ``i`` (FORMAT.md 2.2, 2.3) of a manifest of format ``version``."""
     if not isinstance(t, dict):
         _fail(where, f"tensors[{i}] must be an object")
     name = _str(t.get("name"), where, f"tensors[{i}].name")
@@ -640,14 +641,21 @@ def _tensor(t, i: int, chunks: list, where: str) -> TensorInfo:
         if own:
             _fail(where, f"{w}: a tensor stored as pieces has no '{own[0]}' of its own; each "
                          f"piece carries its place (section 2.3)")
-        return _pieced(t, name, tuple(shape), dtype, chunks, where)
+        return _since(_pieced(t, name, tuple(shape), dtype, chunks, where), version, where)
     if "row_order" in t:
         row_order = t["row_order"]
         if row_order is not None and row_order != C.ROW_ORDER_MAXIMUS:
             raise UnsupportedVersionError(f"{where}: {w}: unknown row_order {row_order!r}")
         _fail(where, f"{w}: row_order {row_order!r} applies only to a tensor stored as pieces "
                      f"(section 2.2); this one has a single placement")
-    return _placement(t, name, tuple(shape), dtype, chunks, where)
+    return _since(_placement(t, name, tuple(shape), dtype, chunks, where), version, where)
+
+
+def _since(info: TensorInfo, version: tuple, where: str) -> TensorInfo:
+    """``info``, once its encoding is one that format ``version`` has (FORMAT.md 2.2: each
+    encoding needs the version that introduced it)."""
+    get_encoding(info.encoding).check_version(version, f"tensor {info.name!r}", where)
+    return info
 
 
 def _pieced(t: dict, name: str, shape: tuple, dtype: str, chunks: list, where: str) -> TensorInfo:

@@ -1,5 +1,6 @@
 """Checking an open artifact end to end: every chunk against its checksum (and decoded, or
-only its stored bytes), the Maximus state file, the side files copied from the source.
+only its stored bytes; decoded, every stored scale of a lossy tensor finite), the Maximus state
+file, the side files copied from the source.
 
 ``lct verify`` adds its comparison with the source through ``on_group``; ``lct push`` and
 ``lct pull`` run it as it is.
@@ -36,7 +37,8 @@ def check_artifact(art, *, decode: bool = True, side_files: bool = True, chunks:
 
     Args:
         art: an open ``lct.io.reader.Artifact``.
-        decode: decode each chunk too (False: only its stored bytes against the checksum, as a
+        decode: decode each chunk too, and check that every scale a lossy tensor stores in it
+            is finite (FORMAT.md 2.2) (False: only its stored bytes against the checksum, as a
             download check needs).
         side_files: also compare the side files with the source's sizes and hashes the
             manifest records.
@@ -78,8 +80,34 @@ def check_artifact(art, *, decode: bool = True, side_files: bool = True, chunks:
                     art.release(chunk)
             except LCTError as e:
                 report.problems.append((name, str(e)))
+        if decode:
+            report.problems += _bad_scales(art, group, bufs)
         if on_group is not None and decode:
             on_group(group, bufs)
         if progress:
             progress(group, i + 1, len(groups))
     return report
+
+
+def _bad_scales(art, group: str, bufs: dict) -> list:
+    """``(file name, message)`` for each lossy tensor (or piece) of ``group`` whose stored scales
+    hold a NaN or Inf (FORMAT.md 2.2: a stored scale MUST be finite), naming the first such
+    block; a tensor whose chunk failed to decode is left out (already reported)."""
+    from lct.format.encodings import get_encoding
+    m = art.manifest
+    out = []
+    for info in m.group_tensors(group):
+        enc = get_encoding(info.encoding)
+        if not enc.lossy:
+            continue
+        for p in info.placements():
+            if p.chunk not in bufs:
+                continue
+            bad = enc.bad_scale(art.tensor_from_buffer(p, bufs[p.chunk], dequantize=False))
+            if bad is not None:
+                name = m.files[m.chunks[p.chunk].file]["name"]
+                out.append((name, f"{art.path / name}: chunk {p.chunk} ({group}): tensor "
+                                  f"{p.name!r} ({info.encoding}) stores a scale that is not "
+                                  f"finite, first at {bad} (FORMAT.md 2.2: a stored scale must "
+                                  f"be finite)"))
+    return out
