@@ -163,7 +163,8 @@ def engine_env(tmp_path_factory):
     cache = tmp_path_factory.mktemp("vllm-cache")
     env = dict(os.environ, VLLM_ENABLE_V1_MULTIPROCESSING="0", VLLM_CPU_KVCACHE_SPACE="1",
                HF_HUB_OFFLINE="1", VLLM_CACHE_ROOT=str(cache / "vllm"),
-               TORCHINDUCTOR_CACHE_DIR=str(cache / "inductor"), TMPDIR=str(cache))
+               TORCHINDUCTOR_CACHE_DIR=str(cache / "inductor"), TMPDIR=str(cache),
+               LCT_CACHE_DIR=str(cache / "lct-decoded"))   # on by default: never ~/.cache
     env.pop("VLLM_PLUGINS", None)       # an allow-list would hide the entry point
     return env
 
