@@ -167,3 +167,65 @@ def test_layerwise_quality_on_a_tied_table(tmp_path):
     streamed = measure_quality(art, str(src), max_tokens=120, block=64, layerwise=True)
     assert streamed.ppl_reference == pytest.approx(whole.ppl_reference, rel=1e-5)
     assert streamed.kl_mean == pytest.approx(whole.kl_mean, rel=1e-4, abs=1e-7)
+
+
+def _whole_sums(model, ref, blocks) -> dict:
+    """``score``'s sums from each block's whole logits, as it computed them before issue 37.6."""
+    sums = {"nll": 0.0, "nll_ref": 0.0, "agree": 0, "kl": 0.0, "kl_max": 0.0, "n": 0}
+    with torch.no_grad():
+        for b in blocks:
+            x = torch.tensor([b])
+            lp = F.log_softmax(model(x).logits[0, :-1].float(), -1)
+            lr = F.log_softmax(ref(x).logits[0, :-1].float(), -1)
+            sums["nll"] -= lp.gather(1, x[0, 1:, None]).sum().item()
+            sums["nll_ref"] -= lr.gather(1, x[0, 1:, None]).sum().item()
+            sums["agree"] += int((lp.argmax(-1) == lr.argmax(-1)).sum())
+            kl = (lr.exp() * (lr - lp)).sum(-1)
+            sums["kl"] += kl.sum().item()
+            sums["kl_max"] = max(sums["kl_max"], kl.max().item())
+            sums["n"] += len(b) - 1
+    return sums
+
+
+@pytest.mark.parametrize("head", ["plain", "nf4"])
+def test_scoring_holds_the_logits_of_a_few_positions_and_gives_the_whole_numbers(src, arts,
+                                                                                 head, tmp_path):
+    """Issue 37.6: the logits of a whole block ([tokens, vocab]: 0.5 GB in float32 for 512
+    positions of a 262k vocabulary) never exist. Each model's trunk runs once a block, its head
+    on at most ``positions`` positions a call, and the sums equal those of whole logits: within
+    1e-6 relative where the head is a plain matrix (NF4 embedding, plain head). LCT's kept NF4
+    head picks its kernel by the rows it is given, so its logits move by an ulp between a
+    slice and the whole, and the KL (a difference of close log-probabilities) by about 2e-5
+    relative; perplexities stay within 1e-6."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from lct.conversion import sample_text
+    from lct.conversion.quality import score
+    art = arts[0]
+    if head == "plain":
+        art = tmp_path / "embed-nf4.lct"
+        lct.convert(str(src), art, policy=Policy(nf4=("embed",)))
+    model = lct.load(art, dtype=torch.float32)
+    ref = AutoModelForCausalLM.from_pretrained(src, dtype=torch.float32).eval()
+    assert (type(model.get_output_embeddings()).__name__ == "NF4Linear") == (head == "nf4")
+    blocks = token_blocks(AutoTokenizer.from_pretrained(art), sample_text.samples(), 300, 130)
+    assert [len(b) for b in blocks] == [130, 130, 43]     # slices of 50, 50 and 30
+    sums = _whole_sums(model, ref, blocks)
+    heads, trunks = [], []
+    hooks = [m.get_output_embeddings().register_forward_hook(
+        lambda mod, i, o: heads.append(o.shape[-2])) for m in (model, ref)]
+    hooks += [m.model.layers[0].register_forward_hook(lambda *a: trunks.append(1))
+              for m in (model, ref)]
+    try:
+        got = score(model, ref, blocks, positions=50)
+    finally:
+        for h in hooks:
+            h.remove()
+    # every position, the last one's logits (which score nothing) in the last slice
+    assert max(heads) == 50 and sum(heads) == 2 * sum(len(b) for b in blocks)
+    assert len(trunks) == 2 * len(blocks)                 # each model's trunk once a block
+    assert got["n"] == sums["n"] and got["agree"] == sums["agree"]
+    assert sums["kl"] > 0                                 # the embedding is lossy
+    for key in ("nll", "nll_ref", "kl", "kl_max"):
+        rel = 1e-6 if head == "plain" or key.startswith("nll") else 1e-4
+        assert got[key] == pytest.approx(sums[key], rel=rel), key

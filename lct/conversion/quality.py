@@ -5,6 +5,9 @@ token agrees, and the KL divergence of the next-token distributions.
 Text is cut into non-overlapping blocks of ``block`` tokens (tokenised with the artifact's
 tokenizer); every position but a block's first is scored. Perplexity is exp of the mean negative
 log-likelihood of the true next token; KL is ``sum p_ref * (log p_ref - log p)`` per position.
+Each model's trunk runs once per block; its head (and what follows it, a logit soft-cap) runs
+on ``SCORE_POSITIONS`` positions at a time, so that the logits of a large vocabulary are never
+held for a whole block (512 positions of a 262k vocabulary are 0.5 GB a tensor in float32).
 """
 
 from __future__ import annotations
@@ -17,6 +20,7 @@ from lct.errors import LCTError
 
 DEFAULT_MAX_TOKENS = 4096
 DEFAULT_BLOCK = 512
+SCORE_POSITIONS = 128       # positions whose logits exist at once (score)
 TEXT_SUFFIXES = (".txt", ".md", ".rst", ".py", ".json", ".jinja", ".c", ".h", ".js", ".html")
 
 
@@ -100,8 +104,10 @@ def token_blocks(tokenizer, texts: list, max_tokens: int, block: int,
     return blocks
 
 
-def score(model, reference, blocks: list, progress=None) -> dict:
-    """Sums over ``blocks`` of both models' next-token statistics (see the module docstring)."""
+def score(model, reference, blocks: list, progress=None,
+          positions: int = SCORE_POSITIONS) -> dict:
+    """Sums over ``blocks`` of both models' next-token statistics (see the module docstring),
+    computed from the logits of ``positions`` positions at a time."""
     import torch
     from torch.nn import functional as F
     sums = {"nll": 0.0, "nll_ref": 0.0, "agree": 0, "kl": 0.0, "kl_max": 0.0, "n": 0}
@@ -109,18 +115,75 @@ def score(model, reference, blocks: list, progress=None) -> dict:
         for i, ids in enumerate(blocks):
             x = torch.tensor([ids])
             target = x[0, 1:]
-            lp = F.log_softmax(model(x).logits[0, :-1].float(), dim=-1)
-            lr = F.log_softmax(reference(x).logits[0, :-1].float(), dim=-1)
-            sums["nll"] += -lp.gather(1, target[:, None]).sum().item()
-            sums["nll_ref"] += -lr.gather(1, target[:, None]).sum().item()
-            sums["agree"] += int((lp.argmax(-1) == lr.argmax(-1)).sum())
-            kl = (lr.exp() * (lr - lp)).sum(-1)
-            sums["kl"] += kl.sum().item()
-            sums["kl_max"] = max(sums["kl_max"], kl.max().item())
+            ours, theirs = _Logits(model, x), _Logits(reference, x)
+            # slices of every position, the last one's (which scores nothing) in the last slice:
+            # a block of ``positions`` or fewer runs its head as the whole forward does
+            for p0 in range(0, x.shape[1], positions):
+                at = torch.arange(p0, min(p0 + positions, x.shape[1]))
+                k = min(len(at), target.numel() - p0)
+                if k <= 0:                  # that last position alone: nothing to score
+                    break
+                lp = F.log_softmax(ours(at)[:k].float(), dim=-1)
+                lr = F.log_softmax(theirs(at)[:k].float(), dim=-1)
+                t = target[p0:p0 + k][:, None]
+                sums["nll"] += -lp.gather(1, t).sum().item()
+                sums["nll_ref"] += -lr.gather(1, t).sum().item()
+                sums["agree"] += int((lp.argmax(-1) == lr.argmax(-1)).sum())
+                kl = (lr.exp() * (lr - lp)).sum(-1)
+                sums["kl"] += kl.sum().item()
+                sums["kl_max"] = max(sums["kl_max"], kl.max().item())
+                del lp, lr, kl
             sums["n"] += target.numel()
             if progress:
                 progress(f"block {i + 1}", i + 1, len(blocks))
     return sums
+
+
+class _Logits:
+    """The logits of ``model`` (a transformers causal LM, or a ``LayerwiseModel``, whose
+    ``.model`` is one) on ids ``x`` [1, T], for the positions asked at each call: the model's
+    own forward with ``logits_to_keep`` (transformers' way to run the head on some positions),
+    its trunk run once and its output kept for the next calls (as the calibration keeps it,
+    ``lct.conversion.policy``). A model whose trunk cannot be kept runs whole on each call; one
+    whose forward takes no ``logits_to_keep`` gives all its logits once, sliced."""
+
+    def __init__(self, model, x):
+        import inspect
+
+        import torch
+        self.hf = model if isinstance(model, torch.nn.Module) else model.model
+        self.x, self.kept, self.whole = x, None, None
+        base = self.hf.base_model
+        self.base = base if base is not self.hf else None
+        if "logits_to_keep" not in inspect.signature(self.hf.forward).parameters:
+            self.whole = self.hf(x).logits[0]
+
+    def __call__(self, at):
+        if self.whole is not None:
+            return self.whole[at]
+        if self.kept is not None:
+            kept, own = self.kept, vars(self.base).get("forward")   # a forward set on it
+            self.base.forward = lambda *a, **k: kept
+            try:
+                # forward, not the call: the model's own hooks (a LayerwiseModel's, which
+                # start streaming its layers) are for a pass that runs the trunk
+                return self.hf.forward(self.x, logits_to_keep=at).logits[0]
+            finally:
+                if own is None:
+                    del self.base.forward
+                else:
+                    self.base.forward = own
+        seen: list = []
+        hook = self.base.register_forward_hook(lambda m, i, o: seen.append(o)) \
+            if self.base is not None else None
+        try:
+            logits = self.hf(self.x, logits_to_keep=at).logits[0]
+        finally:
+            if hook is not None:
+                hook.remove()
+        if len(seen) == 1:
+            self.kept = seen[0]
+        return logits
 
 
 def compute_dtype(params: int, copies: int, share: float):

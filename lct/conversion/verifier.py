@@ -1,6 +1,7 @@
 """Verify an artifact: every chunk's checksum and structure, and optionally every tensor against
 the source checkpoint (lossless tensors bit for bit; NF4 tensors by quantizing the source again
-and comparing the bytes, with error statistics beside)."""
+and comparing the bytes, with error statistics beside), group by group: a group's chunks and
+source tensors are let go before the next group's are read."""
 
 from __future__ import annotations
 
@@ -63,16 +64,13 @@ def _compare(name, info, got, ref) -> TensorCheck:
         stored = enc.parts(got)
         same = torch.equal(codes.reshape(-1), stored[0].reshape(-1)) and torch.equal(
             scales.reshape(-1), stored[1].reshape(-1).to(scales.dtype))
+        del codes, scales
         deq = got.dequantize()
         # A source that holds exactly this table's dequantized values (its own `lct export`) is
         # the table, whether or not quantizing them again is exact (Q6_K's scale search is not).
         exported = not same and torch.equal(deq.to(ref.dtype), ref)
-        # float64: a float32 dot product over tens of millions of elements drifts past 1.
-        a, b = deq.double().reshape(-1), ref.double().reshape(-1)
-        err = (a - b).abs()
-        cos = torch.nn.functional.cosine_similarity(a, b, dim=0).item() if a.numel() else 1.0
-        return TensorCheck(name, kind, same or exported, err.max().item() if err.numel() else 0.0,
-                           err.mean().item() if err.numel() else 0.0, cos,
+        max_err, mean_err, cos = _error_stats(deq, ref)
+        return TensorCheck(name, kind, same or exported, max_err, mean_err, cos,
                            "" if same else "the source holds this table's dequantized values "
                            "(an export of it)" if exported else f"{enc.label} codes differ from "
                            f"the source quantized again")
@@ -81,6 +79,36 @@ def _compare(name, info, got, ref) -> TensorCheck:
     same = got.shape == ref.shape and got.dtype == ref.dtype and torch.equal(
         got.reshape(-1).view(torch.uint8), ref.contiguous().reshape(-1).view(torch.uint8))
     return TensorCheck(name, "plain", same, note="" if same else "differs from the source")
+
+
+# Elements of a table compared at a time in float64 (8 MiB a temporary): the error statistics
+# never hold a whole table in float64, which for a 262k-token vocabulary is gigabytes.
+STATS_ELEMENTS = 1 << 20
+
+
+def _error_stats(got, ref) -> tuple:
+    """``(max |got - ref|, mean |got - ref|, cosine)`` of two tensors of one shape, in float64
+    (a float32 dot product over tens of millions of elements drifts past 1), ``STATS_ELEMENTS``
+    at a time."""
+    import math
+
+    a, b = got.reshape(-1), ref.reshape(-1)
+    n = a.numel()
+    if not n:
+        return 0.0, 0.0, 1.0
+    top, total, dot, aa, bb = 0.0, 0.0, 0.0, 0.0, 0.0
+    for i in range(0, n, STATS_ELEMENTS):
+        x, y = a[i:i + STATS_ELEMENTS].double(), b[i:i + STATS_ELEMENTS].double()
+        err = (x - y).abs_()
+        m = err.max().item()
+        top = m if m > top or math.isnan(m) else top    # a NaN stays, as torch's max keeps it
+        total += err.sum().item()
+        dot += (x * y).sum().item()
+        aa += (x * x).sum().item()
+        bb += (y * y).sum().item()
+    # as torch.nn.functional.cosine_similarity: each norm held at least at its eps (1e-8)
+    cos = dot / (max(math.sqrt(aa), 1e-8) * max(math.sqrt(bb), 1e-8))
+    return top, total / n, cos
 
 
 def verify(artifact, *, against: str | None = None, revision: str | None = None,
