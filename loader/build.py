@@ -526,7 +526,7 @@ def cache_hit(art, asked: bool | None, stats: LoadStats | None = None):
     cache is on for this load (``asked``: ``cache=``, None for ``LCT_CACHE``) and holds one,
     else None: for the loaders that only map it (the layer-wise model, device maps,
     tensor-parallel ranks, vLLM's load format); an entry is filled by a whole ``lct.load`` or
-    by ``lct cache fill``. ``stats.cache`` says which."""
+    by ``lct cache fill``, or by ``fill_later`` after this load. ``stats.cache`` says which."""
     from lct.io import cache
     if not cache.enabled(asked):
         return None
@@ -536,9 +536,31 @@ def cache_hit(art, asked: bool | None, stats: LoadStats | None = None):
         return None
     hit = cache.lookup(art)
     if stats is not None:
-        stats.cache = "hit" if hit is not None else \
-            "miss: this loader maps an entry but fills none (lct cache fill ARTIFACT makes one)"
+        stats.cache = "hit" if hit is not None else "miss"
     return hit
+
+
+def fill_later(art, asked: bool | None, hit, stats: LoadStats | None = None):
+    """After a load by a loader that only maps an entry (``cache_hit``) found none (``hit``
+    None): keep one for the next start, by a ``lct.io.cache.BackgroundFill`` of the artifact,
+    started now (the interpreter waits for it at exit, saying so). Only where the cache is on,
+    the artifact pins its decoded bytes, its checksums are checked and it is a local folder (a
+    streamed one would be read again over the network: ``lct cache fill`` does that on
+    request). Returns the fill, or None; ``stats.cache`` says which."""
+    from lct.io import cache
+    from lct.io.store import LocalStore
+    if hit is not None or not cache.enabled(asked) or cache.unpinned(art):
+        return None
+    why = ("the artifact is read without checking checksums" if not art.verify else
+           "the artifact is streamed (lct cache fill ARTIFACT makes an entry)"
+           if not isinstance(art.store, LocalStore) else "")
+    if not why:
+        f = cache.BackgroundFill(art.path)
+        cache.start_fill(f)
+    if stats is not None:
+        stats.cache = f"miss: not kept, {why}" if why else \
+            "miss: being kept for the next start (a background fill)"
+    return None if why else f
 
 
 def held_budget(art) -> int:

@@ -243,15 +243,16 @@ def load_mapped(path, device_map, options=None, *, max_memory=None, stats=None):
                                "from the artifact")
         inst = Installer(arch, art, device="cpu", dtype=dtype, nf4=nf4)
         from lct.io.stream import GroupStream
-        from lct.loader.build import cache_hit
-        with GroupStream(art, read, prefetch=options.prefetch,
-                         cached=cache_hit(art, options.cache, stats)) as groups:
+        from lct.loader.build import cache_hit, fill_later
+        hit = cache_hit(art, options.cache, stats)
+        with GroupStream(art, read, prefetch=options.prefetch, cached=hit) as groups:
             for group in groups:
                 _install_all(inst, [group], stats)
             s = groups.stats
         left = {name for name, gs in groups_of.items() if not set(gs) & needed}
         inst.finish(streamed=left)
         stats.take_stream(s)
+        fill_later(art, options.cache, hit, stats)      # no entry: kept for the next start
         if offloading:
             installed = {n: p for n, p in model.state_dict(keep_vars=True).items()
                          if p.device.type != "meta"}

@@ -14,7 +14,7 @@ from __future__ import annotations
 
 from lct.errors import LCTError
 from lct.io.stream import DEFAULT_PREFETCH, GroupStream
-from lct.loader.build import Installer, build_skeleton, cache_hit, check_device
+from lct.loader.build import Installer, build_skeleton, cache_hit, check_device, fill_later
 from lct.loader.source import LoadOptions
 
 
@@ -103,6 +103,8 @@ class LayerwiseModel:
                 self._hooks.append(module.register_forward_pre_hook(self._make_pre(index)))
                 self._hooks.append(module.register_forward_hook(self._make_post(index)))
             self.model.eval()
+            # no entry: one is kept for the next start, in the background (a miss's fill)
+            self.filling = fill_later(self.art, options.cache, self.cached)
         except BaseException:
             self.close()
             raise

@@ -132,6 +132,9 @@ def _load_checked(path, options, stats):
         builder.shutdown(wait=True)     # its collectives end on every rank before the agreement
         art.close()
     _agree(failure)
+    if os.environ.get("LOCAL_RANK", str(dist.get_rank())) == "0":  # one fill a machine
+        from lct.loader.build import fill_later
+        fill_later(art, options.cache, hit, stats)  # no entry: kept for the next start
     stats.total_s = time.perf_counter() - t0
     return model
 

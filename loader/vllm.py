@@ -178,6 +178,9 @@ class LCTModelLoader(BaseModelLoader):
                 loaded = model.load_weights(weights)
             finally:
                 weights.close()
+            if get_tensor_model_parallel_rank() == 0:  # no entry: kept for the next start
+                from lct.loader.build import fill_later
+                fill_later(art, self.options["cache"], self.hit)
         from lct.units import human
         s = self.stats
         world = get_tensor_model_parallel_world_size()
@@ -223,8 +226,9 @@ class LCTModelLoader(BaseModelLoader):
         handed = 0
         # A decoded-cache entry (lct cache fill, or an earlier lct.load): mapped, not decoded.
         from lct.loader.build import cache_hit
+        self.hit = cache_hit(art, self.options["cache"])
         with art.stream(prefetch=self.options["prefetch"], dequantize=True, chunks=chunks,
-                        recycle=True, cached=cache_hit(art, self.options["cache"])) as stream:
+                        recycle=True, cached=self.hit) as stream:
             self.stats = stream.stats
             for group in stream:
                 for info in m.group_tensors(group.name):

@@ -382,7 +382,7 @@ def test_a_changed_byte_in_an_entry_is_never_a_weight(root, llama_art, caplog):
 
 def test_the_layerwise_model_checks_an_entry_too(root, llama_art):
     from lct.loader.layerwise import LayerwiseModel
-    with LayerwiseModel(llama_art) as lm:
+    with LayerwiseModel(llama_art, cache=False) as lm:
         want = _logits(lm)
     with lct.open(llama_art) as art:
         assert cache.fill(art).done
@@ -506,18 +506,30 @@ def test_a_load_without_checksums_still_checks_the_entry(root, llama_art):
     assert stats.cache.startswith("hit, but 1 chunk(s) differed") and not entry.path.exists()
 
 
-def test_the_layerwise_model_and_a_device_map_map_an_entry(root, llama_art, monkeypatch):
-    """With an entry (here from `lct cache fill`), the layer-wise model's every forward and a
-    device-mapped load map it: nothing of the artifact is read, the logits are the same."""
+def test_the_layerwise_model_and_a_device_map_keep_an_entry_then_map_it(root, llama_art,
+                                                                        monkeypatch):
+    """Without an entry, a device-mapped load and the layer-wise model each keep one for the
+    next start, by a background fill (not with verify=False); with one, the layer-wise model's
+    every forward and a device-mapped load map it: nothing of the artifact is read, the logits
+    are the same."""
     from lct.loader.layerwise import LayerwiseModel
-    with LayerwiseModel(llama_art) as lm:
+    with LayerwiseModel(llama_art, cache=False) as lm:
         want = _logits(lm)
-    stats = lct.LoadStats()         # no entry yet: it reads, and says how to make one
-    lct.load(llama_art, device_map={"": "cpu"}, cache=True, stats=stats)
-    assert stats.cache.startswith("miss: ") and "lct cache fill" in stats.cache
     whole = _logits(lct.load(llama_art, cache=False))
-    with lct.open(llama_art) as art:
-        assert cache.fill(art).done
+    assert cache.entries() == []
+    stats = lct.LoadStats()
+    lct.load(llama_art, device_map={"": "cpu"}, cache=True, stats=stats)
+    assert stats.cache == "miss: being kept for the next start (a background fill)"
+    fills = cache.wait_fills()
+    assert fills[-1].done, fills[-1].reason
+    assert len(cache.entries()) == 1
+    cache.prune(everything=True)
+    with LayerwiseModel(llama_art, cache=True, verify=False) as lm:
+        assert lm.filling is None               # an unchecked read is never kept
+    with LayerwiseModel(llama_art) as lm:       # on by default
+        assert lm.filling is not None and torch.equal(_logits(lm), want)
+    assert lm.filling.wait() and lm.filling.done, lm.filling.reason
+    (entry,) = cache.entries()
     with monkeypatch.context() as m:
         _no_reads(m)
         with LayerwiseModel(llama_art, cache=True) as lm:

@@ -534,17 +534,22 @@ def test_cli_under_torchrun_refuses_cuda_without_it_in_one_line(llama_src, tmp_p
             out.stderr[-2000:]
 
 
-def test_ranks_map_their_share_of_a_decoded_cache_entry(qwen_src, tmp_path):
-    """With an entry of the artifact in the decoded cache (`lct cache fill`) and LCT_CACHE=1,
-    each rank maps its pieces from it: nothing of the artifact is read, the model is the
-    same."""
+def test_ranks_keep_a_decoded_cache_entry_then_map_their_share_of_it(qwen_src, tmp_path):
+    """Without an entry (the cache on, its default), the local rank 0 keeps one for the next
+    start by a background fill, which its process waits for at exit; with it, each rank maps
+    its pieces from it: nothing of the artifact is read, the model is the same."""
     from lct.io import cache
     art = tmp_path / "pieces.lct"
     lct.convert(str(qwen_src), art, policy=Policy(nf4=(), tp_pieces=2))
     root = tmp_path / "cache"
-    env = dict(os.environ, **{cache.ENV_DIR: str(root), cache.ENV_SWITCH: "1"})
+    env = dict(os.environ, **{cache.ENV_DIR: str(root)})
+    env.pop(cache.ENV_SWITCH, None)
+    first = launch(2, art, qwen_src, tmp_path / "first", env=env)
+    assert sorted(r["cache"] for r in first) == [
+        "miss", "miss: being kept for the next start (a background fill)"], first
     with lct.open(art) as a:
-        assert cache.fill(a, root=root).done
+        (entry,) = cache.entries(root)
+        assert entry.digest == a.digest
     results = launch(2, art, qwen_src, tmp_path / "out", env=env)
     for r in results:
         assert "error" not in r, r

@@ -48,6 +48,7 @@ def main(art: str, src: str, out: str, nf4: str, corrupt_rank: int, stream: bool
                                                  .shape) != tuple(getattr(
                                                      mine[n], "_local_tensor", mine[n]).shape)],
         bytes_read=stats.bytes_read, bytes_decoded=stats.bytes_decoded, notes=stats.notes,
+        cache=stats.cache,
         embed=type(model.get_input_embeddings()).__name__,
         head=type(model.get_output_embeddings()).__name__,
         logits=got[0, :3, :5].tolist())

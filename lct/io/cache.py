@@ -461,6 +461,7 @@ class Fill:
                 written = set()
                 for cid, buf in chunks:
                     if self._stop.is_set():
+                        self.reason = "cancelled"
                         return
                     if cid not in self.spans or buf.nbytes != self.spans[cid][1]:
                         raise _Changed(f"chunk {cid} is not the {self.spans.get(cid, (0, 0))[1]} "
@@ -512,7 +513,8 @@ class _Changed(Exception):
     """A chunk to be written is not what the load decoded or the manifest lays out."""
 
 
-def fill(art, root: Path | None = None, progress=None) -> Fill:
+def fill(art, root: Path | None = None, progress=None,
+         stop: threading.Event | None = None) -> Fill:
     """Fill the entry of ``art`` in this thread, without building a model.
 
     Its groups are decoded (checksums checked) ``DEFAULT_PREFETCH`` ahead and written as they
@@ -524,6 +526,7 @@ def fill(art, root: Path | None = None, progress=None) -> Fill:
         art: an open ``Artifact`` that checks its chunks' checksums (``verify=True``).
         root: the cache's folder (default ``cache_dir()``).
         progress: called as ``progress(group, done, total)`` after each group.
+        stop: set it to stop the fill (nothing is kept; ``BackgroundFill.cancel``).
 
     Returns:
         The ``Fill``: ``done`` once published, else ``reason`` says why nothing was kept (no
@@ -546,6 +549,8 @@ def fill(art, root: Path | None = None, progress=None) -> Fill:
     if unpinned(art):
         raise LCTError(unpinned(art))
     f = Fill(art, root)
+    if stop is not None:
+        f._stop = stop
     hit = lookup(art, f.root)           # a damaged entry is removed, then filled again
     if hit is not None and hit.check():
         return f
@@ -570,6 +575,50 @@ def fill(art, root: Path | None = None, progress=None) -> Fill:
     return f
 
 
+class BackgroundFill:
+    """``fill`` of the local artifact at ``path`` in a thread of its own, its decoders at the
+    lowest CPU and I/O priority: how the loaders that map an entry but decode only parts, or
+    nothing they keep (the layer-wise model, device maps, tensor-parallel ranks, vLLM's load
+    format), keep one for the next start after a load that found none. It reads and decodes the
+    artifact once more, a few groups in memory at a time. ``wait``, ``cancel``, ``done`` and
+    ``reason`` as ``Fill``'s, so that ``start_fill`` and ``wait_fills`` take it."""
+
+    def __init__(self, path, root: Path | None = None):
+        self.path, self.root = Path(path), root
+        self.folder = None
+        self.done, self.reason = False, ""
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
+
+    def start(self) -> None:
+        """Start the fill in its thread."""
+        self._thread = threading.Thread(target=self._run, name="lct-cache-fill", daemon=True)
+        self._thread.start()
+
+    def _run(self) -> None:
+        from lct.io.reader import open_artifact
+        _lower_io_priority()
+        try:
+            with open_artifact(self.path) as art:
+                art.thread_nice = 19
+                f = fill(art, self.root, stop=self._stop)
+            self.folder, self.done, self.reason = f.folder, f.done, f.reason
+        except Exception as e:      # noqa: BLE001  a background thread: say it, never raise
+            self.reason = f"{type(e).__name__}: {e}"
+            log.warning("decoded cache: %s not filled (%s)", self.path, self.reason)
+
+    def cancel(self) -> None:
+        """Stop the fill (nothing is kept)."""
+        self._stop.set()
+
+    def wait(self, timeout: float | None = None) -> bool:
+        """Wait for the fill; True once it ended."""
+        if self._thread is not None:
+            self._thread.join(timeout)
+            return not self._thread.is_alive()
+        return True
+
+
 _FILLS: list = []
 
 
@@ -584,6 +633,11 @@ def start_fill(fill: Fill) -> None:
 
 
 def _wait_at_exit() -> None:
+    import sys
+    running = [f for f in _FILLS if not f.wait(0)]
+    if running:
+        sys.stderr.write(f"lct: keeping the decoded copy of {len(running)} artifact(s) for the "
+                         f"next start (Ctrl-C skips it; LCT_CACHE=0 turns the cache off)\n")
     try:
         wait_fills()
     except KeyboardInterrupt:       # cancelled: the interpreter ends as it was going to
