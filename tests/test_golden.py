@@ -254,6 +254,25 @@ def test_writer_decoded_checksums_are_the_decoded_bytes(gemma_art):
                 "xxh3_64:" + xxhash.xxh3_64_hexdigest(bytes(art.read_chunk(c.id))), c.id
 
 
+def test_verify_checks_each_chunks_decode_against_its_pin(gemma_art, tmp_path):
+    """A manifest whose decoded_checksum of a chunk is not what the chunk decodes to (bindings
+    and seal made again, so that it reads): lct.verify names the chunk and both checksums."""
+    import shutil
+    from dataclasses import replace
+
+    from lct.format.manifest import Manifest
+    art = tmp_path / "a.lct"
+    shutil.copytree(gemma_art, art)
+    m = Manifest.from_json((art / "lct.json").read_bytes())
+    m.chunks[1] = replace(m.chunks[1], decoded_checksum="xxh3_64:" + "ab" * 8, binding=None)
+    (art / "lct.json").write_text(m.to_json())
+    report = lct.verify(art)
+    assert not report.ok
+    assert any(f"chunk 1 ({m.chunks[1].group}) decodes to bytes whose checksum is" in f and
+               f"the manifest pins xxh3_64:{'ab' * 8}" in f for f in report.failures)
+    assert lct.verify(gemma_art).ok
+
+
 def _same(a: torch.Tensor, b: torch.Tensor) -> bool:
     """Bit-exact equality (NaN payloads included)."""
     return a.dtype == b.dtype and a.shape == b.shape and torch.equal(

@@ -11,6 +11,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from lct.errors import LCTError
+from lct.format.codecs import checksum
 
 
 @dataclass
@@ -74,6 +75,12 @@ def check_artifact(art, *, decode: bool = True, side_files: bool = True, chunks:
             try:
                 if decode:
                     bufs[chunk.id] = art.read_chunk(chunk.id)
+                    got = checksum(bufs[chunk.id])
+                    if chunk.decoded_checksum is not None and got != chunk.decoded_checksum:
+                        report.problems.append((name, (
+                            f"chunk {chunk.id} ({chunk.group}) decodes to bytes whose checksum is "
+                            f"{got}; the manifest pins {chunk.decoded_checksum} "
+                            f"(decoded_checksum)")))
                 else:
                     view = art.read_stored(chunk)
                     view.release()
