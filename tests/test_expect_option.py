@@ -34,10 +34,11 @@ def test_load_refuses_an_expect_that_is_not_a_string(llama_art, digest, kind):
 
 
 @pytest.mark.parametrize("kind", ["int", "bytes", "list", "dict"])
-def test_verify_reports_an_expect_that_is_not_a_string(llama_art, digest, kind):
-    """verify reports a digest check that fails, as for a wrong or malformed digest."""
-    report = lct.verify(llama_art, expect=_bad(digest)[kind])
-    assert not report.ok
-    assert [f for f in report.failures if f.startswith(MUST + kind)], \
-        report.failures
+def test_verify_raises_on_an_expect_that_is_not_a_string(llama_art, digest, kind):
+    """verify raises the OptionError naming expect (the caller's mistake, as lct.load does),
+    where a wrong or malformed digest string is a failed check in its report."""
+    with pytest.raises(OptionError, match=MUST + kind) as e:
+        lct.verify(llama_art, expect=_bad(digest)[kind])
+    assert e.value.option == "expect"
     assert lct.verify(llama_art, expect=digest).ok
+    assert not lct.verify(llama_art, expect="sha256:" + "0" * 64).ok

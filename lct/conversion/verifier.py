@@ -7,7 +7,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from lct.errors import LCTError, PolicyError
+from lct.errors import LCTError, OptionError, PolicyError
 from lct.format.encodings import get_encoding
 from lct.io.check import check_artifact
 from lct.io.reader import Artifact, open_artifact
@@ -165,6 +165,10 @@ def verify(artifact, *, against: str | None = None, revision: str | None = None,
     if expect is not None:
         try:
             art.check_digest(expect)
+        except OptionError:         # not a digest at all (expect=123): the caller's error
+            if art is not artifact:
+                art.close()
+            raise
         except LCTError as e:
             report.failures.append(str(e))
     src_tensors, src = {}, None
