@@ -25,7 +25,8 @@ def cache_cmd():
     is LCT_CACHE_DIR, else $XDG_CACHE_HOME/lct/decoded, else ~/.cache/lct/decoded."""
 
 
-@cache_cmd.command("list")
+@cache_cmd.command(
+    "list", short_help="List the entries, least recently used first, and their sizes.")
 @click.option("--json", "as_json", is_flag=True,
               help="Print {dir, max_bytes, total_bytes, entries: [{digest, artifact, size, "
                    "last_used}]} as JSON.")
@@ -53,15 +54,16 @@ def list_cmd(as_json, quiet):
                f"of {human(cache.max_bytes())}")
 
 
-@cache_cmd.command("fill")
+@cache_cmd.command(
+    "fill", short_help="Decode an artifact into the cache without loading a model.")
 @click.argument("artifact")
 @quiet_option("the entry's folder")
 def fill_cmd(artifact, quiet):
     """Decode ARTIFACT (a folder, hf://org/name[@rev], pulled first, or s3://bucket/prefix)
     into the cache without loading a model, a few groups in memory at a time: for a model that
     the layer-wise model (lct.LayerwiseModel, lct load --layerwise), a device map or
-    tensor-parallel ranks run, which map the entry instead of decoding (with LCT_CACHE=1 or
-    cache=True). Exits 1 where the entry cannot be kept (over LCT_CACHE_MAX, a disk too full),
+    tensor-parallel ranks run, which map the entry instead of decoding (unless LCT_CACHE=0 or
+    cache=False). Exits 1 where the entry cannot be kept (over LCT_CACHE_MAX, a disk too full),
     saying why; an entry that exists is checked (each chunk's hash) and left as it is, or
     filled again where a byte of it changed."""
     from lct.cloud import local_or_open
@@ -85,7 +87,8 @@ def fill_cmd(artifact, quiet):
     click.echo(f"{'filled' if f.done else 'already cached:'} {f.folder} ({human(f.size)})")
 
 
-@cache_cmd.command("prune")
+@cache_cmd.command(
+    "prune", short_help="Remove entries: all, one digest's, or the least recently used.")
 @click.option("--all", "everything", is_flag=True, help="Remove every entry.")
 @click.option("--digest", default=None, metavar="DIGEST",
               help="Remove the entry of this manifest digest (sha256:..., as lct info prints; "

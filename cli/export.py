@@ -19,12 +19,17 @@ from lct.format import constants as C
                    ".lct-export.json); any other folder is never replaced.")
 @quiet_option("the output folder's path")
 def export_cmd(artifact, out_dir, max_shard_size, force, quiet):
-    """Write ARTIFACT (a folder or hf://org/name[@rev], pulled first) as a Hugging Face folder
-    (safetensors + config + tokenizer + the other side files) that from_pretrained of the
-    model's class loads (AutoModelForCausalLM for a causal LM; T5ForConditionalGeneration,
-    LlavaForConditionalGeneration, ... for others: config.json's 'architectures' names it;
-    `lct info` shows it). Lossless tensors come out bit-identical to the
-    source; NF4 tensors are dequantized exactly as bitsandbytes does, int8 ones as q x scale."""
+    """Write ARTIFACT (a folder, hf://org/name[@rev], pulled first, or s3://bucket/prefix)
+    as a Hugging Face folder (safetensors + config + tokenizer + the other side files) that
+    from_pretrained of the model's class loads (AutoModelForCausalLM for a causal LM;
+    T5ForConditionalGeneration, LlavaForConditionalGeneration, ... for others: config.json's
+    'architectures' names it; `lct info` shows it).
+
+    Lossless tensors come out bit-identical to the source. A lossy table (nf4, int8,
+    int8_b128, q8_0, q6_k) comes out dequantized, the values a load computes with, not the
+    source's: NF4 exactly as bitsandbytes does, int8 and int8_b128 as q x scale, Q8_0 and
+    Q6_K as llama.cpp does. A byte-exact round trip of every tensor needs an artifact
+    converted with --nf4 none (every table lossless)."""
     from lct.conversion.exporter import export
 
     bar = GroupProgress("export", unit="group", enabled=not quiet)

@@ -62,8 +62,9 @@ def _parsed(parser_name: str):
                    "(none, embed, head or embed,head).")
 @click.option("--int8", "int8", default=None, callback=_parse_parts, metavar="PARTS",
               help="With --format lct and no artifact: the int8 parts, as lct convert --int8. "
-                   "Default with neither: embed,head in int8, what the auto policy picks for "
-                   "trained models.")
+                   "With none of --nf4/--int8/--int8_b128/--q8_0/--q6_k the plan assumes "
+                   "embed,head in int8; lct convert's default is the auto policy, which "
+                   "measures the model and may pick another encoding (lct info shows it).")
 @click.option("--q8_0", "q8_0", default=None, callback=_parse_parts, metavar="PARTS",
               help="With --format lct and no artifact: the Q8_0 parts, as lct convert --q8_0.")
 @click.option("--q6_k", "q6_k", default=None, callback=_parse_parts, metavar="PARTS",
@@ -74,10 +75,11 @@ def _parsed(parser_name: str):
 @click.option("--blocksize", type=click.IntRange(min=2), default=None,
               help="With --format lct and no artifact: the NF4 block size (default 64).")
 @click.option("--maximus-resident", callback=_parsed("parse_resident"), metavar="K/N", default=None,
-              help="The embedding as Maximus shards, K of N resident on the accelerator, the "
-                   "whole table in host memory.")
+              help="The embedding as Maximus shards, K of N resident on the --device (a GPU's "
+                   "memory for cuda), the whole table in host memory.")
 @click.option("--memory", callback=_parsed("parse_bytes"), metavar="SIZE", default=None,
-              help="Accelerator memory to plan against: 16GiB, 24GB, 512MiB...")
+              help="Memory of the --device to plan against (a GPU's for cuda, RAM for cpu): "
+                   "16GiB, 24GB, 512MiB...")
 @click.option("--device", type=click.Choice(DEVICES), default=None,
               help="Whose temporaries to plan: CUDA kernels or the CPU paths. Default: cuda if "
                    "this machine has a CUDA device (torch.cuda.is_available()), else cpu.")

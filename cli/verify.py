@@ -12,10 +12,12 @@ from lct.format import constants as C
 
 @click.command("verify", short_help="Check an artifact's checksums, tensors and quality.")
 @click.argument("artifact", type=click.Path())
-@click.option("--against", default=None,
-              help="Source folder or Hub id: compare lossless tensors bit for bit, and NF4/int8 "
-                   "tensors with the source quantized again (byte for byte; error and cosine "
-                   "shown beside).")
+@click.option("--against", default=None, metavar="SOURCE",
+              help="Source folder or Hub id: compare lossless tensors bit for bit, and lossy "
+                   "ones (nf4, int8, int8_b128, q8_0, q6_k) with the source quantized again "
+                   "(byte for byte; error and cosine shown beside; a source that holds exactly "
+                   "a table's dequantized values, as the artifact's own export does, is that "
+                   "table).")
 @click.option("--revision", default=None, help="Hub revision of --against.")
 @click.option("--quality", is_flag=True,
               help="Also load ARTIFACT and the --against source and compare them on real text: "
@@ -59,9 +61,9 @@ def verify_cmd(artifact, against, revision, quality, text, budget, max_tokens, l
     more than --budget.
 
     With --against SOURCE, every tensor is compared with the source: lossless ones bit for bit,
-    NF4/int8 ones by quantizing the source again. With --quality, what the lossy parts cost on
-    text. OK proves the artifact is whole and consistent, not that its manifest is the one its
-    writer wrote: pin it with --expect."""
+    lossy ones (nf4, int8, int8_b128, q8_0, q6_k) by quantizing the source again. With
+    --quality, what the lossy parts cost on text. OK proves the artifact is whole and
+    consistent, not that its manifest is the one its writer wrote: pin it with --expect."""
     from lct.conversion.verifier import verify
     from lct.format.encodings import torch_dtype
 
