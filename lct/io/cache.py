@@ -349,7 +349,25 @@ def _lower_io_priority() -> None:
         pass
 
 
-class Fill:
+class _Background:
+    """What ``start_fill`` and ``wait_fills`` need of a fill: a thread, a stop event."""
+
+    _thread: threading.Thread | None = None
+    _stop: threading.Event
+
+    def cancel(self) -> None:
+        """Stop the fill (its staging folder is removed, nothing is kept)."""
+        self._stop.set()
+
+    def wait(self, timeout: float | None = None) -> bool:
+        """Wait for the fill's thread; True once it ended (or never started)."""
+        if self._thread is not None:
+            self._thread.join(timeout)
+            return not self._thread.is_alive()
+        return True
+
+
+class Fill(_Background):
     """Fills the entry of one artifact from the chunks a load decoded.
 
     ``add(cid, buf)`` during the load (in the decode workers) keeps a reference (no copy: they
@@ -398,17 +416,6 @@ class Fill:
             return
         self._thread = threading.Thread(target=self._run, name="lct-cache-fill", daemon=True)
         self._thread.start()
-
-    def cancel(self) -> None:
-        """Stop writing (the staging folder is removed)."""
-        self._stop.set()
-
-    def wait(self, timeout: float | None = None) -> bool:
-        """Wait for the background write; True once it ended."""
-        if self._thread is not None:
-            self._thread.join(timeout)
-            return not self._thread.is_alive()
-        return True
 
     def _room(self) -> bool:
         """Evict least-recently-used entries to fit the budget; False where the entry cannot fit
@@ -575,7 +582,7 @@ def fill(art, root: Path | None = None, progress=None,
     return f
 
 
-class BackgroundFill:
+class BackgroundFill(_Background):
     """``fill`` of the local artifact at ``path`` in a thread of its own, its decoders at the
     lowest CPU and I/O priority: how the loaders that map an entry but decode only parts, or
     nothing they keep (the layer-wise model, device maps, tensor-parallel ranks, vLLM's load
@@ -606,17 +613,6 @@ class BackgroundFill:
         except Exception as e:      # noqa: BLE001  a background thread: say it, never raise
             self.reason = f"{type(e).__name__}: {e}"
             log.warning("decoded cache: %s not filled (%s)", self.path, self.reason)
-
-    def cancel(self) -> None:
-        """Stop the fill (nothing is kept)."""
-        self._stop.set()
-
-    def wait(self, timeout: float | None = None) -> bool:
-        """Wait for the fill; True once it ended."""
-        if self._thread is not None:
-            self._thread.join(timeout)
-            return not self._thread.is_alive()
-        return True
 
 
 _FILLS: list = []
