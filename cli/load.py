@@ -59,8 +59,9 @@ class _Ranks(click.ParamType):
 @click.option("--cache/--no-cache", "cache", default=None,
               help="Use the local decoded cache (lct cache --help): map what an earlier load "
                    "(or lct cache fill) of this artifact decoded, or keep this load's decode "
-                   "there for the next start (the command ends once it is written; not with "
-                   "--layerwise or --tp, which only map). Default: LCT_CACHE (1/0), else on.")
+                   "there for the next start (the command ends once it is written; with "
+                   "--layerwise or --tp, a background fill decodes the artifact once more for "
+                   "it). Default: LCT_CACHE (1/0), else on.")
 @click.option("--page-cache", type=click.Choice(["auto", "keep", "drop"]), default=None,
               help="What happens to the page-cache pages of the artifact's compressed bytes once "
                    "decoded: auto drops those this load read from disk when --cache keeps its "
