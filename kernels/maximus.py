@@ -85,6 +85,32 @@ class _Lookup(torch.autograd.Function):
         return None, None, None
 
 
+# The keywords MaximusEmbedding took before MaximusPolicy (0.1.0 development: max_shards=... is
+# now policy=MaximusPolicy(num_shards=...)): accepted for one release, with a DeprecationWarning.
+_LEGACY = {"max_shards": "num_shards", "bucket_size": "bucket_size",
+           "budget_shards": "budget_shards", "budget_bytes": "budget_bytes", "sparse": "sparse",
+           "load_rate": "load_rate", "evict_rate": "evict_rate", "decay": "decay"}
+
+
+def _legacy_policy(policy, legacy: dict):
+    """``policy``, or one built from the old keywords in ``legacy`` (warning that they go)."""
+    if not legacy:
+        return policy
+    unknown = sorted(set(legacy) - set(_LEGACY))
+    if unknown:
+        raise OptionError(f"MaximusEmbedding() takes no keyword {unknown[0]!r}",
+                          option=unknown[0])
+    if policy is not None:
+        raise OptionError(f"give policy=MaximusPolicy(...) or the old keywords "
+                          f"({', '.join(sorted(legacy))}), not both", option="policy")
+    import warnings
+    new = ", ".join(f"{_LEGACY[k]}={v!r}" for k, v in legacy.items())
+    warnings.warn(f"MaximusEmbedding({', '.join(f'{k}=...' for k in legacy)}) is deprecated and "
+                  f"goes in the next release: pass policy=MaximusPolicy({new})",
+                  DeprecationWarning, stacklevel=3)
+    return MaximusPolicy(**{_LEGACY[k]: v for k, v in legacy.items()})
+
+
 class MaximusEmbedding(nn.Module):
     """Frequency-sharded embedding; see the module docstring.
 
@@ -116,8 +142,9 @@ class MaximusEmbedding(nn.Module):
                  policy: MaximusPolicy | None = None, *, weight: torch.Tensor | None = None,
                  counts=None, dtype=None, nf4=None, row_to_id: torch.Tensor | None = None,
                  ordered: bool = False, scale: torch.Tensor | None = None, pad_ids=(),
-                 device=None):
+                 device=None, **legacy):
         super().__init__()
+        policy = _legacy_policy(policy, legacy)
         policy = MaximusPolicy() if policy is None else policy
         if not isinstance(policy, MaximusPolicy):
             raise OptionError(f"policy must be a MaximusPolicy, got {type(policy).__name__}",

@@ -305,3 +305,26 @@ def test_policy_is_frozen_checked_and_round_trips_through_the_state_file(gen, tm
     assert MaximusPolicy.from_metadata({"num_shards": 8}) == MaximusPolicy(num_shards=8)
     with pytest.raises(MaximusStateError, match="s.safetensors: policy decay"):
         MaximusPolicy.from_metadata(dict(saved, decay=-1), where="s.safetensors")
+
+
+def test_the_old_keywords_keep_working_for_a_release_with_a_deprecation_warning():
+    """Issue 37: MaximusEmbedding(max_shards=...) became policy=MaximusPolicy(num_shards=...);
+    the old keywords still build the same module, warning, and mixing both or an unknown
+    keyword is an OptionError naming it."""
+    import warnings
+
+    from lct.errors import OptionError
+    from lct.format.maximus import MaximusPolicy
+    from lct.kernels.maximus import MaximusEmbedding
+    with pytest.warns(DeprecationWarning, match=r"policy=MaximusPolicy\(num_shards=4, "
+                                                 r"bucket_size=2\)"):
+        old = MaximusEmbedding(64, 8, max_shards=4, bucket_size=2)
+    new = MaximusEmbedding(64, 8, policy=MaximusPolicy(num_shards=4, bucket_size=2))
+    assert old.policy == new.policy and old.num_shards == 4 and old.policy.bucket_size == 2
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        MaximusEmbedding(64, 8, policy=MaximusPolicy(num_shards=4))     # no warning
+    with pytest.raises(OptionError, match="not both"):
+        MaximusEmbedding(64, 8, policy=MaximusPolicy(), max_shards=4)
+    with pytest.raises(OptionError, match="takes no keyword 'max_shard'"):
+        MaximusEmbedding(64, 8, max_shard=4)
