@@ -202,19 +202,23 @@ def render(p) -> list:
 
 
 def maximus_line(p) -> str:
-    """What Maximus K/N does to the accelerator's memory (``p.maximus_saving``): the embedding's
-    table in host memory and K of its N shards on the accelerator, which is less there than the
-    whole table, except on a tied model, whose head keeps the whole table there anyway."""
+    """What Maximus K/N does to the planned device's memory (``p.maximus_saving``): the
+    embedding's table in host memory and K of its N shards on the device (``p.device``: the GPU,
+    or the CPU, whose memory the host's is), which is less there than the whole table, except
+    on a tied model, whose head keeps the whole table there anyway."""
     from lct.units import human
     k, n = p.maximus_priced
     now = p.maximus is not None
-    where = (f"{k} of {n} embedding shards on the accelerator, the whole table"
+    dev = "the GPU" if p.device == "cuda" else "the CPU"
+    where = (f"{k} of {n} embedding shards on {dev}, the whole table"
              + (f" of {human(p.host)}" if now else "") + " in host memory")
+    same = ("; on the CPU host memory is the same memory: --device cuda plans for a GPU"
+            if p.device == "cpu" else "")
     if p.maximus_saving >= 0:
         return (f"Maximus {k}/{n} ({where}) {'takes' if now else 'would take'} "
-                f"{human(p.maximus_saving)} off the accelerator")
+                f"{human(p.maximus_saving)} off {dev}{same}")
     tied = any(x.name == "head" and (x.note or "").startswith("tied") for x in p.parts)
     return (f"Maximus {k}/{n} ({where}) {'adds' if now else 'would add'} "
-            f"{human(-p.maximus_saving)} on the accelerator"
+            f"{human(-p.maximus_saving)} on {dev}"
             + (": the tied head keeps the whole table there, so the resident shards are a "
-               "second copy" if tied else ""))
+               "second copy" if tied else "") + same)

@@ -512,15 +512,21 @@ def test_the_maximus_line_says_what_it_keeps_where(llama_src, gemma_src, run):
     where the table and the shards live and what that takes off (an untied embedding) or
     adds to (a tied one, whose head keeps the whole table there) the accelerator."""
     import re
-    untied = run("plan", llama_src, "--seq", "8", "--maximus-resident", "8/32").output
-    assert re.search(r"Maximus 8/32 \(8 of 32 embedding shards on the accelerator, the whole "
+    untied = run("plan", llama_src, "--seq", "8", "--maximus-resident", "8/32", "--device",
+                 "cuda").output
+    assert re.search(r"Maximus 8/32 \(8 of 32 embedding shards on the GPU, the whole "
                      r"table of [\d.]+ [KMG]B in host memory\) takes [\d.]+ [KMG]B off the "
-                     r"accelerator", untied), untied
-    tied = run("plan", gemma_src, "--seq", "8").output
-    assert re.search(r"Maximus 8/32 \(8 of 32 embedding shards on the accelerator, the whole "
-                     r"table in host memory\) would add [\d.]+ [KMG]B on the accelerator: the "
+                     r"GPU", untied), untied
+    tied = run("plan", gemma_src, "--seq", "8", "--device", "cuda").output
+    assert re.search(r"Maximus 8/32 \(8 of 32 embedding shards on the GPU, the whole "
+                     r"table in host memory\) would add [\d.]+ [KMG]B on the GPU: the "
                      r"tied head keeps the whole table there", tied), tied
     assert "cost" not in tied and "cost" not in untied
+    # planning for the CPU (issue 37: it spoke of 'the accelerator' there)
+    cpu = run("plan", llama_src, "--seq", "8", "--maximus-resident", "8/32", "--device",
+              "cpu").output
+    assert "accelerator" not in cpu and "shards on the CPU" in cpu, cpu
+    assert "host memory is the same memory: --device cuda plans for a GPU" in cpu, cpu
 
 
 # Each bad option: (keywords, the one-line message plan() has always given, the option it names).
