@@ -84,6 +84,11 @@ class PolicyError(LCTError, ValueError):
     """A conversion option cannot be applied (bad blocksize, overflowing cast, unknown dtype)."""
 
 
+class CalibrationUnavailable(LCTError):
+    """The default calibration cannot run on this source here (the message says why); the
+    quality policy falls back to the text-free proxy (lct.conversion.policy)."""
+
+
 class MissingDependencyError(LCTError, ImportError):
     """An optional heavy dependency is needed for this operation and is not installed."""
 

@@ -32,7 +32,7 @@ import time
 from dataclasses import dataclass, field
 from itertools import product
 
-from lct.errors import LCTError, PolicyError
+from lct.errors import CalibrationUnavailable, LCTError, PolicyError
 from lct.format import constants as C
 from lct.format.encodings import get_encoding, lossy_encodings
 from lct.format.layout import encoded_bytes
@@ -253,11 +253,6 @@ def _rel_err(w, candidates, blocksize: int) -> dict:
         for e in candidates:
             err[e] += float((roundtrip(e, w[r0:r0 + step], blocksize, wf) - wf).pow(2).sum())
     return {e: err[e] / max(norm, 1e-30) for e in candidates}
-
-
-class CalibrationUnavailable(LCTError):
-    """The default calibration cannot run on this source here (the message says why); the
-    policy falls back to the text-free proxy."""
 
 
 def calibration_obstacle(src, tensors: dict) -> str | None:
