@@ -7,7 +7,10 @@ from pathlib import Path
 
 from lct.errors import SourceError
 
-TEXT_SUFFIXES = (".txt", ".md", ".text", ".jsonl", ".json", ".csv", ".tsv", ".rst", ".html")
+# What LCT reads as text in a folder, for token counts here and for lct verify --quality's
+# scoring (lct.conversion.quality): one list, prose, markup and source code alike
+TEXT_SUFFIXES = (".txt", ".md", ".text", ".rst", ".html", ".jsonl", ".json", ".csv", ".tsv",
+                 ".jinja", ".py", ".c", ".h", ".js")
 MAX_TEXT_BYTES = 4 * 1024**3
 
 

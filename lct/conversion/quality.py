@@ -16,12 +16,12 @@ import math
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
+from lct.conversion.freq import TEXT_SUFFIXES
 from lct.errors import LCTError
 
 DEFAULT_MAX_TOKENS = 4096
 DEFAULT_BLOCK = 512
 SCORE_POSITIONS = 128       # positions whose logits exist at once (score)
-TEXT_SUFFIXES = (".txt", ".md", ".rst", ".py", ".json", ".jinja", ".c", ".h", ".js", ".html")
 
 
 @dataclass

@@ -70,7 +70,6 @@ Q6_K_GROUP_MAX_EPS = 1e-15  # as float32: a sub-block or block under it is all z
 ENCODING_INT8_B128 = "int8_b128"  # since 1.5
 INT8_BLOCK = 128
 ROLES = ("embed", "head", "pos_embed", "layer", "norm", "misc")
-NF4_ROLES = ("embed", "head")
 # The roles a lossy encoding may be chosen for, and the encodings a policy may give them.
 LOSSY_ROLES = ("embed", "head")
 INT8_MAX = 127

@@ -85,7 +85,7 @@ def lct_layout(specs: list, dtype: str, encodings: dict | None = None,
     """
     from lct.format.layout import TensorSpec, layout_group
 
-    encodings = {r: C.ENCODING_NF4 for r in C.NF4_ROLES} if encodings is None else encodings
+    encodings = {r: C.ENCODING_NF4 for r in C.LOSSY_ROLES} if encodings is None else encodings
     by_group: dict = {}
     pieced = []
     table_shape = next((s.shape for s in specs if s.role == "embed"), None)
