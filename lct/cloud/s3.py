@@ -43,7 +43,7 @@ from lct.errors import (
 )
 from lct.format import constants as C
 from lct.hashing import sha256_file
-from lct.io.store import RemoteStore, receive_range, uninitialized
+from lct.io.store import RemoteStore, receive_range
 
 S3_SCHEME = "s3://"
 # S3 error codes and HTTP statuses worth retrying (the request may succeed a moment later).
@@ -219,34 +219,17 @@ class S3Store(RemoteStore):
                                         f"object store")
         return self._objects[name][0]
 
-    def _read(self, name: str, offset: int, size: int, file_size: int,
-              out=None) -> memoryview:
-        end = min(offset + size, file_size)
-        n = end - offset
-        if n <= 0 or offset < 0:
-            return memoryview(b"")
-        buf = uninitialized(n) if out is None else out
-        got = [0]
-        failures, since = 0, 0
-        while got[0] < n:
-            before = got[0]
-            try:
-                self._fetch(name, offset, end, buf, got)
-            except LCTError:
-                raise
-            except Exception as e:
-                if not _transient(e):
-                    raise s3_error(e, self.describe(name)) from e
-                since += got[0] - before
-                if since >= C.STREAM_PROGRESS_RESET:
-                    failures, since = 0, 0
-                failures += 1
-                if failures > self.retries:
-                    raise ObjectStoreOfflineError(
-                        f"{self.describe(name)}: bytes {offset + got[0]}-{end - 1}: giving up "
-                        f"after {self.retries} retries ({_code(e) or type(e).__name__})") from e
-                time.sleep(self.backoff * 2 ** (failures - 1))
-        return memoryview(buf)
+    def _transient(self, e: Exception, name: str) -> str:
+        """Why ``e`` is worth retrying; raised as LCT's error where it is not."""
+        if isinstance(e, LCTError):
+            raise e
+        if not _transient(e):
+            raise s3_error(e, self.describe(name)) from e
+        return _code(e) or type(e).__name__
+
+    @staticmethod
+    def _gave_up(message: str) -> Exception:
+        return ObjectStoreOfflineError(message)
 
     def _fetch(self, name: str, offset: int, end: int, buf: bytearray, got: list) -> None:
         start = offset + got[0]

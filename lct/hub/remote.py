@@ -21,7 +21,7 @@ from lct.format import constants as C
 from lct.hub.address import parse_hf_uri, split_address, where
 from lct.hub.client import _hub, hub_error, hub_timeout
 from lct.hub.pull import check_files, check_snapshot, raise_corrupt, transient_status
-from lct.io.store import RemoteStore, receive_range, uninitialized
+from lct.io.store import RemoteStore, receive_range
 
 # Statuses worth retrying (the request may succeed a moment later).
 RETRY_STATUS = (408, 429, 500, 502, 503, 504)
@@ -110,41 +110,26 @@ class HttpRangeStore(RemoteStore):
             self._sizes[name] = meta.size
         return meta.size
 
-    def _read(self, name: str, offset: int, size: int, file_size: int,
-              out=None) -> memoryview:
-        """One range request (more only when a transfer breaks and is resumed)."""
-        end = min(offset + size, file_size)
-        n = end - offset
-        if n <= 0 or offset < 0:
-            return memoryview(b"")
-        buf = uninitialized(n) if out is None else out
-        got = [0]                   # bytes of buf filled so far (updated while receiving)
-        failures = 0
-        url = self.url(name)
-        since = 0                   # bytes received since the last fresh set of retries
-        while got[0] < n:
-            start = offset + got[0]
-            before = got[0]
-            try:
-                self._fetch(url, name, start, end, buf, got)
-            except _Transient as e:
-                since += got[0] - before
-                if since >= C.STREAM_PROGRESS_RESET:
-                    failures, since = 0, 0   # real progress: a fresh set of retries
-                failures += 1
-                if failures > self.retries:
-                    raise HubOfflineError(f"{self.describe(name)}: bytes {start}-{end - 1}: "
-                                          f"giving up after {self.retries} retries ({e})") from e
-                time.sleep(self.backoff * 2 ** (failures - 1))
+    @staticmethod
+    def _transient(e: Exception, name: str) -> str:
+        """Why ``e`` is worth retrying (a ``_Transient``); anything else is raised as it is."""
+        if not isinstance(e, _Transient):
+            raise e
+        return str(e)
+
+    @staticmethod
+    def _gave_up(message: str) -> Exception:
+        return HubOfflineError(message)
+
+    def _fetched(self, name: str, offset: int, n: int) -> None:
         with self._lock:
             self.ranges.append((name, offset, n))
-        return memoryview(buf)
 
-    def _fetch(self, url: str, name: str, start: int, end: int, buf: bytearray,
-               got: list) -> None:
+    def _fetch(self, name: str, offset: int, end: int, buf: bytearray, got: list) -> None:
         import httpx2
         from huggingface_hub import errors as herr
         from huggingface_hub.utils import hf_raise_for_status
+        start, url = offset + got[0], self.url(name)
         want = end - start
         headers = dict(self._headers, Range=f"bytes={start}-{end - 1}")
         try:

@@ -228,11 +228,52 @@ class ReadAhead:
 class RemoteStore:
     """What the remote stores share (``lct.hub.remote.HttpRangeStore``, ``lct.cloud.s3.S3Store``):
     the read-ahead behind ``will_need`` and ``read_range``, the byte count, ``release`` and
-    ``close``. A subclass sets ``_lock``, ``bytes_fetched`` and ``readahead`` (``_start``) and
-    implements ``_read(name, offset, size, file_size, out=None)`` (into ``out``, a writable
-    view of the clipped range's length, when given), ``size`` and ``describe``."""
+    ``close``, and the retried, resumed range reads (``_read``). A subclass calls ``_start``
+    (the lock, the counts, the read-ahead) and implements ``_fetch`` (one range request),
+    ``_transient(e, name)`` (why a failure is worth retrying, or raise the error to give),
+    ``_gave_up(message)`` (the error once the retries are spent), ``size`` and ``describe``."""
 
     local = False       # reading a range costs a request
+    retries: int = 5    # attempts after transient failures with no real progress between
+    backoff: float = 0.5    # first retry delay in seconds (doubles each time)
+
+    def _read(self, name: str, offset: int, size: int, file_size: int,
+              out=None) -> memoryview:
+        """Bytes ``[offset, offset + size)`` of ``name`` (clipped to ``file_size``) by one range
+        request, into ``out`` when given. A transient failure (``_transient`` says which, and
+        why) is retried with backoff, resuming from the bytes already received, and
+        ``C.STREAM_PROGRESS_RESET`` bytes of progress earn a fresh set of ``retries``; past
+        them, ``_gave_up`` is raised. The subclass's ``_fetch(name, offset, end, buf, got)``
+        fills ``buf[got[0]:]`` with bytes from ``offset + got[0]``."""
+        import time
+
+        from lct.format import constants as C
+        end = min(offset + size, file_size)
+        n = end - offset
+        if n <= 0 or offset < 0:
+            return memoryview(b"")
+        buf = uninitialized(n) if out is None else out
+        got = [0]                   # bytes of buf filled so far (updated while receiving)
+        failures, since = 0, 0      # since: bytes received since the last fresh set of retries
+        while got[0] < n:
+            start, before = offset + got[0], got[0]
+            try:
+                self._fetch(name, offset, end, buf, got)
+            except Exception as e:
+                why = self._transient(e, name)      # raises what retrying cannot help
+                since += got[0] - before
+                if since >= C.STREAM_PROGRESS_RESET:
+                    failures, since = 0, 0          # real progress: a fresh set of retries
+                failures += 1
+                if failures > self.retries:
+                    raise self._gave_up(f"{self.describe(name)}: bytes {start}-{end - 1}: "
+                                        f"giving up after {self.retries} retries ({why})") from e
+                time.sleep(self.backoff * 2 ** (failures - 1))
+        self._fetched(name, offset, n)
+        return memoryview(buf)
+
+    def _fetched(self, name: str, offset: int, n: int) -> None:
+        """Told of each range read whole (a subclass may keep a log)."""
 
     def _start(self) -> None:
         self._lock = threading.Lock()
