@@ -52,6 +52,7 @@ def _wait_for_cache_fills(code: int) -> int:
         return code
     signal.signal(signal.SIGINT, signal.default_int_handler)
     try:
+        cache.say_running()
         cache.wait_fills()
         return code
     except KeyboardInterrupt:

@@ -306,6 +306,21 @@ def test_the_lct_command_leaves_its_entry(root, llama_art):
     assert entry.artifact == str(llama_art.resolve()) or entry.artifact == str(llama_art)
 
 
+def test_lct_load_layerwise_keeps_a_copy_and_says_so(root, llama_art):
+    """`lct load --layerwise` with the cache on by default and no entry: the background fill
+    runs to its end before the process (which ends with os._exit) does."""
+    import subprocess
+    import sys
+    env = {**os.environ, cache.ENV_DIR: str(root)}
+    env.pop(cache.ENV_SWITCH, None)
+    out = subprocess.run([sys.executable, "-m", "lct", "load", str(llama_art), "--layerwise",
+                          "-q"], env=env, capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stderr
+    (entry,) = cache.entries()
+    with lct.open(llama_art) as a:
+        assert entry.digest == a.digest
+
+
 def _no_reads(monkeypatch):
     """Make reading any stored chunk of any artifact fail: what still loads maps the cache."""
     from lct.io.reader import Artifact

@@ -628,12 +628,19 @@ def start_fill(fill: Fill) -> None:
     fill.start()
 
 
-def _wait_at_exit() -> None:
+def say_running(stream=None) -> None:
+    """Say on ``stream`` (standard error) that fills are still running, where some are: what a
+    process waiting for them at exit tells its user."""
     import sys
     running = [f for f in _FILLS if not f.wait(0)]
     if running:
-        sys.stderr.write(f"lct: keeping the decoded copy of {len(running)} artifact(s) for the "
-                         f"next start (Ctrl-C skips it; LCT_CACHE=0 turns the cache off)\n")
+        (stream or sys.stderr).write(
+            f"lct: keeping the decoded copy of {len(running)} artifact(s) for the next start "
+            f"(Ctrl-C skips it; LCT_CACHE=0 turns the cache off)\n")
+
+
+def _wait_at_exit() -> None:
+    say_running()
     try:
         wait_fills()
     except KeyboardInterrupt:       # cancelled: the interpreter ends as it was going to
