@@ -164,7 +164,10 @@ def engine_env(tmp_path_factory):
     env = dict(os.environ, VLLM_ENABLE_V1_MULTIPROCESSING="0", VLLM_CPU_KVCACHE_SPACE="1",
                HF_HUB_OFFLINE="1", VLLM_CACHE_ROOT=str(cache / "vllm"),
                TORCHINDUCTOR_CACHE_DIR=str(cache / "inductor"), TMPDIR=str(cache),
-               LCT_CACHE_DIR=str(cache / "lct-decoded"))   # on by default: never ~/.cache
+               # the decoded cache is on by default: here off, unless a test's options turn it
+               # on (one test's entry would serve another's damaged copy of the same digest),
+               # and never in ~/.cache
+               LCT_CACHE="0", LCT_CACHE_DIR=str(cache / "lct-decoded"))
     env.pop("VLLM_PLUGINS", None)       # an allow-list would hide the entry point
     return env
 
