@@ -499,8 +499,9 @@ def _cache_for(art, options: LoadOptions, stats: LoadStats) -> tuple:
     from lct.io import cache
     if not cache.enabled(options.cache):
         return None, None
-    if cache.unpinned(art):
-        stats.cache = f"off: {cache.unpinned(art)}"
+    why = cache.unpinned(art)
+    if why:
+        stats.cache = f"off: {why}"
         return None, None
     hit = cache.lookup(art)
     if hit is not None:
@@ -530,9 +531,10 @@ def cache_hit(art, asked: bool | None, stats: LoadStats | None = None):
     from lct.io import cache
     if not cache.enabled(asked):
         return None
-    if cache.unpinned(art):
+    why = cache.unpinned(art)
+    if why:
         if stats is not None:
-            stats.cache = f"off: {cache.unpinned(art)}"
+            stats.cache = f"off: {why}"
         return None
     hit = cache.lookup(art)
     if stats is not None:

@@ -127,14 +127,13 @@ def _hex(digest: str) -> str:
     return digest.removeprefix("sha256:")
 
 
-def pins(manifest) -> list | None:
-    """Each chunk's pinned decoded xxh3_64 (FORMAT.md section 6), as integers in chunk-id order;
-    None for an artifact written before format 1.6, whose manifest pins no decoded bytes (no
-    copy of it is kept or used)."""
-    sums = [c.decoded_checksum for c in sorted(manifest.chunks, key=lambda c: c.id)]
-    if any(s is None for s in sums):
+def pins(manifest) -> dict | None:
+    """``{chunk id: its pinned decoded xxh3_64}`` (FORMAT.md section 6, as integers); None for
+    an artifact written before format 1.6, whose manifest pins no decoded bytes (no copy of it
+    is kept or used)."""
+    if any(c.decoded_checksum is None for c in manifest.chunks):
         return None
-    return [int(s.partition(":")[2], 16) for s in sums]
+    return {c.id: int(c.decoded_checksum.partition(":")[2], 16) for c in manifest.chunks}
 
 
 def unpinned(art) -> str:
@@ -247,10 +246,9 @@ class CachedChunks:
     they are first touched, writes stay private), each chunk a view of it, its xxh3 checked
     against the one ``art``'s manifest pins on its first use."""
 
-    def __init__(self, entry: Entry, spans: dict, size: int, art, pinned: list):
+    def __init__(self, entry: Entry, spans: dict, size: int, art, pinned: dict):
         self.entry, self.spans, self.art, self.pinned = entry, spans, art, pinned
         self._map = np.memmap(entry.path / DATA, dtype=np.uint8, mode="c", shape=(size,))
-        self._order = {cid: i for i, cid in enumerate(sorted(spans))}
         self._checked: set = set()
         self.damaged: list = []         # chunk ids whose bytes differed (decoded instead)
 
@@ -272,7 +270,7 @@ class CachedChunks:
     def _matches(self, cid: int) -> bool:
         if cid in self._checked:
             return True
-        if _xxh3(self._view(cid)) == self.pinned[self._order[cid]]:
+        if _xxh3(self._view(cid)) == self.pinned[cid]:
             self._checked.add(cid)
             return True
         if not self.damaged:
@@ -381,7 +379,7 @@ class Fill(_Background):
         self.root = Path(root) if root is not None else cache_dir()
         self.digest, self.artifact = art.digest, str(Path(art.path).absolute())
         self.spans, self.size = layout(art.manifest)
-        self.pinned = dict(zip(sorted(self.spans), pins(art.manifest) or ()))
+        self.pinned = pins(art.manifest) or {}
         self.budget = max_bytes()       # read here: a bad LCT_CACHE_MAX fails the load, at once
         min_free_bytes(0)               # and so does a bad LCT_CACHE_MIN_FREE
         self._bufs: dict = {}
@@ -553,8 +551,9 @@ def fill(art, root: Path | None = None, progress=None,
     if not art.verify:
         raise LCTError(f"{art.path}: opened without checking checksums; a cache entry is "
                        f"trusted as the checked decode, so it is filled only from a checked one")
-    if unpinned(art):
-        raise LCTError(unpinned(art))
+    why = unpinned(art)
+    if why:
+        raise LCTError(why)
     f = Fill(art, root)
     if stop is not None:
         f._stop = stop
