@@ -35,6 +35,16 @@ Scenarios: a short prompt, cold and warm; a 512-token prompt (prefill), warm.
 
 ``--peers`` adds tensorizer and the Run:ai streamer (``pip install tensorizer
 runai-model-streamer``) on the same weights and the same generate.
+
+``--device cuda`` runs the same contenders onto a GPU: ``from_pretrained(..., device_map="cuda")``
+against ``lct.load(..., device="cuda")``, the prompt's ids on the GPU; the floor then also
+creates the CUDA context (``torch.zeros(1, device="cuda")``), which both loaders pay, and each
+row adds the process's peak GPU memory (``torch.cuda.max_memory_allocated``).
+``--max-seconds`` stops starting new repetitions once that much time has passed, and reports
+the repetitions done (a bounded run on a lent machine).
+
+    python benchmarks/bench_load.py --out bench_out --reps 3 --models gemma-2b --no-long \
+        --device cuda --max-seconds 240 --contenders "floor|from_pretrained|lct.load + generate|lct.load cache=False"
 """
 
 from __future__ import annotations
@@ -75,7 +85,9 @@ extra = {}
 '''
 
 GENERATE = r'''
-ids = tok(PROMPT, return_tensors="pt").input_ids
+ids = tok(PROMPT, return_tensors="pt").input_ids.to(DEVICE)
+if DEVICE != "cpu":
+    torch.cuda.synchronize()      # ready: the weights are on the device, not on their way
 ready = _age()
 clock = _Clock()
 with torch.no_grad():
@@ -86,14 +98,17 @@ gaps = [b - a for a, b in zip(clock.t[1:], clock.t[2:])]
 gaps.sort()
 print("RESULT " + json.dumps({"ready_s": ready, "ttft_s": clock.t[1], "prompt_tokens": ids.shape[1],
                                "per_token_s": gaps[len(gaps) // 2] if gaps else None,
-                               "tokens": out[0, ids.shape[1]:].tolist(), **extra}))
+                               "tokens": out[0, ids.shape[1]:].tolist(),
+                               "gpu_peak": torch.cuda.max_memory_allocated() if DEVICE != "cpu"
+                               else None, **extra}))
 '''
 
 FROM_PRETRAINED = r'''
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 tok = AutoTokenizer.from_pretrained(SRC)
-model = AutoModelForCausalLM.from_pretrained(SRC, dtype=torch.bfloat16)
+model = AutoModelForCausalLM.from_pretrained(
+    SRC, dtype=torch.bfloat16, **({"device_map": DEVICE} if DEVICE != "cpu" else {}))
 '''
 
 
@@ -108,7 +123,7 @@ def lct_python(nf4: str, cache: bool | None = None, page_cache: str | None = Non
 import lct
 from lct.loader import LoadStats
 st = LoadStats()
-model = lct.load(ART, prefetch=2, nf4="{nf4}", stats=st{more})
+model = lct.load(ART, prefetch=2, nf4="{nf4}", stats=st, device=DEVICE{more})
 import torch
 from transformers import AutoTokenizer
 tok = AutoTokenizer.from_pretrained(ART)
@@ -155,9 +170,12 @@ model.eval()
 
 
 def floor_code(model_class: str) -> str:
+    """Import torch and the model's class (and on a GPU create the CUDA context) and stop."""
     return rf'''
 import torch
 from transformers import {model_class}
+if DEVICE != "cpu":
+    torch.zeros(1, device=DEVICE)
 t = _age()
 print("RESULT " + json.dumps({{"ready_s": t, "ttft_s": t}}))
 '''
@@ -358,6 +376,17 @@ os.replace(dst + ".tmp", dst)
     return src, convert(src, out / "smollm2-135m.lct"), "LlamaForCausalLM"
 
 
+def prepare_tiny(out: Path) -> tuple:
+    """A tiny generated Llama with a small trained tokenizer (``lct.demo.tiny``): a quick check
+    that every contender runs, on any machine; its times mean nothing."""
+    from lct.demo import tiny
+    src = out / "tiny-llama"
+    if not (src / "tokenizer.json").exists():
+        tiny.save_tiny(src, "llama", vocab_size=512)
+        tiny.save_tokenizer(src, vocab_size=512)
+    return src, convert(src, out / "tiny-llama.lct"), "LlamaForCausalLM"
+
+
 def convert(src: Path, art: Path) -> Path:
     if not (art / "lct.json").exists() or not (art / "tokenizer.json").exists():
         print(f"converting {src.name} to LCT ...", flush=True)
@@ -404,7 +433,11 @@ def main() -> None:
                     help="comma-separated names (or name prefixes) of the contenders to run "
                          "(default: all); separated by | instead where a name has a comma")
     ap.add_argument("--prime-gb", type=int, default=8)
+    ap.add_argument("--device", default="cpu", help="cpu (default) or cuda[:N]")
+    ap.add_argument("--max-seconds", type=float, default=None,
+                    help="start no new repetition after this many seconds; report those done")
     args = ap.parse_args()
+    started = time.perf_counter()
     args.out.mkdir(exist_ok=True)
     env = dict(os.environ, TRANSFORMERS_VERBOSITY="error", HF_HUB_OFFLINE="1",
                TOKENIZERS_PARALLELISM="false", HF_HUB_DISABLE_PROGRESS_BARS="1", TQDM_DISABLE="1",
@@ -412,7 +445,7 @@ def main() -> None:
     env.pop("LCT_CACHE", None)
     cold_ok = not args.no_cold and drop_caches()
     preparers = {"gemma-2b": prepare_gemma, "smollm2": prepare_smollm2,
-                 "qwen2-7b": prepare_qwen7b}
+                 "qwen2-7b": prepare_qwen7b, "tiny": prepare_tiny}
     report, raw = [], {}
     for model in args.models:
         src, art, cls = preparers[model](args.out)
@@ -421,6 +454,7 @@ def main() -> None:
             scenarios.append((f"{LONG_TOKENS}-token prompt", long_prompt(src, LONG_TOKENS), False))
         for scenario, prompt, cold in scenarios:
             header = (f"SRC = {str(src)!r}\nART = {str(art)!r}\nPROMPT = {prompt!r}\n"
+                      f"DEVICE = {args.device!r}\n"
                       f"NEW = {NEW_TOKENS}\nTENSORS = {str(args.out / (src.name + '.tensors'))!r}\n")
             contenders = {
                 "floor: import torch + model class": lambda: run_python(
@@ -453,6 +487,10 @@ def main() -> None:
                                                                   env))
             results = {k: {"cold": [], "warm": []} for k in contenders}
             for rep in range(args.reps):
+                if rep and args.max_seconds and time.perf_counter() - started > args.max_seconds:
+                    print(f"--max-seconds {args.max_seconds:.0f} reached: {rep} repetition(s)",
+                          flush=True)
+                    break
                 for name, fn in contenders.items():
                     if cold:
                         settle(args.memory, args.prime_gb)
@@ -464,8 +502,9 @@ def main() -> None:
                     print(f"{model} / {scenario} rep {rep} {name}: warm first token "
                           f"{last['ttft_s']:.2f} s", flush=True)
             raw[f"{model} / {scenario} / {args.memory}"] = results
-            report.append(render(f"{model}, {scenario}, memory {args.memory}", src, art, results,
-                                 cold))
+            report.append(render(f"{model}, {scenario}, memory {args.memory}"
+                                 + (f", on {args.device}" if args.device != "cpu" else ""),
+                                 src, art, results, cold))
             (args.out / f"load_results_{args.memory}.json").write_text(json.dumps(raw, indent=1))
             (args.out / f"load_results_{args.memory}.md").write_text("\n".join(report))
     print("\n".join(report))
@@ -475,7 +514,8 @@ def render(title: str, src: Path, art: Path, results: dict, cold: bool) -> str:
     def size(p):
         return sum(f.stat().st_size for f in p.rglob("*") if f.is_file())
     f = lambda x, nd=2: "–" if x is None else f"{x:.{nd}f}"  # noqa: E731
-    reps = len(next(iter(results.values()))["warm"])
+    reps = min(len(r["warm"]) for r in results.values())
+    gpu = any(r.get("gpu_peak") for v in results.values() for rows in v.values() for r in rows)
     lines = [f"### {title}", "",
              f"Source {size(src) / 1e9:.2f} GB, artifact {size(art) / 1e9:.2f} GB; medians of "
              f"{reps} interleaved runs, each a fresh process"
@@ -493,8 +533,9 @@ def render(title: str, src: Path, art: Path, results: dict, cold: bool) -> str:
                  " Warm, a mapped copy is at best level with from_pretrained's memory map.")
         lines += [f"**{phase}**.{limit}", "",
                   "| contender | ready s | first token s | × from_pretrained | (first token − floor) "
-                  "× | per token s | × from_pretrained | peak RSS GB |",
-                  "|---|---|---|---|---|---|---|---|"]
+                  "× | per token s | × from_pretrained | peak RSS GB |"
+                  + (" peak GPU GB |" if gpu else ""),
+                  "|---|---|---|---|---|---|---|---|" + ("---|" if gpu else "")]
         fl = med(floor[phase], "ttft_s") if floor else None
         bt, bp = (med(base[phase], "ttft_s"), med(base[phase], "per_token_s")) if base \
             else (None, None)       # from_pretrained left out by --contenders
@@ -507,9 +548,11 @@ def render(title: str, src: Path, art: Path, results: dict, cold: bool) -> str:
                          f"{'–' if t is None or bt is None else f'{t / bt:.2f}'} | {over} | "
                          f"{f(p, 3)} | "
                          f"{'–' if p is None or not bp else f'{p / bp:.2f}'} | "
-                         f"{f(None if med(rows, 'peak_rss') is None else med(rows, 'peak_rss') / 1e9)} |")
+                         f"{f(None if med(rows, 'peak_rss') is None else med(rows, 'peak_rss') / 1e9)} |"
+                         + (f" {f(None if med(rows, 'gpu_peak') is None else med(rows, 'gpu_peak') / 1e9)} |"
+                            if gpu else ""))
         lines.append("")
-    lp = results.get("lct.load + generate")
+    lp = results.get("lct.load + generate (default)")
     if lp and lp["warm"] and "total_s" in lp["warm"][0]:
         w = lp["warm"]
         lines += ["LCT load breakdown (lct.load + generate, warm medians; read/decode are summed "

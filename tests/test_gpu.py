@@ -151,6 +151,23 @@ def test_load_on_cuda_decodes_into_pinned_buffers_and_copies_without_staging(lla
     assert len(pinned) == n_chunks and not any(p for _, p in pinned)
 
 
+def test_load_on_cuda_maps_the_decoded_copy_and_equals_the_decoding_load(llama_art):
+    """With a decoded copy kept (the default path of every later start), the CUDA load maps it
+    (``stats.cache`` "hit": nothing is decoded), every weight lands on the GPU, and the logits
+    equal those of the CUDA load that decodes the artifact."""
+    _bnb()
+    from lct.io import cache
+    from lct.loader import LoadStats
+    with lct.open(llama_art) as art:
+        assert cache.fill(art).done
+    ref = _logits(lct.load(llama_art, device=CUDA, cache=False))
+    st = LoadStats()
+    gpu = lct.load(llama_art, device=CUDA, cache=True, stats=st)
+    assert st.cache.startswith("hit") and st.bytes_read == 0, (st.cache, st.bytes_read)
+    assert _on_device(gpu) == []
+    assert torch.equal(_logits(gpu), ref)
+
+
 def test_reader_pin_memory_gives_pinned_zero_copy_tensors(llama_art):
     from lct.io.reader import open_artifact
     with open_artifact(llama_art, pin_memory=True) as art:
