@@ -37,7 +37,6 @@ from lct.format import constants as C
 from lct.format.encodings import get_encoding, lossy_encodings
 from lct.format.layout import encoded_bytes
 
-CANDIDATES = lossy_encodings()     # the registry's lossy encodings (lct/format/encodings.py)
 log = logging.getLogger(__name__)
 ROW_STEP_BYTES = 64 << 20
 
@@ -194,9 +193,10 @@ def _candidates(shape, blocksize: int, policy=None, role: str | None = None) -> 
     where the block size divides its rows); of a manual policy, only the one it forces on
     ``role``, where it fits."""
     if policy is not None and not policy.auto:
-        return tuple(e for e in CANDIDATES
+        return tuple(e for e in lossy_encodings()
                      if e == policy.forced()[role] and get_encoding(e).fits(shape, blocksize))
-    return tuple(e for e in CANDIDATES if get_encoding(e).candidate(shape, blocksize))
+    # the registry's lossy encodings as they are now (one registered later is measured too)
+    return tuple(e for e in lossy_encodings() if get_encoding(e).candidate(shape, blocksize))
 
 
 def proxy_costs(src, tensors: dict, lossy: dict, tied: bool, arch, policy) -> dict:

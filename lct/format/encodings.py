@@ -8,17 +8,26 @@ validates that object when a manifest is read (``check``), quantizes a source te
 weight from a decoded chunk and joins pieces (``weight``, ``join``), and says which parts of a
 stored weight a verify compares (``parts``). ``plain`` keeps the values as they are, in a
 dtype; the lossy ones (``lossy``) are the embedding and head tables' candidates, which the
-policy measures and the planner counts. Adding an encoding is adding one class here.
+policy measures and the planner counts.
+
+Adding an encoding is adding one class, registered with ``register`` (here, or in any module:
+``unregister`` takes it back). Everything else derives from the registry: the converter's
+``Policy`` and the planner's ``plan()`` take each lossy encoding's name as a keyword (a
+``{encoding: parts}`` map, ``encoding_keywords``), ``lct convert`` and ``lct plan`` an option
+of each (``--nf4 PARTS`` ..., in registry order), the manifest its policy key, and the kernels
+that compute on it register under its name (``lct.kernels.register_kernels``; an encoding
+without kernels loads dequantized).
 """
 
 from __future__ import annotations
 
 import abc
+import functools
 import math
 from dataclasses import dataclass
 from typing import ClassVar
 
-from lct.errors import UnsupportedVersionError
+from lct.errors import OptionError, UnsupportedVersionError
 from lct.format import constants as C
 from lct.format.rules import fail as _fail
 from lct.format.rules import integer as _int
@@ -133,9 +142,37 @@ _REGISTRY: dict[str, "Encoding"] = {}
 
 
 def register(cls: type["Encoding"]) -> type["Encoding"]:
-    """Class decorator: make an encoding available under ``cls.name``."""
-    _REGISTRY[cls.name] = cls()
+    """Class decorator: make an encoding available under ``cls.name``, after those registered
+    before it (the order the policy measures them and the CLI lists their options in).
+
+    Raises:
+        OptionError: the name is taken, or is not a lowercase identifier (it is a keyword of
+            ``Policy`` and ``plan()`` and an option of ``lct convert``).
+
+    Example:
+        >>> @register
+        ... class Toy(BlockEncoding):
+        ...     name = "toy"
+        ...     ...
+    """
+    name = getattr(cls, "name", None)
+    if not isinstance(name, str) or not name.isidentifier() or name != name.lower():
+        raise OptionError(f"an encoding's name is a lowercase identifier, got {name!r}",
+                          option="name")
+    if name in _REGISTRY:
+        raise OptionError(f"encoding {name!r} is already registered "
+                          f"({type(_REGISTRY[name]).__name__})", option="name")
+    _REGISTRY[name] = cls()
     return cls
+
+
+def unregister(name: str) -> None:
+    """Take back the encoding registered as ``name`` (a plugin's or a test's); the format's
+    own encodings stay."""
+    if name in _BUILTIN:
+        raise OptionError(f"encoding {name!r} is the format's own and stays registered",
+                          option="name")
+    _REGISTRY.pop(name, None)
 
 
 def get_encoding(name: str, where: str = "") -> "Encoding":
@@ -155,8 +192,46 @@ def lossy_encodings() -> tuple:
 
 def is_lossy(name: str) -> bool:
     """Whether ``name`` is a registered lossy encoding."""
-    e = _REGISTRY.get(name)
+    e = _REGISTRY.get(name) if isinstance(name, str) else None
     return e is not None and e.lossy
+
+
+def encoding_keywords(field: str):
+    """Class decorator for a dataclass whose ``field`` is a ``{lossy encoding: parts}`` map
+    (``Policy.lossy``, ``PlanOptions.lossy``): its constructor also takes each registered lossy
+    encoding's name as a keyword, folded into the map (``Policy(nf4=("embed",))`` is
+    ``Policy(lossy={"nf4": ("embed",)})``; a keyword wins over the map's entry, as
+    ``dataclasses.replace`` needs), and an instance reads each back as an attribute
+    (``policy.nf4``: the parts, or None where that encoding was not given). The map keeps the
+    encodings given (a None value is not given), a list of parts as a tuple. Other keywords
+    stay the dataclass's own: an unknown one is a ``TypeError``.
+
+    Example:
+        >>> Policy(q8_0=["head"]).lossy
+        {'q8_0': ('head',)}
+    """
+    def decorate(cls):
+        init = cls.__init__
+
+        @functools.wraps(init)
+        def __init__(self, *args, **kw):
+            given = kw.get(field) or {}
+            if isinstance(given, dict):     # else the class's own check names it
+                named = {k: kw.pop(k) for k in list(kw) if k != field and is_lossy(k)}
+                kw[field] = {e: tuple(p) if isinstance(p, list) else p
+                             for e, p in {**given, **named}.items() if p is not None}
+            init(self, *args, **kw)
+
+        def __getattr__(self, name):
+            if is_lossy(name):
+                given = self.__dict__.get(field)
+                return given.get(name) if isinstance(given, dict) else None
+            raise AttributeError(f"{type(self).__name__!r} object has no attribute {name!r}")
+
+        cls.__init__ = __init__
+        cls.__getattr__ = __getattr__
+        return cls
+    return decorate
 
 
 class Encoding(abc.ABC):
@@ -168,6 +243,7 @@ class Encoding(abc.ABC):
     key: str | None = None          # the tensor entry's placement object (its scales), if any
     label: str = ""                 # for messages: "NF4", "int8"
     described: str = ""             # for the model card ({blocksize}: the policy's)
+    summary: str = ""               # for an option's help: what a value becomes (default label)
     blocked: bool = False           # whether it takes the policy's blocksize (NF4's)
 
     def stored_dtype(self, dtype: str) -> str:
@@ -321,6 +397,7 @@ class NF4(LossyEncoding):
     label = "NF4"
     scale_name = "absmax"
     described = "NF4 (blocksize {blocksize}, bitsandbytes layout)"
+    summary = "NF4 (bitsandbytes layout, --blocksize values a block)"
     blocked = True
 
     def fits(self, shape, blocksize):
@@ -399,6 +476,7 @@ class Int8(LossyEncoding):
     key = "int8"
     label = "int8"
     described = "int8 with one scale per row"
+    summary = "int8 with one scale per row"
     block: int | None = None        # values per scale; None: the whole row
     weight_class = Int8Weight
 
@@ -487,6 +565,8 @@ class Int8B128(Int8):
     key = "int8"                    # the same placement object as int8's
     label = "int8_b128"             # its registry name and flag: one name in every message
     described = "int8 with one scale per 128 values"
+    summary = ("int8 with one scale per 128 values of a row (8.25 bits a value; rows must be "
+               "whole blocks of 128)")
     block = C.INT8_BLOCK
     weight_class = Int8B128Weight
 
@@ -588,6 +668,7 @@ class Q8_0(BlockEncoding):
     since = (1, 3)
     label = "Q8_0"
     described = "Q8_0 (llama.cpp's blocks: a float16 scale per 32 values)"
+    summary = "Q8_0 (llama.cpp's 8-bit blocks: a float16 scale per 32 values, 8.5 bits a value)"
     block, block_bytes, d_bytes = C.Q8_0_BLOCK, C.Q8_0_BLOCK_BYTES, slice(0, 2)
     codec_module = "lct.format.q8_0"
     weight_class = Q8_0Weight
@@ -605,7 +686,12 @@ class Q6_K(BlockEncoding):
     label = "Q6_K"
     described = ("Q6_K (llama.cpp's 6-bit blocks: 16 int8 scales and a float16 scale per 256 "
                  "values)")
+    summary = ("Q6_K (llama.cpp's 6-bit k-quant: 16 int8 scales and a float16 scale per 256 "
+               "values, 6.56 bits a value)")
     block, block_bytes = C.Q6_K_BLOCK, C.Q6_K_BLOCK_BYTES
     d_bytes = slice(C.Q6_K_BLOCK_BYTES - 2, C.Q6_K_BLOCK_BYTES)
     codec_module = "lct.format.q6_k"
     weight_class = Q6_KWeight
+
+
+_BUILTIN = frozenset(_REGISTRY)     # the format's own (FORMAT.md 2.2): never unregistered

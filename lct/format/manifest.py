@@ -346,8 +346,7 @@ _ARCHITECTURE_KEYS = {"model_type": ("str", "null"), "tie_word_embeddings": ("bo
                       "mapping": ("str",), "class": ("str",), "stacks": ("stacks",),
                       "experts": ("obj",)}
 _EXPERTS_KEYS = {"count": ("int",), "active": ("int", "null"), "layers": ("int",)}
-_POLICY_KEYS = {"mode": ("str",), **{e: ("strs",) for e in lossy_encodings()},
-                "blocksize": ("int",),
+_POLICY_KEYS = {"mode": ("str",), "blocksize": ("int",),     # and each lossy encoding's parts
                 "dtype": ("str", "null"), "codec": ("str",), "level": ("signed",),
                 "frame_size": ("int",), "maximus_shards": ("int", "null"),
                 "tp_pieces": ("int",), "measured": ("obj",)}
@@ -424,7 +423,10 @@ def _informative(d: dict, key: str, where: str) -> dict:
     v = d[key]
     if not isinstance(v, dict):
         _fail(where, f"'{key}' must be an object, got {json.dumps(v)[:80]}")
-    _check_keys(v, _INFORMATIVE[key], key, where)
+    keys = _INFORMATIVE[key]
+    if key == "policy":     # the parts of each lossy encoding registered now (a list of strings)
+        keys = {**keys, **{e: ("strs",) for e in lossy_encodings()}}
+    _check_keys(v, keys, key, where)
     for path, keys in _NESTED.items():
         top, _, sub = path.partition(".")
         if top == key and isinstance(v.get(sub), dict):
