@@ -137,18 +137,17 @@ if [ "$prc" -ne 0 ] || [ ! -f "$ART/lct.json" ]; then
 fi
 
 if [ -f "$ART/lct.json" ]; then
-    # Three interleaved repetitions where they fit: a share of what is left, keeping time for
-    # the steps after it.
-    budget=$(( $(left) - 200 ))
+    step "decoded GB/s by decode threads (bench_decode.py)" 90 \
+        "$PY" benchmarks/bench_decode.py "$ART" --threads 1,2,4,8,16 --passes 2 --max-gb 1.5 \
+        --json "$OUT/decode.json"
+    # Three interleaved repetitions where they fit: what is left, less the steps after it.
+    budget=$(( $(left) - 130 ))
     budget=$(( budget > 30 ? budget : 30 ))
     step "first token on $DEVICE (bench_load.py --device $DEVICE)" $(( budget + 60 )) \
         "$PY" benchmarks/bench_load.py --out "$WORK" --models "$MODEL" --no-long --reps 3 \
         --device "$DEVICE" --max-seconds "$budget" \
         --contenders "floor|from_pretrained|lct.load + generate|lct.load cache=False + generate"
     cp "$WORK/load_results_none.json" "$OUT/load_gpu.json" 2>/dev/null || true
-    step "decoded GB/s by decode threads (bench_decode.py)" 90 \
-        "$PY" benchmarks/bench_decode.py "$ART" --threads 1,2,4,8,16 --passes 2 --max-gb 2 \
-        --json "$OUT/decode.json"
 fi
 
 if [ "$DEVICE" = cpu ]; then head_size=(--vocab 4096 --hidden 256); else head_size=(); fi
