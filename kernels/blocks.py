@@ -2,39 +2,46 @@
 rows of self-contained blocks, each its codes and scales): the LM head's matmul (on the CPU the
 compiled fused or tiled kernel or the chunked dequantize-and-matmul, whichever
 ``kernels/paths.py`` measures fastest; chunked on a GPU) and the embedding's row gather. One
-class of each per encoding, which names its codec and its compiled kernels."""
+class of each per encoding, which names it: its label, block geometry and codec are the
+encoding's own (``lct.format.encodings``), its compiled kernels ``native``'s of its name."""
 
 from __future__ import annotations
-
-import importlib
 
 import torch
 from lct.kernels.embedding import masked_gather
 from lct.kernels.linear import DEFAULT_CHUNK_BYTES, QuantizedLinear
-from torch import nn
+from lct.kernels.registry import QuantizedEmbedding, register_kernels
 
 from lct.format import constants as C
+from lct.format.encodings import get_encoding
 
 
 class _Blocks:
-    """What a block encoding's modules know of it: its name, label, block geometry and codec."""
+    """What a block encoding's modules know of it: its name (``encoding``); the rest, its label,
+    block geometry and codec, is the registered encoding's (``lct.format.encodings``)."""
 
     encoding: str = ""
-    label: str = ""
-    block: int = 0
-    block_bytes: int = 0
+
+    @classmethod
+    def _format(cls):
+        return get_encoding(cls.encoding)
+
+    @property
+    def label(self) -> str:
+        return self._format().label
 
     @classmethod
     def _cols(cls, blocks) -> int:
-        return blocks.shape[1] // cls.block_bytes * cls.block
+        f = cls._format()
+        return blocks.shape[1] // f.block_bytes * f.block
 
     def dequantize_rows(self, blocks: torch.Tensor, dtype: torch.dtype,
                         out: torch.Tensor | None = None) -> torch.Tensor:
         """Rows of ``blocks`` [k, row bytes] (uint8) -> [k, K] of ``dtype`` (into ``out``, k*K
         of ``dtype``, if given): bit-identical to dequantizing the table and indexing (the
         codec's compiled loop if built)."""
-        codec = importlib.import_module(f"lct.format.{self.encoding}")
-        return codec.dequantize(blocks, (blocks.shape[0], self._cols(blocks)), dtype, out=out)
+        return self._format().codec().dequantize(blocks, (blocks.shape[0], self._cols(blocks)),
+                                                 dtype, out=out)
 
 
 class BlocksLinear(_Blocks, QuantizedLinear):
@@ -60,6 +67,18 @@ class BlocksLinear(_Blocks, QuantizedLinear):
         self.bias = bias
 
     @property
+    def compiled(self) -> bool:
+        """Whether ``native`` has this encoding's fused and tiled loops (Q8_0's, Q6_K's); a block
+        encoding without them takes the chunked path, over its codec."""
+        from lct.kernels import native
+        return self.encoding in native.TILED_KINDS
+
+    @classmethod
+    def from_weight(cls, weight, dtype: torch.dtype, bias=None) -> BlocksLinear:
+        """Over a stored ``BlocksWeight`` (``lct.kernels.registry.Kernels``)."""
+        return cls(weight.blocks, dtype, bias=bias)
+
+    @property
     def weight(self) -> torch.Tensor:
         """The whole weight dequantized (costs memory; forward never builds it)."""
         return self.dequantize_rows(self.blocks, self.dtype)
@@ -83,7 +102,7 @@ class BlocksLinear(_Blocks, QuantizedLinear):
                 f"{self.label}, chunk_rows={self.chunk_rows}")
 
 
-class BlocksEmbedding(_Blocks, nn.Module):
+class BlocksEmbedding(_Blocks, QuantizedEmbedding):
     """An embedding table kept as blocks of the subclass's encoding; a lookup dequantizes only
     the rows it gathers (bit-identical to dequantizing the table and indexing).
 
@@ -105,6 +124,11 @@ class BlocksEmbedding(_Blocks, nn.Module):
                                                      device=blocks.device), persistent=False)
         self.register_buffer("embed_scale", scale_by, persistent=False)
 
+    @classmethod
+    def from_weight(cls, weight, dtype: torch.dtype, pad_ids=(), scale=None) -> BlocksEmbedding:
+        """Over a stored ``BlocksWeight`` (``lct.kernels.registry.Kernels``)."""
+        return cls(weight.blocks, dtype, pad_ids=pad_ids, scale_by=scale)
+
     @property
     def weight(self) -> torch.Tensor:
         """The whole table dequantized (for code that insists on ``.weight``; costs memory)."""
@@ -120,28 +144,31 @@ class BlocksEmbedding(_Blocks, nn.Module):
                 f"pad_ids={self.pad_ids.tolist()}")
 
 
-class _Q8_0:
-    encoding, label = C.ENCODING_Q8_0, "Q8_0"
-    block, block_bytes = C.Q8_0_BLOCK, C.Q8_0_BLOCK_BYTES
-
-
-class _Q6_K:
-    encoding, label = C.ENCODING_Q6_K, "Q6_K"
-    block, block_bytes = C.Q6_K_BLOCK, C.Q6_K_BLOCK_BYTES
-
-
-class Q8_0Linear(_Q8_0, BlocksLinear):
+class Q8_0Linear(BlocksLinear):
     """The LM head over Q8_0 blocks (per 32 values a float16 scale and 32 int8 codes)."""
 
+    encoding = C.ENCODING_Q8_0
 
-class Q8_0Embedding(_Q8_0, BlocksEmbedding):
+
+class Q8_0Embedding(BlocksEmbedding):
     """An embedding table of Q8_0 blocks."""
 
+    encoding = C.ENCODING_Q8_0
 
-class Q6_KLinear(_Q6_K, BlocksLinear):
+
+class Q6_KLinear(BlocksLinear):
     """The LM head over Q6_K blocks (per 256 values 6-bit codes, 16 int8 scales, a float16
     scale)."""
 
+    encoding = C.ENCODING_Q6_K
 
-class Q6_KEmbedding(_Q6_K, BlocksEmbedding):
+
+class Q6_KEmbedding(BlocksEmbedding):
     """An embedding table of Q6_K blocks."""
+
+    encoding = C.ENCODING_Q6_K
+
+
+for _embedding, _linear in ((Q8_0Embedding, Q8_0Linear), (Q6_KEmbedding, Q6_KLinear)):
+    register_kernels(_linear.encoding, embedding=_embedding.from_weight,
+                     linear=_linear.from_weight)

@@ -8,6 +8,7 @@ from torch import nn
 
 from lct.errors import OptionError, TokenIdError
 from lct.kernels.nf4 import dequantize_rows
+from lct.kernels.registry import QuantizedEmbedding
 
 
 def masked_gather(ids: torch.Tensor, rows: int, dim: int, pad_ids, gather,
@@ -51,7 +52,7 @@ class PaddedEmbedding(nn.Embedding):
         return padded_lookup(self.weight, ids, self.pad_ids)
 
 
-class NF4Embedding(nn.Module):
+class NF4Embedding(QuantizedEmbedding):
     """An embedding table kept in NF4 (bitsandbytes layout); lookups dequantize only the rows used.
 
     Args:
@@ -80,6 +81,13 @@ class NF4Embedding(nn.Module):
                                                      device=packed.device), persistent=False)
         self.register_buffer("scale", scale, persistent=False)
         self.gathered_rows = 0   # instrumentation: rows dequantized so far
+
+    @classmethod
+    def from_weight(cls, weight, dtype: torch.dtype, pad_ids=(), scale=None) -> NF4Embedding:
+        """Over a stored ``NF4Weight`` (``lct.kernels.registry.Kernels``)."""
+        rows, cols = weight.shape
+        return cls(weight.packed, weight.absmax, rows, cols, weight.blocksize, dtype,
+                   pad_ids=pad_ids, scale=scale)
 
     @property
     def weight(self) -> torch.Tensor:

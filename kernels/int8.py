@@ -7,11 +7,11 @@ cols / block]`` per block."""
 from __future__ import annotations
 
 import torch
-from torch import nn
 
 from lct.format import constants as C
 from lct.kernels.embedding import masked_gather
 from lct.kernels.linear import DEFAULT_CHUNK_BYTES, QuantizedLinear
+from lct.kernels.registry import QuantizedEmbedding, register_kernels
 
 
 def dequantize_rows(q_rows: torch.Tensor, scale_rows: torch.Tensor, dtype: torch.dtype,
@@ -82,6 +82,11 @@ class Int8Linear(QuantizedLinear):
         self.register_buffer("scale", scale)
         self.bias = bias
 
+    @classmethod
+    def from_weight(cls, weight, dtype: torch.dtype, bias=None) -> Int8Linear:
+        """Over a stored ``Int8Weight`` (``lct.kernels.registry.Kernels``)."""
+        return cls(weight.q, weight.scale, dtype, bias=bias)
+
     @property
     def weight(self) -> torch.Tensor:
         """The whole weight dequantized (costs memory; forward never builds it)."""
@@ -114,7 +119,7 @@ class Int8Linear(QuantizedLinear):
                 f"{per}, chunk_rows={self.chunk_rows}")
 
 
-class Int8Embedding(nn.Module):
+class Int8Embedding(QuantizedEmbedding):
     """An embedding table kept as int8 codes with one float32 scale per row (or per block of a
     row); a lookup dequantizes only the rows it gathers (bit-identical to dequantizing the table
     and indexing).
@@ -139,6 +144,11 @@ class Int8Embedding(nn.Module):
                                                      device=q.device), persistent=False)
         self.register_buffer("embed_scale", scale_by, persistent=False)
 
+    @classmethod
+    def from_weight(cls, weight, dtype: torch.dtype, pad_ids=(), scale=None) -> Int8Embedding:
+        """Over a stored ``Int8Weight`` (``lct.kernels.registry.Kernels``)."""
+        return cls(weight.q, weight.scale, dtype, pad_ids=pad_ids, scale_by=scale)
+
     @property
     def weight(self) -> torch.Tensor:
         """The whole table dequantized (for code that insists on ``.weight``; costs memory)."""
@@ -153,3 +163,9 @@ class Int8Embedding(nn.Module):
         per = "row" if self.block == self.embedding_dim else f"{self.block} values"
         return (f"{self.num_embeddings}, {self.embedding_dim}, int8 per {per}, "
                 f"dtype={self.dtype}, pad_ids={self.pad_ids.tolist()}")
+
+
+# The scales' shape tells the modules which of the two a weight is.
+for _encoding_name in (C.ENCODING_INT8, C.ENCODING_INT8_B128):
+    register_kernels(_encoding_name, embedding=Int8Embedding.from_weight,
+                     linear=Int8Linear.from_weight)

@@ -11,7 +11,9 @@ from torch.nn import functional as F
 
 from lct.errors import OptionError
 from lct.format import constants as C
+from lct.kernels.embedding import NF4Embedding
 from lct.kernels.nf4 import dequantize_rows, dequantize_rows_into, quant_state
+from lct.kernels.registry import register_kernels
 
 # The dtypes of input and output the compiled kernels take (others go the torch way).
 _NATIVE_DTYPES = (torch.bfloat16, torch.float32)
@@ -73,13 +75,14 @@ def run_path(mod, path: str, x2: torch.Tensor, odt: torch.dtype, r0: int = 0,
 
 def choose_path(mod, x2: torch.Tensor, odt: torch.dtype) -> str:
     """The path ``mod`` takes for ``x2``: ``chunked`` where the compiled kernels cannot run
-    (not built or ``LCT_NATIVE=0``, not on the CPU, an output dtype they do not write), else the
+    (not built or ``LCT_NATIVE=0``, not on the CPU, an output dtype they do not write, an
+    encoding they do not have, ``mod.compiled``), else the
     forced path (``paths.force``, ``LCT_HEAD_PATH``), else ``paths.choose``'s measured one,
     timed on slices of this head with the first ``MEASURE_ROWS`` rows of ``x2``."""
     from lct.kernels import native, paths
     rows = x2.shape[0]
     if x2.device.type != "cpu" or not native.available() or odt not in _NATIVE_DTYPES \
-            or rows == 0:
+            or rows == 0 or not mod.compiled:
         return "chunked"
     forced = paths.forced()
     if forced is not None:
@@ -115,10 +118,12 @@ class QuantizedLinear(nn.Module):
     and gives ``_dequantizer(dtype, elements, device)``: a function ``(r0, r1, out)`` writing
     rows ``r0:r1`` dequantized into ``out`` (the chunked path; up to ``elements`` values), and
     ``_native(path, x, x_bf16, out, out_bf16, r0, r1, w_bf16)``: the compiled fused or tiled
-    kernel on rows ``r0:r1`` (numpy buffers as ``native_call`` gives them).
+    kernel on rows ``r0:r1`` (numpy buffers as ``native_call`` gives them), where
+    ``compiled`` (the compiled kernels have its encoding; else it takes the chunked path).
     """
 
     encoding = ""
+    compiled = True
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return quantized_forward(self, x)
@@ -172,6 +177,12 @@ class NF4Linear(QuantizedLinear):
         self.register_buffer("absmax", absmax.reshape(out_features, in_features // blocksize))
         self.bias = bias
 
+    @classmethod
+    def from_weight(cls, weight, dtype: torch.dtype, bias=None) -> NF4Linear:
+        """Over a stored ``NF4Weight`` (``lct.kernels.registry.Kernels``)."""
+        rows, cols = weight.shape
+        return cls(weight.packed, weight.absmax, rows, cols, weight.blocksize, dtype, bias=bias)
+
     @property
     def weight(self) -> torch.Tensor:
         """The whole weight dequantized (costs memory; forward never builds it on CPU)."""
@@ -207,3 +218,6 @@ class NF4Linear(QuantizedLinear):
     def extra_repr(self) -> str:
         return (f"in_features={self.in_features}, out_features={self.out_features}, "
                 f"nf4 blocksize={self.blocksize}, chunk_rows={self.chunk_rows}")
+
+
+register_kernels(C.ENCODING_NF4, embedding=NF4Embedding.from_weight, linear=NF4Linear.from_weight)

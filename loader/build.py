@@ -141,6 +141,7 @@ class Installer:
         """Install every tensor of a decoded group, under the model's names (transformers'
         renames and converters applied, ``lct.arch``)."""
         from lct.io.reader import QUANTIZED
+        from lct.kernels import has_kernels
         self._done: set = set()
         ties = self.art.manifest.ties
         group_tensors = {n: t for n, t in group.tensors.items() if n not in ties}
@@ -156,7 +157,8 @@ class Installer:
                 continue
             self._check_converted(full, t)
             if isinstance(t, QUANTIZED):
-                if self.nf4 == "keep" and self._replaceable(full):
+                # kept encoded where kernels compute on its encoding, else dequantized
+                if self.nf4 == "keep" and has_kernels(t.encoding) and self._replaceable(full):
                     self._install_quantized(full, t)
                     continue
                 t = t.dequantize()
@@ -303,8 +305,7 @@ def install_maximus(model, art, budget=None, device="cpu"):
     import torch
 
     from lct.format.maximus import MaximusPolicy
-    from lct.kernels import (Int8Embedding, MaximusEmbedding, NF4Embedding, Q6_KEmbedding,
-                             Q8_0Embedding)
+    from lct.kernels import MaximusEmbedding, NF4Embedding, QuantizedEmbedding
     m = art.manifest.maximus
     if m is None:
         raise LCTError(f"{art.path}: no Maximus shard state (converted without Maximus shards)",
@@ -329,9 +330,9 @@ def install_maximus(model, art, budget=None, device="cpu"):
         new = MaximusEmbedding(old.num_embeddings, old.embedding_dim, pad_ids=pads,
                                nf4=(old.packed.cpu(), old.absmax.cpu(), old.blocksize),
                                dtype=old.dtype, scale=scale, **kw)
-    elif isinstance(old, (torch.nn.Embedding, Int8Embedding, Q8_0Embedding, Q6_KEmbedding)):
-        # An int8, Q8_0 or Q6_K table is held dequantized: Maximus shards rows of a dense or NF4
-        # table.
+    elif isinstance(old, (torch.nn.Embedding, QuantizedEmbedding)):
+        # Another lossy table (int8, Q8_0, Q6_K ...) is held dequantized: Maximus shards rows
+        # of a dense or NF4 table.
         new = MaximusEmbedding(old.num_embeddings, old.embedding_dim, pad_ids=pads,
                                weight=old.weight.detach().cpu(), dtype=old.weight.dtype,
                                scale=scale, **kw)
