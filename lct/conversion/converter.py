@@ -24,7 +24,7 @@ from lct.arch import hf
 from lct.arch.model import Architecture
 from lct.conversion.source import Source, resolve, scan
 from lct.errors import ArchitectureError, PolicyError, SourceError
-from lct.format.encodings import get_encoding, lossy_encodings
+from lct.format.encodings import encoding_keywords, get_encoding, is_lossy, lossy_encodings
 from lct.format import constants as C
 from lct.format.codecs import choose_codec
 from lct.format.layout import TensorSpec, layout_group
@@ -37,43 +37,47 @@ Stage = Callable[[str], None]      # told what the converter starts now, besides
 log = logging.getLogger(__name__)
 
 
+@encoding_keywords("lossy")
 @dataclass
 class Policy:
     """What the converter does with each tensor (stored in the manifest as ``policy``).
 
-    The embedding and the LM head are the lossy candidates. With neither ``nf4`` nor ``int8``
-    given the policy is **auto**: for each of them (a tied table once) the converter measures
-    what NF4 and int8 would cost (``lct.conversion.policy``) and keeps the smallest encoding whose cost
-    fits ``budget`` (mean KL of the next-token distribution, nats, for the whole artifact).
-    ``nf4``/``int8`` name the parts forced to that encoding instead (``nf4=()`` and ``int8=()``:
-    all lossless); the rest are then lossless.
+    The embedding and the LM head are the lossy candidates. With no part forced to a lossy
+    encoding the policy is **auto**: for each of them (a tied table once) the converter
+    measures what each registered lossy encoding would cost (``lct.conversion.policy``) and
+    keeps the smallest encoding whose cost fits ``budget`` (mean KL of the next-token
+    distribution, nats, for the whole artifact). ``lossy`` names the parts forced to each
+    encoding instead, ``{encoding: parts}``, and each registered lossy encoding's name is a
+    keyword too (``Policy(nf4=("embed",), int8=("head",))``; ``nf4=()``: all lossless; read
+    back as ``policy.nf4``); the parts not named are then lossless.
+
+    Example:
+        >>> Policy(q8_0=("embed", "head")) == Policy(lossy={"q8_0": ("embed", "head")})
+        True
     """
 
-    nf4: tuple | None = None
+    lossy: dict | None = None       # {lossy encoding: the parts forced to it}; keywords too
     blocksize: int = C.DEFAULT_BLOCKSIZE
     dtype: str | None = None
     codec: str = C.CODEC_PLANES
     level: int = C.DEFAULT_LEVEL
     frame_size: int = C.DEFAULT_FRAME_SIZE
     maximus_shards: int | None = None
-    int8: tuple | None = None
     budget: float = C.DEFAULT_BUDGET_KL
-    q8_0: tuple | None = None       # forced to Q8_0 (llama.cpp's 8-bit blocks), as nf4/int8
-    q6_k: tuple | None = None       # forced to Q6_K (llama.cpp's 6-bit k-quant blocks)
-    int8_b128: tuple | None = None  # forced to int8 with a scale per 128 values
     calibration: str | None = None
     max_calibration_tokens: int = C.DEFAULT_CALIBRATION_TOKENS
     tp_pieces: int | None = None    # store what the model's TP plan splits as this many pieces
 
     def parts(self) -> dict:
-        """``{lossy encoding: the parts forced to it, or None}``: the fields named as the
-        registry's lossy encodings (``nf4``, ``int8``, ``int8_b128``, ``q8_0``, ``q6_k``)."""
-        return {e: getattr(self, e) for e in lossy_encodings()}
+        """``{lossy encoding: the parts forced to it, or None}`` for every registered lossy
+        encoding (``nf4``, ``int8``, ``int8_b128``, ``q8_0``, ``q6_k`` ...), in registry
+        order."""
+        return {e: self.lossy.get(e) for e in lossy_encodings()}
 
     @property
     def auto(self) -> bool:
         """Whether the lossy parts are chosen by measurement (no part forced)."""
-        return all(p is None for p in self.parts().values())
+        return not self.lossy
 
     def forced(self) -> dict:
         """``{role: encoding}`` of a manual policy (roles not named are lossless)."""
@@ -84,6 +88,13 @@ class Policy:
 
     def check(self) -> None:
         """Raise ``PolicyError`` for options that cannot work."""
+        if not isinstance(self.lossy, dict):
+            raise PolicyError(f"lossy {self.lossy!r} must be a {{encoding: parts}} map",
+                              option="lossy")
+        unknown = [e for e in self.lossy if not is_lossy(e)]
+        if unknown:
+            raise PolicyError(f"{unknown[0]!r} is not a lossy encoding; use one of "
+                              f"{', '.join(lossy_encodings())}", option="lossy")
         seen: dict = {}
         for option, parts in self.parts().items():
             bad = [r for r in parts or () if r not in C.LOSSY_ROLES]
