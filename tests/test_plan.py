@@ -595,8 +595,15 @@ def test_plan_options_are_checked_once_when_built_and_frozen(llama_src):
         plan(llama_src, options=o, batch=2)
     assert e.value.option == "options"
     params = inspect.signature(plan).parameters
-    assert {k: p.default for k, p in params.items() if k not in ("model", "options")} == \
+    assert {k: p.default for k, p in params.items() if k not in ("model", "options")
+            and p.kind != p.VAR_KEYWORD} == \
         {f.name: f.default for f in dataclasses.fields(PlanOptions)}
+    # the lossy encodings' keywords (nf4=, int8= ...) are the registry's, into PlanOptions.lossy
+    assert [p.name for p in params.values() if p.kind == p.VAR_KEYWORD] == ["encodings"]
+    assert PlanOptions(q8_0=("head",), lossy={"nf4": ("embed",)}).lossy == \
+        {"nf4": ("embed",), "q8_0": ("head",)}
+    with pytest.raises(TypeError, match="'bogus'"):
+        plan(llama_src, bogus=("head",))
     assert len(inspect.signature(_plan).parameters) <= 8
     assert len(inspect.signature(_remedies).parameters) <= 8
 

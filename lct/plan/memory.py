@@ -65,6 +65,10 @@ BNB_QMAP_BYTES = 2 * 256 * 4
 
 
 nf4_bytes = encoded_size     # bytes of an NF4 tensor (lct.format.nf4 holds the formula)
+# What a plan assumes of a model that is not an artifact, asked for no encoding: the embedding
+# and the head in int8, what the auto policy picks for the trained models measured in
+# docs/BENCHMARKS.md.
+DEFAULT_ENCODING = C.ENCODING_INT8
 
 
 def lct_layout(specs: list, dtype: str, encodings: dict | None = None,
@@ -403,10 +407,9 @@ def plan(model, *, mode: str = "infer", batch: int = 1, seq: int = DEFAULT_SEQ,
          precision: str | None = None, optimizer: str = "adamw", kv_dtype: str | None = None,
          format: str | None = None, maximus_resident=None, memory=None,  # noqa: A002
          device: str | None = None, loss_chunk: int = DEFAULT_LOSS_CHUNK,
-         nf4: tuple | None = None, blocksize: int | None = None,
-         revision: str | None = None, int8: tuple | None = None,
-         q8_0: tuple | None = None, q6_k: tuple | None = None,
-         int8_b128: tuple | None = None, options: PlanOptions | None = None) -> Plan:
+         blocksize: int | None = None, revision: str | None = None,
+         lossy: dict | None = None, options: PlanOptions | None = None,
+         **encodings) -> Plan:
     """Plan the memory of MODEL for inference or a training step.
 
     Args:
@@ -432,12 +435,15 @@ def plan(model, *, mode: str = "infer", batch: int = 1, seq: int = DEFAULT_SEQ,
             optimizers, LCT's chunked NF4 head, CPU attention kernels): whose temporaries;
             default: this machine's (``default_device()``).
         loss_chunk: tokens per chunk for the chunked-loss figure.
-        nf4, int8, int8_b128, q8_0, q6_k, blocksize: the NF4, int8, int8 per 128 values, Q8_0
-            and Q6_K parts ("embed", "head") and the NF4 block size of ``format="lct"``, as
-            ``lct convert --nf4/--int8/--int8_b128/--q8_0/--q6_k/--blocksize``, for a model
-            that is not an artifact (an artifact's are its policy's; giving them is an error);
-            default: both parts in int8, what the auto policy picks for the trained models
-            measured in docs/BENCHMARKS.md, and 64.
+        lossy, blocksize: the parts ("embed", "head") forced to each lossy encoding,
+            ``{encoding: parts}``, and the NF4 block size of ``format="lct"``, as ``lct convert
+            --nf4/--int8/.../--blocksize``, for a model that is not an artifact (an artifact's
+            are its policy's; giving them is an error); default: both parts in int8
+            (``DEFAULT_ENCODING``), what the auto policy picks for the trained models measured
+            in docs/BENCHMARKS.md, and 64.
+        **encodings: each registered lossy encoding's name as a keyword, its parts
+            (``nf4=("embed",), int8=("head",)``), as in ``lossy`` (another keyword is a
+            ``TypeError``, as ``PlanOptions`` gives it).
         revision: Hub revision for a Hub id.
         options: all of the above as one ``PlanOptions``, instead of the keywords.
 
@@ -456,17 +462,15 @@ def plan(model, *, mode: str = "infer", batch: int = 1, seq: int = DEFAULT_SEQ,
     asked = PlanOptions(mode=mode, batch=batch, seq=seq, vocab_size=vocab_size,
                         add_tokens=add_tokens, precision=precision, optimizer=optimizer,
                         kv_dtype=kv_dtype, format=format, maximus_resident=maximus_resident,
-                        memory=memory, device=device, loss_chunk=loss_chunk, nf4=nf4,
-                        blocksize=blocksize, revision=revision, int8=int8, q8_0=q8_0,
-                        q6_k=q6_k, int8_b128=int8_b128)
+                        memory=memory, device=device, loss_chunk=loss_chunk,
+                        blocksize=blocksize, revision=revision, lossy=lossy, **encodings)
     if options is not None:
         if asked != PlanOptions():
             raise PlanError("give options=PlanOptions(...) or keyword options, not both",
                             option="options")
         asked = options
     cfg, where, artifact = read_config(model, asked.revision)
-    given = [e for e, parts in asked.forced().items() if parts is not None] + \
-        (["blocksize"] if asked.blocksize is not None else [])
+    given = list(asked.lossy) + (["blocksize"] if asked.blocksize is not None else [])
     if artifact is not None and given:
         raise PlanError(f"{artifact}: an artifact's encodings are its own (lct info shows "
                         f"them), so {given[0]} is not applied to it; plan its source folder "
@@ -603,19 +607,18 @@ def _active_params(specs, experts: dict) -> int:
 
 
 def _lossy_encodings(manifest, options, blocksize) -> tuple:
-    """``({role: lossy encoding}, blocksize)``: as asked (``options.nf4``/``int8``/``q8_0``),
-    else as the artifact stores them (its policy's list of parts per encoding), else what the
-    auto policy picks for trained models (int8 embedding and head)."""
+    """``({role: lossy encoding}, blocksize)``: as asked (``options.lossy``), else as the
+    artifact stores them (its policy's list of parts per encoding), else what the auto policy
+    picks for trained models (``DEFAULT_ENCODING``: int8 embedding and head)."""
     from lct.format.encodings import lossy_encodings
     policy = manifest.policy if manifest else {}
-    asked = options.forced()
-    if any(p is not None for p in asked.values()):
-        by = {r: e for e, parts in asked.items() for r in parts or ()}
+    if options.lossy:
+        by = {r: e for e, parts in options.lossy.items() for r in parts}
     elif manifest is not None:
         by = {r: e for e in lossy_encodings() for r in policy.get(e) or ()
               if r in C.LOSSY_ROLES}
     else:
-        by = {r: C.ENCODING_INT8 for r in C.LOSSY_ROLES}
+        by = {r: DEFAULT_ENCODING for r in C.LOSSY_ROLES}
     return by, blocksize or int(policy.get("blocksize", C.DEFAULT_BLOCKSIZE))
 
 

@@ -8,6 +8,7 @@ from dataclasses import dataclass, replace
 
 from lct.errors import PlanError
 from lct.format import constants as C
+from lct.format.encodings import encoding_keywords, is_lossy, lossy_encodings
 from lct.plan.modelspec import Dims
 
 MODES = ("infer", "train")
@@ -56,6 +57,7 @@ def default_device() -> str:
     return "cuda" if torch.cuda.is_available() else "cpu"
 
 
+@encoding_keywords("lossy")
 @dataclass(frozen=True)
 class PlanOptions:
     """What a plan is asked for, checked once, when the object is built.
@@ -63,7 +65,9 @@ class PlanOptions:
     The fields are ``plan()``'s keyword arguments, with the same meanings and defaults.
     Construction checks each against its allowed values (``MODES``, ``FORMATS``, ``DEVICES``,
     ``OPTIMIZERS``, ``PRECISIONS``, ``KV_DTYPES``, ``C.LOSSY_ROLES``) and keeps them normalized:
-    ``maximus_resident`` as ``(K, N)``, ``memory`` as bytes, ``nf4``/``int8``/``int8_b128``/``q8_0``/``q6_k`` as tuples.
+    ``maximus_resident`` as ``(K, N)``, ``memory`` as bytes, ``lossy`` as ``{encoding: parts
+    tuple}`` (each registered lossy encoding's name is a keyword too, ``nf4=("head",)``, read
+    back as ``options.nf4``).
     ``None`` for ``precision``, ``kv_dtype``, ``format`` and ``device`` means the model's (or
     this machine's) default, which ``resolved`` fills in once the model is read. What needs
     the model (a vocabulary grown below one token, more Maximus shards than rows, a blocksize
@@ -93,19 +97,14 @@ class PlanOptions:
     memory: int | str | None = None
     device: str | None = None
     loss_chunk: int = DEFAULT_LOSS_CHUNK
-    nf4: tuple | None = None
     blocksize: int | None = None
     revision: str | None = None
-    int8: tuple | None = None
-    q8_0: tuple | None = None
-    q6_k: tuple | None = None
-    int8_b128: tuple | None = None
+    lossy: dict | None = None       # {lossy encoding: parts} as asked; keywords too
 
     def forced(self) -> dict:
-        """``{lossy encoding: parts}`` as asked (``nf4``, ``int8``, ``int8_b128``, ``q8_0``, ``q6_k``; None: not
-        given)."""
-        from lct.format.encodings import lossy_encodings
-        return {e: getattr(self, e) for e in lossy_encodings()}
+        """``{lossy encoding: parts}`` for every registered lossy encoding, in registry order
+        (None: not given)."""
+        return {e: self.lossy.get(e) for e in lossy_encodings()}
 
     def __post_init__(self):
         def keep(name, value):
@@ -134,17 +133,18 @@ class PlanOptions:
             keep("maximus_resident", parse_resident(self.maximus_resident))
         if self.memory is not None:
             keep("memory", parse_bytes(self.memory))
+        if not isinstance(self.lossy, dict) or not all(map(is_lossy, self.lossy)):
+            raise PlanError(f"lossy {self.lossy!r} must map lossy encodings ("
+                            f"{', '.join(lossy_encodings())}) to parts", option="lossy")
         seen: dict = {}
         for what, parts in self.forced().items():
             if parts is not None and any(r not in C.LOSSY_ROLES for r in parts):
                 raise PlanError(f"{what} parts {tuple(parts)!r} must be among {C.LOSSY_ROLES}",
                                 option=what)
-            if parts is not None:
-                keep(what, tuple(parts))
             both = [r for r in parts or () if r in seen]
             if both:
                 other = seen[both[0]]
-                raise PlanError(f"{other} {tuple(getattr(self, other))!r} and {what} "
+                raise PlanError(f"{other} {tuple(self.lossy[other])!r} and {what} "
                                 f"{tuple(parts)!r} name the same part", option=other)
             seen.update({r: what for r in parts or ()})
         b = self.blocksize
