@@ -72,6 +72,67 @@ class LCTGroup(click.Group):
             sys.exit(INTERRUPTED_STATUS)
 
 
+def parse_parts(ctx, param, value):
+    """An encoding option's ``PARTS``: None (not given), ``none`` (no part: ``()``), or parts of
+    ``embed``, ``head`` separated by commas."""
+    from lct.format import constants as C
+    if value is None:
+        return None
+    if value.strip().lower() in ("none", ""):
+        return ()
+    parts = tuple(p.strip() for p in value.split(",") if p.strip())
+    bad = [p for p in parts if p not in C.LOSSY_ROLES]
+    if bad:
+        raise click.BadParameter(f"{bad[0]!r}: use none, embed, head or embed,head")
+    return parts
+
+
+class EncodingCommand(click.Command):
+    """A command with an option ``--ENCODING PARTS`` for each lossy encoding registered
+    (``lct.format.encodings``) when it is asked for its options, in registry order, right after
+    its own option ``after``; ``encoding_help(encoding)`` says what each does. The callback gets
+    their values as one keyword, ``lossy``: ``{encoding: parts}`` of the options given.
+
+    Example:
+        >>> @click.command("plan", cls=EncodingCommand, after="fmt",
+        ...                encoding_help=lambda e: f"the parts in {e.label}")
+    """
+
+    def __init__(self, *args, after: str, encoding_help, **kwargs):
+        self._after, self._encoding_help = after, encoding_help
+        self._options: dict = {}        # {encoding: its click.Option}, made once each
+        super().__init__(*args, **kwargs)
+
+    @property
+    def params(self) -> list:
+        """The command's own parameters with an option of each lossy encoding registered now
+        after ``after`` (one list, brought up to date in place: click adds to it)."""
+        from lct.format.encodings import get_encoding, lossy_encodings
+        made = [id(o) for o in self._options.values()]
+        own = [p for p in self._params if id(p) not in made]
+        for e in lossy_encodings():
+            if any(p.name == e for p in own):
+                raise click.ClickException(f"encoding {e!r} has the name of an option of "
+                                           f"lct {self.name}")
+            if e not in self._options:
+                self._options[e] = click.Option(
+                    [f"--{e}", e], default=None, callback=parse_parts, metavar="PARTS",
+                    help=self._encoding_help(get_encoding(e)))
+        at = next(i for i, p in enumerate(own) if p.name == self._after) + 1
+        self._params[:] = own[:at] + [self._options[e] for e in lossy_encodings()] + own[at:]
+        return self._params
+
+    @params.setter
+    def params(self, value: list) -> None:
+        self._params = list(value)
+
+    def invoke(self, ctx):
+        from lct.format.encodings import lossy_encodings
+        given = {e: ctx.params.pop(e, None) for e in lossy_encodings()}
+        ctx.params["lossy"] = {e: parts for e, parts in given.items() if parts is not None}
+        return super().invoke(ctx)
+
+
 # What to do about a library error that names a parameter (``LCTError.option``), in the CLI's
 # words; any other parameter is shown as its flag.
 OPTION_HINTS = {

@@ -6,20 +6,8 @@ from pathlib import Path
 
 import click
 
-from lct.cli._util import GroupProgress, quiet_option
+from lct.cli._util import EncodingCommand, GroupProgress, quiet_option
 from lct.format import constants as C
-
-
-def _parse_parts(ctx, param, value):
-    if value is None:
-        return None
-    if value.strip().lower() in ("none", ""):
-        return ()
-    parts = tuple(p.strip() for p in value.split(",") if p.strip())
-    bad = [p for p in parts if p not in C.LOSSY_ROLES]
-    if bad:
-        raise click.BadParameter(f"{bad[0]!r}: use none, embed, head or embed,head")
-    return parts
 
 
 def _parse_calibration(ctx, param, value):
@@ -31,30 +19,17 @@ def _parse_calibration(ctx, param, value):
     return value
 
 
-@click.command("convert", short_help="Convert a Hugging Face checkpoint (folder or Hub id) to an LCT artifact.")
+def _encoding_help(e) -> str:
+    """The help of ``--ENCODING`` (``EncodingCommand``)."""
+    return f"Force these parts to {e.summary or e.label}: embed, head, embed,head or none."
+
+
+@click.command("convert", cls=EncodingCommand, after="revision", encoding_help=_encoding_help,
+               short_help="Convert a Hugging Face checkpoint (folder or Hub id) to an LCT artifact.")
 @click.argument("source")
 @click.option("-o", "--output", "output", required=True, type=click.Path(),
               help="Artifact directory to create (appears atomically when complete).")
 @click.option("--revision", default=None, help="Hub revision (branch, tag or commit) of SOURCE.")
-@click.option("--nf4", "nf4", default=None, callback=_parse_parts, metavar="PARTS",
-              help="Force these parts to NF4 (bitsandbytes layout): embed, head, embed,head or "
-                   "none. Any of --nf4/--int8/--int8_b128/--q8_0/--q6_k turns the automatic choice off; parts not "
-                   "named are then lossless. A tied embedding/head is one table: name both or "
-                   "neither.")
-@click.option("--int8", "int8", default=None, callback=_parse_parts, metavar="PARTS",
-              help="Force these parts to int8 with one scale per row: embed, head, embed,head "
-                   "or none.")
-@click.option("--int8_b128", "int8_b128", default=None, callback=_parse_parts, metavar="PARTS",
-              help="Force these parts to int8 with one scale per 128 values of a row (8.25 bits "
-                   "a value; rows must be whole blocks of 128): embed, head, embed,head or "
-                   "none.")
-@click.option("--q8_0", "q8_0", default=None, callback=_parse_parts, metavar="PARTS",
-              help="Force these parts to Q8_0 (llama.cpp's 8-bit blocks: a float16 scale per 32 "
-                   "values, 8.5 bits a value): embed, head, embed,head or none.")
-@click.option("--q6_k", "q6_k", default=None, callback=_parse_parts, metavar="PARTS",
-              help="Force these parts to Q6_K (llama.cpp's 6-bit k-quant: 16 int8 scales and a "
-                   "float16 scale per 256 values, 6.56 bits a value): embed, head, embed,head or "
-                   "none.")
 @click.option("--budget", type=float, default=C.DEFAULT_BUDGET_KL, show_default=True,
               help="Automatic choice: the most the lossy parts may cost, as mean KL of the "
                    "next-token distribution in nats (0.01 is about +1 % perplexity). A float32 "
@@ -100,28 +75,30 @@ def _parse_calibration(ctx, param, value):
               help="Print the result as one JSON object (fields in docs/CLI.md); bars stay on "
                    "stderr.")
 @quiet_option("the artifact's path")
-def convert_cmd(source, output, revision, nf4, int8, int8_b128, q8_0, q6_k, budget, calibration,
-                dtype, level, blocksize, codec, max_file_size, workers, maximus_shards, tp_pieces, token_freq, force, quiet,
-                as_json):
+def convert_cmd(source, output, revision, lossy, budget, calibration, dtype, level, blocksize,
+                codec, max_file_size, workers, maximus_shards, tp_pieces, token_freq, force,
+                quiet, as_json):
     """Convert SOURCE (a local model folder with safetensors, or a Hub id such as
     google/gemma-2b or hf://google/gemma-2b@main) into an LCT artifact.
 
     Each transformer layer becomes an independent compressed chunk, kept losslessly in its dtype.
     The embedding and the LM head (a tied table once) are stored in the smallest encoding that
-    keeps the model faithful: NF4, Q6_K (6-bit blocks), int8 with one scale per row or per 128
-    values, Q8_0 (a scale per 32 values), or lossless, chosen by running the source model on a
-    calibration text (LCT's own by default, or --calibration TEXT; the text-free proxy where the
-    model cannot run) against --budget. --nf4/--int8/--int8_b128/--q8_0/--q6_k force a choice.
-    Pickle checkpoints (.bin) are refused. HF_HUB_OFFLINE=1 uses only the local Hugging Face cache.
+    keeps the model faithful: one of the lossy encodings (each has its option below: NF4, int8
+    with one scale per row or per 128 values, Q8_0, Q6_K ...) or lossless, chosen by running the
+    source model on a calibration text (LCT's own by default, or --calibration TEXT; the
+    text-free proxy where the model cannot run) against --budget. An encoding's option forces
+    the choice instead (--nf4 embed,head; --q8_0 head ...); the parts no option names are then
+    lossless, and a tied embedding/head is one table: name both or neither. Pickle checkpoints
+    (.bin) are refused. HF_HUB_OFFLINE=1 uses only the local Hugging Face cache.
     """
     from lct.conversion.converter import Policy, convert
     from lct.units import parse_size
     max_file_size = parse_size(max_file_size, "--max-file-size")
     if token_freq and not maximus_shards:
         raise click.UsageError("--token-freq needs --maximus-shards")
-    policy = Policy(nf4=nf4, int8=int8, int8_b128=int8_b128, q8_0=q8_0, q6_k=q6_k, budget=budget,
-                    calibration=calibration, blocksize=blocksize, dtype=dtype, codec=codec, level=level,
-                    maximus_shards=maximus_shards, tp_pieces=tp_pieces)
+    policy = Policy(lossy=lossy, budget=budget, calibration=calibration, blocksize=blocksize,
+                    dtype=dtype, codec=codec, level=level, maximus_shards=maximus_shards,
+                    tp_pieces=tp_pieces)
     bar = GroupProgress("convert", enabled=not quiet)
     # The policy's measurement: tokens run through the source model, what runs beside them
     # (which candidate on which part); closed as the next stage starts.

@@ -4,9 +4,8 @@ from __future__ import annotations
 
 import click
 
-from lct.cli._util import as_flags, quiet_option, table
-from lct.cli.convert import _parse_parts
-from lct.plan.memory import plan
+from lct.cli._util import EncodingCommand, as_flags, quiet_option, table
+from lct.plan.memory import DEFAULT_ENCODING, plan
 from lct.plan.options import (
     DEFAULT_LOSS_CHUNK,
     DEFAULT_SEQ,
@@ -34,7 +33,17 @@ def _parsed(parser_name: str):
     return callback
 
 
-@click.command("plan", short_help="Plan the memory a model needs for inference or training.")
+def _encoding_help(e) -> str:
+    """The help of ``--ENCODING`` (``EncodingCommand``)."""
+    return (f"With --format lct and no artifact: the {e.label} parts, as lct convert "
+            f"--{e.name} (none, embed, head or embed,head)."
+            + (f" With no encoding option the plan assumes embed,head in {e.label}; lct "
+               f"convert's default is the auto policy, which measures the model and may pick "
+               f"another encoding (lct info shows it)." if e.name == DEFAULT_ENCODING else ""))
+
+
+@click.command("plan", cls=EncodingCommand, after="fmt", encoding_help=_encoding_help,
+               short_help="Plan the memory a model needs for inference or training.")
 @click.argument("model")
 @click.option("--mode", type=click.Choice(MODES), default="infer", show_default=True,
               help="infer: a no-grad forward that fills a KV cache; train: forward with labels, "
@@ -57,21 +66,6 @@ def _parsed(parser_name: str):
 @click.option("--format", "fmt", type=click.Choice(FORMATS), default=None,
               help="hf: dense weights; lct: LCT's quantized embedding and head (frozen in training). "
                    "Default: lct for an LCT artifact, else hf.")
-@click.option("--nf4", "nf4", default=None, callback=_parse_parts, metavar="PARTS",
-              help="With --format lct and no artifact: the NF4 parts, as lct convert --nf4 "
-                   "(none, embed, head or embed,head).")
-@click.option("--int8", "int8", default=None, callback=_parse_parts, metavar="PARTS",
-              help="With --format lct and no artifact: the int8 parts, as lct convert --int8. "
-                   "With none of --nf4/--int8/--int8_b128/--q8_0/--q6_k the plan assumes "
-                   "embed,head in int8; lct convert's default is the auto policy, which "
-                   "measures the model and may pick another encoding (lct info shows it).")
-@click.option("--q8_0", "q8_0", default=None, callback=_parse_parts, metavar="PARTS",
-              help="With --format lct and no artifact: the Q8_0 parts, as lct convert --q8_0.")
-@click.option("--q6_k", "q6_k", default=None, callback=_parse_parts, metavar="PARTS",
-              help="With --format lct and no artifact: the Q6_K parts, as lct convert --q6_k.")
-@click.option("--int8_b128", "int8_b128", default=None, callback=_parse_parts, metavar="PARTS",
-              help="With --format lct and no artifact: the parts in int8 with a scale per 128 "
-                   "values, as lct convert --int8_b128.")
 @click.option("--blocksize", type=click.IntRange(min=2), default=None,
               help="With --format lct and no artifact: the NF4 block size (default 64).")
 @click.option("--maximus-resident", callback=_parsed("parse_resident"), metavar="K/N", default=None,
@@ -91,7 +85,7 @@ def _parsed(parser_name: str):
               help="Print every figure as JSON (integer parameters and bytes).")
 @quiet_option("the peak (and with --memory whether it fits)")
 def plan_cmd(model, mode, batch, seq, vocab_size, add_tokens, precision, optimizer, kv_dtype,
-             fmt, nf4, int8, q8_0, q6_k, int8_b128, blocksize, maximus_resident, memory, device, loss_chunk, revision,
+             fmt, lossy, blocksize, maximus_resident, memory, device, loss_chunk, revision,
              as_json, quiet):
     """Plan the memory MODEL needs for inference or a training step.
 
@@ -106,9 +100,8 @@ def plan_cmd(model, mode, batch, seq, vocab_size, add_tokens, precision, optimiz
     options = PlanOptions(mode=mode, batch=batch, seq=seq, vocab_size=vocab_size,
                           add_tokens=add_tokens, precision=precision, optimizer=optimizer,
                           kv_dtype=kv_dtype, format=fmt, maximus_resident=maximus_resident,
-                          memory=memory, device=device, loss_chunk=loss_chunk, nf4=nf4,
-                          blocksize=blocksize, revision=revision, int8=int8, q8_0=q8_0,
-                          q6_k=q6_k, int8_b128=int8_b128)
+                          memory=memory, device=device, loss_chunk=loss_chunk, lossy=lossy,
+                          blocksize=blocksize, revision=revision)
     p = plan(model, options=options)
     if as_json:
         click.echo(p.to_json(), nl=False)
