@@ -428,7 +428,7 @@ def _load(path, options: LoadOptions, stats: LoadStats | None):
     art = options.open(path)
     stats.manifest_s = time.perf_counter() - t0
     art.thread_nice = DECODE_NICE
-    fill = None
+    fill = cold = None
 
     def skeleton():
         t1 = time.perf_counter()
@@ -443,7 +443,7 @@ def _load(path, options: LoadOptions, stats: LoadStats | None):
     builder = ThreadPoolExecutor(1, thread_name_prefix="lct-skeleton")
     budget = held_budget(art)
     try:
-        cached, fill = _cache_for(art, options, stats)
+        cached, fill, cold = _cache_for(art, options, stats)
         with GroupStream(art, prefetch=options.prefetch, dequantize=False, cached=cached,
                          on_decoded=fill.add if fill is not None else None) as stream:
             # Reads first: importing torch holds the interpreter for a while (its libraries
@@ -490,80 +490,89 @@ def _load(path, options: LoadOptions, stats: LoadStats | None):
     if fill is not None:          # the load succeeded: keep it, in the background
         from lct.io.cache import start_fill
         start_fill(fill)
+    elif cold is not None:        # an entry on the disk: in memory for the next start
+        from lct.io.cache import warm
+        warm(cold)
     return model.eval()
 
 
-def _cache_for(art, options: LoadOptions, stats: LoadStats) -> tuple:
-    """``(cached chunks or None, fill or None)`` for this load (``lct.io.cache``): a hit maps
-    an earlier load's decode; otherwise a load whose decoded buffers become the model's weights
-    as they are (on the CPU, no cast, lossy parts kept) keeps them afterwards."""
-    from lct.io import cache
-    if not cache.enabled(options.cache):
-        return None, None
-    why = cache.unpinned(art)
-    if why:
-        stats.cache = f"off: {why}"
-        return None, None
-    hit = cache.lookup(art)
-    if hit is not None:
-        stats.cache = "hit"
-        return hit, None
-    if options.device != "cpu" or options.dtype is not None or options.nf4 != "keep" or \
-            not options.verify:
-        stats.cache = ("miss: kept only by a load that checks the checksums, on the CPU, with "
-                       "no dtype cast and nf4='keep'")
-        return None, None
-    fill = cache.Fill(art)
-    if fill.over_budget():
-        stats.cache = f"miss: not kept, {fill.over_budget()}"
-        return None, None
-    stats.cache = "filling"
-    if options.page_cache == "auto" and hasattr(art.store, "page_cache"):
-        art.store.page_cache = "auto"       # drop what is read in from disk (lct.io.store)
-    return None, fill
-
-
-def cache_hit(art, asked: bool | None, stats: LoadStats | None = None):
-    """The decoded cache's entry of ``art`` mapped (``lct.io.cache.CachedChunks``) where the
-    cache is on for this load (``asked``: ``cache=``, None for ``LCT_CACHE``) and holds one,
-    else None: for the loaders that only map it (the layer-wise model, device maps,
-    tensor-parallel ranks, vLLM's load format); an entry is filled by a whole ``lct.load`` or
-    by ``lct cache fill``, or by ``fill_later`` after this load. ``stats.cache`` says which."""
+def _entry(art, asked: bool | None, stats: LoadStats | None, choose: bool = True) -> tuple:
+    """``(entry to map or None, entry left on the disk or None, state)``: the decoded cache's
+    entry of ``art`` (``lct.io.cache``) where the cache is on for this load (``asked``:
+    ``cache=``, None for ``LCT_CACHE``), and whether this start maps it (``cache.choose``; with
+    ``choose`` False, always). ``state`` is ``off``, ``miss``, ``hit`` or ``cold`` (an entry
+    whose pages are on the disk: the artifact is decoded instead); ``stats.cache`` says it with
+    the why."""
     from lct.io import cache
     if not cache.enabled(asked):
-        return None
+        return None, None, "off"
     why = cache.unpinned(art)
     if why:
-        if stats is not None:
-            stats.cache = f"off: {why}"
-        return None
-    hit = cache.lookup(art)
+        what, hit, state = f"off: {why}", None, "off"
+    else:
+        hit = cache.lookup(art)
+        use, what = cache.choose(hit, art) if hit is not None and choose else (True, "mapped")
+        state = "miss" if hit is None else "hit" if use else "cold"
+        what = "miss" if hit is None else f"{state}: {what}"
     if stats is not None:
-        stats.cache = "hit" if hit is not None else "miss"
-    return hit
+        stats.cache = what
+    return (hit, None, state) if state == "hit" else (None, hit, state)
+
+
+def _cache_for(art, options: LoadOptions, stats: LoadStats) -> tuple:
+    """``(cached chunks or None, fill or None, entry to warm or None)`` for a whole load: a hit
+    maps an earlier load's decode (``_entry``); an entry on the disk is left there and read
+    into memory after the load (``lct.io.cache.warm``); otherwise a load whose decoded buffers
+    become the model's weights as they are (on the CPU, no cast, lossy parts kept) keeps them
+    afterwards. Either way but a hit, the compressed pages read in from disk are dropped: the
+    next start maps the decoded copy."""
+    from lct.io import cache
+    hit, cold, state = _entry(art, options.cache, stats)
+    if state in ("off", "hit"):
+        return hit, None, None
+    if state == "miss":
+        if options.device != "cpu" or options.dtype is not None or options.nf4 != "keep" or \
+                not options.verify:
+            stats.cache = ("miss: kept only by a load that checks the checksums, on the CPU, "
+                           "with no dtype cast and nf4='keep'")
+            return None, None, None
+        fill = cache.Fill(art)
+        if fill.over_budget():
+            stats.cache = f"miss: not kept, {fill.over_budget()}"
+            return None, None, None
+        stats.cache = "filling"
+    else:
+        fill = None
+    if options.page_cache == "auto" and hasattr(art.store, "page_cache"):
+        art.store.page_cache = "auto"       # drop what is read in from disk (lct.io.store)
+    return None, fill, cold
+
+
+def cache_hit(art, asked: bool | None, stats: LoadStats | None = None, *, choose: bool = True):
+    """The decoded cache's entry of ``art`` mapped (``lct.io.cache.CachedChunks``) where the
+    cache is on for this load (``asked``: ``cache=``, None for ``LCT_CACHE``), holds one, and
+    this start maps it (``lct.io.cache.choose``: its pages are in memory, or decoding would
+    read no fewer bytes; ``choose=False`` maps it whatever), else None: for the loaders that
+    only map an entry (the layer-wise model, device maps, tensor-parallel ranks, vLLM's load
+    format); an entry is filled by a whole ``lct.load`` or by ``lct cache fill``, or by
+    ``fill_later`` after this load. ``stats.cache`` says which and why."""
+    return _entry(art, asked, stats, choose)[0]
 
 
 def fill_later(art, asked: bool | None, hit, stats: LoadStats | None = None):
-    """After a load by a loader that only maps an entry (``cache_hit``) found none (``hit``
-    None): keep one for the next start, by a ``lct.io.cache.BackgroundFill`` of the artifact,
-    started now (the interpreter waits for it at exit, saying so). Only where the cache is on,
-    the artifact pins its decoded bytes, its checksums are checked and it is a local folder (a
-    streamed one would be read again over the network: ``lct cache fill`` does that on
-    request). Returns the fill, or None; ``stats.cache`` says which."""
+    """After a load by a loader that only maps an entry (``cache_hit``) mapped none (``hit``
+    None): keep one for the next start (``lct.io.cache.keep``: a background fill of a local
+    artifact that the interpreter waits for at exit, saying so, or, where the entry exists but
+    was left on the disk, reading it into memory). Returns the fill, or None; ``stats.cache``
+    says which."""
     from lct.io import cache
-    from lct.io.store import LocalStore
-    if hit is not None or not cache.enabled(asked) or cache.unpinned(art):
+    if hit is not None:
         return None
-    why = ("the artifact is read without checking checksums" if not art.verify else
-           "the artifact is streamed (lct cache fill ARTIFACT makes an entry)"
-           if not isinstance(art.store, LocalStore) else "")
-    if not why:
-        f = cache.BackgroundFill(art.path)
-        cache.start_fill(f)
-    if stats is not None:
+    f, why = cache.keep(art, asked)
+    if stats is not None and (f is not None or why):
         stats.cache = f"miss: not kept, {why}" if why else \
             "miss: being kept for the next start (a background fill)"
-    return None if why else f
+    return f
 
 
 def held_budget(art) -> int:

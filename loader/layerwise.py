@@ -45,7 +45,7 @@ class LayerwiseModel:
         self.prefetch = prefetch
         try:
             # a decoded-cache entry: every forward maps the layers instead of decoding them
-            self.cached = cache_hit(self.art, options.cache)
+            self.cached = cache_hit(self.art, options.cache, choose=False)
             arch = build_skeleton(self.art, dtype)
             self.model = arch.model
             if len(arch.stacks) != 1:

@@ -93,8 +93,9 @@ class LoadStats:
     max_held_bytes: int = 0         # decoded bytes held while the skeleton was not ready
     nf4_modules: list = field(default_factory=list)
     notes: list = field(default_factory=list)     # what the load did differently, one line each
-    # the decoded cache: "off", "hit" (mapped, nothing decoded), "filling" (decoded, being
-    # kept in the background), or "miss: <why it is not kept>"
+    # the decoded cache: "off[: why]", "hit: mapped (why)" (nothing decoded), "cold: why" (an
+    # entry on the disk, left there: the artifact decoded instead, lct.io.cache.choose),
+    # "filling" (decoded, being kept in the background), or "miss[: <why it is not kept>]"
     cache: str = "off"
 
     def take_stream(self, s) -> None:

@@ -113,7 +113,7 @@ def test_lossless_round_trip_equals_from_pretrained(model_type, sources, tmp_pat
     assert [f.done for f in cache.wait_fills()] == [True]
     stats = lct.LoadStats()
     got = lct.load(art, cache=True, stats=stats).state_dict()
-    assert stats.cache == "hit" and set(got) == set(want)
+    assert stats.cache.startswith("hit: mapped") and set(got) == set(want)
     for k in want:
         assert got[k].dtype == want[k].dtype and torch.equal(got[k], want[k]), k
 

@@ -65,7 +65,7 @@ def test_a_load_fills_and_the_next_maps_it(root, llama_art):
         _, size = cache.layout(a.manifest)
     assert entry.size == size == (entry.path / cache.DATA).stat().st_size
     again, stats2, _ = _load(llama_art, cache=True)
-    assert stats2.cache == "hit" and stats2.bytes_read == 0
+    assert stats2.cache.startswith("hit: mapped") and stats2.bytes_read == 0
     assert stats2.bytes_decoded == stats.bytes_decoded
     assert torch.equal(_logits(model), _logits(again))
     # the weights are views of the entry's file, mapped (nothing copied into fresh memory),
@@ -84,7 +84,7 @@ def test_the_switch(root, llama_art, monkeypatch):
     _, stats, fills = _load(llama_art)
     assert stats.cache == "filling" and fills[-1].done        # on by default (issue 36)
     _, stats, _ = _load(llama_art)
-    assert stats.cache == "hit"
+    assert stats.cache.startswith("hit: mapped")
     cache.prune(everything=True)
     monkeypatch.setenv(cache.ENV_SWITCH, "1")
     _, stats, _ = _load(llama_art)
@@ -143,7 +143,7 @@ def test_a_damaged_entry_is_replaced_not_used(root, llama_art):
     (entry,) = cache.entries()
     assert data.stat().st_size == entry.size
     _, stats, _ = _load(llama_art, cache=True)
-    assert stats.cache == "hit"
+    assert stats.cache.startswith("hit: mapped")
 
 
 def test_the_budget_evicts_the_least_recently_used(root, llama_art, gemma_art, monkeypatch):
@@ -276,7 +276,7 @@ def test_cli_lists_and_prunes(root, llama_art):
     assert data["dir"] == str(root) and len(data["entries"]) == 1
     assert data["total_bytes"] == data["entries"][0]["size"] > 0
     out = runner.invoke(cli, ["load", str(llama_art), "--cache", "--json"])
-    assert json.loads(out.output)["breakdown"]["cache"] == "hit"
+    assert json.loads(out.output)["breakdown"]["cache"].startswith("hit: mapped")
     assert runner.invoke(cli, ["cache", "prune"]).exit_code == 2
     # a digest no entry has, or a prefix of none, is an error, not "removed 0 entries"
     for wrong in ("foo", "sha256:0000000000000"):
@@ -346,7 +346,7 @@ def test_lct_cache_fill_makes_the_entry_a_load_would(root, llama_art, tmp_path, 
     with monkeypatch.context() as m:
         _no_reads(m)
         again, stats2, _ = _load(llama_art, cache=True)
-    assert stats2.cache == "hit" and torch.equal(_logits(model), _logits(again))
+    assert stats2.cache.startswith("hit: mapped") and torch.equal(_logits(model), _logits(again))
     res = CliRunner().invoke(cli, ["cache", "fill", str(llama_art), "-q"])
     assert res.exit_code == 0 and res.output.strip() == str(entry.path), res.output
     assert len(cache.entries()) == 1
@@ -392,7 +392,7 @@ def test_a_changed_byte_in_an_entry_is_never_a_weight(root, llama_art, caplog):
     _, stats, fills = _load(llama_art, cache=True)
     assert stats.cache == "filling" and fills[-1].done
     _, stats, _ = _load(llama_art, cache=True)
-    assert stats.cache == "hit"
+    assert stats.cache.startswith("hit: mapped")
 
 
 def test_the_layerwise_model_checks_an_entry_too(root, llama_art):
@@ -551,7 +551,7 @@ def test_the_layerwise_model_and_a_device_map_keep_an_entry_then_map_it(root, ll
             assert torch.equal(_logits(lm), want) and torch.equal(_logits(lm), want)
         stats = lct.LoadStats()
         mapped = lct.load(llama_art, device_map={"": "cpu"}, cache=True, stats=stats)
-        assert torch.equal(_logits(mapped), whole) and stats.cache == "hit"
+        assert torch.equal(_logits(mapped), whole) and stats.cache.startswith("hit: mapped")
         with pytest.raises(AssertionError, match="was read"):   # off: it reads
             LayerwiseModel(llama_art, cache=False)
 

@@ -1,0 +1,162 @@
+"""Mapping the decoded copy or decoding the artifact, chosen per start (lct.io.cache.choose):
+an entry whose pages are in memory is mapped, one on the disk is left there and the artifact
+(fewer bytes) decoded instead, with the same weights, and the entry is read into memory after
+the load for the next start; LCT_CACHE_MAP=always maps whatever; where mincore cannot be asked
+the entry is mapped; the layer-wise model maps always. Pages are dropped from the page cache
+with posix_fadvise(DONTNEED): where the kernel keeps them anyway (tmpfs), the tests that need
+an entry on the disk skip, saying so."""
+
+import gc
+import os
+import threading
+import time
+
+import pytest
+import torch
+
+import lct
+from lct.errors import LCTError
+from lct.io import cache
+
+
+@pytest.fixture
+def root(tmp_path, monkeypatch):
+    d = tmp_path / "cache"
+    monkeypatch.setenv(cache.ENV_DIR, str(d))
+    monkeypatch.delenv(cache.ENV_SWITCH, raising=False)
+    monkeypatch.delenv(cache.ENV_MAX, raising=False)
+    monkeypatch.setenv(cache.ENV_MAP, "auto")       # conftest maps always
+    return d
+
+
+def _filled(art) -> cache.Entry:
+    with lct.open(art) as a:
+        f = cache.fill(a)
+    assert f.done, f.reason
+    (entry,) = cache.entries()
+    return entry
+
+
+def _share(art) -> float:
+    with lct.open(art) as a:
+        share = cache.lookup(a).resident()
+    assert share is not None, "mincore could not be asked on this machine"
+    return share
+
+
+def _in_memory(entry) -> None:
+    (entry.path / cache.DATA).read_bytes()
+
+
+def _on_disk(art, entry) -> None:
+    """Drop the entry's pages from the page cache; skip where the kernel keeps them."""
+    gc.collect()            # a model that mapped the entry, gone: its pages are unmapped
+    fd = os.open(entry.path / cache.DATA, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+        os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+    finally:
+        os.close(fd)
+    share = _share(art)
+    if share >= cache.MAP_RESIDENT:
+        pytest.skip(f"the kernel kept {share:.0%} of the entry's pages after "
+                    f"posix_fadvise(DONTNEED) (a file system in memory?)")
+
+
+def _load(art, **kw):
+    stats = lct.LoadStats()
+    model = lct.load(art, stats=stats, **kw)
+    return model, stats
+
+
+def _same(a, b) -> None:
+    want, got = a.state_dict(), b.state_dict()
+    assert set(got) == set(want)
+    for k in want:
+        assert got[k].dtype == want[k].dtype and torch.equal(got[k], want[k]), k
+
+
+def _warmers() -> list:
+    return [t for t in threading.enumerate() if t.name == "lct-cache-warm"]
+
+
+def test_residency_is_measured_from_a_sample_of_pages(root, llama_art):
+    entry = _filled(llama_art)
+    _in_memory(entry)
+    assert _share(llama_art) == 1.0
+    _on_disk(llama_art, entry)
+    assert _share(llama_art) < cache.MAP_RESIDENT
+    assert _share(llama_art) < cache.MAP_RESIDENT    # asking touched no page of it
+
+
+def test_an_entry_in_memory_is_mapped_one_on_the_disk_is_not(root, llama_art):
+    want = lct.load(llama_art, cache=False)
+    entry = _filled(llama_art)
+    _in_memory(entry)
+    mapped, stats = _load(llama_art)
+    assert stats.cache == "hit: mapped (100% of it in memory)" and stats.bytes_read == 0
+    _same(want, mapped)
+    del mapped
+    _on_disk(llama_art, entry)
+    decoded, stats = _load(llama_art)
+    assert stats.cache.startswith("cold: ") and "in memory: decoded the artifact instead" in \
+        stats.cache, stats.cache
+    assert stats.bytes_read > 0                     # it read the artifact, not the entry
+    _same(want, decoded)
+    assert [e.digest for e in cache.entries()] == [entry.digest]     # left as it was
+    # after the load, the entry is read into memory for the next start, which maps it
+    for t in _warmers():
+        t.join(30)
+    deadline = time.monotonic() + 30
+    while _share(llama_art) < cache.MAP_RESIDENT and time.monotonic() < deadline:
+        time.sleep(0.1)                             # the kernel's reads end after the call's
+    again, stats = _load(llama_art)
+    assert stats.cache.startswith("hit: mapped (") and stats.bytes_read == 0, stats.cache
+    _same(want, again)
+
+
+def test_lct_cache_map_always_maps_an_entry_on_the_disk(root, llama_art, monkeypatch):
+    want = lct.load(llama_art, cache=False)
+    entry = _filled(llama_art)
+    _on_disk(llama_art, entry)
+    monkeypatch.setenv(cache.ENV_MAP, "always")
+    mapped, stats = _load(llama_art)
+    assert stats.cache == "hit: mapped (LCT_CACHE_MAP=always)" and stats.bytes_read == 0
+    _same(want, mapped)
+    monkeypatch.setenv(cache.ENV_MAP, "sometimes")
+    with pytest.raises(LCTError, match="LCT_CACHE_MAP='sometimes': use auto or always"):
+        lct.load(llama_art)
+
+
+def test_without_mincore_the_entry_is_mapped(root, llama_art, monkeypatch):
+    import lct.io.store as store
+    entry = _filled(llama_art)
+    _on_disk(llama_art, entry)
+    monkeypatch.setattr(store, "_LIBC", False)      # what _libc() keeps when libc has none
+    with lct.open(llama_art) as a:
+        assert cache.lookup(a).resident() is None
+    _, stats = _load(llama_art)
+    assert stats.cache == "hit: mapped (how much of it is in memory is unknown: no mincore)"
+    assert stats.bytes_read == 0
+
+
+def test_the_loaders_that_map_choose_too_and_the_layerwise_model_maps_always(root, llama_art):
+    """A device-mapped load decodes the artifact where the entry is on the disk, and reads the
+    entry into memory afterwards instead of filling another; the layer-wise model, which reads
+    its layers at every forward, maps the entry wherever its pages are."""
+    from lct.loader.layerwise import LayerwiseModel
+    whole = lct.load(llama_art, cache=False)
+    entry = _filled(llama_art)
+    _on_disk(llama_art, entry)
+    before = cache.wait_fills()
+    stats = lct.LoadStats()
+    got = lct.load(llama_art, device_map={"": "cpu"}, stats=stats)
+    assert stats.cache.startswith("cold: ") and stats.bytes_read > 0, stats.cache
+    _same(whole, got)
+    assert [f for f in cache.wait_fills() if not any(f is b for b in before)] == []
+    assert [e.digest for e in cache.entries()] == [entry.digest]
+    for t in _warmers():
+        t.join(30)
+    _on_disk(llama_art, entry)
+    with LayerwiseModel(llama_art) as lm:
+        assert lm.cached is not None and lm.filling is None
