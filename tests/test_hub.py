@@ -832,3 +832,37 @@ def test_the_maximus_state_is_written_as_the_other_files(llama_src, tmp_path):
     lct.convert(str(llama_src), out, policy=lct.Policy(maximus_shards=4))
     modes = {p.name: stat.S_IMODE(p.stat().st_mode) for p in out.iterdir()}
     assert modes["maximus.safetensors"] == modes["lct.json"], modes
+
+
+def test_cli_pull_keeps_the_decoded_copy_for_the_first_load(llama_art, hub, run, tmp_path,
+                                                            monkeypatch):
+    """Issue 36: `lct pull` decodes the artifact it verified into the decoded cache (the
+    command waits for it at exit), so that the first load maps it; --no-cache and LCT_CACHE=0
+    keep nothing."""
+    from lct.io import cache
+    monkeypatch.setenv(cache.ENV_DIR, str(tmp_path / "decoded"))
+    lhub.push(llama_art, "alice/l")
+    for switch, flags in (("0", []), (None, ["--no-cache", "--local-dir", tmp_path / "d"])):
+        if switch is None:
+            monkeypatch.delenv(cache.ENV_SWITCH)    # on by default, off for this command
+        else:
+            monkeypatch.setenv(cache.ENV_SWITCH, switch)
+        res = run("pull", "alice/l", *flags)
+        assert res.exit_code == 0, res.output
+        cache.wait_fills()
+        assert cache.entries() == []
+    res = run("pull", "alice/l", "-q")
+    assert res.exit_code == 0, res.output
+    path = Path(res.output.strip().splitlines()[-1])
+    fills = cache.wait_fills()
+    assert fills[-1].done and fills[-1].folder.parent == tmp_path / "decoded", fills[-1].reason
+    (entry,) = cache.entries()
+    with lct.open(path) as a:
+        assert entry.digest == a.digest and entry.artifact == str(path)
+    stats = lct.LoadStats()
+    model = lct.load("hf://alice/l", stats=stats)
+    assert stats.cache.startswith("hit: mapped") and stats.bytes_read == 0, stats.cache
+    assert torch.equal(_logits(model), _logits(lct.load(llama_art, cache=False)))
+    before = cache.wait_fills()
+    assert run("pull", "alice/l").exit_code == 0      # an entry exists: no second fill
+    assert [f for f in cache.wait_fills() if not any(f is b for b in before)] == []
