@@ -335,10 +335,11 @@ class LossyEncoding(Encoding):
     def parts(self, weight) -> tuple:
         """``(codes, scales)`` of a stored weight, as ``quantize`` gives them (verify)."""
 
-    @abc.abstractmethod
     def zero_marker(self, weight):
         """A ``[rows, k]`` tensor of the stored ``weight``'s scales: a row whose marker is all
-        zero dequantizes to zeros (what padding detection reads instead of the whole table)."""
+        zero dequantizes to zeros (what padding detection reads instead of the whole table).
+        Here: the scales ``parts`` gives (NF4's absmax, int8's scales), a row's together."""
+        return self.parts(weight)[1].reshape(weight.shape[0], -1)
 
     def scales(self, weight):
         """The stored ``weight``'s scales as floats, ``[rows, scales a row]`` (NF4's absmax,
@@ -463,9 +464,6 @@ class NF4(LossyEncoding):
     def parts(self, weight):
         return weight.packed, weight.absmax
 
-    def zero_marker(self, weight):
-        return weight.absmax.reshape(weight.shape[0], -1)
-
 
 @register
 class Int8(LossyEncoding):
@@ -550,9 +548,6 @@ class Int8(LossyEncoding):
 
     def parts(self, weight):
         return weight.q, weight.scale
-
-    def zero_marker(self, weight):
-        return weight.scale.reshape(weight.shape[0], -1)
 
 
 @register
