@@ -92,7 +92,7 @@ class BlocksLinear(_Blocks, QuantizedLinear):
         shape = (x.shape[0], r1 - r0, self.in_features)
         threads = torch.get_num_threads()
         if path == "fused":
-            getattr(native, f"{self.encoding}_matmul")(x, xb, blocks, out, ob, shape, threads)
+            native.blocks_matmul(self.encoding, x, xb, blocks, out, ob, shape, threads)
         else:
             native.tiled_matmul(self.encoding, x, xb, blocks, None, None, out, ob, shape, 0,
                                 w_bf16, threads)

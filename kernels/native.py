@@ -86,49 +86,39 @@ def int8_matmul(x: np.ndarray, x_bf16: bool, q: np.ndarray, scale: np.ndarray, o
                         block or k, threads, -1 if isa is None else ISAS.index(isa))
 
 
-def _blocks_matmul(fn, x, x_bf16, blocks, out, out_bf16, shape, threads, isa) -> None:
-    """Call a block encoding's compiled fused matmul ``fn`` (Q8_0's, Q6_K's) with its flags."""
+def blocks_matmul(kind: str, x: np.ndarray, x_bf16: bool, blocks: np.ndarray, out: np.ndarray,
+                  out_bf16: bool, shape: tuple, threads: int, isa: str | None = None) -> None:
+    """``out[M, N] = x[M, K] @ W.T`` with ``W`` [N, K] kept as rows of llama.cpp's blocks of
+    the encoding ``kind`` (``"q8_0"`` or ``"q6_k"``, the block encodings of ``TILED_KINDS``):
+    ``blocks`` is uint8, a row's K/block blocks contiguous, each block's bytes as the codec
+    lays them out (``lct.format.q8_0``: a little-endian float16 ``d`` then 32 int8 codes,
+    ``W = q * d``; ``lct.format.q6_k``: ``ql[128]``, ``qh[64]``, 16 int8 ``scales`` and a
+    float16 ``d`` per 256 values, ``W = d * scale * (q - 32)``). Each weight is formed in
+    float32 as the codec's ``dequantize`` forms it and summed in float32, over ``threads``
+    threads with the GIL released; ``x``, ``out``, ``shape`` (M, N, K; K a multiple of the
+    block) and ``isa`` as for ``nf4_matmul``.
+
+    Raises:
+        ValueError: a buffer's size or alignment does not match ``shape``.
+
+    Only call when ``available()``.
+
+    Example:
+        >>> blocks_matmul("q8_0", x, False, blocks.numpy(), out, False, (1, N, K), 4)
+    """
     m, n, k = shape
-    fn(x, 1 if x_bf16 else 0, blocks, out, 1 if out_bf16 else 0, m, n, k, threads,
-       -1 if isa is None else ISAS.index(isa))
+    getattr(_native, f"{kind}_matmul")(x, 1 if x_bf16 else 0, blocks, out, 1 if out_bf16 else 0,
+                                       m, n, k, threads, -1 if isa is None else ISAS.index(isa))
 
 
-def q8_0_matmul(x: np.ndarray, x_bf16: bool, blocks: np.ndarray, out: np.ndarray,
-                out_bf16: bool, shape: tuple, threads: int, isa: str | None = None) -> None:
-    """``out[M, N] = x[M, K] @ W.T`` with ``W`` [N, K] in llama.cpp's Q8_0: ``blocks`` is uint8,
-    N * K/32 blocks of 34 bytes, row-major (a row's K/32 blocks contiguous), each a
-    little-endian float16 ``d`` then 32 int8 codes ``q``, ``W = q * d``. Each weight is formed
-    exactly in float32 and summed in float32, over ``threads`` threads with the GIL released;
-    ``x``, ``out``, ``shape`` (M, N, K; K a multiple of 32) and ``isa`` as for ``nf4_matmul``.
-
-    Raises:
-        ValueError: a buffer's size or alignment does not match ``shape``.
-
-    Only call when ``available()``.
-
-    Example:
-        >>> q8_0_matmul(x, False, blocks.numpy(), out, False, (1, N, K), 4)
-    """
-    _blocks_matmul(_native.q8_0_matmul, x, x_bf16, blocks, out, out_bf16, shape, threads, isa)
+def q8_0_matmul(*args, **kwargs) -> None:
+    """``blocks_matmul("q8_0", ...)``: the head over Q8_0 blocks."""
+    blocks_matmul("q8_0", *args, **kwargs)
 
 
-def q6_k_matmul(x: np.ndarray, x_bf16: bool, blocks: np.ndarray, out: np.ndarray,
-                out_bf16: bool, shape: tuple, threads: int, isa: str | None = None) -> None:
-    """``out[M, N] = x[M, K] @ W.T`` with ``W`` [N, K] in llama.cpp's Q6_K: ``blocks`` is uint8,
-    N * K/256 super-blocks of 210 bytes, row-major, each ``ql[128]``, ``qh[64]``, 16 int8
-    ``scales`` and a little-endian float16 ``d``; ``W = d * scale * (q - 32)`` formed in
-    float32 as gguf's ``dequantize`` forms it, summed in float32; ``x``, ``out``, ``shape``
-    (M, N, K; K a multiple of 256), ``threads`` and ``isa`` as for ``nf4_matmul``.
-
-    Raises:
-        ValueError: a buffer's size or alignment does not match ``shape``.
-
-    Only call when ``available()``.
-
-    Example:
-        >>> q6_k_matmul(x, False, blocks.numpy(), out, False, (1, N, K), 4)
-    """
-    _blocks_matmul(_native.q6_k_matmul, x, x_bf16, blocks, out, out_bf16, shape, threads, isa)
+def q6_k_matmul(*args, **kwargs) -> None:
+    """``blocks_matmul("q6_k", ...)``: the head over Q6_K blocks."""
+    blocks_matmul("q6_k", *args, **kwargs)
 
 
 def tiled_matmul(kind: str, x: np.ndarray, x_bf16: bool, codes: np.ndarray,
