@@ -160,3 +160,18 @@ def test_the_loaders_that_map_choose_too_and_the_layerwise_model_maps_always(roo
     _on_disk(llama_art, entry)
     with LayerwiseModel(llama_art) as lm:
         assert lm.cached is not None and lm.filling is None
+
+
+def test_an_artifact_no_smaller_than_its_copy_is_never_decoded_for_it(root, llama_src,
+                                                                         tmp_path):
+    """Stored raw, the artifact's bytes are the decoded ones: decoding it reads no fewer, so
+    its entry is mapped, wherever its pages are."""
+    art = tmp_path / "raw.lct"
+    lct.convert(str(llama_src), art, policy=lct.Policy(codec="raw"))
+    with lct.open(art) as a:
+        assert a.manifest.stored_bytes >= a.manifest.decoded_bytes
+    entry = _filled(art)
+    _on_disk(art, entry)
+    _, stats = _load(art)
+    assert stats.cache == "hit: mapped (the artifact is no smaller than its decoded copy)"
+    assert stats.bytes_read == 0
