@@ -175,3 +175,20 @@ def test_an_artifact_no_smaller_than_its_copy_is_never_decoded_for_it(root, llam
     _, stats = _load(art)
     assert stats.cache == "hit: mapped (the artifact is no smaller than its decoded copy)"
     assert stats.bytes_read == 0
+
+
+def test_a_load_without_checksums_leaves_an_entry_on_the_disk_and_warms_it(root, llama_art):
+    """An entry is checked as it is mapped whatever the load checks, so a device-mapped load
+    with verify=False that decoded the artifact instead still reads it into memory for the
+    next start, and says it decoded, not that nothing is kept."""
+    entry = _filled(llama_art)
+    _on_disk(llama_art, entry)
+    stats = lct.LoadStats()
+    lct.load(llama_art, device_map={"": "cpu"}, verify=False, stats=stats)
+    assert stats.cache.startswith("cold: "), stats.cache
+    for t in _warmers():
+        t.join(30)
+    deadline = time.monotonic() + 30
+    while _share(llama_art) < cache.MAP_RESIDENT and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert _share(llama_art) >= cache.MAP_RESIDENT

@@ -399,8 +399,8 @@ def warm(hit: CachedChunks) -> threading.Thread | None:
     the next start maps it from memory: after a load that ``choose`` had decode the artifact
     because the entry was on the disk (else every later start would decode the then cached
     artifact, never mapping the entry). A thread at the lowest CPU and I/O priority asks the
-    kernel to read it (``posix_fadvise`` WILLNEED, window by window); the reads go on after the
-    process ends, so nothing waits for it. Not where the memory available is less than the
+    kernel to read it (``posix_fadvise`` WILLNEED, window by window); the reads it asked for go
+    on after the process ends, so nothing waits for it. Not where the memory available is less than the
     entry (it would only push other pages out). Returns the thread, or None."""
     path, size = hit.entry.path / DATA, hit.entry.size
     if not hasattr(os, "posix_fadvise") or _available_memory() < size:
@@ -756,14 +756,14 @@ def keep(art, asked: bool | None = None) -> tuple:
     from lct.io.store import LocalStore
     if not enabled(asked) or unpinned(art):
         return None, ""
+    entry = lookup(art)
+    if entry is not None:           # checked as it is mapped: whatever this load checked
+        warm(entry)
+        return None, ""
     if not art.verify:
         return None, "the artifact is read without checking checksums"
     if not isinstance(art.store, LocalStore):
         return None, "the artifact is streamed (lct cache fill ARTIFACT makes an entry)"
-    entry = lookup(art)
-    if entry is not None:
-        warm(entry)
-        return None, ""
     f = BackgroundFill(art.path)
     start_fill(f)
     return f, ""
