@@ -16,24 +16,30 @@ from lct.format import constants as C
 from lct.format.encodings import get_encoding
 
 
+class _OfEncoding:
+    """A class attribute that is the registered encoding's attribute of the same name."""
+
+    def __set_name__(self, owner, name):
+        self.name = name
+
+    def __get__(self, obj, owner):
+        return getattr(owner._format(), self.name)
+
+
 class _Blocks:
     """What a block encoding's modules know of it: its name (``encoding``); the rest, its label,
     block geometry and codec, is the registered encoding's (``lct.format.encodings``)."""
 
     encoding: str = ""
+    label, block, block_bytes = _OfEncoding(), _OfEncoding(), _OfEncoding()
 
     @classmethod
     def _format(cls):
         return get_encoding(cls.encoding)
 
-    @property
-    def label(self) -> str:
-        return self._format().label
-
     @classmethod
     def _cols(cls, blocks) -> int:
-        f = cls._format()
-        return blocks.shape[1] // f.block_bytes * f.block
+        return blocks.shape[1] // cls.block_bytes * cls.block
 
     def dequantize_rows(self, blocks: torch.Tensor, dtype: torch.dtype,
                         out: torch.Tensor | None = None) -> torch.Tensor:
