@@ -446,3 +446,25 @@ def test_read_ahead_is_bounded_and_hands_over_errors():
     one.take("c", 0, 30)
     assert calls == [("a", 0, 25), ("a", 25, 25), ("a", 50, 10), ("c", 0, 25), ("c", 25, 5)]
     one.close()
+
+
+def test_lct_pull_of_an_s3_artifact_keeps_its_decoded_copy(tiny, direct, tmp_path, monkeypatch):
+    """Issue 36: as from the Hub, `lct pull s3://...` decodes the artifact it checked into the
+    decoded cache, so that the first load of the pulled folder maps it."""
+    from click.testing import CliRunner
+
+    from lct.cli.main import cli
+    from lct.io import cache
+    monkeypatch.setenv(cache.ENV_DIR, str(tmp_path / "decoded"))
+    monkeypatch.delenv(cache.ENV_SWITCH)                # on by default
+    uri = f"s3://{BUCKET}/cached/pushed.lct"
+    assert cloud.push(tiny, uri) > 0
+    out = tmp_path / "pulled"
+    r = CliRunner().invoke(cli, ["pull", uri, "--local-dir", str(out), "-q"])
+    assert r.exit_code == 0 and r.output.strip() == str(out), r.output
+    fills = cache.wait_fills()
+    assert fills[-1].done and fills[-1].folder.parent == tmp_path / "decoded", fills[-1].reason
+    stats = lct.LoadStats()
+    model = lct.load(out, stats=stats)
+    assert stats.cache.startswith("hit: mapped") and stats.bytes_read == 0, stats.cache
+    assert torch.equal(model(IDS).logits, lct.load(tiny, cache=False)(IDS).logits)
