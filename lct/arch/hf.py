@@ -117,7 +117,6 @@ def build_meta(cls, config, dtype=None, tensor_parallel: int | None = None):
 
 def _build_distributed(cls, config, dtype, world: int):
     from transformers.distributed import DistributedConfig
-    from transformers.distributed.utils import initialize_distributed_mesh
     from transformers.utils.generic import ContextManagers
 
     from lct.compat import init_context
@@ -127,8 +126,13 @@ def _build_distributed(cls, config, dtype, world: int):
         model = cls(config)
     keep_fp32(model, dtype)
     dcfg = DistributedConfig(tp_size=world, tp_plan="auto")
-    _, mesh_manager = initialize_distributed_mesh(dcfg)
-    return cls.maybe_distribute_model(model, dcfg, mesh_manager)
+    try:        # transformers >= 5.2x: one mesh over every parallel dimension
+        from transformers.distributed.utils import initialize_distributed_mesh
+    except ImportError:     # earlier 5.x (5.17 on the GPU host of issue 40): the class makes it
+        dcfg, _, mesh = cls.prepare_distribute_model(dcfg)
+    else:
+        _, mesh = initialize_distributed_mesh(dcfg)
+    return cls.maybe_distribute_model(model, dcfg, mesh)
 
 
 def init_buffers(model) -> None:
