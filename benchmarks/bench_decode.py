@@ -2,15 +2,16 @@
 give once the import is done, and how it scales with cores.
 
 Each thread count runs in a fresh process that opens the artifact with ``lct.open(ART,
-workers=N)`` and decodes every chunk (checksums verified, as a load does), chunk after chunk,
-the frames of each chunk spread over the N threads (``Artifact.decode``, the loader's own path).
+workers=N)`` and decodes every group by the loader's own path (``Artifact.stream``:
+``--prefetch`` groups in flight, each chunk's frames and its checksum on the N decode threads,
+``Artifact.decode_verified``).
 The page cache is warmed first (one untimed pass over the data files), so that the figure is
 the decoders' rate and not the disk's. Two columns:
 
-* **into reused buffers**: each chunk decodes into a buffer that was written before, so no first
-  touch of fresh memory is timed: the decoders' own rate;
-* **into fresh memory**: a fresh buffer per chunk, as ``read_chunk`` and a first load do: the
-  rate a load meets where fresh memory costs a page fault per 4 KiB.
+* **into reused buffers**: groups are handed back (``Group.recycle``) and later ones decode into
+  them, so after the first window no first touch of fresh memory is timed: the decoders' rate;
+* **into fresh memory**: a fresh buffer per chunk, as a first load does: the rate a load meets
+  where fresh memory costs a page fault per 4 KiB.
 
     python benchmarks/bench_decode.py ART [--threads 1,2] [--passes 3] [--max-gb 2] [--json out.json]
 
@@ -32,39 +33,33 @@ from pathlib import Path
 
 CHILD = r'''
 import json, sys, time
-import numpy as np
 import lct
 path, workers, passes, fresh = sys.argv[1], int(sys.argv[2]), int(sys.argv[3]), sys.argv[4] == "1"
-max_bytes = float(sys.argv[5]) * 1e9
+max_bytes, prefetch = float(sys.argv[5]) * 1e9, int(sys.argv[6])
 with lct.open(path, workers=workers) as art:
-    chunks, total = [], 0
-    for c in art.manifest.chunks:            # the first chunks, up to --max-gb decoded
-        if chunks and total + c.decoded_size > max_bytes:
+    names, decoded, stored = [], 0, 0
+    for name in art.groups:                  # the first groups, up to --max-gb decoded
+        chunks = art.manifest.group_chunks(name)
+        size = sum(c.decoded_size for c in chunks)
+        if names and decoded + size > max_bytes:
             break
-        chunks.append(c)
-        total += c.decoded_size
-    bufs = {}
+        names.append(name)
+        decoded += size
+        stored += sum(c.stored_size for c in chunks)
     def one_pass():
-        for c in chunks:
-            stored = art.read_stored(c)
-            try:
-                if fresh:
-                    out = None
-                else:
-                    out = bufs.get(c.decoded_size)
-                    if out is None:
-                        out = bufs[c.decoded_size] = np.ones(c.decoded_size, np.uint8)
-                art.decode(c, stored, out)
-            finally:
-                art.release_stored(c, stored)
-    one_pass()                                    # untimed: threads started, buffers written
+        # the loader's own path: prefetch groups in flight, each chunk's frames on the pool
+        with art.stream(names, prefetch=prefetch, recycle=not fresh) as stream:
+            for group in stream:
+                if not fresh:
+                    group.recycle()
+    one_pass()                                    # untimed: threads started, pages mapped
     times = []
     for _ in range(passes):
         t = time.perf_counter()
         one_pass()
         times.append(time.perf_counter() - t)
-    print(json.dumps({"times": times, "decoded": sum(c.decoded_size for c in chunks),
-                      "stored": sum(c.stored_size for c in chunks), "workers": art.workers}))
+    print(json.dumps({"times": times, "decoded": decoded, "stored": stored,
+                      "workers": art.workers}))
 '''
 
 
@@ -77,12 +72,13 @@ def warm(art: Path) -> None:
                     pass
 
 
-def measure(art: Path, workers: int, passes: int, fresh: bool, max_gb: float) -> dict:
-    """One fresh process decoding the chunks of ``art`` (up to ``max_gb`` decoded) with
-    ``workers`` threads."""
+def measure(art: Path, workers: int, passes: int, fresh: bool, max_gb: float,
+            prefetch: int) -> dict:
+    """One fresh process decoding the groups of ``art`` (up to ``max_gb`` decoded) with
+    ``workers`` threads, ``prefetch`` groups in flight."""
     out = subprocess.run([sys.executable, "-c", CHILD, str(art), str(workers), str(passes),
-                          "1" if fresh else "0", str(max_gb)], capture_output=True, text=True,
-                         check=False)
+                          "1" if fresh else "0", str(max_gb), str(prefetch)],
+                         capture_output=True, text=True, check=False)
     if out.returncode:
         raise SystemExit(f"bench_decode: the child with {workers} threads failed:\n"
                          f"{out.stderr[-3000:]}")
@@ -107,6 +103,8 @@ def main() -> None:
     ap.add_argument("--threads", default=None,
                     help="comma-separated thread counts (default: 1, 2, 4, ... the cores)")
     ap.add_argument("--passes", type=int, default=3)
+    ap.add_argument("--prefetch", type=int, default=2, help="groups in flight (the loader's "
+                    "default, 2)")
     ap.add_argument("--max-gb", type=float, default=float("inf"),
                     help="decode only the first chunks, up to this many GB decoded (a bounded "
                          "run; default: every chunk)")
@@ -117,8 +115,8 @@ def main() -> None:
     warm(args.artifact)
     rows = []
     for n in threads:
-        reused = measure(args.artifact, n, args.passes, False, args.max_gb)
-        fresh = measure(args.artifact, n, args.passes, True, args.max_gb)
+        reused = measure(args.artifact, n, args.passes, False, args.max_gb, args.prefetch)
+        fresh = measure(args.artifact, n, args.passes, True, args.max_gb, args.prefetch)
         rows.append({"threads": n, "reused_gb_s": reused["gb_s"], "fresh_gb_s": fresh["gb_s"],
                      "decoded": reused["decoded"], "stored": reused["stored"]})
         print(f"{n} threads: {reused['gb_s']:.2f} GB/s into reused buffers, "
@@ -127,8 +125,8 @@ def main() -> None:
     cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
     lines = [f"Decode of {args.artifact.name}: {one['decoded'] / 1e9:.2f} GB decoded from "
              f"{one['stored'] / 1e9:.2f} GB stored, checksums verified, page cache warm, "
-             f"{cores} cores; medians of {args.passes} passes, each thread count a fresh "
-             f"process.", "",
+             f"{cores} cores, {args.prefetch} groups in flight; medians of {args.passes} "
+             f"passes, each thread count a fresh process.", "",
              "| threads | GB/s (reused buffers) | per thread | × 1 thread | GB/s (fresh memory) "
              "| per thread | × 1 thread |", "|---|---|---|---|---|---|---|"]
     for r in rows:

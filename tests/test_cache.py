@@ -325,7 +325,7 @@ def _no_reads(monkeypatch):
     """Make reading any stored chunk of any artifact fail: what still loads maps the cache."""
     from lct.io.reader import Artifact
 
-    def refuse(self, chunk):
+    def refuse(self, chunk, **kw):
         raise AssertionError(f"chunk {chunk.id} of {self.path} was read")
     monkeypatch.setattr(Artifact, "read_stored", refuse)
 

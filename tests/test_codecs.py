@@ -182,3 +182,17 @@ def test_choose_codec():
     assert codecs.choose_codec(None, "planes") == ("zstd", {})
     assert codecs.choose_codec(8, "planes") == ("zstd", {})
     assert codecs.choose_codec(2, "zstd") == ("zstd", {})
+
+
+def test_checksum_in_pieces_is_the_one_call_digest():
+    """Chunks are hashed CHECKSUM_PIECE bytes per call (the decode threads beside the hash take
+    the GIL between pieces): the digest is xxh3_64 of the whole, for any length and any
+    buffer type."""
+    import xxhash
+    rng = np.random.default_rng(0)
+    for n in (0, 1, codecs.CHECKSUM_PIECE, codecs.CHECKSUM_PIECE + 1, 3 * codecs.CHECKSUM_PIECE + 5):
+        data = rng.integers(0, 256, n, dtype=np.uint8)
+        want = f"xxh3_64:{xxhash.xxh3_64_hexdigest(data.tobytes())}"
+        assert codecs.checksum(data) == codecs.checksum(memoryview(data.tobytes())) == want
+    wide = rng.integers(0, 1 << 15, codecs.CHECKSUM_PIECE, dtype=np.int16)   # not bytes: cast
+    assert codecs.checksum(wide) == f"xxh3_64:{xxhash.xxh3_64_hexdigest(wide.tobytes())}"

@@ -35,9 +35,9 @@ def _reads(monkeypatch) -> list:
     seen = []
     real = Artifact.read_stored
 
-    def spy(self, chunk):
+    def spy(self, chunk, **kw):
         seen.append(chunk.group)
-        return real(self, chunk)
+        return real(self, chunk, **kw)
     monkeypatch.setattr(Artifact, "read_stored", spy)
     return seen
 

@@ -138,6 +138,27 @@ def _corrupt(art_path, tmp_path, group):
     return dst, chunk
 
 
+def test_a_damaged_chunk_is_the_checksum_error_whatever_its_decode_says(llama_art, tmp_path,
+                                                                       monkeypatch):
+    """The checksum is computed beside the decode (Artifact.decode_verified): where the codec
+    fails on the damaged bytes first, the error is still the ChecksumError naming the chunk,
+    and a decode that returns is never handed on before the checksum matched."""
+    from lct.io.reader import Artifact
+    bad, chunk = _corrupt(llama_art, tmp_path, "layers.1")
+    real = Artifact.decode
+
+    def decode(self, c, stored, out=None):
+        if c.id == chunk.id:
+            raise ValueError("the codec's own complaint about these bytes")
+        return real(self, c, stored, out)
+    monkeypatch.setattr(Artifact, "decode", decode)
+    with pytest.raises(ChecksumError, match=rf"chunk {chunk.id} \(group 'layers.1'"):
+        lct.load(bad)
+    monkeypatch.setattr(Artifact, "decode", real)
+    with lct.open(bad) as art, pytest.raises(ChecksumError):
+        art.read_chunk(chunk.id)
+
+
 @pytest.mark.parametrize("prefetch", [0, 2])
 def test_corrupt_chunk_mid_stream_raises_and_leaves_no_thread(llama_art, tmp_path, prefetch):
     bad, chunk = _corrupt(llama_art, tmp_path, "layers.1")
@@ -329,12 +350,12 @@ def test_prefetch_reads_ahead_while_the_consumer_holds_a_group(llama_art, monkey
     real_read, real_decode, real_load = Artifact.read_stored, Artifact.decode, \
         lstream.GroupStream._load
 
-    def read_stored(self, chunk):
+    def read_stored(self, chunk, **kw):
         with lock:
             if chunk.group not in started:
                 started.append(chunk.group)
             threads.add(threading.current_thread().name)
-        return real_read(self, chunk)
+        return real_read(self, chunk, **kw)
 
     def decode(self, chunk, stored, out=None):
         out = real_decode(self, chunk, stored, out)
@@ -545,9 +566,9 @@ def test_interrupt_during_decode_is_not_masked_by_a_buffer_error(llama_art, monk
         def release(self):
             raise BufferError("memoryview has 2 exported buffers")
 
-    def interrupted_decode(self, chunk, stored):
+    def interrupted_decode(self, chunk, stored, out=None):
         raise KeyboardInterrupt
-    monkeypatch.setattr(Artifact, "read_stored", lambda self, chunk: Exported())
+    monkeypatch.setattr(Artifact, "read_stored", lambda self, chunk, **kw: Exported())
     monkeypatch.setattr(Artifact, "decode", interrupted_decode)
     with lct.open(llama_art) as art:
         with pytest.raises(KeyboardInterrupt):
