@@ -133,6 +133,44 @@ class EncodingCommand(click.Command):
         return super().invoke(ctx)
 
 
+# Said in a help text (a command's or an option's of the classes below), the lossy encodings
+# registered when the help is shown, in registry order: "nf4, int8, ...".
+LOSSY = "{lossy}"
+
+
+class _LossyHelp:
+    """A help text that may say ``LOSSY``, read from the encoding registry each time it is
+    shown (an encoding registered after import is listed)."""
+
+    @property
+    def help(self):
+        text = self._help_text
+        if text is None or LOSSY not in text:
+            return text
+        from lct.format.encodings import lossy_encodings
+        return text.replace(LOSSY, ", ".join(lossy_encodings()))
+
+    @help.setter
+    def help(self, value) -> None:
+        self._help_text = value
+
+
+class LossyHelpCommand(_LossyHelp, click.Command):
+    """A command whose help (its docstring) lists the lossy encodings where it says
+    ``{lossy}``.
+
+    Example:
+        >>> @click.command("export", cls=LossyHelpCommand)
+        ... def export_cmd(...):
+        ...     \"\"\"A lossy table ({lossy}) comes out dequantized.\"\"\"
+    """
+
+
+class LossyHelpOption(_LossyHelp, click.Option):
+    """An option whose help lists the lossy encodings where it says ``{lossy}``
+    (``click.option(..., cls=LossyHelpOption)``)."""
+
+
 # What to do about a library error that names a parameter (``LCTError.option``), in the CLI's
 # words; any other parameter is shown as its flag.
 OPTION_HINTS = {

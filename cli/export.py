@@ -4,11 +4,11 @@ from __future__ import annotations
 
 import click
 
-from lct.cli._util import GroupProgress, quiet_option
+from lct.cli._util import GroupProgress, LossyHelpCommand, quiet_option
 from lct.format import constants as C
 
 
-@click.command("export", short_help="Write an artifact back as a Hugging Face safetensors folder.")
+@click.command("export", cls=LossyHelpCommand, short_help="Write an artifact back as a Hugging Face safetensors folder.")
 @click.argument("artifact", type=click.Path())
 @click.argument("out_dir", type=click.Path())
 @click.option("--max-shard-size", default=C.EXPORT_SHARD_SIZE, show_default=True, metavar="SIZE",
@@ -25,10 +25,9 @@ def export_cmd(artifact, out_dir, max_shard_size, force, quiet):
     T5ForConditionalGeneration, LlavaForConditionalGeneration, ... for others: config.json's
     'architectures' names it; `lct info` shows it).
 
-    Lossless tensors come out bit-identical to the source. A lossy table (nf4, int8,
-    int8_b128, q8_0, q6_k) comes out dequantized, the values a load computes with, not the
-    source's: NF4 exactly as bitsandbytes does, int8 and int8_b128 as q x scale, Q8_0 and
-    Q6_K as llama.cpp does. A byte-exact round trip of every tensor needs an artifact
+    Lossless tensors come out bit-identical to the source. A lossy table ({lossy}) comes
+    out dequantized, as each encoding's rule gives it (docs/FORMAT.md 2.2): the values a load
+    computes with, not the source's. A byte-exact round trip of every tensor needs an artifact
     converted with --nf4 none (every table lossless)."""
     from lct.conversion.exporter import export
 

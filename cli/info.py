@@ -52,10 +52,9 @@ def info_cmd(artifact, as_json, as_manifest, tensors, quiet):
         from lct.io.info import architecture_line
         click.echo(architecture_line(m))
         p = m.policy
-        click.echo(f"policy: {p.get('mode', 'manual')} nf4={_parts(p.get('nf4'))} "
-                   f"int8={_parts(p.get('int8'))} "
-                   + "".join(f"{e}={_parts(p[e])} " for e in lossy_encodings()
-                             if e not in ("nf4", "int8") and p.get(e))
+        given = [f"{e}={_parts(p[e])}" for e in lossy_encodings() if p.get(e)]
+        click.echo(f"policy: {p.get('mode', 'manual')} "
+                   + " ".join(given or ["lossy=none"]) + " "
                    + f"blocksize={p.get('blocksize')} "
                    f"dtype={p.get('dtype') or 'source'} codec={p.get('codec')} level={p.get('level')}"
                    + (f" maximus_shards={p['maximus_shards']}" if p.get("maximus_shards") else "")

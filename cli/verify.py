@@ -6,15 +6,17 @@ import sys
 
 import click
 
-from lct.cli._util import GroupProgress, quiet_option, table
+from lct.cli._util import (GroupProgress, LossyHelpCommand, LossyHelpOption, quiet_option,
+                           table)
 from lct.format import constants as C
 
 
-@click.command("verify", short_help="Check an artifact's checksums, tensors and quality.")
+@click.command("verify", cls=LossyHelpCommand,
+               short_help="Check an artifact's checksums, tensors and quality.")
 @click.argument("artifact", type=click.Path())
-@click.option("--against", default=None, metavar="SOURCE",
+@click.option("--against", cls=LossyHelpOption, default=None, metavar="SOURCE",
               help="Source folder or Hub id: compare lossless tensors bit for bit, and lossy "
-                   "ones (nf4, int8, int8_b128, q8_0, q6_k) with the source quantized again "
+                   "ones ({lossy}) with the source quantized again "
                    "(byte for byte; error and cosine shown beside; a source that holds exactly "
                    "a table's dequantized values, as the artifact's own export does, is that "
                    "table).")
@@ -61,7 +63,7 @@ def verify_cmd(artifact, against, revision, quality, text, budget, max_tokens, l
     more than --budget.
 
     With --against SOURCE, every tensor is compared with the source: lossless ones bit for bit,
-    lossy ones (nf4, int8, int8_b128, q8_0, q6_k) by quantizing the source again. With
+    lossy ones ({lossy}) by quantizing the source again. With
     --quality, what the lossy parts cost on text. OK proves the artifact is whole and
     consistent, not that its manifest is the one its writer wrote: pin it with --expect."""
     from lct.conversion.verifier import verify
