@@ -486,27 +486,34 @@ def main() -> None:
                     contenders[name] = (lambda b=body: run_python(header + PRELUDE + b + GENERATE,
                                                                   env))
             results = {k: {"cold": [], "warm": []} for k in contenders}
+
+            def save(results, model=model, scenario=scenario, src=src, art=art, cold=cold):
+                """Write the raw runs and this scenario's table (beside the finished ones)."""
+                raw[f"{model} / {scenario} / {args.memory}"] = results
+                table = render(f"{model}, {scenario}, memory {args.memory}"
+                               + (f", on {args.device}" if args.device != "cpu" else ""),
+                               src, art, results, cold)
+                (args.out / f"load_results_{args.memory}.json").write_text(
+                    json.dumps(raw, indent=1))
+                (args.out / f"load_results_{args.memory}.md").write_text(
+                    "\n".join(report + [table]))
+                return table
             for rep in range(args.reps):
                 if rep and args.max_seconds and time.perf_counter() - started > args.max_seconds:
                     print(f"--max-seconds {args.max_seconds:.0f} reached: {rep} repetition(s)",
                           flush=True)
                     break
                 for name, fn in contenders.items():
-                    if cold:
+                    for phase in (("cold", "warm") if cold else ("warm",)):
                         settle(args.memory, args.prime_gb)
-                        drop_caches()
-                        results[name]["cold"].append(fn())
-                    settle(args.memory, args.prime_gb)
-                    results[name]["warm"].append(fn())
-                    last = results[name]["warm"][-1]
-                    print(f"{model} / {scenario} rep {rep} {name}: warm first token "
-                          f"{last['ttft_s']:.2f} s", flush=True)
-            raw[f"{model} / {scenario} / {args.memory}"] = results
-            report.append(render(f"{model}, {scenario}, memory {args.memory}"
-                                 + (f", on {args.device}" if args.device != "cpu" else ""),
-                                 src, art, results, cold))
-            (args.out / f"load_results_{args.memory}.json").write_text(json.dumps(raw, indent=1))
-            (args.out / f"load_results_{args.memory}.md").write_text("\n".join(report))
+                        if phase == "cold":
+                            drop_caches()
+                        results[name][phase].append(fn())
+                        print(f"{model} / {scenario} rep {rep} {name}: {phase} first token "
+                              f"{results[name][phase][-1]['ttft_s']:.2f} s", flush=True)
+                        # after every run, so that a run cut short keeps what it measured
+                        save(results)
+            report.append(save(results))
     print("\n".join(report))
 
 
@@ -514,7 +521,9 @@ def render(title: str, src: Path, art: Path, results: dict, cold: bool) -> str:
     def size(p):
         return sum(f.stat().st_size for f in p.rglob("*") if f.is_file())
     f = lambda x, nd=2: "–" if x is None else f"{x:.{nd}f}"  # noqa: E731
-    reps = min(len(r["warm"]) for r in results.values())
+    counts = {len(r[phase]) for r in results.values()
+              for phase in (("cold", "warm") if cold else ("warm",))}
+    reps = str(max(counts)) if len(counts) == 1 else f"{min(counts)}-{max(counts)}"
     gpu = any(r.get("gpu_peak") for v in results.values() for rows in v.values() for r in rows)
     lines = [f"### {title}", "",
              f"Source {size(src) / 1e9:.2f} GB, artifact {size(art) / 1e9:.2f} GB; medians of "
@@ -560,7 +569,8 @@ def render(title: str, src: Path, art: Path, results: dict, cold: bool) -> str:
                       f"{k} {med(w, k):.2f} s" for k in ("manifest_s", "skeleton_s", "read_s",
                                                          "decode_s", "wait_s", "install_s",
                                                          "total_s")), ""]
-    same = {n: r["warm"][0].get("tokens") for n, r in results.items() if r["warm"][0].get("tokens")}
+    same = {n: r["warm"][0].get("tokens") for n, r in results.items()
+            if r["warm"] and r["warm"][0].get("tokens")}
     if same and "from_pretrained + generate" in same:     # not when --contenders left it out
         ref = same.get("from_pretrained + generate")
         lines += ["Greedy tokens equal to from_pretrained's: " + ", ".join(
