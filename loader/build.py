@@ -445,7 +445,7 @@ def _load(path, options: LoadOptions, stats: LoadStats | None):
     try:
         cached, fill, cold = _cache_for(art, options, stats)
         with GroupStream(art, prefetch=options.prefetch, dequantize=False, cached=cached,
-                         on_decoded=fill.add if fill is not None else None) as stream:
+                         on_decoded=None if fill in (None, LATER) else fill.add) as stream:
             # Reads first: importing torch holds the interpreter for a while (its libraries
             # load under the GIL), and the store's requests should already be on their way.
             stream.start()
@@ -487,7 +487,9 @@ def _load(path, options: LoadOptions, stats: LoadStats | None):
              "waited %.2f s for decode)", path, stats.groups, stats.bytes_decoded, stats.total_s,
              stats.skeleton_s, stats.wait_s)
     _generation_config(model, art.path)
-    if fill is not None:          # the load succeeded: keep it, in the background
+    if fill is LATER:             # the load succeeded: decode a copy to keep, in the background
+        fill_later(art, options.cache, None, stats)
+    elif fill is not None:        # the load succeeded: keep its buffers, in the background
         from lct.io.cache import start_fill
         start_fill(fill)
     elif cold is not None:        # an entry on the disk: in memory for the next start
@@ -519,12 +521,17 @@ def _entry(art, asked: bool | None, stats: LoadStats | None, choose: bool = True
     return (hit, None, state) if state == "hit" else (None, hit, state)
 
 
+# _cache_for's fill for a load whose buffers cannot be kept: fill_later decodes a copy after it
+LATER = object()
+
+
 def _cache_for(art, options: LoadOptions, stats: LoadStats) -> tuple:
     """``(cached chunks or None, fill or None, entry to warm or None)`` for a whole load: a hit
     maps an earlier load's decode (``_entry``); an entry on the disk is left there and read
     into memory after the load (``lct.io.cache.warm``); otherwise a load whose decoded buffers
     become the model's weights as they are (on the CPU, no cast, lossy parts kept) keeps them
-    afterwards. Either way but a hit, the compressed pages read in from disk are dropped: the
+    afterwards, and any other (onto a GPU, cast, dequantized) has one decoded in the
+    background after it (``LATER``: ``fill_later``). Either way but a hit, the compressed pages read in from disk are dropped: the
     next start maps the decoded copy."""
     from lct.io import cache
     hit, cold, state = _entry(art, options.cache, stats)
@@ -533,9 +540,9 @@ def _cache_for(art, options: LoadOptions, stats: LoadStats) -> tuple:
     if state == "miss":
         if options.device != "cpu" or options.dtype is not None or options.nf4 != "keep" or \
                 not options.verify:
-            stats.cache = ("miss: kept only by a load that checks the checksums, on the CPU, "
-                           "with no dtype cast and nf4='keep'")
-            return None, None, None
+            # its buffers are not the stored bytes (on a GPU, cast, dequantized): a background
+            # fill keeps a copy after the load instead (fill_later)
+            return None, LATER, None
         fill = cache.Fill(art)
         if fill.over_budget():
             stats.cache = f"miss: not kept, {fill.over_budget()}"
