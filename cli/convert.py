@@ -7,12 +7,13 @@ from pathlib import Path
 import click
 
 from lct.cli._util import EncodingCommand, GroupProgress, quiet_option
+from lct.conversion.policy import CALIBRATION_NONE, DEFAULT_BUDGET_KL, ESTIMATE_MARGIN
 from lct.format import constants as C
 
 
 def _parse_calibration(ctx, param, value):
     """``--calibration``: None, ``none`` (the proxy), or a text file or folder that exists."""
-    if value is None or value == C.CALIBRATION_NONE:
+    if value is None or value == CALIBRATION_NONE:
         return value
     if not Path(value).exists():
         raise click.BadParameter(f"{value}: no such text file or folder (or: none)")
@@ -30,10 +31,10 @@ def _encoding_help(e) -> str:
 @click.option("-o", "--output", "output", required=True, type=click.Path(),
               help="Artifact directory to create (appears atomically when complete).")
 @click.option("--revision", default=None, help="Hub revision (branch, tag or commit) of SOURCE.")
-@click.option("--budget", type=float, default=C.DEFAULT_BUDGET_KL, show_default=True,
+@click.option("--budget", type=float, default=DEFAULT_BUDGET_KL, show_default=True,
               help="Automatic choice: the most the lossy parts may cost, as mean KL of the "
                    "next-token distribution in nats (0.01 is about +1 % perplexity). A float32 "
-                   f"calibration estimate is multiplied by {C.ESTIMATE_MARGIN:g}, its measured "
+                   f"calibration estimate is multiplied by {ESTIMATE_MARGIN:g}, its measured "
                    "error, before it is held to it.")
 @click.option("--calibration", default=None, callback=_parse_calibration, metavar="TEXT|none",
               help="What the automatic choice measures each candidate on. Default: the text "

@@ -8,7 +8,7 @@ import click
 
 from lct.cli._util import (GroupProgress, LossyHelpCommand, LossyHelpOption, quiet_option,
                            table)
-from lct.format import constants as C
+from lct.conversion.policy import DEFAULT_BUDGET_KL
 
 
 @click.command("verify", cls=LossyHelpCommand,
@@ -30,7 +30,7 @@ from lct.format import constants as C
 @click.option("--budget", type=click.FloatRange(min=0, min_open=True), default=None,
               help="--quality: the mean KL (nats) the artifact must stay within; over it, verify "
                    "says OVER and exits 1. Default: the budget it was converted under, else "
-                   f"{C.DEFAULT_BUDGET_KL}.")
+                   f"{DEFAULT_BUDGET_KL}.")
 @click.option("--max-tokens", type=click.IntRange(1), default=None,
               help="Scored tokens for --quality  [default: 4096].")
 @click.option("--layerwise", is_flag=True,

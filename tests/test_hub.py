@@ -16,6 +16,7 @@ from lct import hub as lhub
 from lct.cli.main import cli
 from lct.errors import ArtifactNotFoundError, ChecksumError, LCTError
 from lct.format import constants as C
+from lct.hub.client import HUB_TIMEOUT
 from lct.hub import HubAuthError, HubError, HubNotFoundError, HubOfflineError, HubURIError
 
 pytestmark = pytest.mark.filterwarnings(  # huggingface_hub's own LFS PUT, not ours
@@ -591,7 +592,7 @@ def test_a_stalled_hub_ends_in_the_timeout_hint(gemma_art, hub, run):
         assert time.perf_counter() - t < 60
     finally:
         hub.stall_api = 0.0
-        lhub.use_timeout(C.HUB_TIMEOUT)
+        lhub.use_timeout(HUB_TIMEOUT)
 
 
 def test_a_wrong_repo_commit_header_is_named(gemma_art, hub, run):
@@ -682,7 +683,7 @@ def test_hub_fault_sweep(gemma_art, hub, monkeypatch, fault, op):
                     for g in art.groups:
                         art.read_group(g)
     finally:
-        lhub.use_timeout(C.HUB_TIMEOUT)
+        lhub.use_timeout(HUB_TIMEOUT)
     assert time.perf_counter() - t < 60
     assert hub.pending_faults() == {}       # the one-off fault was met, not left unused
 

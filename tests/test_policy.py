@@ -11,7 +11,8 @@ from safetensors.torch import load_file, save_file
 
 import lct
 from lct.conversion.converter import Policy
-from lct.conversion.policy import choose, head_proxy, proxy_hidden
+from lct.conversion.policy import (DEFAULT_BUDGET_KL, ESTIMATE_MARGIN, SHIPPED_CALIBRATION_TOKENS,
+                                  choose, head_proxy, proxy_hidden)
 from lct.demo import tiny
 from lct.errors import PolicyError
 from lct.format import constants as C
@@ -78,7 +79,7 @@ def test_nf4_for_a_tolerant_head_int8_for_a_hostile_one(tmp_path):
     assert eh["head"] == "int8"
     meas = mh["policy"]["measured"]
     assert mh["policy"]["mode"] == "auto" and meas["method"] == "proxy"
-    assert meas["costs"]["head"]["nf4"] > C.DEFAULT_BUDGET_KL > meas["costs"]["head"]["int8"]
+    assert meas["costs"]["head"]["nf4"] > DEFAULT_BUDGET_KL > meas["costs"]["head"]["int8"]
     assert meas["cost_kl"] <= meas["budget_kl"]
 
 
@@ -266,7 +267,7 @@ def _shipped_blocks(src):
     from lct.conversion import sample_text
     from lct.conversion.quality import DEFAULT_BLOCK, token_blocks
     return token_blocks(AutoTokenizer.from_pretrained(src), sample_text.calibration_samples(),
-                        C.SHIPPED_CALIBRATION_TOKENS, DEFAULT_BLOCK, spread=True)
+                        SHIPPED_CALIBRATION_TOKENS, DEFAULT_BLOCK, spread=True)
 
 
 def test_default_calibration_runs_the_shipped_text(tmp_path):
@@ -332,12 +333,12 @@ def test_default_calibration_falls_back_to_the_proxy_and_says_why(tmp_path, monk
 
 
 def test_a_calibration_estimate_is_held_to_the_budget_times_its_measured_error(tmp_path):
-    """The auto policy keeps a combination only where its estimate times C.ESTIMATE_MARGIN is
+    """The auto policy keeps a combination only where its estimate times ESTIMATE_MARGIN is
     within the budget; the manifest, convert's line and info say so. The proxy gets none."""
     from lct.io.info import measured_line
     src = _source(tmp_path, "llama", head_std=0.5, tokenizer=True)
     free = lct.convert(str(src), tmp_path / "free.lct", policy=Policy(budget=9.0)).decision
-    assert free.method == "calibration" and free.margin == C.ESTIMATE_MARGIN == 2.0
+    assert free.method == "calibration" and free.margin == ESTIMATE_MARGIN == 2.0
     smallest = free.chosen
     assert set(smallest.values()) != {C.ENCODING_PLAIN} and free.cost > 0
     held = free.cost * free.margin

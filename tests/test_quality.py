@@ -10,8 +10,8 @@ from torch.nn import functional as F
 
 import lct
 from lct.conversion.converter import Policy
+from lct.conversion.policy import DEFAULT_BUDGET_KL
 from lct.conversion.quality import measure_quality, token_blocks
-from lct.format import constants as C
 
 
 @pytest.fixture(scope="module")
@@ -119,7 +119,7 @@ def test_quality_says_within_or_over_the_budget_and_exits_1_over_it(src, arts, r
     res = run(*args, "--budget", str(tight), "--json")
     assert res.exit_code == 1 and json.loads(res.stdout)["quality"]["within_budget"] is False
     rep = lct.verify(arts[1], against=str(src), quality=True, max_tokens=50)
-    assert rep.quality.budget_kl == C.DEFAULT_BUDGET_KL and rep.quality.within_budget
+    assert rep.quality.budget_kl == DEFAULT_BUDGET_KL and rep.quality.within_budget
     res = run("verify", arts[1], "--against", src, "--quality", "--budget", "0")
     assert res.exit_code != 0 and "--budget" in res.output
 

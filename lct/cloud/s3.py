@@ -43,7 +43,8 @@ from lct.errors import (
 )
 from lct.format import constants as C
 from lct.hashing import sha256_file
-from lct.io.store import RemoteStore, receive_range
+from lct.hub.client import HUB_TIMEOUT
+from lct.io.store import STREAM_MIN_RATE, RemoteStore, receive_range
 
 S3_SCHEME = "s3://"
 # S3 error codes and HTTP statuses worth retrying (the request may succeed a moment later).
@@ -93,7 +94,7 @@ def client(*, max_connections: int = 16):
     except ImportError as e:
         raise MissingDependencyError(f"s3:// addresses need boto3 ({e}): pip install "
                                      f"'lct[s3]'") from e
-    timeout = float(os.environ.get("LCT_S3_TIMEOUT", C.HUB_TIMEOUT))
+    timeout = float(os.environ.get("LCT_S3_TIMEOUT", HUB_TIMEOUT))
     retries = {} if "AWS_MAX_ATTEMPTS" in os.environ or "AWS_RETRY_MODE" in os.environ else \
         {"retries": {"max_attempts": 5, "mode": "standard"}}    # the user's settings win
     return boto3.session.Session().client("s3", config=Config(
@@ -186,18 +187,18 @@ class S3Store(RemoteStore):
         objects: ``{name: (size, etag)}`` from the listing (``list_objects``).
         s3: a boto3 client (default: ``client()``).
         retries: attempts after transient failures between which less than
-            ``C.STREAM_PROGRESS_RESET`` bytes arrived.
+            ``lct.io.store.STREAM_PROGRESS_RESET`` bytes arrived.
         backoff: first retry delay in seconds (doubles each time).
     """
 
     def __init__(self, bucket: str, prefix: str, objects: dict, s3=None, *, retries: int = 5,
                  backoff: float = 0.25, timeout: float | None = None,
-                 min_rate: int = C.STREAM_MIN_RATE):
+                 min_rate: int = STREAM_MIN_RATE):
         self.bucket, self.prefix = bucket, prefix
         self.s3 = s3 if s3 is not None else client()
         self._objects = dict(objects)
         self.retries, self.backoff, self.min_rate = retries, backoff, min_rate
-        self.timeout = float(os.environ.get("LCT_S3_TIMEOUT", C.HUB_TIMEOUT)) \
+        self.timeout = float(os.environ.get("LCT_S3_TIMEOUT", HUB_TIMEOUT)) \
             if timeout is None else timeout
         self._start()
 

@@ -22,6 +22,7 @@ import numpy as np
 from lct._version import __version__
 from lct.arch import hf
 from lct.arch.model import Architecture
+from lct.conversion.policy import CALIBRATION_NONE, DEFAULT_BUDGET_KL, DEFAULT_CALIBRATION_TOKENS
 from lct.conversion.source import Source, resolve, scan
 from lct.errors import ArchitectureError, PolicyError, SourceError
 from lct.format.encodings import encoding_keywords, get_encoding, is_lossy, lossy_encodings
@@ -63,9 +64,9 @@ class Policy:
     level: int = C.DEFAULT_LEVEL
     frame_size: int = C.DEFAULT_FRAME_SIZE
     maximus_shards: int | None = None
-    budget: float = C.DEFAULT_BUDGET_KL
+    budget: float = DEFAULT_BUDGET_KL
     calibration: str | None = None
-    max_calibration_tokens: int = C.DEFAULT_CALIBRATION_TOKENS
+    max_calibration_tokens: int = DEFAULT_CALIBRATION_TOKENS
     tp_pieces: int | None = None    # store what the model's TP plan splits as this many pieces
 
     def parts(self) -> dict:
@@ -106,12 +107,12 @@ class Policy:
                 raise PolicyError(f"{seen[both[0]]} and {option} both name {both[0]!r}; give "
                                   f"each part one encoding", option=seen[both[0]])
             seen.update({r: option for r in parts or ()})
-        if not self.auto and self.calibration not in (None, C.CALIBRATION_NONE):
+        if not self.auto and self.calibration not in (None, CALIBRATION_NONE):
             raise PolicyError("calibration text chooses the encodings, so it cannot go with "
                               "forced nf4/int8 parts", option="calibration")
         if not 0 < self.budget < 10:
             raise PolicyError(f"budget {self.budget} must be a mean KL in nats, above 0 and "
-                              f"below 10 (default {C.DEFAULT_BUDGET_KL}, about +0.5 % perplexity)",
+                              f"below 10 (default {DEFAULT_BUDGET_KL}, about +0.5 % perplexity)",
                               option="budget")
         if self.dtype is not None and self.dtype not in C.CAST_TARGETS:
             raise PolicyError(f"dtype {self.dtype!r} is not one of {C.CAST_TARGETS}",
@@ -623,7 +624,7 @@ def _choose(src: Source, tensors: dict, placed: dict, ties: dict, arch, policy: 
 
 def _how(policy: Policy) -> str:
     """What the policy measures on, for the progress line."""
-    if policy.calibration == C.CALIBRATION_NONE:
+    if policy.calibration == CALIBRATION_NONE:
         return "text-free proxy"
     return f"calibration text {policy.calibration}" if policy.calibration else \
         "LCT's calibration text where the model runs on it, else the text-free proxy"

@@ -20,7 +20,7 @@ measured one of two ways:
 The costs of the embedding and the head add up to the artifact's cost; among the combinations
 whose cost is within the budget, the one with the fewest stored bytes wins (lossless always fits).
 A calibration estimate in float32 is held to the budget times its measured error
-(``estimate_margin``: the estimate times ``C.ESTIMATE_MARGIN`` must fit), so that the budget
+(``estimate_margin``: the estimate times ``ESTIMATE_MARGIN`` must fit), so that the budget
 holds on other text too.
 """
 
@@ -32,10 +32,33 @@ import time
 from dataclasses import dataclass, field
 from itertools import product
 
+from lct.conversion.quality import CALIBRATION_MEMORY_SHARE
 from lct.errors import CalibrationUnavailable, LCTError, PolicyError
 from lct.format import constants as C
 from lct.format.encodings import get_encoding, lossy_encodings
 from lct.format.layout import encoded_bytes
+
+# The auto policy's settings: the whole artifact's budget for its lossy parts, as a mean KL
+# divergence of the next-token distribution in nats (0.01 nats is about +1 % perplexity), and
+# how much it measures.
+# 0.005: the quality bar LCT holds its default to (about +0.5 % perplexity at most).
+DEFAULT_BUDGET_KL = 0.005
+DEFAULT_CALIBRATION_TOKENS = 2048
+# With no --calibration the policy runs the source model on the calibration text shipped with LCT
+# (lct/conversion/sample_text.py, CALIBRATION_*: not the text verify --quality scores), this many
+# scored tokens split between its prose and its code, where the model can run on text and fits in
+# memory; otherwise, and with --calibration none, it falls back to the text-free proxy.
+SHIPPED_CALIBRATION_TOKENS = 256
+CALIBRATION_NONE = "none"
+# A calibration estimate's measured error: on every real model and text benchmarks/bench_quality.py
+# scores, each text's real mean KL (float32) was within this factor of the estimate, either way
+# (worst 1.74x above it: Gemma-3-270m's int8_b128 on code). The auto policy keeps a candidate only
+# where its estimate times this is within the budget, so that the budget holds on text the
+# calibration did not see. The proxy's costs are upper bounds already (1.5-20x over) and get none.
+ESTIMATE_MARGIN = 2.0
+PROXY_SAMPLES = 64
+# The proxy's hidden states come from this seed: not 0, which tiny random test models use.
+PROXY_SEED = 7919
 
 log = logging.getLogger(__name__)
 ROW_STEP_BYTES = 64 << 20
@@ -153,11 +176,11 @@ def head_proxy(w, hidden, candidates, blocksize: int, softcap: float | None = No
             {e: err[e] / max(norm, 1e-30) for e in candidates})
 
 
-def proxy_hidden(gamma, beta, cols: int, samples: int = C.PROXY_SAMPLES):
+def proxy_hidden(gamma, beta, cols: int, samples: int = PROXY_SAMPLES):
     """Hidden states drawn from the final norm's statistics: ``gamma * z + beta``, ``z ~ N(0, I)``
     (an RMS- or LayerNorm output has unit spread per feature before its affine part)."""
     import torch
-    gen = torch.Generator().manual_seed(C.PROXY_SEED)
+    gen = torch.Generator().manual_seed(PROXY_SEED)
     z = torch.randn(samples, cols, generator=gen)
     if gamma is not None:
         z = z * gamma.float()
@@ -263,8 +286,8 @@ def calibration_obstacle(src, tensors: dict) -> str | None:
     from lct.proc import available_memory
     need = sum(math.prod(st.shape) * C.DTYPE_SIZES.get(st.dtype, 4) for st in tensors.values())
     avail = available_memory()
-    if avail is not None and need > C.CALIBRATION_MEMORY_SHARE * avail:
-        return (f"the model ({need / 1e9:.1f} GB) is more than {C.CALIBRATION_MEMORY_SHARE:.0%} "
+    if avail is not None and need > CALIBRATION_MEMORY_SHARE * avail:
+        return (f"the model ({need / 1e9:.1f} GB) is more than {CALIBRATION_MEMORY_SHARE:.0%} "
                 f"of the {avail / 1e9:.1f} GB of memory available")
     return None
 
@@ -310,11 +333,11 @@ def calibration_costs(src, tensors: dict, lossy: dict, tied: bool, arch, policy,
     measured alone. The whole passes are the cost of calibration, so for a tied table of an auto
     policy the candidates go smallest first and the embedding is measured only where it can
     change the choice: not once a smaller candidate fits the budget (``policy.budget`` over
-    ``C.ESTIMATE_MARGIN``, as ``decide`` holds an estimate to it), nor where the head alone is
+    ``ESTIMATE_MARGIN``, as ``decide`` holds an estimate to it), nor where the head alone is
     over it. Such a candidate's cost is its head's, a lower bound, and it is listed in
     the returned ``partial``.
 
-    The model computes in float32 where it fits in ``C.CALIBRATION_MEMORY_SHARE`` of the
+    The model computes in float32 where it fits in ``CALIBRATION_MEMORY_SHARE`` of the
     memory available so (``quality.compute_dtype``), else in the source's dtype: the budget is
     what the storage costs, and in bfloat16 the trunk's own rounding turns any change of the
     table into about as much KL as int8 costs (docs/BENCHMARKS.md, bench_quality).
@@ -343,14 +366,14 @@ def calibration_costs(src, tensors: dict, lossy: dict, tied: bool, arch, policy,
                                      f"tokenizer, and the source has none")
     shipped = policy.calibration is None
     texts = sample_text.calibration_samples() if shipped else read_texts(policy.calibration)
-    limit = C.SHIPPED_CALIBRATION_TOKENS if shipped else policy.max_calibration_tokens
+    limit = SHIPPED_CALIBRATION_TOKENS if shipped else policy.max_calibration_tokens
     blocks = token_blocks(AutoTokenizer.from_pretrained(src.root), texts, limit, DEFAULT_BLOCK,
                           spread=shipped)
     if not blocks:
         raise PolicyError(f"{policy.calibration}: the text is shorter than two tokens")
     native = torch_dtype(tensors[next(iter(lossy.values()))].dtype)
     params = sum(math.prod(st.shape) for st in tensors.values())
-    dtype = compute_dtype(params, 1, C.CALIBRATION_MEMORY_SHARE) or native
+    dtype = compute_dtype(params, 1, CALIBRATION_MEMORY_SHARE) or native
     name = str(dtype).removeprefix("torch.")
     try:
         model = type(arch.model).from_pretrained(src.root, dtype=dtype).eval()
@@ -479,11 +502,11 @@ class _Passes:
 
 def estimate_margin(method: str, dtype: str | None) -> float:
     """What an estimate of ``method`` computed in ``dtype`` (a name: ``"float32"``) is multiplied
-    by before it is held to the budget: ``C.ESTIMATE_MARGIN`` for a calibration in float32, where it was measured;
+    by before it is held to the budget: ``ESTIMATE_MARGIN`` for a calibration in float32, where it was measured;
     1 for one in bfloat16 or float16 (the compute's own rounding makes it larger than the
     storage's float32 cost: 1.2-3.5x on the benchmarked models) and for the proxy (an upper
     bound, 1.5-20x over)."""
-    return C.ESTIMATE_MARGIN if method == "calibration" and dtype == "float32" else 1.0
+    return ESTIMATE_MARGIN if method == "calibration" and dtype == "float32" else 1.0
 
 
 def choose(costs: dict, shapes: dict, dtypes: dict, budget: float, blocksize: int) -> tuple:
@@ -535,7 +558,7 @@ def decide(src, tensors: dict, lossy: dict, tied: bool, arch, policy,
         return Decision({r: C.ENCODING_PLAIN for r in C.LOSSY_ROLES}, tied, "none",
                         policy.budget, kept=kept)
     note, partial, dtype = "", {}, None
-    if policy.calibration == C.CALIBRATION_NONE:
+    if policy.calibration == CALIBRATION_NONE:
         costs, tokens, method = proxy_costs(src, tensors, lossy, tied, arch, policy), 0, "proxy"
     else:
         try:

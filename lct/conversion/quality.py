@@ -22,6 +22,10 @@ from lct.errors import LCTError
 DEFAULT_MAX_TOKENS = 4096
 DEFAULT_BLOCK = 512
 SCORE_POSITIONS = 128       # positions whose logits exist at once (score)
+# A model is loaded whole to be measured (the auto policy's calibration, verify --quality) in
+# float32 only when its bytes are at most this share of the memory available (the rest: the
+# converter's own buffers, the candidates' round trips).
+CALIBRATION_MEMORY_SHARE = 0.5
 
 
 @dataclass
@@ -239,12 +243,11 @@ def measure_quality(artifact, against: str, *, revision: str | None = None, text
     if dtype is None:
         import torch
 
-        from lct.format import constants as C
         from lct.io.reader import open_artifact
         with open_artifact(path, verify=False) as art:
             params = sum(math.prod(t.shape) for t in art.manifest.tensors.values())
         dtype = torch.float32 if layerwise else \
-            compute_dtype(params, 2, C.CALIBRATION_MEMORY_SHARE)
+            compute_dtype(params, 2, CALIBRATION_MEMORY_SHARE)
     if layerwise:
         from lct.loader.layerwise import LayerwiseModel
         with LayerwiseModel(path, dtype=dtype) as model, \

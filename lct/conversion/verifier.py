@@ -7,6 +7,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from lct.conversion.policy import DEFAULT_BUDGET_KL
 from lct.errors import LCTError, OptionError, PolicyError
 from lct.format.encodings import get_encoding
 from lct.io.check import check_artifact
@@ -136,7 +137,7 @@ def verify(artifact, *, against: str | None = None, revision: str | None = None,
             it); a different one is a failure.
         budget: the mean KL (nats) the quality check holds the artifact to (default: the
             budget its conversion was measured against, ``policy.measured.budget_kl``, else
-            ``C.DEFAULT_BUDGET_KL``); ``report.quality.within_budget`` says, and ``lct verify
+            ``DEFAULT_BUDGET_KL``); ``report.quality.within_budget`` says, and ``lct verify
             --quality`` exits 1 when it is over.
 
     What a report that is OK proves: every chunk's stored bytes match their checksum and
@@ -206,12 +207,11 @@ def verify(artifact, *, against: str | None = None, revision: str | None = None,
 
 def conversion_budget(art) -> float:
     """The mean-KL budget ``art`` was converted under (``policy.measured.budget_kl``), else
-    LCT's default (``C.DEFAULT_BUDGET_KL``)."""
-    from lct.format import constants as C
+    LCT's default (``DEFAULT_BUDGET_KL``)."""
     measured = (art.manifest.policy or {}).get("measured")
     b = measured.get("budget_kl") if isinstance(measured, dict) else None
     return float(b) if isinstance(b, (int, float)) and not isinstance(b, bool) and b > 0 \
-        else C.DEFAULT_BUDGET_KL
+        else DEFAULT_BUDGET_KL
 
 
 def model_misfits(art) -> list:

@@ -12,8 +12,11 @@ from lct.errors import (
     LCTError,
     MissingDependencyError,
 )
-from lct.format import constants as C
 from lct.hub.address import where
+
+# Seconds without a byte from the Hub before a call through huggingface_hub fails
+# (LCT_HUB_TIMEOUT overrides; huggingface_hub itself waits for ever); S3's default too.
+HUB_TIMEOUT = 60.0
 
 
 def _hub():
@@ -33,18 +36,18 @@ _TIMEOUT: list = [None]   # seconds LCT gave huggingface_hub's HTTP client (None
 
 def hub_timeout() -> float:
     """Seconds without a byte from the Hub before a call ends: ``LCT_HUB_TIMEOUT`` or
-    ``C.HUB_TIMEOUT``."""
+    ``HUB_TIMEOUT``."""
     import os
     try:
-        return float(os.environ.get("LCT_HUB_TIMEOUT", C.HUB_TIMEOUT))
+        return float(os.environ.get("LCT_HUB_TIMEOUT", HUB_TIMEOUT))
     except ValueError:
-        return C.HUB_TIMEOUT
+        return HUB_TIMEOUT
 
 
 def use_timeout(seconds: float | None = None) -> None:
     """Give huggingface_hub's HTTP client (every Hub call LCT makes goes through it) a timeout:
     ``seconds`` without a byte from the Hub (default: ``LCT_HUB_TIMEOUT`` or
-    ``C.HUB_TIMEOUT``) ends the call in an error instead of a hang; its own default waits for
+    ``HUB_TIMEOUT``) ends the call in an error instead of a hang; its own default waits for
     ever. Left alone when the program installed a client factory of its own (process-wide:
     ``lct.compat.set_hub_timeout`` says why)."""
     from lct.compat import set_hub_timeout

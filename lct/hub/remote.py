@@ -21,7 +21,7 @@ from lct.format import constants as C
 from lct.hub.address import parse_hf_uri, split_address, where
 from lct.hub.client import _hub, hub_error, hub_timeout
 from lct.hub.pull import check_files, check_snapshot, raise_corrupt, transient_status
-from lct.io.store import RemoteStore, receive_range
+from lct.io.store import STREAM_MIN_RATE, RemoteStore, receive_range
 
 # Statuses worth retrying (the request may succeed a moment later).
 RETRY_STATUS = (408, 429, 500, 502, 503, 504)
@@ -50,18 +50,18 @@ class HttpRangeStore(RemoteStore):
         endpoint: the Hub URL (default: ``HF_ENDPOINT``).
         sizes: known file sizes ``{name: bytes}`` (others are asked with a HEAD request).
         timeout: seconds to wait for the server on each request (default: LCT_HUB_TIMEOUT or
-            ``C.HUB_TIMEOUT``).
+            ``lct.hub.client.HUB_TIMEOUT``).
         retries: attempts after transient failures between which less than
-            ``C.STREAM_PROGRESS_RESET`` bytes arrived (a server that sends a few bytes and hangs
-            up every time runs out of them).
+            ``lct.io.store.STREAM_PROGRESS_RESET`` bytes arrived (a server that sends a few
+            bytes and hangs up every time runs out of them).
         backoff: first retry delay in seconds (doubles each time).
         min_rate: bytes a second a transfer must average, after ``timeout`` seconds of grace:
-            a server trickling slower is dropped and retried (``C.STREAM_MIN_RATE``).
+            a server trickling slower is dropped and retried (``STREAM_MIN_RATE``).
     """
 
     def __init__(self, repo_id: str, revision: str, token=None, *, endpoint: str | None = None,
                  sizes: dict | None = None, timeout: float | None = None, retries: int = 5,
-                 backoff: float = 0.5, min_rate: int = C.STREAM_MIN_RATE):
+                 backoff: float = 0.5, min_rate: int = STREAM_MIN_RATE):
         hh = _hub()
         from huggingface_hub.utils import build_hf_headers, get_session
         self.repo_id, self.revision, self.token, self.endpoint = repo_id, revision, token, endpoint

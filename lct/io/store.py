@@ -25,6 +25,19 @@ WILLNEED_STEP = 2 << 20
 # a store keeps unless told (lct.open, verify and export read as they did).
 PAGE_CACHE_MODES = ("auto", "keep", "drop")
 
+# A remote store's read-ahead (ReadAhead): ranges fetched before they are asked for, at most
+# this many bytes held or in flight, on this many threads of their own, each range as pieces of
+# at most READAHEAD_PIECE bytes (one request each) so that the earliest range gets every
+# connection.
+READAHEAD_BYTES = 512 << 20
+READAHEAD_THREADS = 4
+READAHEAD_PIECE = 16 << 20
+# A remote store's range reads (RemoteStore._read; the Hub's and S3's): the slowest average a
+# transfer may have after its timeout's grace before it is dropped and retried, and the bytes
+# that must arrive between failures for the retries to start afresh.
+STREAM_MIN_RATE = 256 * 1024
+STREAM_PROGRESS_RESET = 1024 * 1024
+
 _LIBC = None
 
 
@@ -137,11 +150,10 @@ class ReadAhead:
         from collections import deque
         from concurrent.futures import ThreadPoolExecutor
 
-        from lct.format import constants as C
         self._fetch, self._size_of = fetch, size_of
-        self.max_bytes = C.READAHEAD_BYTES if max_bytes is None else max_bytes
-        self.piece = C.READAHEAD_PIECE if piece is None else piece
-        self._pool = ThreadPoolExecutor(threads or C.READAHEAD_THREADS,
+        self.max_bytes = READAHEAD_BYTES if max_bytes is None else max_bytes
+        self.piece = READAHEAD_PIECE if piece is None else piece
+        self._pool = ThreadPoolExecutor(threads or READAHEAD_THREADS,
                                         thread_name_prefix="lct-readahead")
         self._queue: deque = deque()    # (name, offset, size) not started yet, in order
         self._queued: set = set()
@@ -242,12 +254,11 @@ class RemoteStore:
         """Bytes ``[offset, offset + size)`` of ``name`` (clipped to ``file_size``) by one range
         request, into ``out`` when given. A transient failure (``_transient`` says which, and
         why) is retried with backoff, resuming from the bytes already received, and
-        ``C.STREAM_PROGRESS_RESET`` bytes of progress earn a fresh set of ``retries``; past
+        ``STREAM_PROGRESS_RESET`` bytes of progress earn a fresh set of ``retries``; past
         them, ``_gave_up`` is raised. The subclass's ``_fetch(name, offset, end, buf, got)``
         fills ``buf[got[0]:]`` with bytes from ``offset + got[0]``."""
         import time
 
-        from lct.format import constants as C
         end = min(offset + size, file_size)
         n = end - offset
         if n <= 0 or offset < 0:
@@ -262,7 +273,7 @@ class RemoteStore:
             except Exception as e:
                 why = self._transient(e, name)      # raises what retrying cannot help
                 since += got[0] - before
-                if since >= C.STREAM_PROGRESS_RESET:
+                if since >= STREAM_PROGRESS_RESET:
                     failures, since = 0, 0          # real progress: a fresh set of retries
                 failures += 1
                 if failures > self.retries:
