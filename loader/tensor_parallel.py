@@ -42,9 +42,9 @@ def load_tp(path, options=None, *, tp_plan="auto", stats=None):
             ``expect`` as for ``lct.load``, and:
             ``device``: ``"cpu"`` (gloo) or ``"cuda"`` (each rank's local device, NCCL);
             ``dtype``: the parameters' dtype (default: the one the artifact stores its layers
-            in); ``nf4``: ``"keep"``: the NF4/int8 embedding and head stay in their encoding,
-            each rank holding its rows (``lct.kernels.sharded``); ``"dequantize"``: plain
-            DTensors.
+            in); ``nf4``: ``"keep"``: the lossy embedding and head stay in their encoding,
+            each rank holding its rows (``lct.kernels.sharded``; an encoding no kernels are
+            registered for is dequantized); ``"dequantize"``: plain DTensors.
         tp_plan: ``"auto"``: the model's own plan (``base_model_tp_plan``), as
             ``from_pretrained(tp_plan="auto")`` uses it.
         stats: a ``LoadStats`` filled with this rank's bytes read and decoded and timings.
@@ -107,8 +107,8 @@ def _load_checked(path, options, stats):
     lossy = [t.name for t in art.manifest.tensors.values() if is_lossy(t.encoding)]
     if lossy:
         stats.notes.append(
-            "the NF4/int8 embedding and head stay in their encoding, split by rows over the "
-            "ranks" if nf4 == "keep" else f"{len(lossy)} NF4/int8 tensor(s) dequantized")
+            "the lossy embedding and head stay in their encoding, split by rows over the "
+            "ranks" if nf4 == "keep" else f"{len(lossy)} lossy tensor(s) dequantized")
 
     def skeleton():
         t1 = time.perf_counter()
@@ -182,10 +182,11 @@ def _fill(future, art, groups, stats, keep: bool = False, cached=None):
     import torch
 
     from lct.arch import hf
+    from lct.kernels import has_kernels
     arch = model = None
     t_install = 0.0
     m = art.manifest
-    quantized = {}      # param name -> (tensor info, this rank's rows as NF4/int8, row range)
+    quantized = {}      # param name -> (tensor info, this rank's rows encoded, row range)
     filled = set()
     for group in groups:
         if model is None:
@@ -205,7 +206,9 @@ def _fill(future, art, groups, stats, keep: bool = False, cached=None):
                 fused[info.name] = art.assemble(info, group.buffers)
                 continue
             module, leaf, ref = params[full]
-            if keep and is_lossy(info.encoding) and _by_rows(index, info):
+            # kept encoded where kernels compute on its encoding, else dequantized (as in one
+            # process)
+            if keep and has_kernels(info.encoding) and _by_rows(index, info):
                 quantized[full] = (info, _quantized_rows(art, info, group.buffers, pieces,
                                                          index[0]), index[0])
                 filled.add(full)
@@ -282,39 +285,26 @@ def _by_rows(index, info) -> bool:
 
 
 def _quantized_rows(art, info, bufs, pieces, rows: slice):
-    """This rank's ``rows`` of the lossy table ``info``, still encoded (an ``NF4Weight``,
-    ``Int8Weight`` or a ``BlocksWeight``): its pieces when they are exactly those rows, else
-    sliced from the whole."""
+    """This rank's ``rows`` of the lossy table ``info``, still encoded (its encoding's weight,
+    shaped ``[rows, cols]``) and in memory of its own: its pieces when they are exactly those
+    rows, else those rows of the whole. The encoding's ``join`` takes them, so that any
+    registered encoding loads here as it does in one process."""
+    import dataclasses
+
     import torch
 
-    from lct.format.encodings import BlockEncoding, Int8, get_encoding
-    from lct.io.reader import NF4Weight
-    parts = [art.tensor_from_buffer(p, bufs[p.chunk], dequantize=False) for p in pieces] \
-        if pieces is not None else [art.assemble(info, bufs, dequantize=False)]
-    n, cols = rows.stop - rows.start, info.shape[1]
-    keep = slice(None) if pieces is not None else rows
-
-    def own(tensors, width):
-        # One copy of this rank's rows: cat makes it of several pieces; a single tensor is a
-        # view of a decoded chunk (or of the whole table), whose rows are copied out.
-        if len(tensors) > 1:
-            return torch.cat([t.reshape(-1, width) for t in tensors])[keep]
-        return tensors[0].reshape(-1, width)[keep].clone()
-    enc = get_encoding(info.encoding)
-    if isinstance(enc, BlockEncoding):
-        return enc.weight_class(info.name, own([p.blocks for p in parts],
-                                               enc.nbytes((cols,), None)), (n, cols),
-                                art.lossy_dtype(info))
-    if isinstance(enc, Int8):      # int8, int8_b128: scales per row or per block of a row
-        per_row = 1 if enc.block is None else cols // enc.block
-        scale = own([p.scale for p in parts], per_row)
-        return enc.weight_class(info.name, own([p.q for p in parts], cols),
-                                scale.reshape(-1) if enc.block is None else scale, (n, cols),
-                                art.lossy_dtype(info))
-    bs = info.nf4["blocksize"]
-    return NF4Weight(info.name, own([p.packed for p in parts], cols // 2).reshape(-1),
-                     own([p.absmax for p in parts], cols // bs).reshape(-1), (n, cols), bs,
-                     art.lossy_dtype(info))
+    from lct.format.encodings import get_encoding
+    if pieces is not None:
+        parts = [art.tensor_from_buffer(p, bufs[p.chunk], dequantize=False) for p in pieces]
+        first = 0
+    else:
+        parts, first = [art.assemble(info, bufs, dequantize=False)], rows.start
+    n = rows.stop - rows.start
+    # One copy of the rows: cat makes it of several pieces; of one tensor (a view of a decoded
+    # chunk, or of the whole table) the rows are taken out by index.
+    take = torch.arange(first, first + n) if len(parts) == 1 else None
+    w = get_encoding(info.encoding).join(info, parts, take, art.lossy_dtype(info))
+    return dataclasses.replace(w, shape=(n, info.shape[1]))
 
 
 def _install_sharded(model, arch, quantized: dict, params: dict) -> None:

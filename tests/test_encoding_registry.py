@@ -79,11 +79,22 @@ class ToyLinear(BlocksLinear):
     encoding = TOY
 
 
+def register_toy(kernels: bool = True) -> None:
+    """Register the toy encoding, and its kernels unless ``kernels`` is False (also what each
+    rank of a tensor-parallel world runs first: tests/tp_worker.py's TP_WORKER_SETUP)."""
+    register(Toy8)
+    if kernels:
+        register_kernels(TOY, embedding=ToyEmbedding.from_weight, linear=ToyLinear.from_weight)
+
+
+def register_toy_without_kernels() -> None:
+    register_toy(kernels=False)
+
+
 @pytest.fixture
 def toy():
     """The toy registered (encoding and kernels) for one test, taken back after it."""
-    register(Toy8)
-    register_kernels(TOY, embedding=ToyEmbedding.from_weight, linear=ToyLinear.from_weight)
+    register_toy()
     try:
         yield get_encoding(TOY)
     finally:
@@ -118,6 +129,8 @@ def test_a_toy_encoding_in_one_module_converts_loads_verifies_and_plans(toy, arc
     assert m["policy"]["mode"] == "manual" and m["policy"][TOY] == ["embed", "head"]
     tables = {t["name"]: t for t in m["tensors"] if t["role"] in ("embed", "head")}
     assert tables and {t["encoding"] for t in tables.values()} == {TOY}
+    res = CliRunner().invoke(cli, ["info", str(art)])     # its policy line, as every encoding's
+    assert res.exit_code == 0 and " toy8=embed,head " in res.output, res.output
     with lct.open(art) as a:       # the stored bytes are the source quantized by the toy codec
         name = next(n for n, t in tables.items() if t["role"] == "embed")
         stored = a.read_tensor(name, dequantize=False)
@@ -177,11 +190,16 @@ def test_help_lists_every_registered_encoding_in_registry_order(toy):
         at = [text.find(f) for f in flags]
         assert all(i >= 0 for i in at) and at == sorted(at), (command, flags, at)
         assert "Toy8" in text
+    for command in ("verify", "export"):    # their texts name the lossy encodings, in order
+        listed = ", ".join(lossy_encodings())
+        assert listed.endswith(TOY) and listed in _help(command), command
     unregister_kernels(TOY)
     unregister(TOY)
     for command in ("convert", "plan"):
         assert "--toy8" not in _help(command)
         assert "--q6_k PARTS" in _help(command)
+    for command in ("verify", "export"):
+        assert TOY not in _help(command) and ", ".join(lossy_encodings()) in _help(command)
     assert TOY not in lossy_encodings()
     with pytest.raises(TypeError, match="toy8"):
         Policy(toy8=("head",))
@@ -196,3 +214,42 @@ def test_the_registry_refuses_a_taken_or_unusable_name_and_keeps_the_formats_own
         register(bad)
     with pytest.raises(OptionError, match="the format's own"):
         unregister("q8_0")
+
+
+@pytest.fixture(scope="module")
+def qwen_tp_src(tmp_path_factory):
+    """A tiny Qwen2 whose heads divide over 2 ranks (rows of 64 values: whole toy blocks)."""
+    from lct.demo import tiny
+    return tiny.save_tiny(tmp_path_factory.mktemp("toy-tp") / "qwen2", "qwen2",
+                          num_attention_heads=8, num_key_value_heads=4)
+
+
+@pytest.mark.slow       # each launch starts a world of 2 ranks that import torch
+@pytest.mark.parametrize("pieces", [None, 2])
+def test_a_toy_encoding_loads_under_tensor_parallelism(toy, qwen_tp_src, tmp_path, pieces):
+    """Each rank keeps its rows of the toy tables in the toy's kernels (sliced from the whole
+    table, or its own tensor-parallel pieces), with the logits of one process; where the toy
+    has no kernels the ranks load its tables dequantized, as one process does."""
+    import os
+    from pathlib import Path
+
+    from test_tensor_parallel import launch
+    art = tmp_path / "toy.lct"
+    lct.convert(str(qwen_tp_src), art, policy=Policy(toy8=("embed", "head"), tp_pieces=pieces))
+    ids = torch.tensor([[1, 5, 9, 3, 7, 2, 11, 4]])
+    with torch.no_grad():
+        single = lct.load(art, dtype=torch.float32)(ids).logits[0, :3, :5]
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join(
+        [str(Path(__file__).parent)] + [p for p in [os.environ.get("PYTHONPATH")] if p]))
+    setups = {"keep": "register_toy"} if pieces is None else \
+        {"keep": "register_toy", "no kernels": "register_toy_without_kernels"}
+    for what, setup in setups.items():
+        results = launch(2, art, qwen_tp_src, tmp_path / setup,
+                         env=dict(env, TP_WORKER_SETUP=f"{__name__}:{setup}"))
+        for r in results:
+            assert "error" not in r, r
+            assert 0 < r["max_diff"] < 0.5, r       # the source's logits, up to the toy's error
+            kept = (r["embed"], r["head"]) == ("ShardedEmbedding", "GatheredHead")
+            assert kept == (what == "keep"), r
+            if kept:
+                assert torch.allclose(torch.tensor(r["logits"]), single, atol=1e-5), r

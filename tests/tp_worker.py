@@ -4,6 +4,7 @@ loads the artifact with ``lct.load(tp_plan="auto")`` and the source with
 Not a test module (no ``test_`` prefix)."""
 
 import json
+import os
 import sys
 from pathlib import Path
 
@@ -12,6 +13,11 @@ import torch.distributed as dist
 
 
 def main(art: str, src: str, out: str, nf4: str, corrupt_rank: int, stream: bool) -> None:
+    setup = os.environ.get("TP_WORKER_SETUP")   # "module:function", called before the load
+    if setup:                                   # (a test's encoding registers itself here)
+        import importlib
+        module, function = setup.split(":")
+        getattr(importlib.import_module(module), function)()
     dist.init_process_group("gloo")
     rank = dist.get_rank()
     result = {"rank": rank}

@@ -328,8 +328,11 @@ class LossyEncoding(Encoding):
 
     @abc.abstractmethod
     def join(self, info, parts: list, perm, dtype: str):
-        """The stored weight of a tensor stored as row pieces (``parts``: their weights), rows
-        put back in token-id order by ``perm`` (None: as stored)."""
+        """The stored weight of tensor ``info`` from its row pieces (``parts``: their weights,
+        in row order; one part: the whole table), taking the rows ``perm`` lists, in its order
+        (an index tensor: token-id order of a Maximus table, or a range of rows, which a
+        tensor-parallel rank keeps), or all of them as stored (None). The weight says
+        ``info.shape``; one part and no ``perm`` may be a view of it, else it is a copy."""
 
     @abc.abstractmethod
     def parts(self, weight) -> tuple:
@@ -365,6 +368,12 @@ class LossyEncoding(Encoding):
         row, block = divmod(first, per_row)
         at = f"row {row}" + (f", block {block}" if per_row > 1 else "")
         return f"{at}: {self.scale_name} = {grid.reshape(-1)[first].item()}"
+
+
+def _rows(tensors: list):
+    """The rows of ``tensors`` one after another: the one tensor itself, else their ``cat``."""
+    import torch
+    return tensors[0] if len(tensors) == 1 else torch.cat(tensors)
 
 
 @register
@@ -451,11 +460,9 @@ class NF4(LossyEncoding):
         return NF4Weight(info.name, raw, scales, info.shape, info.nf4["blocksize"], dtype)
 
     def join(self, info, parts, perm, dtype):
-        import torch
-
         cols, bs = info.shape[1], info.nf4["blocksize"]
-        packed = torch.cat([p.packed.view(-1, cols // 2) for p in parts])
-        absmax = torch.cat([p.absmax.view(-1, cols // bs) for p in parts])
+        packed = _rows([p.packed.view(-1, cols // 2) for p in parts])
+        absmax = _rows([p.absmax.view(-1, cols // bs) for p in parts])
         if perm is not None:
             packed, absmax = packed[perm], absmax[perm]
         return NF4Weight(info.name, packed.reshape(-1), absmax.reshape(-1), info.shape, bs,
@@ -538,10 +545,8 @@ class Int8(LossyEncoding):
                                  info.shape, dtype)
 
     def join(self, info, parts, perm, dtype):
-        import torch
-
-        q = torch.cat([p.q for p in parts])
-        scale = torch.cat([p.scale for p in parts])
+        q = _rows([p.q for p in parts])
+        scale = _rows([p.scale for p in parts])
         if perm is not None:
             q, scale = q[perm], scale[perm]
         return self.weight_class(info.name, q, scale, info.shape, dtype)
@@ -632,9 +637,7 @@ class BlockEncoding(LossyEncoding):
                                  info.shape, dtype)
 
     def join(self, info, parts, perm, dtype):
-        import torch
-
-        blocks = torch.cat([p.blocks for p in parts])
+        blocks = _rows([p.blocks for p in parts])
         return self.weight_class(info.name, blocks[perm] if perm is not None else blocks,
                                  info.shape, dtype)
 
