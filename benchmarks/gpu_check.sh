@@ -15,6 +15,7 @@
 # what is left, the load benchmark starts no new repetition past its share, and a step that
 # does not fit is reported as skipped. Exit status: 0 when every step passed, 1 when one failed
 # or was skipped, 2 when there is no usable GPU (nothing is run then).
+# CHECKS (default "tests tp decode load heads") picks the steps, in that order.
 # DEVICE=cpu MODEL=tiny runs the same steps on the CPU with a tiny model: a check of this script
 # on a machine without a GPU (the CUDA tests skip there; its figures mean nothing).
 
@@ -27,6 +28,8 @@ OUT="$(mkdir -p "${OUT:-gpu_out}" && cd "${OUT:-gpu_out}" && pwd)"
 DEADLINE="${DEADLINE:-900}"
 DEVICE="${DEVICE:-cuda}"
 MODEL="${MODEL:-gemma-2b}"
+CHECKS="${CHECKS:-tests tp decode load heads}"
+want() { [[ " $CHECKS " == *" $1 "* ]]; }
 WORK="${WORK:-/tmp/lct_gpu_check}"     # the generated checkpoint, its artifact, the decoded copy
 LOG="$OUT/gpu_check.log"
 STEPS="$WORK/steps.jsonl"
@@ -119,41 +122,10 @@ EOF
 ) > "$WORK/prepare.log" 2>&1 &
 prepare=$!
 
-step "CUDA tests" 170 "$PY" -m pytest -q -rsxX -p no:cacheprovider -m cuda \
-    --junitxml="$OUT/cuda_tests.xml" tests/test_gpu.py tests/test_q6_k.py
-
-echo "== waiting for the Gemma-2B-shaped checkpoint and its artifact"
-while kill -0 "$prepare" 2>/dev/null && [ "$(left)" -gt 60 ]; do sleep 2; done
-if kill -0 "$prepare" 2>/dev/null; then
-    kill "$prepare"; echo "gpu_check: the build did not finish in time"
+if want tests; then
+    step "CUDA tests" 170 "$PY" -m pytest -q -rsxX -p no:cacheprovider -m cuda \
+        --junitxml="$OUT/cuda_tests.xml" tests/test_gpu.py tests/test_q6_k.py
 fi
-wait "$prepare"; prc=$?
-cat "$WORK/prepare.log" | tail -20
-ART="$WORK/$([ "$MODEL" = tiny ] && echo tiny-llama || echo gemma-2b-random).lct"
-if [ "$prc" -ne 0 ] || [ ! -f "$ART/lct.json" ]; then
-    printf '{"step": "build and convert", "status": "failed (exit %d)", "seconds": 0}\n' "$prc" \
-        >> "$STEPS"
-    failed=1
-fi
-
-if [ -f "$ART/lct.json" ]; then
-    step "decoded GB/s by decode threads (bench_decode.py)" 90 \
-        "$PY" benchmarks/bench_decode.py "$ART" --threads 1,2,4,8,16 --passes 2 --max-gb 1.5 \
-        --json "$OUT/decode.json"
-    # Three interleaved repetitions where they fit: what is left, less the steps after it.
-    budget=$(( $(left) - 130 ))
-    budget=$(( budget > 30 ? budget : 30 ))
-    step "first token on $DEVICE (bench_load.py --device $DEVICE)" $(( budget + 60 )) \
-        "$PY" benchmarks/bench_load.py --out "$WORK" --models "$MODEL" --no-long --reps 3 \
-        --device "$DEVICE" --max-seconds "$budget" \
-        --contenders "floor|from_pretrained|lct.load + generate|lct.load cache=False + generate"
-    cp "$WORK/load_results_none.json" "$OUT/load_gpu.json" 2>/dev/null || true
-fi
-
-if [ "$DEVICE" = cpu ]; then head_size=(--vocab 4096 --hidden 256); else head_size=(); fi
-step "LM heads on $DEVICE (bench_head.py --device $DEVICE)" 70 \
-    "$PY" benchmarks/bench_head.py --device "$DEVICE" --rows 1,4,16,64 --repeats 20 \
-    "${head_size[@]}" --json "$OUT/heads.json"
 
 # Tensor parallel over NCCL: 2 ranks on 2 GPUs (1 on a single GPU: the NCCL and CUDA path of
 # the load all the same), a tiny Qwen2 with pieces, the same greedy tokens as one process
@@ -189,9 +161,43 @@ EOF
 }
 export -f tp_check
 export PY
-if [ "$DEVICE" != cpu ]; then
+if [ "$DEVICE" != cpu ] && want tp; then
     step "tensor-parallel load on ${NPROC} GPU(s) (NCCL)" 60 bash -c tp_check
 fi
+
+
+echo "== waiting for the Gemma-2B-shaped checkpoint and its artifact"
+while kill -0 "$prepare" 2>/dev/null && [ "$(left)" -gt 60 ]; do sleep 2; done
+if kill -0 "$prepare" 2>/dev/null; then
+    kill "$prepare"; echo "gpu_check: the build did not finish in time"
+fi
+wait "$prepare"; prc=$?
+cat "$WORK/prepare.log" | tail -20
+ART="$WORK/$([ "$MODEL" = tiny ] && echo tiny-llama || echo gemma-2b-random).lct"
+if [ "$prc" -ne 0 ] || [ ! -f "$ART/lct.json" ]; then
+    printf '{"step": "build and convert", "status": "failed (exit %d)", "seconds": 0}\n' "$prc" \
+        >> "$STEPS"
+    failed=1
+fi
+
+if [ -f "$ART/lct.json" ]; then
+    want decode && step "decoded GB/s by decode threads (bench_decode.py)" 90 \
+        "$PY" benchmarks/bench_decode.py "$ART" --threads 1,2,4,8,16 --passes 2 --max-gb 1.5 \
+        --json "$OUT/decode.json"
+    # Three interleaved repetitions where they fit: what is left, less the steps after it.
+    budget=$(( $(left) - $(want heads && echo 110 || echo 60) ))
+    budget=$(( budget > 30 ? budget : 30 ))
+    want load && step "first token on $DEVICE (bench_load.py --device $DEVICE)" $(( budget + 60 )) \
+        "$PY" benchmarks/bench_load.py --out "$WORK" --models "$MODEL" --no-long --reps 3 \
+        --device "$DEVICE" --max-seconds "$budget" \
+        --contenders "floor|from_pretrained|lct.load + generate|lct.load cache=False + generate"
+    cp "$WORK/load_results_none.json" "$OUT/load_gpu.json" 2>/dev/null || true
+fi
+
+if [ "$DEVICE" = cpu ]; then head_size=(--vocab 4096 --hidden 256); else head_size=(); fi
+want heads && step "LM heads on $DEVICE (bench_head.py --device $DEVICE)" 70 \
+    "$PY" benchmarks/bench_head.py --device "$DEVICE" --rows 1,4,16,64 --repeats 20 \
+    "${head_size[@]}" --json "$OUT/heads.json"
 
 # --- Summary: one JSON and one Markdown file -------------------------------------------------
 echo "== summary"
