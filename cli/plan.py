@@ -157,6 +157,8 @@ def render(p) -> list:
     else:
         act.append(("  logits of the last position only (generate) would save",
                     hb(p.logits_saving)))
+        act.append((f"final hidden states ({p.batch} x {p.seq} x hidden size, {dt}; at the "
+                    f"logits)", hb(p.final_hidden)))
         if p.head_temp:
             act.append(("quantized head's dequantize-and-matmul temporaries (at the logits)",
                         hb(p.head_temp)))
@@ -171,8 +173,15 @@ def render(p) -> list:
     nf4 = f"quantized embedding/head (LCT) {'save' if p.format == 'lct' else 'would save'} " \
         f"{hb(p.nf4_saving)}"
     lines.append(f"{nf4}; {maximus_line(p)}")
-    phases = ", ".join(f"{k} {hb(v)}" for k, v in p.phases.items())
-    lines.append(f"peak: {hb(p.total)} at the {p.peak_phase} ({phases})")
+    if p.phase_items:      # each phase as the sum of the items listed above
+        for i, (phase, held) in enumerate(sorted(p.phase_items.items(),
+                                                 key=lambda kv: -p.phases[kv[0]])):
+            lead = f"peak: {hb(p.total)} at the {phase}" if i == 0 else \
+                f"  at the {phase}: {hb(p.phases[phase])}"
+            lines.append(f"{lead} = " + " + ".join(f"{k} {hb(v)}" for k, v in held.items()))
+    else:
+        phases = ", ".join(f"{k} {hb(v)}" for k, v in p.phases.items())
+        lines.append(f"peak: {hb(p.total)} at the {p.peak_phase} ({phases})")
     if p.memory is not None:
         if p.fits:
             lines.append(f"fits in {hb(p.memory)}: {hb(p.memory - p.total)} to spare")

@@ -493,6 +493,38 @@ def test_quantized_head_temporaries_are_among_the_items(llama_art):
     assert p.items()["quantized-head temporaries"] == p.head_temp
 
 
+@pytest.mark.parametrize("model, fmt", [("llama_src", "hf"), ("llama_src", "lct"),
+                                         ("gemma_src", "hf"), ("llama_art", None)])
+def test_the_peak_line_adds_up_the_items_of_its_own_table(model, fmt, request, run):
+    """Issue 37: `lct plan`'s peak line disagreed with its own table: "logits 4.03 MB" at the
+    logits phase beside a table whose logits were 1.57 MB, the phase holding the weights, the
+    KV cache and the final hidden states too, which no line listed. Each inference phase is now
+    the sum of items the report lists, and the peak line says which."""
+    from lct.cli.plan import render
+    from lct.units import human
+    path = str(request.getfixturevalue(model))
+    kw = {"format": fmt} if fmt else {}
+    p = plan(path, seq=2048, device="cpu", **kw)
+    assert set(p.phase_items) == set(p.phases)
+    listed = p.items()
+    for phase, held in p.phase_items.items():
+        assert sum(held.values()) == p.phases[phase], phase
+        assert all(listed[k] == v for k, v in held.items()), (phase, held, listed)
+    assert p.phase_items["logits"]["final hidden states"] == p.final_hidden > 0
+    text = "\n".join(render(p))
+    for k, v in listed.items():     # every item a phase sums is a line (or column) above it
+        start = "total" if k == "weights" else k.split("-")[0][:12]
+        line = next(ln for ln in text.splitlines() if ln.startswith(start))
+        assert (human(v) in line) if k == "weights" else line.endswith(human(v)), (k, line)
+    peak = next(ln for ln in text.splitlines() if ln.startswith("peak:"))
+    held = p.phase_items[p.peak_phase]
+    assert peak == (f"peak: {human(p.total)} at the {p.peak_phase} = "
+                    + " + ".join(f"{k} {human(v)}" for k, v in held.items())), peak
+    out = run("plan", path, "--seq", "2048", "--device", "cpu",
+              *(["--format", fmt] if fmt else [])).output
+    assert peak in out and "at the logits: " in out, out
+
+
 def test_the_device_defaults_to_this_machines(llama_src, run, monkeypatch):
     """Issue 22.17: `lct plan` planned CUDA's temporaries on a machine without CUDA. The
     default is decided when a plan needs it: cuda where torch sees a CUDA device, else cpu; an

@@ -372,6 +372,10 @@ class Plan:
     remedies: list = field(default_factory=list)   # [(remedy, bytes it takes off the peak)]
     notes: list = field(default_factory=list)
     head_temp: int = 0    # infer: a quantized head's dequantize-and-matmul temporaries
+    final_hidden: int = 0     # infer: the last layer's hidden states, which the head multiplies
+    # infer: what each phase holds, {phase: {item: bytes}}, the items named as ``items`` names
+    # them (its sum is the phase's figure); train: {}
+    phase_items: dict = field(default_factory=dict)
     maximus_priced: tuple | None = None   # the K/N maximus_saving is for: the one applied, or
     #                                       the default of the artifact's shards (or of 32)
 
@@ -397,7 +401,8 @@ class Plan:
                  "optimizer states": self.optimizer_states, "master weights": self.master,
                  "activations": self.activations, "logits": self.logits, "loss buffers": self.loss,
                  "KV cache": self.kv_cache, "optimizer-step temporaries": self.step_temp,
-                 "quantized-head temporaries": self.head_temp}
+                 "quantized-head temporaries": self.head_temp,
+                 "final hidden states": self.final_hidden}
         return dict(sorted(((k, v) for k, v in items.items() if v), key=lambda kv: -kv[1]))
 
 
@@ -591,7 +596,8 @@ def _plan(where: str, dims: Dims, base: Dims, manifest, options: PlanOptions, *,
         kv_cache=f["kv"], kv_cache_window=f["kv_window"], step_temp=f["step"],
         nf4_saving=nf4_saving, maximus_saving=maximus_saving, host=total_of("host"),
         phases=phases, total=total, fits=None if o.memory is None else total <= o.memory,
-        head_temp=f.get("head_temp", 0), maximus_priced=tuple(priced),
+        head_temp=f.get("head_temp", 0), final_hidden=f.get("final_hidden", 0),
+        phase_items=f.get("phase_items", {}), maximus_priced=tuple(priced),
         stored=manifest.stored_bytes if manifest else None,
         decoded=manifest.decoded_bytes if manifest else None, notes=notes)
     if remedies:
@@ -734,10 +740,14 @@ def _infer_figures(dims, batch, seq, a, device, blocksize, weights, kv_held, log
     t, V, H = batch * seq, dims.vocab, dims.hidden
     activations = infer_transient(dims, batch, seq, a)
     head_temp = head_transient(head, V, H, t, a, blocksize, device) if is_lossy(head) else 0
-    final = logits + a * t * H + head_temp
-    phases = {"layers": weights + kv_held + activations, "logits": weights + kv_held + final}
-    return dict(phases=phases, activations=activations, loss=0, loss_chunked=0, step=0,
-                logits_saving=logits - a * batch * V, head_temp=head_temp)
+    hidden = a * t * H       # the last layer's output, which the head multiplies
+    items = {"layers": {"weights": weights, "KV cache": kv_held, "activations": activations},
+             "logits": {"weights": weights, "KV cache": kv_held, "final hidden states": hidden,
+                        "logits": logits, "quantized-head temporaries": head_temp}}
+    items = {phase: {k: v for k, v in held.items() if v} for phase, held in items.items()}
+    return dict(phases={phase: sum(held.values()) for phase, held in items.items()},
+                phase_items=items, activations=activations, loss=0, loss_chunked=0, step=0,
+                logits_saving=logits - a * batch * V, head_temp=head_temp, final_hidden=hidden)
 
 
 def _remedies(p: Plan, where: str, dims: Dims, base: Dims, manifest,
