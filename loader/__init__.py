@@ -1,7 +1,7 @@
 """The runtime: an artifact to a ready transformers model. ``entry.load`` (``lct.load``)
 dispatches to the streaming loader (``build``: group by group, decoding ``prefetch`` groups
 ahead), the tensor-parallel one (``tensor_parallel``) or the device-mapped one (``device_map``);
-``source`` is what they share; the layer-wise executor for models larger than memory
+``source`` is what they share, ``install`` puts decoded groups into a model; the layer-wise executor for models larger than memory
 (``layerwise``) and timed generation (``generate``) sit beside them.
 
 May import: ``lct.arch`` (the skeleton and its checkpoint names), ``lct.hub`` (hf:// sources),

@@ -206,7 +206,8 @@ def load_mapped(path, device_map, options=None, *, max_memory=None, stats=None):
     import torch
     from accelerate import dispatch_model
 
-    from lct.loader.build import Installer, _install_all, build_skeleton
+    from lct.loader.build import build_skeleton
+    from lct.loader.install import Installer, install_all
     from lct.loader.source import LoadOptions, LoadStats, stored_dtype
     options = options or LoadOptions()
     dtype, nf4 = options.dtype, options.nf4
@@ -247,7 +248,7 @@ def load_mapped(path, device_map, options=None, *, max_memory=None, stats=None):
         hit = cache_hit(art, options.cache, stats)
         with GroupStream(art, read, prefetch=options.prefetch, cached=hit) as groups:
             for group in groups:
-                _install_all(inst, [group], stats)
+                install_all(inst, [group], stats)
             s = groups.stats
         left = {name for name, gs in groups_of.items() if not set(gs) & needed}
         inst.finish(streamed=left)

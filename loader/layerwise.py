@@ -14,7 +14,8 @@ from __future__ import annotations
 
 from lct.errors import LCTError
 from lct.io.stream import DEFAULT_PREFETCH, GroupStream
-from lct.loader.build import Installer, build_skeleton, cache_hit, check_device, fill_later
+from lct.loader.build import build_skeleton, cache_hit, check_device, fill_later
+from lct.loader.install import Installer
 from lct.loader.source import LoadOptions
 
 
