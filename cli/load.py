@@ -43,8 +43,9 @@ class _Ranks(click.ParamType):
 
 @click.command("load", short_help="Load an artifact into a transformers model and generate.")
 @click.argument("artifact", type=click.Path())
-@click.option("--prefetch", type=click.IntRange(0, 64), default=DEFAULT_PREFETCH, show_default=True,
-              help="Groups decoded ahead of the one being installed (0: strictly sequential).")
+@click.option("--prefetch", type=int, default=DEFAULT_PREFETCH, show_default=True,
+              help="Groups decoded ahead of the one being installed (0: strictly sequential; "
+                   "checked by the load, as lct.load checks it).")
 @click.option("--device", default="cpu", show_default=True, help="cpu or cuda[:N].")
 @click.option("--dtype", type=click.Choice(["float32", "bfloat16", "float16"]), default=None,
               help="Cast weights at load (default: the stored dtypes).")

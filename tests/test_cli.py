@@ -411,6 +411,20 @@ def test_typed_errors_keep_their_builtin_and_read_as_one_line(llama_art):
     with pytest.raises(OptionError, match="nf4 must be one of keep, dequantize"):
         lct.load(llama_art, nf4="sometimes")
 
+def test_load_prefetch_has_the_librarys_one_rule(run, llama_art):
+    """Issue 37: prefetch is validated once, by the load (lct.io.stream.check_prefetch through
+    LoadOptions): lct load --prefetch had a rule of its own (click's IntRange(0, 64)), refusing
+    a window lct.load takes."""
+    res = run("load", llama_art, "--prefetch", "-1", "--ids", "1,5", "--max-new-tokens", "1")
+    assert res.exit_code == 1, res.output
+    assert res.output.strip() == "error: prefetch must be an integer >= 0, got -1 (--prefetch)"
+    res = run("load", llama_art, "--prefetch", "65", "--ids", "1,5", "--max-new-tokens", "1",
+              "--json")
+    assert res.exit_code == 0, res.output       # click's IntRange refused it (exit 2)
+    out = json.loads(res.output)
+    assert out["new_tokens"] == 1 and out["breakdown"]["max_in_flight"] == out["breakdown"]["groups"]
+
+
 @pytest.mark.parametrize("args,fragment,code", [
     (["--ids", "1,99999"], "token id 99999 is outside the vocabulary", 1),
     (["--ids", "-1"], "token id -1 is outside the vocabulary", 1),
