@@ -6,7 +6,7 @@ import time
 
 import click
 
-from lct.cli._util import quiet_option, table
+from lct.cli._util import LossyHelpOption, quiet_option, table
 from lct.io.stream import DEFAULT_PREFETCH
 
 
@@ -49,9 +49,10 @@ class _Ranks(click.ParamType):
 @click.option("--device", default="cpu", show_default=True, help="cpu or cuda[:N].")
 @click.option("--dtype", type=click.Choice(["float32", "bfloat16", "float16"]), default=None,
               help="Cast weights at load (default: the stored dtypes).")
-@click.option("--nf4", type=click.Choice(["keep", "dequantize"]), default="keep", show_default=True,
-              help="Keep the NF4/int8 embedding and head in their encoding, or expand them to "
-                   "the model dtype at load.")
+@click.option("--nf4", cls=LossyHelpOption, type=click.Choice(["keep", "dequantize"]),
+              default="keep", show_default=True,
+              help="Keep a lossy embedding and head ({lossy}) in their encoding, or expand them "
+                   "to the model dtype at load.")
 @click.option("--workers", type=int, default=None, help="Decode threads (default: all cores).")
 @click.option("--no-verify", is_flag=True, help="Skip chunk checksums while streaming.")
 @click.option("--expect", default=None, metavar="DIGEST",

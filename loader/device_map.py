@@ -227,7 +227,7 @@ def load_mapped(path, device_map, options=None, *, max_memory=None, stats=None):
         lossy = [t.name for t in art.manifest.tensors.values() if is_lossy(t.encoding)]
         if offloading and nf4 == "keep" and lossy:
             nf4 = "dequantize"   # accelerate's hooks move plain parameters only
-            stats.notes.append(f"{len(lossy)} NF4/int8 table(s) dequantized: with modules "
+            stats.notes.append(f"{len(lossy)} lossy table(s) dequantized: with modules "
                                f"offloaded, every module holds plain weights")
         groups_of = groups_filling(arch, art.manifest)
         params = {n for n, _ in model.named_parameters(remove_duplicate=False)}

@@ -190,7 +190,7 @@ def test_help_lists_every_registered_encoding_in_registry_order(toy):
         at = [text.find(f) for f in flags]
         assert all(i >= 0 for i in at) and at == sorted(at), (command, flags, at)
         assert "Toy8" in text
-    for command in ("verify", "export"):    # their texts name the lossy encodings, in order
+    for command in ("verify", "export", "load"):    # their texts name the lossy encodings
         listed = ", ".join(lossy_encodings())
         assert listed.endswith(TOY) and listed in _help(command), command
     unregister_kernels(TOY)
@@ -198,7 +198,7 @@ def test_help_lists_every_registered_encoding_in_registry_order(toy):
     for command in ("convert", "plan"):
         assert "--toy8" not in _help(command)
         assert "--q6_k PARTS" in _help(command)
-    for command in ("verify", "export"):
+    for command in ("verify", "export", "load"):
         assert TOY not in _help(command) and ", ".join(lossy_encodings()) in _help(command)
     assert TOY not in lossy_encodings()
     with pytest.raises(TypeError, match="toy8"):
