@@ -28,7 +28,8 @@ def _set(model, full: str, tensor, as_buffer: bool = False) -> None:
 
 
 class Installer:
-    """Installs decoded groups into a meta-initialised model; NF4 parts kept or dequantized."""
+    """Installs decoded groups into a meta-initialised model; lossy tables kept in their
+    encoding's modules (``nf4="keep"``, where kernels are registered for it) or dequantized."""
 
     def __init__(self, arch, art, *, device="cpu", dtype=None, nf4: str = "keep",
                  pad_ids=None):
@@ -134,10 +135,10 @@ class Installer:
                            f"model built from config.json expects {list(want)}")
 
     def _replaceable(self, full: str) -> bool:
-        """Whether the module owning ``full`` can become an NF4/int8 module: a plain embedding
-        or linear layer (Gemma's scaled embedding too), not one with modules or parameters of
-        its own beside its weight and bias (Inkling's embedding holds a norm): such a table is
-        dequantized into it instead."""
+        """Whether the module owning ``full`` can become a lossy encoding's module: a plain
+        embedding or linear layer (Gemma's scaled embedding too), not one with modules or
+        parameters of its own beside its weight and bias (Inkling's embedding holds a norm):
+        such a table is dequantized into it instead."""
         import torch
         module = self.model.get_submodule(full.rpartition(".")[0])
         own = {n for n, p in module._parameters.items() if p is not None}
