@@ -15,7 +15,8 @@ if __name__ == "kernels":
     # This folder is lct.kernels. Only a checkout's root on sys.path (``python -m pytest`` or
     # ``python -m lct`` run there) makes it importable as a top-level ``kernels``, where it
     # shadows the ``kernels`` distribution that transformers imports (its hub kernels): load
-    # that one in this module's place, or say that there is none.
+    # that one in this module's place. Without the distribution this module stays what it is
+    # (transformers, finding no version, takes it for no hub kernels).
     import importlib.machinery as _machinery
     import importlib.util as _util
     import os as _os
@@ -23,13 +24,10 @@ if __name__ == "kernels":
     _root = _os.path.dirname(_os.path.dirname(_os.path.abspath(__file__)))
     _spec = _machinery.PathFinder.find_spec(
         "kernels", [p for p in _sys.path if _os.path.abspath(p or _os.curdir) != _root])
-    if _spec is None:
-        del _sys.modules["kernels"]
-        raise ModuleNotFoundError("No module named 'kernels' (the folder kernels/ of an LCT "
-                                  "checkout is lct.kernels)", name="kernels")
-    _real = _util.module_from_spec(_spec)
-    _sys.modules["kernels"] = _real     # what `import kernels` returns once this body ends
-    _spec.loader.exec_module(_real)
+    if _spec is not None:
+        _real = _util.module_from_spec(_spec)
+        _sys.modules["kernels"] = _real     # what `import kernels` returns once this body ends
+        _spec.loader.exec_module(_real)
 
 from lct.kernels.blocks import Q6_KEmbedding, Q6_KLinear, Q8_0Embedding, Q8_0Linear
 from lct.kernels.embedding import NF4Embedding, PaddedEmbedding, padded_lookup

@@ -11,27 +11,26 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 
 
-def _import_kernels_from_root(*flags):
+def _import_kernels_from_root():
     code = "import kernels, sys; print(kernels.__file__); print(hasattr(kernels, 'embedding_for'))"
-    return subprocess.run([sys.executable, *flags, "-c", code], cwd=ROOT, capture_output=True,
+    return subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True,
                           text=True, timeout=120)
 
 
-def test_kernels_from_the_checkouts_root_is_the_distribution_or_none():
+def test_kernels_from_the_checkouts_root_is_the_distribution_where_installed():
+    """transformers 5.25 requires the ``kernels`` distribution: from the checkout's root,
+    ``import kernels`` gives its module, not LCT's folder. Without it (vLLM's environment),
+    the folder imports as it always did: transformers finds no version there and takes it
+    for no hub kernels."""
     out = _import_kernels_from_root()
+    assert out.returncode == 0, out.stderr
+    where, ours = out.stdout.split()
     try:
         installed = bool(importlib.metadata.distribution("kernels"))
     except importlib.metadata.PackageNotFoundError:
         installed = False
-    if installed:       # transformers 5.25 requires it: its module, not LCT's folder
-        assert out.returncode == 0, out.stderr
-        where, ours = out.stdout.split()
+    if installed:
         assert Path(where).parent != ROOT / "kernels" and ours == "False", out.stdout
     else:
-        assert out.returncode != 0 and "No module named 'kernels'" in out.stderr, out.stderr
+        assert Path(where).parent == ROOT / "kernels", out.stdout
 
-
-def test_without_the_distribution_a_top_level_kernels_is_not_found():
-    out = _import_kernels_from_root("-S")         # no site-packages: no distribution either
-    assert out.returncode != 0
-    assert "ModuleNotFoundError: No module named 'kernels'" in out.stderr, out.stderr
