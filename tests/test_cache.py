@@ -21,15 +21,12 @@ import lct
 from lct.cli.main import cli
 from lct.errors import LCTError
 from lct.io import cache
+from tests.decoded_cache import use_cache_root
 
 
 @pytest.fixture
 def root(tmp_path, monkeypatch):
-    d = tmp_path / "cache"
-    monkeypatch.setenv(cache.ENV_DIR, str(d))
-    monkeypatch.delenv(cache.ENV_SWITCH, raising=False)
-    monkeypatch.delenv(cache.ENV_MAX, raising=False)
-    return d
+    return use_cache_root(tmp_path, monkeypatch)
 
 
 def _load(art, **kw):

@@ -6,8 +6,6 @@ the entry is mapped; the layer-wise model maps always. Pages are dropped from th
 with posix_fadvise(DONTNEED): where the kernel keeps them anyway (tmpfs), the tests that need
 an entry on the disk skip, saying so."""
 
-import gc
-import os
 import threading
 import time
 
@@ -17,16 +15,12 @@ import torch
 import lct
 from lct.errors import LCTError
 from lct.io import cache
+from tests.decoded_cache import entry_on_disk, resident_share, use_cache_root
 
 
 @pytest.fixture
 def root(tmp_path, monkeypatch):
-    d = tmp_path / "cache"
-    monkeypatch.setenv(cache.ENV_DIR, str(d))
-    monkeypatch.delenv(cache.ENV_SWITCH, raising=False)
-    monkeypatch.delenv(cache.ENV_MAX, raising=False)
-    monkeypatch.setenv(cache.ENV_MAP, "auto")       # conftest maps always
-    return d
+    return use_cache_root(tmp_path, monkeypatch, "auto")    # conftest maps always
 
 
 def _filled(art) -> cache.Entry:
@@ -37,30 +31,8 @@ def _filled(art) -> cache.Entry:
     return entry
 
 
-def _share(art) -> float:
-    with lct.open(art) as a:
-        share = cache.lookup(a).resident()
-    assert share is not None, "mincore could not be asked on this machine"
-    return share
-
-
 def _in_memory(entry) -> None:
     (entry.path / cache.DATA).read_bytes()
-
-
-def _on_disk(art, entry) -> None:
-    """Drop the entry's pages from the page cache; skip where the kernel keeps them."""
-    gc.collect()            # a model that mapped the entry, gone: its pages are unmapped
-    fd = os.open(entry.path / cache.DATA, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-        os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
-    finally:
-        os.close(fd)
-    share = _share(art)
-    if share >= cache.MAP_RESIDENT:
-        pytest.skip(f"the kernel kept {share:.0%} of the entry's pages after "
-                    f"posix_fadvise(DONTNEED) (a file system in memory?)")
 
 
 def _load(art, **kw):
@@ -83,10 +55,10 @@ def _warmers() -> list:
 def test_residency_is_measured_from_a_sample_of_pages(root, llama_art):
     entry = _filled(llama_art)
     _in_memory(entry)
-    assert _share(llama_art) == 1.0
-    _on_disk(llama_art, entry)
-    assert _share(llama_art) < cache.MAP_RESIDENT
-    assert _share(llama_art) < cache.MAP_RESIDENT    # asking touched no page of it
+    assert resident_share(llama_art) == 1.0
+    entry_on_disk(llama_art, entry)
+    assert resident_share(llama_art) < cache.MAP_RESIDENT
+    assert resident_share(llama_art) < cache.MAP_RESIDENT    # asking touched no page of it
 
 
 def test_an_entry_in_memory_is_mapped_one_on_the_disk_is_not(root, llama_art):
@@ -97,7 +69,7 @@ def test_an_entry_in_memory_is_mapped_one_on_the_disk_is_not(root, llama_art):
     assert stats.cache == "hit: mapped (100% of it in memory)" and stats.bytes_read == 0
     _same(want, mapped)
     del mapped
-    _on_disk(llama_art, entry)
+    entry_on_disk(llama_art, entry)
     decoded, stats = _load(llama_art)
     assert stats.cache.startswith("cold: ") and "in memory: decoded the artifact instead" in \
         stats.cache, stats.cache
@@ -108,7 +80,7 @@ def test_an_entry_in_memory_is_mapped_one_on_the_disk_is_not(root, llama_art):
     for t in _warmers():
         t.join(30)
     deadline = time.monotonic() + 30
-    while _share(llama_art) < cache.MAP_RESIDENT and time.monotonic() < deadline:
+    while resident_share(llama_art) < cache.MAP_RESIDENT and time.monotonic() < deadline:
         time.sleep(0.1)                             # the kernel's reads end after the call's
     again, stats = _load(llama_art)
     assert stats.cache.startswith("hit: mapped (") and stats.bytes_read == 0, stats.cache
@@ -118,7 +90,7 @@ def test_an_entry_in_memory_is_mapped_one_on_the_disk_is_not(root, llama_art):
 def test_lct_cache_map_always_maps_an_entry_on_the_disk(root, llama_art, monkeypatch):
     want = lct.load(llama_art, cache=False)
     entry = _filled(llama_art)
-    _on_disk(llama_art, entry)
+    entry_on_disk(llama_art, entry)
     monkeypatch.setenv(cache.ENV_MAP, "always")
     mapped, stats = _load(llama_art)
     assert stats.cache == "hit: mapped (LCT_CACHE_MAP=always)" and stats.bytes_read == 0
@@ -131,7 +103,7 @@ def test_lct_cache_map_always_maps_an_entry_on_the_disk(root, llama_art, monkeyp
 def test_without_mincore_the_entry_is_mapped(root, llama_art, monkeypatch):
     import lct.io.store as store
     entry = _filled(llama_art)
-    _on_disk(llama_art, entry)
+    entry_on_disk(llama_art, entry)
     monkeypatch.setattr(store, "_LIBC", False)      # what _libc() keeps when libc has none
     with lct.open(llama_art) as a:
         assert cache.lookup(a).resident() is None
@@ -147,7 +119,7 @@ def test_the_loaders_that_map_choose_too_and_the_layerwise_model_maps_always(roo
     from lct.loader.layerwise import LayerwiseModel
     whole = lct.load(llama_art, cache=False)
     entry = _filled(llama_art)
-    _on_disk(llama_art, entry)
+    entry_on_disk(llama_art, entry)
     before = cache.wait_fills()
     stats = lct.LoadStats()
     got = lct.load(llama_art, device_map={"": "cpu"}, stats=stats)
@@ -157,7 +129,7 @@ def test_the_loaders_that_map_choose_too_and_the_layerwise_model_maps_always(roo
     assert [e.digest for e in cache.entries()] == [entry.digest]
     for t in _warmers():
         t.join(30)
-    _on_disk(llama_art, entry)
+    entry_on_disk(llama_art, entry)
     with LayerwiseModel(llama_art) as lm:
         assert lm.cached is not None and lm.filling is None
 
@@ -171,7 +143,7 @@ def test_an_artifact_no_smaller_than_its_copy_is_never_decoded_for_it(root, llam
     with lct.open(art) as a:
         assert a.manifest.stored_bytes >= a.manifest.decoded_bytes
     entry = _filled(art)
-    _on_disk(art, entry)
+    entry_on_disk(art, entry)
     _, stats = _load(art)
     assert stats.cache == "hit: mapped (the artifact is no smaller than its decoded copy)"
     assert stats.bytes_read == 0
@@ -182,13 +154,13 @@ def test_a_load_without_checksums_leaves_an_entry_on_the_disk_and_warms_it(root,
     with verify=False that decoded the artifact instead still reads it into memory for the
     next start, and says it decoded, not that nothing is kept."""
     entry = _filled(llama_art)
-    _on_disk(llama_art, entry)
+    entry_on_disk(llama_art, entry)
     stats = lct.LoadStats()
     lct.load(llama_art, device_map={"": "cpu"}, verify=False, stats=stats)
     assert stats.cache.startswith("cold: "), stats.cache
     for t in _warmers():
         t.join(30)
     deadline = time.monotonic() + 30
-    while _share(llama_art) < cache.MAP_RESIDENT and time.monotonic() < deadline:
+    while resident_share(llama_art) < cache.MAP_RESIDENT and time.monotonic() < deadline:
         time.sleep(0.1)
-    assert _share(llama_art) >= cache.MAP_RESIDENT
+    assert resident_share(llama_art) >= cache.MAP_RESIDENT

@@ -874,9 +874,8 @@ def test_a_streamed_artifact_maps_its_entry_even_on_the_disk(llama_art, hub, tmp
     """Issue 36: an entry mostly on the disk is left there and the artifact decoded instead
     only where the artifact is local; a streamed one's bytes come over the network, so its
     entry is mapped wherever its pages are."""
-    import os
-
     from lct.io import cache
+    from tests.decoded_cache import entry_on_disk
     monkeypatch.setenv(cache.ENV_DIR, str(tmp_path / "decoded"))
     monkeypatch.setenv(cache.ENV_SWITCH, "1")
     monkeypatch.setenv(cache.ENV_MAP, "auto")
@@ -884,17 +883,7 @@ def test_a_streamed_artifact_maps_its_entry_even_on_the_disk(llama_art, hub, tmp
     with lct.open(llama_art) as a:
         assert cache.fill(a).done
     (entry,) = cache.entries()
-    fd = os.open(entry.path / cache.DATA, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-        os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
-    finally:
-        os.close(fd)
-    with lct.open(llama_art) as a:
-        share = cache.lookup(a).resident()
-    if share >= cache.MAP_RESIDENT:
-        pytest.skip(f"the kernel kept {share:.0%} of the entry's pages after "
-                    f"posix_fadvise(DONTNEED)")
+    entry_on_disk(llama_art, entry)
     stats = lct.LoadStats()
     model = lct.load("hf://alice/l", stream=True, stats=stats)
     assert stats.cache == "hit: mapped (the artifact is remote)" and stats.bytes_read == 0
