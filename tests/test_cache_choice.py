@@ -6,6 +6,7 @@ the entry is mapped; the layer-wise model maps always. Pages are dropped from th
 with posix_fadvise(DONTNEED): where the kernel keeps them anyway (tmpfs), the tests that need
 an entry on the disk skip, saying so."""
 
+import os
 import threading
 import time
 
@@ -164,3 +165,27 @@ def test_a_load_without_checksums_leaves_an_entry_on_the_disk_and_warms_it(root,
     while resident_share(llama_art) < cache.MAP_RESIDENT and time.monotonic() < deadline:
         time.sleep(0.1)
     assert resident_share(llama_art) >= cache.MAP_RESIDENT
+
+
+def test_a_mapped_copy_is_read_ahead_a_group_at_a_time(root, llama_art, monkeypatch):
+    """Mapping a copy partly on the disk reads it in large requests ahead of the load, as the
+    artifact is (posix_fadvise WILLNEED on each group's spans of the entry's file), not a page
+    at a time as its views are first touched; the weights are the entry's either way."""
+    asked = []
+    real = os.posix_fadvise
+
+    def fadvise(fd, offset, length, advice):
+        if advice == os.POSIX_FADV_WILLNEED and os.readlink(f"/proc/self/fd/{fd}").endswith(
+                cache.DATA):
+            asked.append((offset, length))
+        return real(fd, offset, length, advice)
+    entry = _filled(llama_art)
+    monkeypatch.setattr(os, "posix_fadvise", fadvise)
+    monkeypatch.setenv(cache.ENV_MAP, "always")
+    stats = lct.LoadStats()
+    model = lct.load(llama_art, stats=stats)
+    assert stats.cache.startswith("hit: mapped") and stats.bytes_read == 0
+    with lct.open(llama_art) as a:
+        spans, _ = cache.layout(a.manifest)
+    assert sorted(asked) == sorted(spans.values()), (asked, spans)
+    assert model is not None and entry.size >= max(at + n for at, n in spans.values())

@@ -143,7 +143,7 @@ class GroupStream:
 
     def __init__(self, artifact, groups=None, *, prefetch: int = DEFAULT_PREFETCH,
                  dequantize: bool = False, chunks=None, recycle: bool = False, cached=None,
-                 on_decoded=None):
+                 on_decoded=None, out_for=None):
         self._closed = True          # until the pool exists: close() (and __del__) do nothing
         check_prefetch(prefetch)
         self.art = artifact
@@ -167,7 +167,9 @@ class GroupStream:
         if recycle and on_decoded is not None:
             raise OptionError("recycle reuses the buffers on_decoded is given: not both",
                               option="recycle")
-        self.cached, self.on_decoded = cached, on_decoded
+        # ``out_for(chunk)``: the buffer to decode ``chunk`` into (a decoded-cache entry's own
+        # pages, ``lct.io.cache.Fill.buffer``), or None for fresh memory.
+        self.cached, self.on_decoded, self.out_for = cached, on_decoded, out_for
         self.stats = StreamStats()
         self._next = 0               # next group index to submit
         self._given = 0              # groups handed to the consumer
@@ -224,7 +226,8 @@ class GroupStream:
             stored = art.read_stored(chunk, check=False)
             t1 = time.perf_counter()
             try:
-                out = self.pool.take(chunk.decoded_size) if self.pool is not None else None
+                out = self.pool.take(chunk.decoded_size) if self.pool is not None else \
+                    self.out_for(chunk) if self.out_for is not None else None
                 buf = art.decode_verified(chunk, stored, out)
             finally:
                 art.release_stored(chunk, stored)
@@ -239,13 +242,16 @@ class GroupStream:
         """Ask the store to read groups up to index ``upto`` ahead (once each): a local store
         into the page cache, one group ahead of the decoders; a remote store's read-ahead
         (``lct.io.store.ReadAhead``) is told every group, and its byte budget decides how far
-        its fetches run ahead."""
+        its fetches run ahead. A mapped decoded-cache entry is read ahead the same way
+        (``CachedChunks.will_need``): nothing of the artifact is read then."""
         upto = min(upto, len(self.names) - 1)
-        if self.cached is not None:
-            return              # nothing of the artifact is read
         while self._advised < upto:
             self._advised += 1
-            self.art.will_need(self._chunks_of(self.names[self._advised]))
+            chunks = self._chunks_of(self.names[self._advised])
+            if self.cached is not None:
+                self.cached.will_need([c.id for c in chunks])
+            else:
+                self.art.will_need(chunks)
 
     def _fill(self) -> None:
         ahead = getattr(getattr(self.art.store, "readahead", None), "hint_groups", 1)
