@@ -7,7 +7,6 @@ with posix_fadvise(DONTNEED): where the kernel keeps them anyway (tmpfs), the te
 an entry on the disk skip, saying so."""
 
 import os
-import threading
 import time
 
 import pytest
@@ -49,8 +48,12 @@ def _same(a, b) -> None:
         assert got[k].dtype == want[k].dtype and torch.equal(got[k], want[k]), k
 
 
-def _warmers() -> list:
-    return [t for t in threading.enumerate() if t.name == "lct-cache-warm"]
+def _warmed(art) -> None:
+    """Wait (30 s at most) for the process that reads the entry into memory after a load
+    (``cache.warm``); the kernel's reads end after its calls."""
+    deadline = time.monotonic() + 30
+    while resident_share(art) < cache.MAP_RESIDENT and time.monotonic() < deadline:
+        time.sleep(0.1)
 
 
 def test_residency_is_measured_from_a_sample_of_pages(root, llama_art):
@@ -78,11 +81,7 @@ def test_an_entry_in_memory_is_mapped_one_on_the_disk_is_not(root, llama_art):
     _same(want, decoded)
     assert [e.digest for e in cache.entries()] == [entry.digest]     # left as it was
     # after the load, the entry is read into memory for the next start, which maps it
-    for t in _warmers():
-        t.join(30)
-    deadline = time.monotonic() + 30
-    while resident_share(llama_art) < cache.MAP_RESIDENT and time.monotonic() < deadline:
-        time.sleep(0.1)                             # the kernel's reads end after the call's
+    _warmed(llama_art)
     again, stats = _load(llama_art)
     assert stats.cache.startswith("hit: mapped (") and stats.bytes_read == 0, stats.cache
     _same(want, again)
@@ -128,8 +127,7 @@ def test_the_loaders_that_map_choose_too_and_the_layerwise_model_maps_always(roo
     _same(whole, got)
     assert [f for f in cache.wait_fills() if not any(f is b for b in before)] == []
     assert [e.digest for e in cache.entries()] == [entry.digest]
-    for t in _warmers():
-        t.join(30)
+    _warmed(llama_art)
     entry_on_disk(llama_art, entry)
     with LayerwiseModel(llama_art) as lm:
         assert lm.cached is not None and lm.filling is None
@@ -159,11 +157,7 @@ def test_a_load_without_checksums_leaves_an_entry_on_the_disk_and_warms_it(root,
     stats = lct.LoadStats()
     lct.load(llama_art, device_map={"": "cpu"}, verify=False, stats=stats)
     assert stats.cache.startswith("cold: "), stats.cache
-    for t in _warmers():
-        t.join(30)
-    deadline = time.monotonic() + 30
-    while resident_share(llama_art) < cache.MAP_RESIDENT and time.monotonic() < deadline:
-        time.sleep(0.1)
+    _warmed(llama_art)
     assert resident_share(llama_art) >= cache.MAP_RESIDENT
 
 

@@ -415,35 +415,47 @@ def choose(hit: CachedChunks, art) -> tuple:
                    f"the load, where memory allows, for the next start")
 
 
-def warm(hit: CachedChunks) -> threading.Thread | None:
+def warm(hit: CachedChunks):
     """Read the data file of the entry ``hit`` into the page cache in the background, so that
     the next start maps it from memory: after a load that ``choose`` had decode the artifact
     because the entry was on the disk (else every later start would decode the then cached
-    artifact, never mapping the entry). A thread at the lowest CPU and I/O priority asks the
-    kernel to read it (``posix_fadvise`` WILLNEED, window by window); the reads it asked for go
-    on after the process ends, so nothing waits for it. Not where the memory available is less than the
-    entry (it would only push other pages out). Returns the thread, or None."""
+    artifact, never mapping the entry). A process of its own (``read_ahead``: the lowest CPU
+    and I/O priority, ``posix_fadvise`` WILLNEED window by window), started in a session of
+    its own, so that it goes on after this process ends (a command that answers and exits
+    would otherwise leave the copy half on the disk); nothing waits for it. Not where the
+    memory available is less than the entry (it would only push other pages out). Returns the
+    process, or None."""
+    import subprocess
+    import sys
     path, size = hit.entry.path / DATA, hit.entry.size
-    if not hasattr(os, "posix_fadvise") or _available_memory() < size:
+    if not hasattr(os, "posix_fadvise") or not sys.executable or _available_memory() < size:
+        return None
+    try:
+        return subprocess.Popen(
+            [sys.executable, "-c", "import sys; from lct.io.cache import read_ahead; "
+             "read_ahead(sys.argv[1], int(sys.argv[2]))", str(path), str(size)],
+            stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+            start_new_session=True, close_fds=True)
+    except OSError:
         return None
 
-    def run():
-        from lct.io.store import WILLNEED_STEP
-        _lower_io_priority()
-        try:
-            fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW)
-        except OSError:
-            return
-        try:
-            for at in range(0, size, WILLNEED_STEP):
-                os.posix_fadvise(fd, at, min(WILLNEED_STEP, size - at), os.POSIX_FADV_WILLNEED)
-        except OSError:
-            pass
-        finally:
-            os.close(fd)
-    thread = threading.Thread(target=run, name="lct-cache-warm", daemon=True)
-    thread.start()
-    return thread
+
+def read_ahead(path, size: int) -> None:
+    """Ask the kernel to read ``size`` bytes of the file ``path`` into the page cache, window
+    by window, at the lowest CPU and I/O priority (``warm``'s process)."""
+    from lct.io.store import WILLNEED_STEP
+    _lower_io_priority()
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW)
+    except OSError:
+        return
+    try:
+        for at in range(0, size, WILLNEED_STEP):
+            os.posix_fadvise(fd, at, min(WILLNEED_STEP, size - at), os.POSIX_FADV_WILLNEED)
+    except OSError:
+        pass
+    finally:
+        os.close(fd)
 
 
 def _available_memory() -> int:
