@@ -13,9 +13,9 @@ from lct.cli._util import GroupProgress, quiet_option, table
 @click.group("cache", short_help="List, size, prune and fill the local decoded cache.")
 def cache_cmd():
     """The local decoded cache: what a load decoded, kept so that a later load of the same
-    artifact maps it instead of decoding it again, where the entry is in memory (where it is
-    on the disk, the load decodes the artifact, fewer bytes, and reads the entry into memory
-    for the next start; LCT_CACHE_MAP=always maps it whatever). On by default (LCT_CACHE=0,
+    artifact maps it instead of decoding it again (LCT_CACHE_MAP=auto maps it only where it
+    is in memory, and where it is on the disk decodes the artifact, fewer bytes, and reads
+    the entry into memory for the next start). On by default (LCT_CACHE=0,
     lct.load(..., cache=False) or lct load --no-cache turn it off); the layer-wise model,
     device maps and tensor-parallel ranks map an entry that a whole load, `lct pull` or
     `lct cache fill` made. Every chunk of an entry is checked, as a load first maps it, against the decoded

@@ -162,8 +162,7 @@ def _load(path, options: LoadOptions, stats: LoadStats | None):
     try:
         cached, fill, cold = _cache_for(art, options, stats)
         with GroupStream(art, prefetch=options.prefetch, dequantize=False, cached=cached,
-                         on_decoded=None if fill in (None, LATER) else fill.add,
-                         out_for=None if fill in (None, LATER) else fill.buffer) as stream:
+                         on_decoded=None if fill in (None, LATER) else fill.add) as stream:
             # Reads first: importing torch holds the interpreter for a while (its libraries
             # load under the GIL), and the store's requests should already be on their way.
             stream.start()
@@ -186,31 +185,25 @@ def _load(path, options: LoadOptions, stats: LoadStats | None):
                                      pad_ids=pad_ids)
             install_all(inst, held, stats)  # what arrived before the skeleton was ready
             s = stream.stats
-        if fill not in (None, LATER):
-            fill.privatize()            # decoded: the model's writes stay its own from now on
         model = inst.model
         inst.finish()
         if device != "cpu":
             model.to(device)  # buffers (rotary tables) follow the weights
         if options.maximus:
             install_maximus(model, art, budget=options.maximus, device=device)
-        stats.take_stream(s)
-        if cached is not None and cached.damaged:
-            stats.cache = (f"hit, but {len(cached.damaged)} chunk(s) differed from what was "
-                           f"written: decoded from the artifact instead, and the entry removed")
-        stats.nf4_modules = list(inst.nf4_modules)
-        stats.total_s = time.perf_counter() - t0
-        log.info("loaded %s: %d groups, %d bytes decoded in %.2f s (skeleton %.2f s beside "
-                 "decode, waited %.2f s for decode)", path, stats.groups, stats.bytes_decoded,
-                 stats.total_s, stats.skeleton_s, stats.wait_s)
-        _generation_config(model, art.path)
-    except BaseException:
-        if fill not in (None, LATER):
-            fill.abandon()          # its staging folder goes; nothing is kept
-        raise
     finally:
         builder.shutdown(wait=True)  # an import cannot be interrupted: let it end, no thread left
         art.close()
+    stats.take_stream(s)
+    if cached is not None and cached.damaged:
+        stats.cache = (f"hit, but {len(cached.damaged)} chunk(s) differed from what was written: "
+                       f"decoded from the artifact instead, and the entry removed")
+    stats.nf4_modules = list(inst.nf4_modules)
+    stats.total_s = time.perf_counter() - t0
+    log.info("loaded %s: %d groups, %d bytes decoded in %.2f s (skeleton %.2f s beside decode, "
+             "waited %.2f s for decode)", path, stats.groups, stats.bytes_decoded, stats.total_s,
+             stats.skeleton_s, stats.wait_s)
+    _generation_config(model, art.path)
     if fill is LATER:             # the load succeeded: decode a copy to keep, in the background
         fill_later(art, options.cache, None, stats)
     elif fill is not None:        # the load succeeded: keep its buffers, in the background
@@ -270,10 +263,6 @@ def _cache_for(art, options: LoadOptions, stats: LoadStats) -> tuple:
         fill = cache.Fill(art)
         if fill.over_budget():
             stats.cache = f"miss: not kept, {fill.over_budget()}"
-            return None, None, None
-        # the load decodes into the entry's own pages: touched once, the model maps them
-        if not fill.prepare():
-            stats.cache = f"miss: not kept, {fill.reason}" if fill.reason else "miss"
             return None, None, None
         stats.cache = "filling"
     else:

@@ -18,10 +18,11 @@ os.environ.setdefault("LCT_CACHE_MIN_FREE", "1MB")
 # and the loaders' cache tests switch it on themselves, in a folder of their own.
 os.environ.setdefault("LCT_CACHE", "0")
 os.environ.setdefault("LCT_CACHE_DIR", tempfile.mkdtemp(prefix="lct-test-cache-"))  # never ~/.cache
-# Whether a load maps an entry or decodes the artifact depends on how much of the entry is in
-# the page cache (lct.io.cache.choose), which other processes, and on this project's VM the
-# host's reclaim of pages idle for a minute, change: tests that load an entry map it always;
-# tests/test_cache_choice.py, which tests the choice, sets it back to auto.
+# With LCT_CACHE_MAP=auto, whether a load maps an entry or decodes the artifact depends on how
+# much of the entry is in the page cache (lct.io.cache.choose), which other processes, and on
+# this project's VM the host's reclaim of pages idle for a minute, change: tests that load an
+# entry map it always (the default too); tests/test_cache_choice.py, which tests the choice,
+# sets auto.
 os.environ.setdefault("LCT_CACHE_MAP", "always")
 warnings.filterwarnings("ignore", message=".*gemm_4bit.*")
 

@@ -48,7 +48,6 @@ from __future__ import annotations
 import fcntl
 import json
 import logging
-import mmap
 import os
 import re
 import shutil
@@ -72,6 +71,11 @@ ENV_MAX = "LCT_CACHE_MAX"
 ENV_MIN_FREE = "LCT_CACHE_MIN_FREE"
 ENV_MAP = "LCT_CACHE_MAP"
 MAP_MODES = ("auto", "always")      # LCT_CACHE_MAP: choose per start (choose), or always map
+# Measured (docs/LOADING.md): a start that decodes the artifact because the copy is on the disk
+# leaves the copy on the disk for the next start, which was then 2.1x from_pretrained's first
+# token instead of 0.75x; a restart soon after a cold start is common (a server redeployed), so
+# the default maps the copy wherever its pages are, and reading it in warms it for the next.
+DEFAULT_MAP_MODE = "always"
 MAP_RESIDENT = 0.5                  # map an entry where at least this share of it is in memory
 RESIDENCY_SAMPLES = 64              # windows of an entry's data file asked about (mincore)...
 RESIDENCY_WINDOW = 8                # ...of this many pages each, spread evenly over the file
@@ -128,9 +132,10 @@ def min_free_bytes(total: int) -> int:
 
 
 def map_mode() -> str:
-    """``LCT_CACHE_MAP``: ``auto`` (the default: a load maps an entry or decodes the artifact,
-    whichever reads fewer bytes from the disk, ``choose``) or ``always`` (map every entry)."""
-    value = os.environ.get(ENV_MAP, "").strip().lower() or MAP_MODES[0]
+    """``LCT_CACHE_MAP``: ``always`` (the default, ``DEFAULT_MAP_MODE``: map every entry) or
+    ``auto`` (a load maps an entry or decodes the artifact, whichever reads fewer bytes from
+    the disk, ``choose``)."""
+    value = os.environ.get(ENV_MAP, "").strip().lower() or DEFAULT_MAP_MODE
     if value not in MAP_MODES:
         raise LCTError(f"{ENV_MAP}={value!r}: use {' or '.join(MAP_MODES)}")
     return value
@@ -520,23 +525,15 @@ class _Background:
         return True
 
 
-# mmap(2)'s MAP_FIXED (Linux, macOS): replace the mapping at the given address
-_MAP_FIXED = getattr(mmap, "MAP_FIXED", 0x10)
-
-
 class Fill(_Background):
     """Fills the entry of one artifact from the chunks a load decoded.
 
-    ``prepare()`` before the load makes room and the entry's data file, mapped shared, so that
-    the load decodes each chunk straight into the entry's pages (``buffer(chunk)``): the
-    decoded bytes are touched once, and the model's weights are those pages. ``add(cid, buf)``
-    during the load (in the decode workers) keeps a reference (no copy: they are the model's
-    weights); ``start()`` after it checks each against the decoded_checksum the manifest pins
-    (so weights changed in place meanwhile are never kept), writes those that are not the
-    entry's pages already, syncs and publishes the entry, in a background thread, or drops
-    everything where the cache has no room or a buffer changed. ``art`` must be pinned
-    (``unpinned(art)`` empty). ``wait()`` blocks until that thread ended (tests, ``lct
-    cache``); ``done`` says whether the entry was published."""
+    ``add(cid, buf)`` during the load (in the decode workers) keeps a reference (no copy: they
+    are the model's weights); ``start()`` after it writes them in a background thread, each
+    checked against the decoded_checksum the manifest pins (so weights changed in place
+    meanwhile are never kept), and publishes the entry, or drops everything where the cache has
+    no room or a buffer changed. ``art`` must be pinned (``unpinned(art)`` empty). ``wait()`` blocks until that thread ended (tests,
+    ``lct cache``); ``done`` says whether the entry was published."""
 
     def __init__(self, art, root: Path | None = None):
         self.root = Path(root) if root is not None else cache_dir()
@@ -550,11 +547,6 @@ class Fill(_Background):
         self._stop = threading.Event()
         self.done = False
         self.reason = ""            # why nothing was published, when it was not
-        # the staging folder, its lock and data file (``_begin``), and that file mapped
-        self._stage: Path | None = None
-        self._lock: int | None = None
-        self._fd: int | None = None
-        self._pages: np.ndarray | None = None
 
     @property
     def folder(self) -> Path:
@@ -569,72 +561,6 @@ class Fill(_Background):
                     f"({ENV_MAX} sets it)")
         return ""
 
-    def prepare(self) -> bool:
-        """Make room for the entry and its staging data file now, mapped shared and writable,
-        so that ``buffer`` hands the load the entry's own pages to decode into. False where
-        the entry cannot be kept (``reason`` says why; nothing is left)."""
-        try:
-            if not self._begin():
-                return False
-            if self.size:
-                self._pages = np.frombuffer(mmap.mmap(self._fd, self.size, mmap.MAP_SHARED,
-                                                      mmap.PROT_READ | mmap.PROT_WRITE),
-                                            np.uint8)
-            return True
-        except OSError as e:
-            self.reason = f"{self.root}: {e.strerror or e}"
-            self.abandon()
-            return False
-
-    def buffer(self, chunk):
-        """Where the load decodes ``chunk``: its span of the entry's mapped data file (after
-        ``prepare``), else None (fresh memory)."""
-        span = self.spans.get(chunk.id)
-        if self._pages is None or span is None or span[1] != chunk.decoded_size:
-            return None
-        return self._pages[span[0]:span[0] + span[1]]
-
-    def privatize(self) -> None:
-        """Once the load decoded into the entry's pages (``buffer``): map the same pages again
-        at the same addresses, private (copy-on-write), so that the model keeps them without
-        a copy while a write to a weight from now on (training, an edit) changes this
-        process's copy, never the entry's file that other processes map. The decoded bytes
-        stay in the page cache, dirty, for ``start`` to check and sync."""
-        if self._pages is None or self._fd is None:
-            return
-        import ctypes
-        libc = ctypes.CDLL(None, use_errno=True)
-        libc.mmap.restype = ctypes.c_void_p
-        libc.mmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int, ctypes.c_int,
-                              ctypes.c_int, ctypes.c_long]
-        addr = self._pages.ctypes.data
-        got = libc.mmap(addr, self.size, mmap.PROT_READ | mmap.PROT_WRITE,
-                        mmap.MAP_PRIVATE | _MAP_FIXED, self._fd, 0)
-        if got != addr:
-            err = ctypes.get_errno()
-            raise LCTError(f"{self._stage / DATA}: mapping the decoded pages private failed "
-                           f"({os.strerror(err)})")
-
-    def _in_pages(self, cid: int, buf) -> bool:
-        """Whether ``buf`` is chunk ``cid``'s span of the mapped data file (nothing to write)."""
-        return self._pages is not None and isinstance(buf, np.ndarray) and \
-            buf.ctypes.data == self._pages.ctypes.data + self.spans[cid][0]
-
-    def abandon(self) -> None:
-        """Drop what ``prepare`` made (a load that failed): the staging folder goes; the
-        pages a model still maps stay with it."""
-        self._bufs.clear()
-        self._pages = None
-        if self._fd is not None:
-            os.close(self._fd)
-            self._fd = None
-        if self._stage is not None:
-            shutil.rmtree(self._stage, ignore_errors=True)
-            self._stage = None
-        if self._lock is not None:
-            os.close(self._lock)
-            self._lock = None
-
     def add(self, cid: int, buf) -> None:
         """Keep chunk ``cid``'s decoded buffer for the fill."""
         if cid in self.spans and buf.nbytes == self.spans[cid][1]:
@@ -643,7 +569,7 @@ class Fill(_Background):
     def start(self) -> None:
         """Write in the background if every chunk was added, else drop them."""
         if len(self._bufs) != len(self.spans):
-            self.abandon()
+            self._bufs.clear()
             self.reason = "the load did not decode every chunk"
             return
         self._thread = threading.Thread(target=self._run, name="lct-cache-fill", daemon=True)
@@ -670,68 +596,54 @@ class Fill(_Background):
 
         self.write((cid, self._bufs.pop(cid)) for cid in sorted(self._bufs))
 
-    def _begin(self) -> bool:
-        """The staging folder, its lock (held until the end: prune leaves it alone) and its
-        data file of the entry's size, where the entry can be kept; else False (``reason``
-        says why, or empty where the entry exists already)."""
-        if len(self.pinned) != len(self.spans):
-            self.reason = "the artifact's manifest pins no decoded bytes (before format 1.6)"
-            return False
-        self.root.mkdir(mode=0o700, parents=True, exist_ok=True)
-        final = self.folder
-        if _read_entry(final) is not None:
-            return False
-        if final.exists() or final.is_symlink():
-            self.reason = f"{final} exists and is not an entry of this cache; left alone"
-            log.warning("decoded cache: not filled (%s)", self.reason)
-            return False
-        if not self._room():
-            return False
-        self._stage = self.root / f"{FILL_PREFIX}{uuid.uuid4().hex}"
-        self._stage.mkdir()
-        self._lock = os.open(self._stage / FILL_MARKER, os.O_WRONLY | os.O_CREAT | os.O_EXCL,
-                             0o600)
-        fcntl.flock(self._lock, fcntl.LOCK_EX)
-        self._fd = os.open(self._stage / DATA, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)
-        os.ftruncate(self._fd, self.size)
-        return True
-
     def write(self, chunks) -> None:
         """Write the entry from ``chunks`` (``(chunk id, decoded buffer)`` pairs, in any order,
-        every chunk once; a buffer that is the entry's own mapped pages, ``buffer``, is only
-        checked) into a staging folder and publish it by rename; where it cannot be (no room,
-        a chunk missing or changed, an error), ``reason`` says why and nothing is left."""
+        every chunk once) into a staging folder and publish it by rename; where it cannot be
+        (no room, a chunk missing or changed, an error), ``reason`` says why and nothing is
+        left."""
+        stage, lock = None, None
         try:
-            if self._fd is None and not self._begin():
+            if len(self.pinned) != len(self.spans):
+                self.reason = "the artifact's manifest pins no decoded bytes (before format 1.6)"
                 return
-            # the file's own bytes, for the chunks the load decoded into its pages: the model's
-            # (private) copy may have been written to since, the entry never was
-            on_file = np.frombuffer(mmap.mmap(self._fd, self.size, mmap.MAP_SHARED,
-                                              mmap.PROT_READ), np.uint8) \
-                if self._pages is not None else None
-            written = set()
-            for cid, buf in chunks:
-                if self._stop.is_set():
-                    self.reason = "cancelled"
+            self.root.mkdir(mode=0o700, parents=True, exist_ok=True)
+            final = self.folder
+            if _read_entry(final) is not None:
+                return
+            if final.exists() or final.is_symlink():
+                self.reason = f"{final} exists and is not an entry of this cache; left alone"
+                log.warning("decoded cache: not filled (%s)", self.reason)
+                return
+            if not self._room():
+                return
+            stage = self.root / f"{FILL_PREFIX}{uuid.uuid4().hex}"
+            stage.mkdir()
+            lock = os.open(stage / FILL_MARKER, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+            fcntl.flock(lock, fcntl.LOCK_EX)      # held until the end: prune leaves it alone
+            fd = os.open(stage / DATA, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+            try:
+                os.ftruncate(fd, self.size)
+                written = set()
+                for cid, buf in chunks:
+                    if self._stop.is_set():
+                        self.reason = "cancelled"
+                        return
+                    if cid not in self.spans or buf.nbytes != self.spans[cid][1]:
+                        raise _Changed(f"chunk {cid} is not the {self.spans.get(cid, (0, 0))[1]} "
+                                       f"bytes the manifest lays out: nothing kept")
+                    if _xxh3(buf) != self.pinned[cid]:
+                        raise _Changed(f"chunk {cid} is not the bytes the manifest pins "
+                                       f"(weights changed in place after the load): nothing "
+                                       f"kept")
+                    _write_all(fd, buf, self.spans[cid][0])
+                    written.add(cid)
+                if written != set(self.spans):
+                    self.reason = (f"{len(self.spans) - len(written)} chunk(s) were not "
+                                   f"decoded: nothing kept")
                     return
-                if cid not in self.spans or buf.nbytes != self.spans[cid][1]:
-                    raise _Changed(f"chunk {cid} is not the {self.spans.get(cid, (0, 0))[1]} "
-                                   f"bytes the manifest lays out: nothing kept")
-                at, n = self.spans[cid]
-                in_pages = self._in_pages(cid, buf)
-                if _xxh3(on_file[at:at + n] if in_pages else buf) != self.pinned[cid]:
-                    raise _Changed(f"chunk {cid} is not the bytes the manifest pins "
-                                   f"(weights changed in place after the load): nothing "
-                                   f"kept")
-                if not in_pages:
-                    _write_all(self._fd, buf, at)
-                written.add(cid)
-            if written != set(self.spans):
-                self.reason = (f"{len(self.spans) - len(written)} chunk(s) were not "
-                               f"decoded: nothing kept")
-                return
-            os.fsync(self._fd)          # the mapped pages too: they are the file's
-            stage = self._stage
+                os.fsync(fd)
+            finally:
+                os.close(fd)
             with open(stage / ENTRY, "w") as f:
                 json.dump({"kind": KIND, "digest": self.digest, "artifact": self.artifact,
                            "size": self.size, "created": time.time()}, f)
@@ -739,14 +651,13 @@ class Fill(_Background):
                 os.fsync(f.fileno())
             (stage / FILL_MARKER).unlink()
             try:
-                os.rename(stage, self.folder)
+                os.rename(stage, final)
             except OSError:         # another process published it first
-                self.reason = f"{self.folder} was published by another process meanwhile"
+                self.reason = f"{final} was published by another process meanwhile"
                 return
-            self._stage = None
+            stage = None
             self.done = True
-            log.info("decoded cache: %s filled (%d bytes) at %s", self.artifact, self.size,
-                     self.folder)
+            log.info("decoded cache: %s filled (%d bytes) at %s", self.artifact, self.size, final)
         except _Changed as e:
             self.reason = str(e)
         except OSError as e:
@@ -756,7 +667,11 @@ class Fill(_Background):
             self.reason = f"{type(e).__name__}: {e}"
             log.warning("decoded cache: not filled (%s)", self.reason)
         finally:
-            self.abandon()
+            self._bufs.clear()
+            if stage is not None:
+                shutil.rmtree(stage, ignore_errors=True)
+            if lock is not None:
+                os.close(lock)
 
 
 class _Changed(Exception):

@@ -143,7 +143,7 @@ class GroupStream:
 
     def __init__(self, artifact, groups=None, *, prefetch: int = DEFAULT_PREFETCH,
                  dequantize: bool = False, chunks=None, recycle: bool = False, cached=None,
-                 on_decoded=None, out_for=None):
+                 on_decoded=None):
         self._closed = True          # until the pool exists: close() (and __del__) do nothing
         check_prefetch(prefetch)
         self.art = artifact
@@ -167,9 +167,7 @@ class GroupStream:
         if recycle and on_decoded is not None:
             raise OptionError("recycle reuses the buffers on_decoded is given: not both",
                               option="recycle")
-        # ``out_for(chunk)``: the buffer to decode ``chunk`` into (a decoded-cache entry's own
-        # pages, ``lct.io.cache.Fill.buffer``), or None for fresh memory.
-        self.cached, self.on_decoded, self.out_for = cached, on_decoded, out_for
+        self.cached, self.on_decoded = cached, on_decoded
         self.stats = StreamStats()
         self._next = 0               # next group index to submit
         self._given = 0              # groups handed to the consumer
@@ -226,8 +224,7 @@ class GroupStream:
             stored = art.read_stored(chunk, check=False)
             t1 = time.perf_counter()
             try:
-                out = self.pool.take(chunk.decoded_size) if self.pool is not None else \
-                    self.out_for(chunk) if self.out_for is not None else None
+                out = self.pool.take(chunk.decoded_size) if self.pool is not None else None
                 buf = art.decode_verified(chunk, stored, out)
             finally:
                 art.release_stored(chunk, stored)
