@@ -29,12 +29,11 @@ within its size budget (``LCT_CACHE_MAX``, default ``DEFAULT_MAX_BYTES``), and n
 written that would leave less of the disk free than ``min_free_bytes`` says (``LCT_CACHE_MIN_FREE``,
 default the larger of ``MIN_FREE_BYTES`` and 5 % of the disk).
 
-A load maps an entry only where that is the faster start (``choose``): where at least
-``MAP_RESIDENT`` of its data file is in the page cache (``CachedChunks.resident``, ``mincore``
-on a sample of pages); where less is, reading the decoded bytes from the disk costs more than
-reading and decoding the artifact's fewer ones, so the load decodes the artifact, leaves the
-entry as it is, and reads it into memory afterwards (``warm``) for the next start.
-``LCT_CACHE_MAP=always`` maps every entry. ``keep`` is what a loader that maps an entry, or
+A load maps an entry wherever its pages are (``LCT_CACHE_MAP=always``, the default). With
+``LCT_CACHE_MAP=auto`` it maps one only where that is the faster start (``choose``): where at
+least ``MAP_RESIDENT`` of its data file is in the page cache (``CachedChunks.resident``,
+``mincore`` on a sample of pages); where less is, it decodes the artifact's fewer bytes, leaves
+the entry as it is, and reads it into memory afterwards (``warm``) for the next start. ``keep`` is what a loader that maps an entry, or
 ``lct pull``, does to keep one for the next start.
 
 Where: ``LCT_CACHE_DIR``, else ``$XDG_CACHE_HOME/lct/decoded``, else ``~/.cache/lct/decoded``.
@@ -315,24 +314,12 @@ class CachedChunks:
         return seen / asked
 
     def will_need(self, cids) -> None:
-        """Ask the kernel to read chunks ``cids`` of the entry ahead (``posix_fadvise``
-        WILLNEED), as the stream does for an artifact's chunks: where part of the copy is on the
-        disk, it comes in large requests a group ahead of the load, not a page at a time as the
-        views are first touched. Nothing where unsupported."""
-        if not hasattr(os, "posix_fadvise"):
-            return
-        try:
-            fd = os.open(self.entry.path / DATA, os.O_RDONLY | os.O_NOFOLLOW)
-        except OSError:
-            return
-        try:
-            for cid in cids:
-                at, size = self.spans[cid]
-                os.posix_fadvise(fd, at, size, os.POSIX_FADV_WILLNEED)
-        except OSError:
-            pass
-        finally:
-            os.close(fd)
+        """Ask the kernel to read chunks ``cids`` of the entry ahead (``lct.io.store.will_need``),
+        as the stream does for an artifact's chunks: where part of the copy is on the disk, it
+        comes in large requests a group ahead of the load, not a page at a time as the views
+        are first touched."""
+        from lct.io.store import will_need
+        will_need(self.entry.path / DATA, [self.spans[cid] for cid in cids], os.O_NOFOLLOW)
 
     def _view(self, cid: int) -> np.ndarray:
         at, size = self.spans[cid]
@@ -446,21 +433,11 @@ def warm(hit: CachedChunks):
 
 
 def read_ahead(path, size: int) -> None:
-    """Ask the kernel to read ``size`` bytes of the file ``path`` into the page cache, window
-    by window, at the lowest CPU and I/O priority (``warm``'s process)."""
-    from lct.io.store import WILLNEED_STEP
+    """Ask the kernel to read ``size`` bytes of the file ``path`` into the page cache
+    (``lct.io.store.will_need``) at the lowest CPU and I/O priority (``warm``'s process)."""
+    from lct.io.store import will_need
     _lower_io_priority()
-    try:
-        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW)
-    except OSError:
-        return
-    try:
-        for at in range(0, size, WILLNEED_STEP):
-            os.posix_fadvise(fd, at, min(WILLNEED_STEP, size - at), os.POSIX_FADV_WILLNEED)
-    except OSError:
-        pass
-    finally:
-        os.close(fd)
+    will_need(path, [(0, size)], os.O_NOFOLLOW)
 
 
 def _available_memory() -> int:

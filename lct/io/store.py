@@ -54,6 +54,28 @@ def _libc():
     return _LIBC or None
 
 
+def will_need(path, ranges, flags: int = 0) -> None:
+    """Ask the kernel to read the ``(offset, size)`` ``ranges`` of the file ``path`` into the
+    page cache (posix_fadvise WILLNEED: it issues the reads and returns), ``WILLNEED_STEP`` per
+    call (Linux reads at most one readahead window per call); ``flags`` are added to the
+    open's. Nothing where unsupported or the file cannot be opened."""
+    if not hasattr(os, "posix_fadvise"):
+        return
+    try:
+        fd = os.open(path, os.O_RDONLY | flags)
+    except OSError:
+        return
+    try:
+        for offset, size in ranges:
+            for start in range(offset, offset + size, WILLNEED_STEP):
+                os.posix_fadvise(fd, start, min(WILLNEED_STEP, offset + size - start),
+                                 os.POSIX_FADV_WILLNEED)
+    except OSError:
+        pass
+    finally:
+        os.close(fd)
+
+
 def residency(address: int, offset: int, size: int):
     """One uint8 per page of ``[offset, offset + size)`` of the mapping at ``address`` (from the
     page ``offset`` rounds down to), 1 where the page is in the page cache (``mincore``); None
@@ -373,24 +395,10 @@ class LocalStore:
         return memoryview(self._map(name, file_size))[offset: offset + size]
 
     def will_need(self, name: str, offset: int, size: int) -> None:
-        """Start reading a range into the page cache in the background (posix_fadvise
-        WILLNEED: the kernel issues the reads and returns), so that the disk works ahead of
-        the decoder instead of one page fault at a time."""
-        if not size or not hasattr(os, "posix_fadvise"):
-            return
-        try:
-            fd = os.open(self.root / name, os.O_RDONLY)
-        except OSError:
-            return  # reading will report it with the file's name
-        try:
-            # Linux reads at most one readahead window per call: ask window by window.
-            for start in range(offset, offset + size, WILLNEED_STEP):
-                os.posix_fadvise(fd, start, min(WILLNEED_STEP, offset + size - start),
-                                 os.POSIX_FADV_WILLNEED)
-        except OSError:
-            pass
-        finally:
-            os.close(fd)
+        """Start reading a range into the page cache in the background (``will_need``), so
+        that the disk works ahead of the decoder instead of one page fault at a time."""
+        if size:
+            will_need(self.root / name, [(offset, size)])  # reading reports a missing file
 
     def release(self, name: str, offset: int, size: int) -> None:
         """Drop the mapped pages of a decoded range from this process, and, as ``page_cache``
