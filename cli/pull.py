@@ -7,7 +7,7 @@ import click
 from lct.cli._util import GroupProgress, quiet_option
 
 
-@click.command("pull", short_help="Download an artifact from the Hub or S3 and verify it.")
+@click.command("pull", short_help="Download an artifact from the Hub or an object store and verify it.")
 @click.argument("repo_id")
 @click.option("--revision", default=None, help="Branch, tag or commit (default: main).")
 @click.option("--local-dir", type=click.Path(file_okay=False), default=None,
@@ -21,8 +21,8 @@ def pull_cmd(repo_id, revision, local_dir, cache, quiet):
     """Download the LCT artifact REPO_ID (org/name or hf://org/name@revision) and verify every
     checksum: each file against the Hub's hash, each chunk against its xxh3. Prints the local
     path. A corrupt download is reported (exit 1) and removed from the cache, never used.
-    REPO_ID may be s3://bucket/prefix: it is downloaded into --local-dir (a new folder), which
-    appears only once every chunk is checked.
+    REPO_ID may be an object store address (s3://, gs:// or az://bucket/prefix): it is
+    downloaded into --local-dir (a new folder), which appears only once every chunk is checked.
 
     Then the artifact is decoded into the local decoded cache (unless --no-cache or
     LCT_CACHE=0), so that its first load maps it as a later one would.
@@ -31,10 +31,10 @@ def pull_cmd(repo_id, revision, local_dir, cache, quiet):
     need `hf auth login` or HF_TOKEN.
     """
     from lct import hub
-    from lct.cloud import is_s3_uri
+    from lct.cloud import is_cloud_uri
     from lct.units import human
 
-    if is_s3_uri(repo_id):
+    if is_cloud_uri(repo_id):
         if revision is not None:
             raise click.UsageError(f"--revision is for the Hub, not for {repo_id}")
         if local_dir is None:

@@ -7,7 +7,7 @@ import click
 from lct.cli._util import GroupProgress, quiet_option
 
 
-@click.command("push", short_help="Verify an artifact and publish it to the Hub or S3.")
+@click.command("push", short_help="Verify an artifact and publish it to the Hub or an object store.")
 @click.argument("artifact", type=click.Path())
 @click.argument("repo_id")
 @click.option("--revision", default=None,
@@ -21,8 +21,9 @@ from lct.cli._util import GroupProgress, quiet_option
 @quiet_option("the commit's URL (the pull request's with --create-pr)")
 def push_cmd(artifact, repo_id, revision, private, commit_message, create_pr, license_, quiet):
     """Verify ARTIFACT and publish it to the Hub model repo REPO_ID (org/name) in one commit,
-    or upload it to an object store (REPO_ID s3://bucket/prefix: a new prefix, the manifest
-    last, then every chunk read back and checked; AWS credentials as the AWS CLI finds them).
+    or upload it to an object store (REPO_ID s3://, gs:// or az://bucket/prefix: a new prefix,
+    the manifest last, then every chunk read back and checked; credentials as each cloud's own
+    tools find them, docs/PUBLISHING.md).
 
     The repo is created if needed. The upload is the manifest, the data files (through LFS),
     the Maximus state, the config/tokenizer files and a generated model card (README.md) that
@@ -30,16 +31,16 @@ def push_cmd(artifact, repo_id, revision, private, commit_message, create_pr, li
     refused. Log in with `hf auth login` or set HF_TOKEN (a write token).
     """
     from lct import hub
-    from lct.cloud import is_s3_uri
+    from lct.cloud import is_cloud_uri
     from lct.units import human
 
-    if is_s3_uri(repo_id):
+    if is_cloud_uri(repo_id):
         given = [f for f, v in (("--revision", revision), ("--private", private),
                                 ("--commit-message", commit_message),
                                 ("--create-pr", create_pr), ("--license", license_)) if v]
         if given:
             raise click.UsageError(f"{given[0]} is for the Hub, not for {repo_id}")
-        _push_s3(artifact, repo_id, quiet)
+        _push_cloud(artifact, repo_id, quiet)
         return
     check = GroupProgress("verify", unit="group", enabled=not quiet)
     upload = GroupProgress("upload", enabled=not quiet, count=False)  # per file, in bytes
@@ -67,7 +68,7 @@ def push_cmd(artifact, repo_id, revision, private, commit_message, create_pr, li
     click.echo(f'load it with: lct.load("hf://{res.repo_id}{at}")')
 
 
-def _push_s3(artifact, uri: str, quiet: bool) -> None:
+def _push_cloud(artifact, uri: str, quiet: bool) -> None:
     from lct import cloud
     upload = GroupProgress("upload", enabled=not quiet, count=False)
     try:

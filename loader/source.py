@@ -108,19 +108,19 @@ class LoadStats:
 def open_source(path, *, verify: bool = True, workers: int | None = None, stream: bool = False,
                 pin_memory: bool = False, expect: str | None = None):
     """Open a local artifact, a Hub address ``hf://org/name[@revision]`` or an object store's
-    ``s3://bucket/prefix`` (always streamed by range requests).
+    ``s3://``, ``gs://`` or ``az://bucket/prefix`` (always streamed by range requests).
 
     A Hub address is pulled into the Hugging Face cache and its files checked against the Hub's
     hashes (chunk checksums are then verified as they are read), or with ``stream`` its chunks
     are fetched by HTTP range requests from one pinned commit. With ``expect`` (a digest as
     ``lct info`` prints it) the manifest must be that one (``Artifact.check_digest``).
     """
-    from lct.cloud import is_s3_uri
+    from lct.cloud import is_cloud_uri
     from lct.hub import is_hf_uri
     from lct.io.reader import open_artifact
-    if is_s3_uri(path):         # always streamed: `lct pull` downloads one
-        from lct.cloud import open_s3
-        return _pinned(open_s3(path, verify=verify, workers=workers, pin_memory=pin_memory),
+    if is_cloud_uri(path):      # always streamed: `lct pull` downloads one
+        from lct.cloud import open_cloud
+        return _pinned(open_cloud(path, verify=verify, workers=workers, pin_memory=pin_memory),
                        expect)
     if is_hf_uri(path):
         if stream:
@@ -150,11 +150,11 @@ def resolve(path, *, stream: bool = False, verify: bool = True) -> Resolved:
     cache, or with ``stream`` only its small files are, and the chunks are then streamed from
     that same commit, whatever the branch does meanwhile. ``stream`` is dropped for a local
     folder (it has nothing to stream from)."""
-    from lct.cloud import is_s3_uri
+    from lct.cloud import is_cloud_uri
     from lct.hub import HF_SCHEME, is_hf_uri, parse_hf_uri
     path = str(path)
-    if is_s3_uri(path):         # streamed from the object store, small files from the cache
-        from lct.cloud.s3 import fetch_small
+    if is_cloud_uri(path):      # streamed from the object store, small files from the cache
+        from lct.cloud import fetch_small
         local, _, _ = fetch_small(path)
         return Resolved(str(local), path, True)
     if not is_hf_uri(path):

@@ -885,13 +885,14 @@ def test_an_error_names_the_flag_as_the_command_spells_it(flag, gemma_src, tmp_p
     assert out.exit_code == 1 and out.output.rstrip().endswith(f"({flag})"), out.output
 
 
-@pytest.mark.parametrize("scheme", ["gs", "az", "https"])
+@pytest.mark.parametrize("scheme", ["https", "ftp"])
 def test_an_address_lct_does_not_speak_is_refused_not_taken_for_a_folder(scheme, gemma_src,
                                                                           gemma_art, tmp_path,
                                                                           monkeypatch):
     """A new user's trial: `lct info gs://bucket/x` said `gs:/bucket/x: no such artifact
-    directory`, and `lct convert ... -o gs://b/x` wrote a local folder named `gs:`. Every
-    command that reads or writes an artifact refuses the address by its scheme."""
+    directory`, and `lct convert ... -o gs://b/x` wrote a local folder named `gs:` (gs:// and
+    az:// are object stores LCT speaks now, tests/test_cloud.py). Every command that reads or
+    writes an artifact refuses an address of another scheme by its scheme."""
     monkeypatch.chdir(tmp_path)
     url = f"{scheme}://bucket/x"
     for args in (["info", url], ["load", url, "--ids", "1"], ["verify", url],

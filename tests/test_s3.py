@@ -63,7 +63,7 @@ def tiny(tmp_path_factory):
 def _env(monkeypatch, tmp_path, env):
     for k, v in env.items():
         monkeypatch.setenv(k, v)
-    monkeypatch.setenv("LCT_S3_CACHE", str(tmp_path / "cache"))
+    monkeypatch.setenv("LCT_CLOUD_CACHE", str(tmp_path / "cache"))
     monkeypatch.setenv("AWS_MAX_ATTEMPTS", "2")         # botocore's own retries: keep faults quick
     monkeypatch.delenv("AWS_PROFILE", raising=False)
 
@@ -89,7 +89,7 @@ def direct(server, monkeypatch, tmp_path):
 @pytest.fixture
 def faulty(proxy, monkeypatch, tmp_path):
     _env(monkeypatch, tmp_path, proxy.env())
-    monkeypatch.setenv("LCT_S3_TIMEOUT", "2")
+    monkeypatch.setenv("LCT_CLOUD_TIMEOUT", "2")
     proxy.clear()
     proxy.reset()
     yield proxy
@@ -315,7 +315,7 @@ def test_only_the_artifacts_files_go_up_and_an_oversized_small_file_is_refused(
         assert not (opened.path / "huge.json").exists()
     s3.put_object(Bucket=BUCKET, Key="stray/llama.lct/tokenizer.json",
                   Body=b"0" * (C.MAX_SIDE_FILE_BYTES + 1))
-    monkeypatch.setenv("LCT_S3_CACHE", str(tmp_path / "fresh-cache"))     # no checked copy
+    monkeypatch.setenv("LCT_CLOUD_CACHE", str(tmp_path / "fresh-cache"))     # no checked copy
     with pytest.raises(ObjectStoreError, match="tokenizer.json: .* more than"):
         lct.open(uri)                       # a named one that grew past the cap: refused unread
 
@@ -329,7 +329,7 @@ def _push_fresh(tiny, name: str) -> str:
 def test_only_the_files_the_manifest_names_are_fetched_by_open_load_and_pull(tiny, faulty,
                                                                             tmp_path):
     """Objects under the prefix that the manifest does not name (40 junk objects of 1 MB, a
-    data file it does not list) are never downloaded: not into LCT_S3_CACHE by an open or a
+    data file it does not list) are never downloaded: not into LCT_CLOUD_CACHE by an open or a
     load, not into the folder a pull makes."""
     import boto3
     uri = _push_fresh(tiny, "junk")
@@ -355,7 +355,7 @@ def test_only_the_files_the_manifest_names_are_fetched_by_open_load_and_pull(tin
 
 def test_a_side_file_changed_in_the_local_cache_is_fetched_again(tiny, faulty):
     """The cached copies are checked against the manifest's sha256 and size each time they are
-    used: one changed (or removed) in LCT_S3_CACHE is downloaded again, never used."""
+    used: one changed (or removed) in LCT_CLOUD_CACHE is downloaded again, never used."""
     uri = _push_fresh(tiny, "recache")
     with lct.open(uri) as art:
         folder = art.path
@@ -390,7 +390,7 @@ def test_a_side_file_changed_on_the_store_is_refused_or_harmless(tiny, direct, t
                                   Body=tok.replace(b"<", b">", 1))
     with lct.open(uri) as art:                  # the checked copy: still the manifest's bytes
         assert art.path == folder and (folder / "tokenizer.json").read_bytes() == tok
-    monkeypatch.setenv("LCT_S3_CACHE", str(tmp_path / "fresh-cache"))
+    monkeypatch.setenv("LCT_CLOUD_CACHE", str(tmp_path / "fresh-cache"))
     with pytest.raises(ChecksumError, match="tokenizer.json.*manifest") as e:
         lct.open(uri)
     assert "\n" not in str(e.value) and "s3://" in str(e.value)

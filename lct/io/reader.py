@@ -486,19 +486,25 @@ class Artifact:
         return self.assemble(info, bufs, dequantize)
 
 
+# The schemes of the addresses LCT reads and writes besides a local folder: the Hub's and the
+# object stores' (lct.cloud's registry; tests/test_cloud.py holds the two equal).
+ADDRESS_SCHEMES = ("hf", "s3", "gs", "az")
+
+
 def check_address(path) -> None:
-    """Refuse an address whose scheme LCT does not speak (``gs://``, ``az://``, ``https://``),
-    which a path would take for a local folder named ``gs:``: LCT's are a local folder,
-    ``hf://`` and ``s3://``.
+    """Refuse an address whose scheme LCT does not speak (``https://``, ``ftp://``), which a
+    path would take for a local folder named ``https:``: LCT's are a local folder, ``hf://``
+    and the object stores' (``ADDRESS_SCHEMES``).
 
     Raises:
         ArtifactNotFoundError: naming the address and what LCT reads.
     """
     scheme = re.match(r"([A-Za-z][A-Za-z0-9+.-]*)://", str(path))
-    if scheme and scheme[1].lower() not in ("hf", "s3"):
+    if scheme and scheme[1].lower() not in ADDRESS_SCHEMES:
         raise ArtifactNotFoundError(f"{path}: {scheme[1]}:// is not an address LCT reads or "
-                                    f"writes: a local folder, hf://org/name[@rev] or "
-                                    f"s3://bucket/prefix (any S3-compatible store)")
+                                    f"writes: a local folder, hf://org/name[@rev], "
+                                    f"s3://bucket/prefix (any S3-compatible store), "
+                                    f"gs://bucket/prefix or az://container/prefix")
 
 
 def open_artifact(path, *, verify: bool = True, workers: int | None = None,

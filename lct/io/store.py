@@ -32,9 +32,9 @@ PAGE_CACHE_MODES = ("auto", "keep", "drop")
 READAHEAD_BYTES = 512 << 20
 READAHEAD_THREADS = 4
 READAHEAD_PIECE = 16 << 20
-# A remote store's range reads (RemoteStore._read; the Hub's and S3's): the slowest average a
-# transfer may have after its timeout's grace before it is dropped and retried, and the bytes
-# that must arrive between failures for the retries to start afresh.
+# A remote store's range reads (RemoteStore._read; the Hub's and the object stores'): the
+# slowest average a transfer may have after its timeout's grace before it is dropped and
+# retried, and the bytes that must arrive between failures for the retries to start afresh.
 STREAM_MIN_RATE = 256 * 1024
 STREAM_PROGRESS_RESET = 1024 * 1024
 
@@ -121,19 +121,33 @@ def receive_range(blocks, buf: bytearray, got: list, *, start: int, want: int, t
     """Copy the byte ``blocks`` of one answer to a range request (bytes ``start`` on, ``want``
     of them, the last ``want`` bytes of ``buf``) into ``buf`` from ``got[0]``, advancing
     ``got[0]`` as they arrive (so that a retry resumes there); ``counted(k)`` is told of each
-    block. A remote store's one receiving loop (``lct.hub.remote``, ``lct.cloud.s3``).
+    block. A remote store's one receiving loop (``lct.hub.remote``, ``lct.cloud``): it feeds
+    ``range_receiver``, which a client that pushes blocks (writes them to a file object) calls
+    itself.
 
     Raises:
         TimeoutError: the transfer averaged below ``min_rate`` bytes a second after ``timeout``
             seconds of grace (worth retrying).
         error: the server sent more than was asked for (``error`` is the store's error class).
     """
-    import time
-    deadline = time.monotonic() + timeout + want / max(min_rate, 1)
+    take = range_receiver(buf, got, start=start, want=want, timeout=timeout,
+                          min_rate=min_rate, where=where, error=error, counted=counted)
     for block in blocks:
+        take(block)
+
+
+def range_receiver(buf: bytearray, got: list, *, start: int, want: int, timeout: float,
+                   min_rate: int, where: str, error, counted=None):
+    """``take(block)``: what ``receive_range`` does with each block, for a client that hands
+    the blocks over one call at a time; the deadline runs from this call."""
+    import time
+    grace = timeout + want / max(min_rate, 1)
+    deadline = time.monotonic() + grace
+
+    def take(block) -> None:
         if time.monotonic() > deadline:
             raise TimeoutError(f"too slow: {got[0] - (len(buf) - want)} of {want} bytes in "
-                               f"{timeout + want / max(min_rate, 1):.0f} s")
+                               f"{grace:.0f} s")
         k, at = len(block), got[0]
         if at + k > len(buf):
             raise error(f"{where}: the server sent more than the {want} bytes asked for at "
@@ -142,6 +156,7 @@ def receive_range(blocks, buf: bytearray, got: list, *, start: int, want: int, t
         got[0] = at + k
         if counted is not None:
             counted(k)
+    return take
 
 
 class ReadAhead:
@@ -260,7 +275,7 @@ class ReadAhead:
 
 
 class RemoteStore:
-    """What the remote stores share (``lct.hub.remote.HttpRangeStore``, ``lct.cloud.s3.S3Store``):
+    """What the remote stores share (``lct.hub.remote.HttpRangeStore``, ``lct.cloud.ObjectStore``):
     the read-ahead behind ``will_need`` and ``read_range``, the byte count, ``release`` and
     ``close``, and the retried, resumed range reads (``_read``). A subclass calls ``_start``
     (the lock, the counts, the read-ahead) and implements ``_fetch`` (one range request),
