@@ -438,12 +438,12 @@ def convert(source: str, out, *, revision: str | None = None, policy: Policy | N
     Example:
         >>> convert("google/gemma-2b", "gemma-2b.lct")
     """
-    from lct.cloud import is_s3_uri
+    from lct.cloud import is_cloud_uri
     from lct.io.reader import check_address
     from lct.proc import check_workers
     check_workers(workers)
     check_address(out)
-    if is_s3_uri(str(out)):
+    if is_cloud_uri(str(out)):
         return _convert_to_s3(source, str(out), revision=revision, policy=policy,
                               max_file_size=max_file_size, workers=workers,
                               overwrite=overwrite, progress=progress, token_freq=token_freq,
@@ -655,7 +655,7 @@ def _convert_to_s3(source: str, uri: str, *, overwrite: bool, stage, **kw) -> Co
     import tempfile
 
     from lct import cloud
-    from lct.cloud.s3 import ensure_new_prefix
+    from lct.cloud import ensure_new_prefix
     if overwrite:
         raise PolicyError(f"{uri}: an object store prefix is never overwritten; push to a new "
                           f"one", option="overwrite")
