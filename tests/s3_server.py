@@ -434,8 +434,8 @@ class FaultProxy:
 
     Counters: ``seen`` (requests received), ``injected`` (faults injected), ``bytes_sent``
     (response body bytes sent to clients), ``throttled`` (seconds the cap held bodies back,
-    summed over connections), ``log`` (one dict per request: ``method``, ``path``,
-    ``range``, ``status`` answered, ``fault`` injected or ``None``, ``headers`` as received, a
+    summed over connections), ``log`` (one dict per request: ``method``, ``path``, ``target``
+    (the path with its query), ``range``, ``status`` answered, ``fault`` injected or ``None``, ``headers`` as received, a
     list of pairs, ``sent`` body bytes sent).
     """
 
@@ -571,7 +571,8 @@ class FaultProxy:
         request 200 with the whole object, like a server without range support; only requests
         with a Range header match; the client's request is still forwarded, so its signature is
         still checked, and the whole object comes from a GET of the proxy's own, signed with the
-        server's admin key: nothing of the client's is re-signed).
+        server's admin key: nothing of the client's is re-signed; in front of a store that signs
+        nothing, gcp-storage-emulator, the client's request again without its Range).
 
         Which requests: ``method`` (default ``"GET"``; ``None``: any), ``match`` (a regular
         expression searched in the request path, query excluded; ``None``: any), ``range``
@@ -589,8 +590,6 @@ class FaultProxy:
         """Add a fault rule after the others (the first rule that matches a request wins)."""
         if kind not in FAULT_KINDS:
             raise ValueError(f"unknown fault {kind!r}; one of {', '.join(FAULT_KINDS)}")
-        if kind == "ignore_range" and self.server is None:
-            raise ValueError("ignore_range needs FaultProxy(S3Server) (its admin key)")
         fault = Fault(kind, re.compile(match) if match is not None else None,
                       method.upper() if method else None, range, count, seconds, after,
                       offset, etag)
@@ -654,9 +653,11 @@ class FaultProxy:
             body = _read_chunked_raw(rfile)
         else:
             body = rfile.read(int(_get(headers, "Content-Length") or 0))
-        has_range = _get(headers, "Range") is not None
+        asked = _get(headers, "Range") or _get(headers, "x-ms-range")    # Azure's own name
+        has_range = asked is not None
         fault = self._pick(method, path, has_range)
-        entry = {"method": method, "path": path, "range": _get(headers, "Range"),
+        entry = {"method": method, "path": path, "target": target,
+                 "range": asked,
                  "status": None, "fault": fault.kind if fault else None, "headers": headers,
                  "sent": 0}
         with self._lock:
@@ -707,9 +708,16 @@ class FaultProxy:
             if (fault is not None and fault.kind == "ignore_range" and status == 206):
                 if rbody is None:
                     _drain(uf, length)
-                key, secret = self.server.credentials()
-                status, rheaders, rbody = signed_request(self.upstream, "GET", path, key, secret,
-                                                         timeout=self.timeout)
+                if self.server is not None:
+                    key, secret = self.server.credentials()
+                    status, rheaders, rbody = signed_request(self.upstream, "GET", path, key,
+                                                             secret, timeout=self.timeout)
+                else:   # a store without request signing: the client's request, whole
+                    status, rheaders, rbody = raw_request(
+                        self.upstream, method, target,
+                        {k: v for k, v in headers if k.lower() not in ("range", "x-ms-range",
+                                                                       "content-length")},
+                        timeout=self.timeout)
                 sline = f"HTTP/1.1 {status} OK\r\n".encode()
                 rheaders = [(k, v) for k, v in rheaders
                             if k.lower() not in ("transfer-encoding", "content-length",

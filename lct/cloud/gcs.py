@@ -109,6 +109,9 @@ class GCS(Backend):
                                             f"{first_line(e.message)})")
             if status == 404:
                 return ObjectStoreNotFoundError(f"{where}: not found (404)")
+            if status == 200:       # the SDK's answer to a whole object where a range was asked
+                return ObjectStoreError(f"{where}: asked for a byte range, got HTTP 200 (the "
+                                        f"server does not serve byte ranges)")
             if status == 412:
                 return ObjectStoreError(f"{where}: the object changed while it was read (its "
                                         f"generation no longer matches); open the artifact "

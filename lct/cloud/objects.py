@@ -67,11 +67,12 @@ def request_timeout() -> float:
     return float(os.environ.get(TIMEOUT_ENV, HUB_TIMEOUT))
 
 
-def first_line(e) -> str:
-    """The first line of an exception's text (a client's may carry a whole response), or its
-    type's name."""
+def first_line(e, limit: int = 200) -> str:
+    """The first line of an exception's text, at most ``limit`` characters (a client's may
+    carry a whole response), or its type's name."""
     text = str(e).strip()
-    return text.splitlines()[0] if text else type(e).__name__
+    line = text.splitlines()[0] if text else type(e).__name__
+    return line if len(line) <= limit else line[:limit] + "..."
 
 
 class Backend:
