@@ -112,7 +112,7 @@ def test_calibration_measures_on_text(tmp_path):
                       policy=Policy(calibration=str(text), max_calibration_tokens=256))
     d = rep.decision
     assert d.method == "calibration" and 0 < d.tokens <= 256
-    assert d.note == "the text given, in float32"
+    assert d.note == "the text given, in float32, layer by layer"
     assert set(d.costs) == {"embed", "head"}
     assert d.costs["head"]["nf4"] > d.costs["head"]["int8"] > 0
     # the calibration cost of the head equals an independent computation on the same tokens
@@ -282,8 +282,8 @@ def test_default_calibration_runs_the_shipped_text(tmp_path):
     src = _source(tmp_path, "gemma", head_std=0.02, tokenizer=True)
     rep = lct.convert(str(src), tmp_path / "g.lct")
     d = rep.decision
-    assert d.method == "calibration" and d.note.endswith("calibration text "
-                                                          "(lct/conversion/sample_text.py), in float32")
+    assert d.method == "calibration" and d.note.endswith(
+        "calibration text (lct/conversion/sample_text.py), in float32, layer by layer")
     blocks = _shipped_blocks(src)
     assert d.tokens == sum(len(b) - 1 for b in blocks) and 0 < d.tokens <= 256
     assert len(blocks) >= 3             # a share of the prose and of each code module
@@ -361,12 +361,19 @@ def test_a_calibration_estimate_is_held_to_the_budget_times_its_measured_error(t
 
 def test_calibration_computes_in_the_source_dtype_where_float32_does_not_fit(tmp_path,
                                                                              monkeypatch):
-    """float32 needs twice a bfloat16 model's memory: where only the bfloat16 model fits in the
+    """A model the layer-wise calibration cannot run (here: made to refuse) runs whole, and
+    float32 needs twice a bfloat16 model's memory: where only the bfloat16 model fits in the
     calibration's share, it computes in bfloat16 and the note says what that means."""
     import lct.proc
+    from lct.conversion import layered
     from lct.conversion.source import resolve, scan
+    from lct.errors import CalibrationUnavailable
     src = _source(tmp_path, "llama", head_std=0.5, tokenizer=True)
     params = sum(math.prod(st.shape) for st in scan(resolve(str(src))).values())
+
+    def refuse(*a, **k):
+        raise CalibrationUnavailable("not one stack of decoder layers")
+    monkeypatch.setattr(layered, "layerwise_costs", refuse)
     monkeypatch.setattr(lct.proc, "available_memory", lambda: 6 * params)  # 2P <= 3P < 4P
     d = lct.convert(str(src), tmp_path / "b.lct").decision
     assert d.method == "calibration"
@@ -375,7 +382,7 @@ def test_calibration_computes_in_the_source_dtype_where_float32_does_not_fit(tmp
     assert d.margin == 1.0      # larger than the float32 cost already: no margin on top
     monkeypatch.undo()
     f = lct.convert(str(src), tmp_path / "f.lct").decision
-    assert f.note.endswith(", in float32") and f.costs != d.costs
+    assert f.note.endswith(", in float32, layer by layer") and f.costs != d.costs
 
 
 def sample_text_prose() -> str:
@@ -429,18 +436,23 @@ def test_the_calibration_reports_its_passes_to_a_progress_callback(tmp_path):
     sweep = sum(len(b) for b in _shipped_blocks(src))      # one pass over the text, in tokens
     reference = "the source model as it is (the reference)"
     assert calls[0] == (reference, 0, calls[0][2])
-    assert [c for c in calls if c[0] == reference][-1][1] == sweep
+    # layer by layer, the reference and the smallest candidate's embedding run together
+    assert sum(c[1] - b[1] for b, c in zip(calls, calls[1:]) if c[0] == reference) == sweep
     done = [c[1] for c in calls]
     assert done == sorted(done) and all(0 <= n <= t for _, n, t in calls)
     cands, pruned = list(d.costs["embed+head"]), d.partial.get("embed+head", [])
-    assert pruned        # the test's point: the total shrinks as passes are left out
-    assert calls[0][2] == sweep * (1 + 2 * len(cands))
-    assert calls[-1][1] == calls[-1][2] == sweep * (1 + 2 * len(cands) - len(pruned))
     whats = {c[0] for c in calls}
+    unrun = [e for e in pruned
+             if f"{get_encoding(e).label} on embed+head: embed (layer by layer)" not in whats]
+    assert unrun        # the test's point: the total shrinks as passes are left out
+    assert calls[0][2] == sweep * (1 + 2 * len(cands))
+    assert calls[-1][1] == calls[-1][2] == sweep * (1 + 2 * len(cands) - len(unrun))
     for e in cands:
         label = get_encoding(e).label
         assert {f"{label} on embed+head: quantizing", f"{label} on embed+head: head"} <= whats
-        assert (f"{label} on embed+head: embed (whole model)" in whats) == (e not in pruned)
+        # the smallest runs beside the reference, pruned or not (one pass for both)
+        assert (f"{label} on embed+head: embed (layer by layer)" in whats) == \
+            (e not in pruned or e == "nf4")
     # the text-free proxy runs no text: nothing to report
     calls.clear()
     lct.convert(str(src), tmp_path / "p.lct", policy=Policy(calibration="none"),

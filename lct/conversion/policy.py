@@ -32,6 +32,9 @@ import time
 from dataclasses import dataclass, field
 from itertools import product
 
+from lct.conversion.layered import LOGIT_BYTES
+from lct.conversion.layered import Cached as _Cached
+from lct.conversion.layered import Swap as _Swap
 from lct.conversion.quality import CALIBRATION_MEMORY_SHARE
 from lct.errors import CalibrationUnavailable, LCTError, PolicyError
 from lct.format import constants as C
@@ -278,50 +281,43 @@ def _rel_err(w, candidates, blocksize: int) -> dict:
     return {e: err[e] / max(norm, 1e-30) for e in candidates}
 
 
-def calibration_obstacle(src, tensors: dict) -> str | None:
+def calibration_obstacle(src, tensors: dict, arch) -> str | None:
     """Why the shipped calibration text cannot be run through this source here (no tokenizer,
-    or a model too large to load beside the conversion), or None."""
+    or a model whose largest layer, in float32, does not fit beside the conversion: the
+    layer-wise calibration's need, ``layered_need``), or None."""
     if not any((src.root / n).is_file() for n in ("tokenizer.json", "tokenizer.model")):
         return "the source has no tokenizer"
     from lct.proc import available_memory
-    need = sum(math.prod(st.shape) * C.DTYPE_SIZES.get(st.dtype, 4) for st in tensors.values())
+    whole = sum(math.prod(st.shape) * C.DTYPE_SIZES.get(st.dtype, 4) for st in tensors.values())
+    need = min(layered_need(tensors, arch), whole)
     avail = available_memory()
     if avail is not None and need > CALIBRATION_MEMORY_SHARE * avail:
-        return (f"the model ({need / 1e9:.1f} GB) is more than {CALIBRATION_MEMORY_SHARE:.0%} "
-                f"of the {avail / 1e9:.1f} GB of memory available")
+        return (f"running the model on text needs {need / 1e9:.1f} GB (its largest layer in "
+                f"float32 with the calibration's buffers), more than "
+                f"{CALIBRATION_MEMORY_SHARE:.0%} of the {avail / 1e9:.1f} GB of memory available")
     return None
 
 
-class _Swap:
-    """Within ``with``, ``module.weight`` is ``w`` (a tied weight is untied for the while)."""
-
-    def __init__(self, module, w):
-        self.module, self.w = module, w
-
-    def __enter__(self):
-        import torch
-        self.keep = self.module.weight
-        self.module.weight = torch.nn.Parameter(self.w, requires_grad=False)
-
-    def __exit__(self, *exc):
-        self.module.weight = self.keep
-
-
-class _Cached:
-    """Within ``with``, ``base`` (the model's trunk) returns ``output`` without computing."""
-
-    def __init__(self, base, output):
-        self.base, self.output = base, output
-
-    def __enter__(self):
-        self.base.forward = lambda *a, **k: self.output
-
-    def __exit__(self, *exc):
-        del self.base.forward
+def layered_need(tensors: dict, arch) -> int:
+    """Bytes the layer-wise calibration holds at its peak, beyond the process: the largest
+    group of the source but the tables (a layer) in float32 twice (read and cast), and the
+    head stage's buffers: five logits tensors (256 positions of the vocabulary, at most
+    ``layered.LOGIT_BYTES`` each) and two slices of the head's rows."""
+    groups: dict = {}
+    table = vocab = 0
+    for name, st in tensors.items():
+        group = arch.place(name)[0]
+        if group in (C.GROUP_EMBED, C.GROUP_HEAD):
+            table = max(table, 4 * math.prod(st.shape))
+            vocab = max(vocab, st.shape[0] if st.shape else 1)
+            continue
+        groups[group] = groups.get(group, 0) + 4 * math.prod(st.shape)
+    logits = min(LOGIT_BYTES, 4 * SHIPPED_CALIBRATION_TOKENS * vocab)
+    return 2 * max(groups.values(), default=0) + 5 * logits + 2 * min(ROW_STEP_BYTES, table)
 
 
 def calibration_costs(src, tensors: dict, lossy: dict, tied: bool, arch, policy,
-                      progress=None) -> tuple:
+                      progress=None, layered: bool | None = None) -> tuple:
     """Costs per part and candidate measured on text (``policy.calibration``, or the text shipped
     with LCT, ``sample_text.calibration_samples()``), as mean KL against the source model on the
     same tokens.
@@ -348,8 +344,16 @@ def calibration_costs(src, tensors: dict, lossy: dict, tied: bool, arch, policy,
     embedding once each); ``what`` names the candidate and the part (``"NF4 on embed+head:
     head"``). A pass pruned as above is taken off the total.
 
-    Returns ``(costs, tokens scored, partial, dtype)``: ``partial`` is ``{part: [encodings]}``,
-    ``dtype`` the name of what the model computed in.
+    By default (``layered`` None) the model runs layer by layer, always in float32
+    (``lct.conversion.layered.layerwise_costs``: the same costs within 1e-4 on the two real
+    models benchmarks/bench_calibration.py measures, faster than the whole model and with a
+    peak that does not grow with the model); a model that cannot run so (not one stack of
+    decoder layers under a base model), and ``layered=False``, runs whole as described above,
+    where it fits in the memory available in the source's dtype.
+
+    Returns ``(costs, tokens scored, partial, dtype, layered)``: ``partial`` is ``{part:
+    [encodings]}``, ``dtype`` the name of what the model computed in, ``layered`` whether it
+    ran layer by layer.
 
     Raises:
         CalibrationUnavailable: the model has no tokenizer, or cannot be run on text.
@@ -371,6 +375,37 @@ def calibration_costs(src, tensors: dict, lossy: dict, tied: bool, arch, policy,
                           spread=shipped)
     if not blocks:
         raise PolicyError(f"{policy.calibration}: the text is shorter than two tokens")
+    if layered is not False:
+        from lct.conversion import layered as lw
+        plan = {}
+        for part, roles in ({"embed+head": ("embed", "head")} if tied else
+                            {r: (r,) for r in lossy if r in ("embed", "head")}).items():
+            st = tensors[lossy[roles[0]]]
+            shape = tuple(st.shape)
+            order = _candidates(shape, policy.blocksize, policy, "embed" if tied else roles[0])
+            plan[part] = (roles, st, order, sorted(order, key=lambda e: encoded_bytes(
+                e, shape, st.dtype, policy.blocksize)))
+        sweep = sum(len(ids) for ids in blocks)
+        passes = _Passes(progress, sweep * (1 + sum(len(cands) * len(roles)
+                                                    for roles, _, _, cands in plan.values())))
+        try:
+            costs, n, partial = lw.layerwise_costs(
+                src, tensors, type(arch.model), plan, blocks, policy.blocksize,
+                policy.budget / estimate_margin("calibration", "float32"),
+                tied and policy.auto, passes)
+            return costs, n, partial, "float32", True
+        except CalibrationUnavailable as e:
+            from lct.proc import available_memory
+            need = sum(math.prod(st.shape) * C.DTYPE_SIZES.get(st.dtype, 4)
+                       for st in tensors.values())
+            avail = available_memory()
+            if layered:
+                raise
+            if avail is not None and need > CALIBRATION_MEMORY_SHARE * avail:
+                raise CalibrationUnavailable(
+                    f"{e}; whole, the model ({need / 1e9:.1f} GB) is more than "
+                    f"{CALIBRATION_MEMORY_SHARE:.0%} of the {avail / 1e9:.1f} GB of memory "
+                    f"available") from e
     native = torch_dtype(tensors[next(iter(lossy.values()))].dtype)
     params = sum(math.prod(st.shape) for st in tensors.values())
     dtype = compute_dtype(params, 1, CALIBRATION_MEMORY_SHARE) or native
@@ -475,7 +510,7 @@ def calibration_costs(src, tensors: dict, lossy: dict, tied: bool, arch, policy,
                 del wq
             del stored, wf
             costs[part] = {e: c[e] for e in order}      # in the registry's order
-    return costs, n, partial, name
+    return costs, n, partial, name, False
 
 
 class _Passes:
@@ -562,17 +597,19 @@ def decide(src, tensors: dict, lossy: dict, tied: bool, arch, policy,
         costs, tokens, method = proxy_costs(src, tensors, lossy, tied, arch, policy), 0, "proxy"
     else:
         try:
-            why = None if policy.calibration else calibration_obstacle(src, tensors)
+            why = None if policy.calibration else calibration_obstacle(src, tensors, arch)
             if why:
                 raise CalibrationUnavailable(why)
-            costs, tokens, partial, dtype = calibration_costs(src, tensors, lossy, tied, arch,
-                                                              policy, progress)
+            costs, tokens, partial, dtype, layered = calibration_costs(
+                src, tensors, lossy, tied, arch, policy, progress)
             method = "calibration"
             note = ("LCT's calibration text (lct/conversion/sample_text.py)"
                     if not policy.calibration else "the text given") + f", in {dtype}"
             if dtype != "float32":
                 note += (" (float32 would not fit in memory; the estimate holds the "
                          "compute's own rounding)")
+            elif layered:
+                note += ", layer by layer"
         except CalibrationUnavailable as e:
             if policy.calibration:
                 raise
