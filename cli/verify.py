@@ -34,10 +34,10 @@ from lct.conversion.policy import DEFAULT_BUDGET_KL
 @click.option("--max-tokens", type=click.IntRange(1), default=None,
               help="Scored tokens for --quality  [default: 4096].")
 @click.option("--layerwise", is_flag=True,
-              help="--quality for a model larger than memory: both models stream their layers "
-                   "on every forward (the reference is the artifact with its lossy tensors taken "
-                   "from the source), so only the embeddings, heads and two prefetch windows are "
-                   "resident.")
+              help="--quality for a model larger than memory: the artifact streams its "
+                   "layers on every forward, and the reference is the source run a layer at a "
+                   "time from its safetensors files (its tables read in rows, never whole), so "
+                   "only the artifact's tables, a layer and a prefetch window are resident.")
 @click.option("--dtype", "quality_dtype", type=click.Choice(["float32", "bfloat16", "float16"]),
               default=None,
               help="--quality: what both models compute in. Default: float32, which leaves "

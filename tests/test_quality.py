@@ -141,7 +141,7 @@ def test_quality_text_folder_and_errors(src, arts, run, tmp_path):
 @pytest.mark.parametrize("which", [0, 1])
 def test_layerwise_quality_equals_the_loaded_one(src, arts, which):
     """Streaming both models layer by layer gives the numbers of loading them whole (the
-    reference is the artifact with its lossy tensors taken from the source)."""
+    reference is the source run a layer at a time from its safetensors files)."""
     whole = measure_quality(arts[which], str(src), max_tokens=200, block=64)
     streamed = measure_quality(arts[which], str(src), max_tokens=200, block=64, layerwise=True)
     assert streamed.tokens == whole.tokens == 200
@@ -156,8 +156,8 @@ def test_layerwise_needs_quality(src, arts, run):
 
 
 def test_layerwise_quality_on_a_tied_table(tmp_path):
-    """A tied table (one stored tensor, two parameters when loaded dequantized): the reference
-    must take the source's table under both names."""
+    """A tied table (one stored tensor, two parameters): the layer-wise reference reads the
+    source's one table as its embedding's rows and as its head's."""
     from lct.demo import tiny
     src = tiny.save_tiny(tmp_path / "src", "gemma")
     tiny.save_tokenizer(src, vocab_size=256)

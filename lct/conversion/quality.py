@@ -119,7 +119,10 @@ def score(model, reference, blocks: list, progress=None,
         for i, ids in enumerate(blocks):
             x = torch.tensor([ids])
             target = x[0, 1:]
-            ours, theirs = _Logits(model, x), _Logits(reference, x)
+            ours = _Logits(model, x)
+            # a reference that scores itself (layered.SourceTrunk: the source layer by layer)
+            theirs = reference.scorer(x) if hasattr(reference, "scorer") else \
+                _Logits(reference, x)
             # slices of every position, the last one's (which scores nothing) in the last slice:
             # a block of ``positions`` or fewer runs its head as the whole forward does
             for p0 in range(0, x.shape[1], positions):
@@ -221,10 +224,11 @@ def measure_quality(artifact, against: str, *, revision: str | None = None, text
     measures what the storage costs alone. The report's ``dtype`` says which.
 
     With ``layerwise`` neither model is ever whole in memory: the artifact runs as a
-    ``LayerwiseModel`` (layers streamed on every forward), and so does the reference, which is
-    the artifact with every lossy tensor replaced by the source's own (its lossless tensors are
-    the source's bytes, which ``lct verify --against`` checks), so only the embedding, the head
-    and the prefetch windows are resident.
+    ``LayerwiseModel`` (layers streamed on every forward, its tables as the artifact stores
+    them), and the reference is the source itself run layer by layer from its safetensors
+    files (``lct.conversion.layered.SourceTrunk``: one layer at a time, the embedding's rows of
+    the block's tokens and the head a slice of rows at a time, never a table whole), so that
+    the peak is the artifact's tables, a layer and the prefetch window (docs/CONVERT.md).
 
     Raises:
         LCTError: the artifact has no tokenizer, no text, or the source cannot be resolved.
@@ -249,10 +253,11 @@ def measure_quality(artifact, against: str, *, revision: str | None = None, text
         dtype = torch.float32 if layerwise else \
             compute_dtype(params, 2, CALIBRATION_MEMORY_SHARE)
     if layerwise:
+        from lct.conversion.layered import SourceTrunk
+        from lct.conversion.source import scan
         from lct.loader.layerwise import LayerwiseModel
         with LayerwiseModel(path, dtype=dtype) as model, \
-                LayerwiseModel(path, nf4="dequantize", dtype=dtype) as reference:
-            _take_lossy_from_source(reference, src)
+                SourceTrunk(src, scan(src), type(model.model), dtype=dtype) as reference:
             report = compare(model, reference, tokenizer, texts, max_tokens=max_tokens,
                              block=block, progress=progress)
             report.dtype = _dtype_name(model.model)
@@ -291,32 +296,3 @@ def compare(model, reference, tokenizer, texts: list, *, max_tokens: int = DEFAU
                          ppl_reference=math.exp(sums["nll_ref"] / n), ppl=math.exp(sums["nll"] / n),
                          top1_agreement=sums["agree"] / n, kl_mean=sums["kl"] / n,
                          kl_max=sums["kl_max"])
-
-
-def _take_lossy_from_source(reference, src) -> None:
-    """Replace every lossy tensor of the layer-wise ``reference`` (loaded dequantized) by the
-    source's tensor of that name, so that it is the lossless model."""
-    from safetensors import safe_open
-
-    from lct.conversion.source import scan
-    from lct.format import constants as C
-    manifest = reference.art.manifest
-    lossy = [t.name for t in manifest.tensors.values() if t.encoding != C.ENCODING_PLAIN]
-    found = scan(src)
-    arch = reference.installer.arch
-    for name in lossy:
-        st = found.get(name)
-        full = arch.target(name)[0]
-        if st is None or full is None:
-            raise LCTError(f"{src.root}: the source has no tensor {name!r} to compare the "
-                           f"artifact's lossy one with")
-        with safe_open(str(src.root / st.file), framework="pt") as f:
-            t = f.get_tensor(name)
-        # a tied name (the head of a tied table) may hold its own copy of the stored tensor
-        tied = [k for k, v in arch.ties.items() if v == full]
-        for target in [full] + tied:
-            param = reference.model.get_parameter(target)
-            if tuple(param.shape) != tuple(t.shape):
-                raise LCTError(f"{src.root}: tensor {name!r} is {list(t.shape)} in the source "
-                               f"and {list(param.shape)} in the artifact")
-            param.data = t.to(param.dtype)
