@@ -181,6 +181,9 @@ class LCTModelLoader(BaseModelLoader):
             if get_tensor_model_parallel_rank() == 0:  # no entry: kept for the next start
                 from lct.loader.build import fill_later
                 fill_later(art, self.options["cache"], self.hit)
+            # vLLM copied every tensor out: unmap the entry before the engine takes its memory
+            # for the KV cache (a mapping kept to the end was the copy's pages beside vLLM's)
+            self.hit = None
         from lct.units import human
         s = self.stats
         world = get_tensor_model_parallel_world_size()

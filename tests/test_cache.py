@@ -607,3 +607,73 @@ def test_an_entry_names_its_artifact_by_an_absolute_path(root, llama_art, monkey
     _load(Path(llama_art.name), cache=True)
     (entry,) = cache.entries()
     assert entry.artifact == str(llama_art.absolute())
+
+
+def _mapped_rss(address: int) -> int:
+    """Bytes of the mapping at ``address`` in this process's memory (/proc/self/smaps)."""
+    inside = False
+    with open("/proc/self/smaps") as f:
+        for line in f:
+            head = line.split()
+            if "-" in head[0] and len(head[0].split("-")) == 2 and ":" not in head[0]:
+                lo, hi = (int(x, 16) for x in head[0].split("-"))
+                inside = lo <= address < hi
+            elif inside and head[0] == "Rss:":
+                return int(head[1]) * 1024
+    raise AssertionError(f"nothing mapped at {address:#x}")
+
+
+def test_a_recycled_group_of_a_mapped_entry_leaves_this_process_memory(root, llama_art):
+    """A consumer that copies every tensor out (vLLM's loader: a stream with ``recycle``)
+    gives a mapped entry's pages back as it goes (``CachedChunks.put``): the copy is not held
+    whole beside the copies; the bytes stay the artifact's, and a chunk used again is checked
+    again (its pages came back from the file)."""
+    import mmap
+    _load(llama_art, cache=True)
+    page = mmap.PAGESIZE
+    with lct.open(llama_art) as a:
+        hit = cache.lookup(a)
+        address, chunks = hit._map.ctypes.data, a.manifest.chunks
+        total = sum(c.decoded_size for c in chunks)
+        # whole pages inside each chunk leave memory; what stays is at most a fault-around
+        # window (64 KiB: the kernel maps pages near a touched one that are in the page cache)
+        # per chunk, its neighbours' pages included
+        stays = len(chunks) * (64 << 10)
+        assert total > 2 * stays, "the test model's chunks are too small to tell"
+        with a.stream(cached=hit, prefetch=0) as stream:
+            kept = [g for g in stream]      # noqa: C416 (the groups hold the views)
+        assert _mapped_rss(address) >= total - page
+        del kept
+        with a.stream(cached=hit, prefetch=0, recycle=True) as stream:
+            for group in stream:
+                want = {cid: bytes(buf) for cid, buf in group.buffers.items()}
+                group.recycle()
+                assert all(bytes(hit.chunk(cid)) == b for cid, b in want.items())
+                for cid in want:
+                    hit.put(hit.chunk(cid))
+        assert _mapped_rss(address) <= stays
+        assert not hit.damaged
+        # a view that is not the entry's (a damaged chunk's decode) is left alone
+        hit.put(np.zeros(chunks[0].decoded_size, np.uint8))
+
+
+def test_populate_maps_a_range_without_touching_it(tmp_path):
+    """``lct.io.store.populate`` maps the pages of a range of a file mapping in one call (what
+    a mapped entry's check then reads without a fault per page), and no others; it says False
+    where the kernel cannot (then the pages come as they are touched)."""
+    import mmap
+
+    from lct.io.store import populate
+    page = mmap.PAGESIZE
+    f = tmp_path / "data.bin"
+    f.write_bytes(os.urandom(64 * page))
+    with open(f, "rb") as fh:
+        mm = mmap.mmap(fh.fileno(), 0, access=mmap.ACCESS_COPY)
+        try:
+            address = np.frombuffer(mm, np.uint8).ctypes.data
+            if not populate(mm, 8 * page + 100, 20 * page):
+                pytest.skip("this kernel has no MADV_POPULATE_READ (Linux 5.14+)")
+            # from the page the offset rounds down to, through the page the range ends in
+            assert 21 * page <= _mapped_rss(address) <= 21 * page + (64 << 10)
+        finally:
+            mm.close()

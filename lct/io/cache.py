@@ -277,6 +277,7 @@ class CachedChunks:
         self.entry, self.spans, self.art, self.pinned = entry, spans, art, pinned
         self._map = np.memmap(entry.path / DATA, dtype=np.uint8, mode="c", shape=(size,))
         self._checked: set = set()
+        self._at = {at: cid for cid, (at, _) in spans.items()}
         self.damaged: list = []         # chunk ids whose bytes differed (decoded instead)
 
     def chunk(self, cid: int) -> np.ndarray:
@@ -321,6 +322,26 @@ class CachedChunks:
         from lct.io.store import will_need
         will_need(self.entry.path / DATA, [self.spans[cid] for cid in cids], os.O_NOFOLLOW)
 
+    def put(self, buf) -> None:
+        """The consumer is done with ``buf``, a chunk's view from ``chunk`` (``Group.recycle``
+        of a stream that maps this entry): its pages leave this process's memory
+        (``MADV_DONTNEED`` on the whole pages it spans), so that a loader which copies every
+        tensor out (vLLM's) holds a window of the copy at a time, not all of it beside the
+        copies; they stay in the page cache for the next start. The chunk is checked again if
+        it is used again. A buffer that is not such a view (a damaged chunk's decode) is left
+        to the garbage collector."""
+        import mmap
+        base = self._map.ctypes.data
+        at = buf.ctypes.data - base if isinstance(buf, np.ndarray) else -1
+        cid = self._at.get(at)
+        if cid is None or buf.size != self.spans[cid][1]:
+            return
+        self._checked.discard(cid)
+        page = mmap.PAGESIZE
+        start, end = -(-at // page) * page, (at + buf.size) // page * page
+        if end > start:
+            self._map._mmap.madvise(mmap.MADV_DONTNEED, start, end - start)
+
     def _view(self, cid: int) -> np.ndarray:
         at, size = self.spans[cid]
         return self._map[at: at + size]
@@ -328,6 +349,8 @@ class CachedChunks:
     def _matches(self, cid: int) -> bool:
         if cid in self._checked:
             return True
+        from lct.io.store import populate
+        populate(self._map._mmap, *self.spans[cid])      # its pages in one call, not faults
         if _xxh3(self._view(cid)) == self.pinned[cid]:
             self._checked.add(cid)
             return True

@@ -73,8 +73,10 @@ class Group:
 
     def recycle(self) -> int:
         """Hand this group's decoded buffers back to its stream (one made with ``recycle``),
-        which decodes later groups into them instead of into fresh memory; a buffer that a
-        tensor still views is left alone (it is freed with its last view, never reused).
+        which decodes later groups into them instead of into fresh memory (a stream that maps a
+        decoded-cache entry drops their pages from this process's memory instead,
+        ``CachedChunks.put``); a buffer that a tensor still views is left alone (it is freed
+        with its last view, never reused).
         The group is empty afterwards. Returns the bytes handed back."""
         self._tensors = None
         buffers, self.buffers = self.buffers, {}
@@ -233,7 +235,9 @@ class GroupStream:
             buffers[chunk.id] = buf
             if self.on_decoded is not None:
                 self.on_decoded(chunk.id, buf)
-        return Group(name, buffers, art, self.dequantize, self.pool)
+        # a recycled group of a mapped entry gives its pages back instead (CachedChunks.put)
+        pool = self.cached if self.cached is not None and self.pool is not None else self.pool
+        return Group(name, buffers, art, self.dequantize, pool)
 
     def _advise(self, upto: int) -> None:
         """Ask the store to read groups up to index ``upto`` ahead (once each): a local store
