@@ -61,7 +61,8 @@ def list_cmd(as_json, quiet):
 @click.argument("artifact")
 @quiet_option("the entry's folder")
 def fill_cmd(artifact, quiet):
-    """Decode ARTIFACT (a folder, hf://org/name[@rev], pulled first, or s3://bucket/prefix)
+    """Decode ARTIFACT (a folder, hf://org/name[@rev], pulled first, or s3://, gs:// or
+    az://bucket/prefix)
     into the cache without loading a model, a few groups in memory at a time: for a model that
     the layer-wise model (lct.LayerwiseModel, lct load --layerwise), a device map or
     tensor-parallel ranks run, which map the entry instead of decoding (unless LCT_CACHE=0 or

@@ -19,7 +19,8 @@ from lct.format import constants as C
                    ".lct-export.json); any other folder is never replaced.")
 @quiet_option("the output folder's path")
 def export_cmd(artifact, out_dir, max_shard_size, force, quiet):
-    """Write ARTIFACT (a folder, hf://org/name[@rev], pulled first, or s3://bucket/prefix)
+    """Write ARTIFACT (a folder, hf://org/name[@rev], pulled first, or s3://, gs:// or
+    az://bucket/prefix)
     as a Hugging Face folder (safetensors + config + tokenizer + the other side files) that
     from_pretrained of the model's class loads (AutoModelForCausalLM for a causal LM;
     T5ForConditionalGeneration, LlavaForConditionalGeneration, ... for others: config.json's

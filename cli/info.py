@@ -19,8 +19,8 @@ from lct.format.encodings import lossy_encodings
 @quiet_option("one line: the path, format version, groups, tensors, stored and decoded sizes")
 def info_cmd(artifact, as_json, as_manifest, tensors, quiet):
     """Show the groups, tensors, encodings and stored vs decoded sizes of ARTIFACT (a folder,
-    hf://org/name[@rev], pulled into the Hugging Face cache first, or s3://bucket/prefix, of
-    which only the small files are fetched), and the overall ratio
+    hf://org/name[@rev], pulled into the Hugging Face cache first, or s3://, gs:// or
+    az://bucket/prefix, of which only the small files are fetched), and the overall ratio
     against the source checkpoint. Reads only the manifest (no torch needed)."""
     from lct.cloud import local_or_open
     from lct.io.info import summarize

@@ -82,8 +82,8 @@ class _Ranks(click.ParamType):
                    "stores, by default a quarter of the shards).")
 @click.option("--stream", is_flag=True,
               help="For an hf://org/name[@revision] ARTIFACT: fetch the chunks by HTTP range "
-                   "requests as they load instead of pulling the files first (an s3:// one "
-                   "always streams; a local folder is read as it is).")
+                   "requests as they load instead of pulling the files first (an s3://, gs:// "
+                   "or az:// one always streams; a local folder is read as it is).")
 @click.option("--tp", type=_Ranks(), is_flag=False, flag_value=0, default=None,
               help="Tensor-parallel: --tp N starts N ranks on this machine (gloo on CPU, NCCL "
                    "with --device cuda); --tp alone is one rank of a job torchrun started "
@@ -111,8 +111,8 @@ def load_cmd(artifact, prefetch, device, dtype, nf4, workers, no_verify, expect,
 
     ARTIFACT is a folder, a Hub address hf://org/name[@revision] (pulled into the Hugging Face
     cache and verified, or with --stream read chunk by chunk over HTTP), or an object store's
-    s3://bucket/prefix (always read chunk by chunk; AWS credentials and AWS_ENDPOINT_URL as the
-    AWS CLI takes them)."""
+    s3://bucket/prefix, gs://bucket/prefix or az://container/prefix (always read chunk by chunk;
+    credentials as each cloud's own tools take them, docs/PUBLISHING.md)."""
     if prompt is not None and ids is not None:
         raise click.UsageError("give --prompt or --ids, not both")
     if prompt is not None:

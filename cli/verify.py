@@ -57,7 +57,7 @@ from lct.conversion.policy import DEFAULT_BUDGET_KL
 def verify_cmd(artifact, against, revision, quality, text, budget, max_tokens, layerwise,
                quality_dtype, expect, as_json, quiet):
     """Check every chunk of ARTIFACT (a folder, hf://org/name[@rev], pulled first, or
-    s3://bucket/prefix, read by range requests):
+    s3://, gs:// or az://bucket/prefix, read by range requests):
     checksum and decode, every scale of a quantized table finite, every tensor of a type the
     model holds. Exits 1 if anything is wrong, or with --quality if the lossy parts cost
     more than --budget.

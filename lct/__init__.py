@@ -23,7 +23,7 @@ in a cycle; tests/test_layers.py walks every import (those inside functions too)
 ``format`` is what an artifact is byte for byte; ``io`` reads and writes artifacts; ``kernels``
 are the torch modules that compute on LCT's encodings; ``hub`` speaks to the Hugging Face Hub
 (addresses, pull, push, model cards, range reads); ``cloud`` does the same with object stores
-(``s3://``); ``arch`` is what transformers knows about an
+(``s3://``, ``gs://``, ``az://``); ``arch`` is what transformers knows about an
 architecture (stacks, embeddings, ties, experts, checkpoint renames); ``loader`` builds ready
 models; ``conversion`` turns checkpoints into artifacts and back and measures what that costs;
 ``plan`` is the memory planner; ``demo`` builds tiny models; ``cli`` is the ``lct`` command; ``lct`` itself is the API.
@@ -55,7 +55,8 @@ def open(path, *, verify: bool = True, workers=None, stream: bool = False):  # n
     Args:
         path: the artifact folder, ``hf://org/name[@revision]`` (pulled into the Hugging
             Face cache and its files checked, or with ``stream=True`` read chunk by chunk by
-            HTTP range requests), or ``s3://bucket/prefix`` (always read chunk by chunk).
+            HTTP range requests), or an object store's ``s3://``, ``gs://`` or
+            ``az://bucket/prefix`` (always read chunk by chunk).
         verify: check every chunk's checksum as it is read (a mismatch is a ``ChecksumError``
             naming the chunk).
         workers: decode threads (default: all cores).

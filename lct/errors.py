@@ -114,7 +114,8 @@ class HubURIError(LCTError, ValueError):
 
 
 class ObjectStoreError(LCTError, OSError):
-    """An object store (``s3://``) refused a request, or answered with what was not asked."""
+    """An object store (``s3://``, ``gs://``, ``az://``) refused a request, or answered with
+    what was not asked."""
 
 
 class ObjectStoreAuthError(ObjectStoreError, PermissionError):
@@ -130,7 +131,7 @@ class ObjectStoreOfflineError(ObjectStoreError, ConnectionError):
 
 
 class ObjectStoreURIError(LCTError, ValueError):
-    """Not a valid ``s3://bucket/prefix`` address."""
+    """Not a valid ``s3://``, ``gs://`` or ``az://bucket/prefix`` address."""
 
 
 class MaximusStateError(LCTError, ValueError):

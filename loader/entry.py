@@ -19,8 +19,8 @@ def load(path, prefetch: int = DEFAULT_PREFETCH, device="cpu", dtype=None, nf4: 
 
     Args:
         path: the artifact folder, ``hf://org/name[@revision]`` (pulled and verified first,
-            or with ``stream=True`` read by HTTP range requests), or ``s3://bucket/prefix``
-            (always read by range requests, ``lct.cloud``).
+            or with ``stream=True`` read by HTTP range requests), or ``s3://``, ``gs://`` or
+            ``az://bucket/prefix`` (always read by range requests, ``lct.cloud``).
         prefetch: groups decoded ahead of the one being installed (0: sequential).
         device: ``"cpu"`` or ``"cuda[:N]"``.
         dtype: cast floating-point weights to this torch dtype (default: the stored ones).

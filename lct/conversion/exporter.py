@@ -80,7 +80,7 @@ def export(artifact, out_dir, *, max_shard_size=DEFAULT_SHARD_SIZE, overwrite: b
 
     Args:
         artifact: an artifact path, an ``hf://org/name[@rev]`` address (pulled first), an
-            ``s3://bucket/prefix`` (streamed), or an open ``Artifact``.
+            ``s3://``/``gs://``/``az://bucket/prefix`` (streamed), or an open ``Artifact``.
         out_dir: the folder to create.
         max_shard_size: the largest safetensors shard, as save_pretrained takes it: bytes or
             ``"5GB"`` / ``"500MB"`` (``lct.units.parse_size``; an index is written when there are
@@ -106,7 +106,7 @@ def export(artifact, out_dir, *, max_shard_size=DEFAULT_SHARD_SIZE, overwrite: b
     if given is None:
         from lct.cloud import local_or_open
         artifact = local_or_open(artifact)
-        if isinstance(artifact, Artifact):      # s3:// streamed: ours to close
+        if isinstance(artifact, Artifact):      # an object store's, streamed: ours to close
             try:
                 return export(artifact, out_dir, max_shard_size=max_shard_size,
                               overwrite=overwrite, progress=progress)
