@@ -282,8 +282,13 @@ def test_vllm_resolves_the_address_to_its_small_files_and_streams_the_chunks(pus
 
 @pytest.mark.slow
 def test_tensor_parallel_ranks_each_read_only_their_share(scheme, server, faulty, tmp_path):
-    """``lct.load(address, tp_plan="auto")`` in a gloo world of 2: each rank range-reads the
-    chunks of its own tensor-parallel pieces (and the small whole tensors), not the artifact."""
+    check_ranks_read_their_share(f"{scheme}://{BUCKET}/tp/pieces.lct", faulty, tmp_path)
+
+
+def check_ranks_read_their_share(uri: str, proxy, tmp_path) -> None:
+    """``lct.load(uri, tp_plan="auto")`` in a gloo world of 2 (the artifact pushed to ``uri``
+    first): each rank range-reads the chunks of its own tensor-parallel pieces (and the small
+    whole tensors), not the artifact; ``proxy`` counts the bytes (tests/test_s3.py too)."""
     from test_tensor_parallel import launch
 
     from lct.conversion.converter import Policy
@@ -292,14 +297,13 @@ def test_tensor_parallel_ranks_each_read_only_their_share(scheme, server, faulty
                          num_key_value_heads=4)
     art = tmp_path / "pieces.lct"
     lct.convert(str(src), art, policy=Policy(nf4=(), tp_pieces=2))
-    uri = f"{scheme}://{BUCKET}/tp/pieces.lct"
     cloud.push(art, uri)
-    faulty.reset()
+    proxy.reset()
     results = launch(2, uri, src, tmp_path / "out", stream=True, env=dict(os.environ))
     for r in results:
         assert "error" not in r, r
         assert r["max_diff"] == 0.0 and r["placements"] == [], r
-    sizes = [int(b) - int(a) + 1 for e in faulty.log
+    sizes = [int(b) - int(a) + 1 for e in proxy.log
              if e["method"] == "GET" and re.search(DATA, e["path"]) and e["range"]
              for a, b in [re.fullmatch(r"bytes=(\d+)-(\d+)", e["range"]).groups()]]
     stored = sum(c.stored_size for c in lct.open(art).manifest.chunks)

@@ -22,7 +22,6 @@ from pathlib import Path
 from lct.cloud.objects import Backend, first_line, request_timeout
 from lct.errors import (
     LCTError,
-    MissingDependencyError,
     ObjectStoreAuthError,
     ObjectStoreError,
     ObjectStoreNotFoundError,
@@ -52,8 +51,7 @@ class Azure(Backend):
         try:
             from azure.storage.blob import BlobServiceClient, ExponentialRetry
         except ImportError as e:
-            raise MissingDependencyError(f"az:// addresses need azure-storage-blob ({e}): pip "
-                                         f"install 'lct[azure]'") from e
+            raise self.missing(e, "azure-storage-blob") from e
         t = request_timeout()
         kw = dict(connection_timeout=t, read_timeout=t, retry_policy=ExponentialRetry(
             initial_backoff=1, increment_base=2, retry_total=3))

@@ -21,7 +21,6 @@ from pathlib import Path
 from lct.cloud.objects import DOWNLOAD_PIECE, Backend, first_line, request_timeout
 from lct.errors import (
     LCTError,
-    MissingDependencyError,
     ObjectStoreAuthError,
     ObjectStoreError,
     ObjectStoreNotFoundError,
@@ -50,8 +49,7 @@ class GCS(Backend):
             import google.auth.exceptions
             from google.cloud import storage
         except ImportError as e:
-            raise MissingDependencyError(f"gs:// addresses need google-cloud-storage ({e}): "
-                                         f"pip install 'lct[gcs]'") from e
+            raise self.missing(e, "google-cloud-storage") from e
         try:
             return storage.Client(project=os.environ.get("GOOGLE_CLOUD_PROJECT"))
         except google.auth.exceptions.DefaultCredentialsError as e:

@@ -36,6 +36,7 @@ from lct.errors import (
     ChecksumError,
     LCTError,
     ManifestError,
+    MissingDependencyError,
     ObjectStoreError,
     ObjectStoreOfflineError,
     ObjectStoreURIError,
@@ -147,6 +148,12 @@ class Backend:
         return None
 
     # Shared ------------------------------------------------------------------------------------
+    @classmethod
+    def missing(cls, e: ImportError, package: str) -> MissingDependencyError:
+        """The error for a client library that is not installed: names the extra."""
+        return MissingDependencyError(f"{cls.scheme}:// addresses need {package} ({e}): pip "
+                                      f"install 'lct[{cls.extra}]'")
+
     def fail(self, e: BaseException, where: str) -> LCTError:
         """``e`` as LCT's error (an ``LCTError`` as it is)."""
         return e if isinstance(e, LCTError) else self.error(e, where)

@@ -19,7 +19,6 @@ from pathlib import Path
 from lct.cloud.objects import DOWNLOAD_PIECE, Backend, request_timeout
 from lct.errors import (
     LCTError,
-    MissingDependencyError,
     ObjectStoreAuthError,
     ObjectStoreError,
     ObjectStoreNotFoundError,
@@ -48,8 +47,7 @@ class S3(Backend):
             import boto3
             from botocore.config import Config
         except ImportError as e:
-            raise MissingDependencyError(f"s3:// addresses need boto3 ({e}): pip install "
-                                         f"'lct[s3]'") from e
+            raise self.missing(e, "boto3") from e
         timeout = request_timeout()
         retries = {} if "AWS_MAX_ATTEMPTS" in os.environ or "AWS_RETRY_MODE" in os.environ \
             else {"retries": {"max_attempts": 5, "mode": "standard"}}
