@@ -137,7 +137,7 @@ def test_a_streamed_load_equals_the_local_load_reading_listed_ranges(request, pu
     assert torch.equal(lct.load(pushed, prefetch=2, cache=False)(IDS).logits, want)
     data = [e for e in faulty.log if re.search(DATA, e["path"]) and e["method"] == "GET"]
     assert data and all(e["range"] for e in data), data        # no data file fetched whole
-    client, bucket, prefix = cloud.objects.connect(pushed)
+    client, bucket, prefix = cloud.objects.client_for(pushed)
     listed = {n: v for n, (_, v) in client.list(bucket, prefix).items() if re.search(DATA, n)}
     asked = {request.module.CONDITION(e) for e in data}
     assert asked == {v.strip('"') for v in listed.values()}, (asked, listed)  # each as listed

@@ -26,7 +26,7 @@ REPLACED = (ChecksumError, "checksum mismatch")
 
 def upload_order(server, log, prefix: str) -> list:
     """The names under ``prefix`` in the order they were written: their generations."""
-    client, bucket, pre = cloud.objects.connect(f"gs://{BUCKET}/{prefix}")
+    client, bucket, pre = cloud.objects.client_for(f"gs://{BUCKET}/{prefix}")
     listed = client.list(bucket, pre)
     return sorted(listed, key=lambda n: int(listed[n][1]))
 

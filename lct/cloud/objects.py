@@ -231,7 +231,7 @@ def parse_uri(uri: str) -> tuple:
     return (cls, *cls.parse(uri))
 
 
-def connect(uri: str, client: Backend | None = None) -> tuple:
+def client_for(uri: str, client: Backend | None = None) -> tuple:
     """``(client, bucket, prefix)`` for ``uri``: ``client`` if given, else a new one."""
     cls, bucket, prefix = parse_uri(uri)
     if client is not None and not isinstance(client, cls):
@@ -423,7 +423,7 @@ def _sync(uri: str, client) -> tuple:
     """``fetch_small``'s work; also returns the small files it checked (``small_files``, the
     manifest included)."""
     from lct.format.manifest import Manifest
-    client, bucket, prefix = connect(uri, client)
+    client, bucket, prefix = client_for(uri, client)
     objects = client.listing(bucket, prefix)
     where = client.uri(bucket, prefix)
     if C.MANIFEST_NAME not in objects:
@@ -595,7 +595,7 @@ def pull(uri: str, local_dir, *, client: Backend | None = None, progress=None) -
 def ensure_new_prefix(uri: str, client: Backend | None = None) -> None:
     """Raise ``WriteError`` unless no object is under the prefix of ``uri`` (nothing LCT did not
     write is overwritten); an unreachable store or a missing bucket is its own error."""
-    client, bucket, prefix = connect(uri, client)
+    client, bucket, prefix = client_for(uri, client)
     existing = client.listing(bucket, prefix)
     if existing:
         raise WriteError(f"{uri}: the prefix already holds {len(existing)} object(s) "
@@ -622,7 +622,7 @@ def push(artifact, uri: str, *, client: Backend | None = None, progress=None) ->
     from lct.hub.push import artifact_files
     from lct.io.reader import open_artifact
     root = Path(artifact)
-    client, bucket, prefix = connect(uri, client)
+    client, bucket, prefix = client_for(uri, client)
     with open_artifact(root) as art:
         _check(art, str(root))
         names, _ = artifact_files(root, art.manifest)   # what the manifest lists, confined
