@@ -450,9 +450,8 @@ def test_the_calibration_reports_its_passes_to_a_progress_callback(tmp_path):
     for e in cands:
         label = get_encoding(e).label
         assert {f"{label} on embed+head: quantizing", f"{label} on embed+head: head"} <= whats
-        # the smallest runs beside the reference, pruned or not (one pass for both)
-        assert (f"{label} on embed+head: embed (layer by layer)" in whats) == \
-            (e not in pruned or e == "nf4")
+        # layer by layer, a pass of several embeddings may run one a smaller one made moot
+        assert f"{label} on embed+head: embed (layer by layer)" in whats or e in pruned
     # the text-free proxy runs no text: nothing to report
     calls.clear()
     lct.convert(str(src), tmp_path / "p.lct", policy=Policy(calibration="none"),

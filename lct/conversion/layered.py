@@ -15,8 +15,8 @@ an artifact's layers). What the calibration compares needs neither table whole:
   model's own ``forward`` (the trunk's output given, so what follows the head, a logit
   soft-cap, runs as the model runs it).
 
-Every embedding candidate and the reference run through the trunk together, one batch row
-each: one read of the source's layers for all of them (``SourceTrunk.run``).
+The embedding candidates to measure and the reference run through the trunk together, one
+batch row each: one read of the source's layers for all of them (``SourceTrunk.run``).
 """
 
 from __future__ import annotations
@@ -27,9 +27,10 @@ from lct.errors import CalibrationUnavailable
 
 # The head's rows are read, cast to float32 and quantized this many bytes (float32) at a time.
 ROW_STEP_BYTES = 64 << 20
-# Each float32 logits tensor of the head stage holds at most this many bytes: positions are
-# scored this many vocabularies at a time (256 tokens of a 262k vocabulary are 256 MiB).
-LOGIT_BYTES = 256 << 20
+# The head stage's float32 logits of every variant at once hold at most this many bytes:
+# positions are scored as many at a time as fit (the 256 shipped tokens of the reference and
+# 10 candidates of a 152k vocabulary are 1.6 GB: one share, so the head is read once).
+LOGIT_BYTES = 2 << 30
 # What the calibration's progress calls the reference's pass (the whole-model path's name).
 REFERENCE = "the source model as it is (the reference)"
 
@@ -141,6 +142,7 @@ class SourceTrunk:
                                          f"{len(self._layers)} of its {len(layers)} layers")
         self.layers = len(layers)
         self._held: dict = {}
+        self._pool: dict = {}
         for index, module in enumerate(layers):
             self._hooks.append(module.register_forward_pre_hook(self._pre(index)))
             self._hooks.append(module.register_forward_hook(self._post(index)))
@@ -165,10 +167,11 @@ class SourceTrunk:
                 out.update({n: f.get_tensor(n) for n in group})
         return out
 
-    def _install(self, tensors: dict) -> list:
+    def _install(self, tensors: dict, pool: dict | None = None) -> list:
         """Put checkpoint ``tensors`` into the model (renamed and converted as
-        ``from_pretrained`` does), floating-point ones in float32; returns what they replaced,
-        ``[(module, leaf, old, is_buffer)]``."""
+        ``from_pretrained`` does), floating-point ones in float32 (copied into a buffer of
+        ``pool``, ``{(shape, dtype): [free tensors]}``, where one is free); returns what they
+        replaced, ``[(module, leaf, old, is_buffer, new)]``."""
         import torch
         replaced = []
         for full, t in self.arch.to_model(tensors, where=str(self.src.root)).items():
@@ -177,24 +180,30 @@ class SourceTrunk:
             buffer = leaf in module._buffers
             old = module._buffers[leaf] if buffer else module._parameters.get(leaf)
             if t.is_floating_point():
-                t = t.to(old.dtype if old is not None and old.is_floating_point()
-                         else self.dtype)
+                want = old.dtype if old is not None and old.is_floating_point() else self.dtype
+                free = pool.get((tuple(t.shape), want)) if pool is not None else None
+                t = free.pop().copy_(t) if free else t.to(want)
             if buffer:
                 module._buffers[leaf] = t
             else:
                 module._parameters[leaf] = torch.nn.Parameter(t, requires_grad=False)
-            replaced.append((module, leaf, old, buffer))
+            replaced.append((module, leaf, old, buffer, t))
         return replaced
 
+    # A layer's float32 tensors go back to a pool when it has run and the next layer's are
+    # copied into them: fresh memory for every layer of every pass costs a page fault a page
+    # (1-2 s a GB on this project's VMs, docs/BENCHMARKS.md), reused memory none.
     def _pre(self, index: int):
         def pre(module, args):
-            self._held[index] = self._install(self._read(self._layers[index]))
+            self._held[index] = self._install(self._read(self._layers[index]), self._pool)
         return pre
 
     def _post(self, index: int):
         def post(module, args, output):
-            for mod, leaf, old, buffer in reversed(self._held.pop(index, [])):
+            for mod, leaf, old, buffer, new in reversed(self._held.pop(index, [])):
                 (mod._buffers if buffer else mod._parameters)[leaf] = old
+                if new.is_floating_point():
+                    self._pool.setdefault((tuple(new.shape), new.dtype), []).append(new)
             if self.on_layer is not None:
                 self.on_layer(index)
         return post
@@ -233,33 +242,41 @@ class SourceTrunk:
         self._output = type(out)     # what ``logits`` gives the model's forward as it
         return out[0] if isinstance(out, tuple) else out.last_hidden_state
 
-    def logits(self, hidden, rows_of):
-        """The head's logits ``[N, vocab]`` on final hidden states ``hidden`` [N, hidden], with
-        the head's rows given by ``rows_of(r0, stored_rows)`` (float32), through the model's
-        own ``forward`` on that trunk output (so a logit soft-cap applies as it does)."""
+    def logits(self, hiddens: list, encodings: list, blocksize: int | None = None) -> list:
+        """The head's logits ``[N_i, vocab]`` on each of the final hidden states ``hiddens``
+        ([N_i, hidden]), with the head's rows as the source stores them (encoding None) or
+        quantized in ``encodings[i]`` and dequantized (``blocksize``: NF4's), through the
+        model's own ``forward`` on that trunk output (so a logit soft-cap applies as it does).
+        The head's rows are read once for all, a ``ROW_STEP_BYTES`` slice at a time, and each
+        encoding quantizes a slice once."""
         import torch
 
+        from lct.format.encodings import get_encoding
         rows = self.tensors[self.head_name].shape[0]
-        out = torch.empty(hidden.shape[0], rows)
+        outs = [torch.empty(h.shape[0], rows) for h in hiddens]
         bias = getattr(self.head_module, "bias", None)
-        ids = torch.zeros(1, hidden.shape[0], dtype=torch.long)
-        # the trunk's output as the trunk gives it (its own output class), holding ``hidden``
-        kept = (hidden[None],) if self._output is tuple else \
-            self._output(last_hidden_state=hidden[None])
-        with torch.no_grad(), Cached(self.base, kept):
+        # the trunk's output as the trunk gives it (its own output class), holding each hidden
+        kept = [(h[None],) if self._output is tuple else self._output(last_hidden_state=h[None])
+                for h in hiddens]
+        with torch.no_grad():
             for r0, stored in self.head_slices():
-                w = rows_of(r0, stored).to(self.dtype)
-                r1 = r0 + w.shape[0]
-                with Swap(self.head_module, w):
+                wf = stored.to(torch.float32)
+                r1 = r0 + wf.shape[0]
+                ws = {e: (wf if e is None else get_encoding(e).roundtrip(
+                    stored, blocksize, wf).to(torch.float32)).to(self.dtype)
+                    for e in dict.fromkeys(encodings)}
+                if bias is not None:
+                    self.head_module.bias = torch.nn.Parameter(bias[r0:r1], requires_grad=False)
+                try:
+                    for out, h, e, k in zip(outs, hiddens, encodings, kept):
+                        ids = torch.zeros(1, h.shape[0], dtype=torch.long)
+                        with Cached(self.base, k), Swap(self.head_module, ws[e]):
+                            out[:, r0:r1] = self.model(ids).logits[0].float()
+                finally:
                     if bias is not None:
-                        self.head_module.bias = torch.nn.Parameter(bias[r0:r1],
-                                                                   requires_grad=False)
-                    try:
-                        out[:, r0:r1] = self.model(ids).logits[0].float()
-                    finally:
-                        if bias is not None:
-                            self.head_module.bias = bias
-        return out
+                        self.head_module.bias = bias
+                del ws, wf
+        return outs
 
     def scorer(self, x):
         """For ids ``x`` [1, T]: a callable ``at -> logits [len(at), vocab]`` of the positions
@@ -281,7 +298,7 @@ class SourceTrunk:
         index = {t: k for k, t in enumerate(used)}
         table = self.embedding_rows(used).to(self.dtype)
         hidden = self.run(self.embed(table, torch.tensor([index[i] for i in ids])))[0]
-        return lambda at: self.logits(hidden[at], lambda r0, stored: stored)
+        return lambda at: self.logits([hidden[at]], [None])[0]
 
     def close(self) -> None:
         """Remove the hooks (the source's files are open only while a read runs)."""
@@ -315,9 +332,10 @@ def layerwise_costs(src, tensors: dict, model_class, plan: dict, blocks: list, b
         passes: the calibration's progress (``policy._Passes``), told the trunk's tokens after
             each layer.
 
-    One trunk pass runs the reference and every embedding candidate to measure together; with
-    ``prune``, the smallest candidate's embedding runs in that pass and, where it does not
-    fit, every other whose head alone is within ``bound`` in a second.
+    One trunk pass runs the reference and every embedding candidate together; with ``prune``
+    the reference runs alone, then the smallest embedding that can change the choice (its head
+    alone within ``bound``) and, where it does not fit, every other that can in one more pass:
+    the embeddings the whole-model path measures, in at most three passes.
 
     Returns ``(costs, tokens scored, partial)``.
 
@@ -343,20 +361,22 @@ def layerwise_costs(src, tensors: dict, model_class, plan: dict, blocks: list, b
         n = sum(len(ids) - 1 for ids in blocks)
         embed_part = next((p for p, (roles, *_) in plan.items() if "embed" in roles), None)
         embed_cands = plan[embed_part][3] if embed_part else []
-        first = embed_cands[:1] if prune else embed_cands
+        # without pruning every embedding runs beside the reference; with it, none: which
+        # can change the choice is known once the head's costs are
+        first = [] if prune else embed_cands
 
         def table(e):
             wf = stored_rows.float()
             return wf if e is None else \
                 get_encoding(e).roundtrip(stored_rows, blocksize, wf).to(torch.float32)
 
-        def trunk_pass(cands):
+        def trunk_pass(cands, reference: bool = True):
             """Final hidden states ``{candidate or None: [N, hidden]}`` of the scored
-            positions of every block, the reference (None) and each embedding candidate,
-            told to ``passes`` a layer at a time."""
-            keys = [None] + list(cands)
-            whats = [REFERENCE] + [f"{label(e, embed_part)}: embed (layer by layer)"
-                                   for e in cands]
+            positions of every block, of the reference (None; not with ``reference=False``)
+            and each embedding candidate, told to ``passes`` a layer at a time."""
+            keys = [None] * reference + list(cands)
+            whats = [REFERENCE] * reference + [f"{label(e, embed_part)}: embed (layer by layer)"
+                                               for e in cands]
             tables = [table(e) for e in keys]
             out = {k: [] for k in keys}
             for ids in local:
@@ -384,9 +404,10 @@ def layerwise_costs(src, tensors: dict, model_class, plan: dict, blocks: list, b
             if "head" in roles:
                 head_stage += [(e, part) for e in cands]
         measured = {}     # (kind, encoding) -> mean KL
+        reference: dict = {}    # the reference's log-probabilities, kept where they are small
         _score(trunk, hidden[None], [(("embed", e), hidden[e], None) for e in first] +
                [(("head", e), hidden[None], e) for e, _ in head_stage],
-               measured, n, blocksize, passes, sweep, label, head_stage)
+               measured, n, blocksize, passes, sweep, label, head_stage, reference)
         def walk(skip: bool) -> tuple:
             """Each part's costs as ``calibration_costs`` walks them (smallest first; a tied
             table's embedding left out where its head alone is over the budget or a smaller
@@ -412,39 +433,50 @@ def layerwise_costs(src, tensors: dict, model_class, plan: dict, blocks: list, b
                 costs[part] = c
             return costs, partial, pending
 
-        costs, partial, pending = walk(skip=False)
-        if pending:     # a tied table whose smallest candidate did not fit: the rest at once
-            more = trunk_pass(pending)
-            _score(trunk, hidden[None], [(("embed", e), more[e], None) for e in pending],
-                   measured, n, blocksize, passes, 0, label, [])
+        # A tied table: the smallest embedding that can change the choice, then, where it
+        # does not fit, every other that can at once (at most two more passes).
+        for round_ in range(2):
+            pending = walk(skip=False)[2]
+            if not pending:
+                break
+            batch = pending[:1] if round_ == 0 else pending
+            more = trunk_pass(batch, reference=False)
+            _score(trunk, hidden[None], [(("embed", e), more[e], None) for e in batch],
+                   measured, n, blocksize, passes, 0, label, [], reference)
         costs, partial, _ = walk(skip=True)
         return ({part: {e: costs[part][e] for e in plan[part][2]} for part in plan}, n,
                 partial)
 
 
 def _score(trunk, ref_hidden, variants, measured: dict, n: int, blocksize: int, passes,
-           sweep: int, label, head_stage) -> None:
+           sweep: int, label, head_stage, reference: dict) -> None:
     """Mean KL over the ``n`` scored positions of each ``(key, hidden, head encoding)`` of
     ``variants`` against the reference (the unquantized head on ``ref_hidden``), into
-    ``measured[key]``; positions a ``LOGIT_BYTES`` share at a time."""
-    import torch
+    ``measured[key]``: the logits of every variant from one read of the head's rows, as many
+    positions at a time as ``LOGIT_BYTES`` holds for all of them. Where the positions are one
+    such share, the reference's log-probabilities are kept in ``reference`` for the next call."""
     from torch.nn import functional as F
-
-    from lct.format.encodings import get_encoding
     vocab = trunk.tensors[trunk.head_name].shape[0]
-    step = max(1, LOGIT_BYTES // (4 * vocab))
+    step = max(1, LOGIT_BYTES // (4 * vocab * (len(variants) + 1)))
     totals = {key: 0.0 for key, _, _ in variants}
-    plain = lambda r0, rows: rows.float()   # noqa: E731
-
-    def quantized(e):
-        return lambda r0, rows: get_encoding(e).roundtrip(rows, blocksize, rows.float()).to(
-            torch.float32)
     for p0 in range(0, n, step):
-        lr = F.log_softmax(trunk.logits(ref_hidden[p0:p0 + step], plain), -1)
-        pr = lr.exp()
-        for key, hidden, e in variants:
-            lq = F.log_softmax(trunk.logits(hidden[p0:p0 + step],
-                                            plain if e is None else quantized(e)), -1)
+        cached = reference.get(p0)
+        hiddens = [h[p0:p0 + step] for _, h, _ in variants]
+        encodings = [e for _, _, e in variants]
+        if cached is None:
+            hiddens.insert(0, ref_hidden[p0:p0 + step])
+            encodings.insert(0, None)
+        outs = trunk.logits(hiddens, encodings, blocksize)
+        del hiddens
+        if cached is None:
+            lr = F.log_softmax(outs.pop(0), -1)
+            pr = lr.exp()
+            if step >= n:
+                reference[p0] = lr, pr
+        else:
+            lr, pr = cached
+        for key, _, _ in variants:
+            lq = F.log_softmax(outs.pop(0), -1)     # each variant's logits let go once used
             totals[key] += float((pr * (lr - lq)).sum())
             del lq
         del lr, pr

@@ -301,8 +301,9 @@ def calibration_obstacle(src, tensors: dict, arch) -> str | None:
 def layered_need(tensors: dict, arch) -> int:
     """Bytes the layer-wise calibration holds at its peak, beyond the process: the largest
     group of the source but the tables (a layer) in float32 twice (read and cast), and the
-    head stage's buffers: five logits tensors (256 positions of the vocabulary, at most
-    ``layered.LOGIT_BYTES`` each) and two slices of the head's rows."""
+    head stage's buffers: the logits of the reference and ten candidates on 256 positions (at
+    most ``layered.LOGIT_BYTES``), half as much again while they are scored, and two slices of
+    the head's rows."""
     groups: dict = {}
     table = vocab = 0
     for name, st in tensors.items():
@@ -312,8 +313,8 @@ def layered_need(tensors: dict, arch) -> int:
             vocab = max(vocab, st.shape[0] if st.shape else 1)
             continue
         groups[group] = groups.get(group, 0) + 4 * math.prod(st.shape)
-    logits = min(LOGIT_BYTES, 4 * SHIPPED_CALIBRATION_TOKENS * vocab)
-    return 2 * max(groups.values(), default=0) + 5 * logits + 2 * min(ROW_STEP_BYTES, table)
+    logits = min(LOGIT_BYTES, 4 * SHIPPED_CALIBRATION_TOKENS * vocab * 11)
+    return 2 * max(groups.values(), default=0) + logits * 3 // 2 + 2 * min(ROW_STEP_BYTES, table)
 
 
 def calibration_costs(src, tensors: dict, lossy: dict, tied: bool, arch, policy,
