@@ -48,7 +48,7 @@ class Azure(Backend):
     bucket_pattern = r"[a-z0-9](?:[a-z0-9]|-(?=[a-z0-9])){2,62}"
     bucket_rule = "3-63 lowercase letters, digits and single hyphens"
 
-    def connect(self, max_connections: int):
+    def connect(self):
         try:
             from azure.storage.blob import BlobServiceClient, ExponentialRetry
         except ImportError as e:

@@ -44,7 +44,7 @@ class GCS(Backend):
     bucket_pattern = r"[a-z0-9][a-z0-9._\-]{1,61}[a-z0-9]"
     bucket_rule = "3-63 lowercase letters, digits, dots, hyphens and underscores"
 
-    def connect(self, max_connections: int):
+    def connect(self):
         try:
             import google.auth.exceptions
             from google.cloud import storage

@@ -103,11 +103,11 @@ class Backend:
         if cls.scheme:
             Backend.registry[cls.scheme] = cls
 
-    def __init__(self, *, max_connections: int = 16):
-        self.client = self.connect(max_connections)
+    def __init__(self):
+        self.client = self.connect()
 
     # What a store implements ----------------------------------------------------------------
-    def connect(self, max_connections: int):
+    def connect(self):
         """The client, configured from the environment the way the store's own tools are.
 
         Raises:

@@ -29,6 +29,8 @@ from lct.errors import (
 RETRY_CODES = {"SlowDown", "InternalError", "ServiceUnavailable", "RequestTimeout",
                "RequestTimeoutException", "Throttling", "ThrottlingException", "500", "502",
                "503", "504"}
+# Connections boto3 pools (the read-ahead's threads and pull's, with room to spare).
+MAX_CONNECTIONS = 16
 _AUTH_CODES = {"AccessDenied", "InvalidAccessKeyId", "SignatureDoesNotMatch", "403",
                "ExpiredToken", "InvalidToken", "AllAccessDisabled"}
 
@@ -36,13 +38,13 @@ _AUTH_CODES = {"AccessDenied", "InvalidAccessKeyId", "SignatureDoesNotMatch", "4
 class S3(Backend):
     """S3 through one boto3 client with botocore's standard retries (throttling, 5xx, dropped
     connections before the body; ``AWS_MAX_ATTEMPTS`` / ``AWS_RETRY_MODE`` win) and
-    ``max_connections`` pooled connections."""
+    ``MAX_CONNECTIONS`` pooled connections."""
 
     scheme = "s3"
     label = "S3"
     extra = "s3"
 
-    def connect(self, max_connections: int):
+    def connect(self):
         try:
             import boto3
             from botocore.config import Config
@@ -52,7 +54,7 @@ class S3(Backend):
         retries = {} if "AWS_MAX_ATTEMPTS" in os.environ or "AWS_RETRY_MODE" in os.environ \
             else {"retries": {"max_attempts": 5, "mode": "standard"}}
         return boto3.session.Session().client("s3", config=Config(
-            max_pool_connections=max_connections, connect_timeout=timeout,
+            max_pool_connections=MAX_CONNECTIONS, connect_timeout=timeout,
             read_timeout=timeout, **retries))
 
     def list(self, bucket: str, prefix: str) -> dict:
