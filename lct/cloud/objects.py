@@ -505,13 +505,8 @@ def open_cloud(uri: str, *, verify: bool = True, workers: int | None = None,
     else:
         local, data, client = fetch_small(uri, client)
         _listed.pop((cls.scheme, bucket, prefix), None)  # only a listing made before the open
-    store = ObjectStore(client, bucket, prefix, data)
-    try:
-        return open_artifact(local, verify=verify, workers=workers, pin_memory=pin_memory,
-                             store=store)
-    except LCTError:
-        store.close()
-        raise
+    return open_artifact(local, verify=verify, workers=workers, pin_memory=pin_memory,
+                         store=ObjectStore(client, bucket, prefix, data))
 
 
 def _check(art, where: str) -> int:

@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import time
 
-from lct.errors import ArtifactNotFoundError, ChecksumError, HubError, HubOfflineError, LCTError
+from lct.errors import ArtifactNotFoundError, ChecksumError, HubError, HubOfflineError
 from lct.format import constants as C
 from lct.hub.address import parse_hf_uri, split_address, where
 from lct.hub.client import _hub, hub_error, hub_timeout
@@ -252,10 +252,6 @@ def open_remote(repo_id: str, revision: str | None = None, token=None, *, verify
     from lct.io.reader import open_artifact
     local, sha, sizes = fetch_small(repo_id, revision, token, endpoint=endpoint)
     repo_id = parse_hf_uri(repo_id)[0]
-    store = HttpRangeStore(repo_id, sha, token, endpoint=endpoint, sizes=sizes)
-    try:
-        return open_artifact(local, verify=verify, workers=workers, pin_memory=pin_memory,
-                             store=store)
-    except LCTError:
-        store.close()
-        raise
+    return open_artifact(local, verify=verify, workers=workers, pin_memory=pin_memory,
+                         store=HttpRangeStore(repo_id, sha, token, endpoint=endpoint,
+                                              sizes=sizes))

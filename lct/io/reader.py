@@ -517,7 +517,8 @@ def open_artifact(path, *, verify: bool = True, workers: int | None = None,
         workers: decode threads (default: all cores).
         pin_memory: decode into page-locked host memory (for asynchronous copies to a GPU).
         store: where the data files are read from (default: ``LocalStore(path)``; a remote
-            store streams them by HTTP range requests while ``path`` holds the small files).
+            store streams them by HTTP range requests while ``path`` holds the small files);
+            the artifact owns it: it is closed with it, or at once if the open fails.
 
     Returns:
         An ``Artifact``; close it (or use ``with``) to release its threads.
@@ -527,4 +528,9 @@ def open_artifact(path, *, verify: bool = True, workers: int | None = None,
         ManifestError: the manifest is invalid or disagrees with the data files.
         UnsupportedVersionError: a newer major version, or an unknown codec/dtype.
     """
-    return Artifact(path, verify=verify, workers=workers, pin_memory=pin_memory, store=store)
+    try:
+        return Artifact(path, verify=verify, workers=workers, pin_memory=pin_memory, store=store)
+    except BaseException:
+        if store is not None:
+            store.close()
+        raise
