@@ -25,7 +25,7 @@ Contenders, each a fresh Python process timed from its start (its age from /proc
 generated token (greedy, 1 new token, a short prompt), peak RSS its own ``VmHWM``:
 
 * ``lct``: ``lct.load("s3://BUCKET/ART")`` (the README's line; chunks by range requests, small
-  files into a fresh ``LCT_S3_CACHE``), the artifact's tokenizer, ``generate``;
+  files into a fresh ``LCT_CLOUD_CACHE``), the artifact's tokenizer, ``generate``;
 * ``download+from_pretrained``: boto3 ``download_file`` (its default transfer manager: 8 MiB
   parts, 10 threads) of every object of the source folder into a fresh temporary folder, then
   ``AutoModelForCausalLM.from_pretrained(folder, dtype=torch.bfloat16)`` and ``generate``; the
