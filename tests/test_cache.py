@@ -666,14 +666,16 @@ def test_populate_maps_a_range_without_touching_it(tmp_path):
     from lct.io.store import populate
     page = mmap.PAGESIZE
     f = tmp_path / "data.bin"
-    f.write_bytes(os.urandom(64 * page))
+    f.write_bytes(os.urandom(256 * page))
     with open(f, "rb") as fh:
         mm = mmap.mmap(fh.fileno(), 0, access=mmap.ACCESS_COPY)
         try:
             address = np.frombuffer(mm, np.uint8).ctypes.data
-            if not populate(mm, 8 * page + 100, 20 * page):
+            if not populate(mm, 100 * page + 100, 20 * page):
                 pytest.skip("this kernel has no MADV_POPULATE_READ (Linux 5.14+)")
-            # from the page the offset rounds down to, through the page the range ends in
-            assert 21 * page <= _mapped_rss(address) <= 21 * page + (64 << 10)
+            # from the page the offset rounds down to, through the page the range ends in,
+            # and what the kernel's fault-around maps beside them (64 KiB windows), far from
+            # the whole file
+            assert 21 * page <= _mapped_rss(address) <= 21 * page + 4 * (64 << 10)
         finally:
             mm.close()
