@@ -21,11 +21,10 @@ batch row each: one read of the source's layers for all of them (``SourceTrunk.r
 
 from __future__ import annotations
 
-import math
-
 from lct.errors import CalibrationUnavailable
 
-# The head's rows are read, cast to float32 and quantized this many bytes (float32) at a time.
+# A table's rows are read, cast to float32 and quantized this many bytes (float32) at a time
+# (the layer-wise calibration's head, the proxy's tables).
 ROW_STEP_BYTES = 64 << 20
 # The head stage's float32 logits of every variant at once hold at most this many bytes:
 # positions are scored as many at a time as fit (the 256 shipped tokens of the reference and
@@ -66,10 +65,10 @@ class Cached:
 class SourceTrunk:
     """The source checkpoint's model (``model_class``, built from its config on the meta
     device, in ``dtype``: float32 by default), run on text with one decoder layer in memory:
-    every layer is read from
-    the safetensors files when the trunk reaches it and released after it. Only the tensors
-    outside the layers, the embedding and the head (the final norm, rotary tables) are loaded;
-    the two tables are read in rows (``embedding_rows``, ``head_logits``).
+    every layer is read from the safetensors files when the trunk reaches it and released
+    after it. Only the tensors outside the layers, the embedding and the head (the final
+    norm, rotary tables) are loaded; the two tables are read in rows (``embedding_rows``,
+    ``head_slices``, which ``logits`` runs).
 
     Example:
         >>> with SourceTrunk(src, scan(src), type(arch.model)) as trunk:
@@ -146,8 +145,6 @@ class SourceTrunk:
         for index, module in enumerate(layers):
             self._hooks.append(module.register_forward_pre_hook(self._pre(index)))
             self._hooks.append(module.register_forward_hook(self._post(index)))
-        self.layer_bytes = max(sum(4 * math.prod(tensors[n].shape) for n in names)
-                               for names in self._layers.values())
 
     # Reading --------------------------------------------------------------------------------
     # Each read opens the files it reads and closes them after, as the converter does: a file
@@ -237,8 +234,11 @@ class SourceTrunk:
         """The trunk's final hidden states (after its final norm) for ``embeds``
         ``[variants, T, hidden]``, each batch row a sequence of its own."""
         import torch
-        with torch.no_grad():
-            out = self.base(inputs_embeds=embeds, use_cache=False)
+        try:
+            with torch.no_grad():
+                out = self.base(inputs_embeds=embeds, use_cache=False)
+        finally:
+            self._pool.clear()      # the layers' buffers serve one pass, not what follows it
         self._output = type(out)     # what ``logits`` gives the model's forward as it
         return out[0] if isinstance(out, tuple) else out.last_hidden_state
 

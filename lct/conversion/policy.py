@@ -8,7 +8,9 @@ measured one of two ways:
   candidate with that table replaced by its quantized-and-dequantized copy
   (``calibration_costs``). The text is ``--calibration TEXT``, or by default the 256 tokens of
   prose and code shipped with LCT (``sample_text.calibration_samples()``), where the source has a
-  tokenizer, fits in memory beside the conversion and gives next-token logits for text alone.
+  tokenizer, gives next-token logits for text alone and fits in memory beside the conversion:
+  a layer of it, since it runs layer by layer in float32 (``lct.conversion.layered``), or
+  whole where it cannot run so.
 - **proxy** (``--calibration none``, and the default's fallback, with the reason in the
   decision's note): the LM head's logits on hidden states drawn from the final norm's
   statistics (``gamma * z + beta``, ``z ~ N(0, I)``, seed ``PROXY_SEED``), lossless against each
@@ -32,7 +34,7 @@ import time
 from dataclasses import dataclass, field
 from itertools import product
 
-from lct.conversion.layered import LOGIT_BYTES
+from lct.conversion.layered import LOGIT_BYTES, ROW_STEP_BYTES
 from lct.conversion.layered import Cached as _Cached
 from lct.conversion.layered import Swap as _Swap
 from lct.conversion.quality import CALIBRATION_MEMORY_SHARE
@@ -64,7 +66,6 @@ PROXY_SAMPLES = 64
 PROXY_SEED = 7919
 
 log = logging.getLogger(__name__)
-ROW_STEP_BYTES = 64 << 20
 
 
 @dataclass
