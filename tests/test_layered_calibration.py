@@ -29,8 +29,10 @@ def _calibrate(folder, policy=None, layered=None, progress=None):
 
 # llama and qwen2: untied tables; gemma: a tied, scaled embedding; gemma2: a logit soft-cap
 # and sliding-window layers; gemma3_text: local and global rotary tables; gpt2: learned
-# position embeddings and dropout (off in eval)
-@pytest.mark.parametrize("arch", ["llama", "qwen2", "gemma", "gemma2", "gemma3_text", "gpt2"])
+# position embeddings and dropout (off in eval); mixtral: routed experts, fused by the model
+# from the checkpoint's tensors as from_pretrained fuses them
+@pytest.mark.parametrize("arch", ["llama", "qwen2", "gemma", "gemma2", "gemma3_text", "gpt2",
+                                  "mixtral"])
 def test_layer_wise_calibration_equals_the_whole_model(tmp_path, arch):
     src = tiny.save_tiny(tmp_path / arch, arch)
     tiny.save_tokenizer(src, vocab_size=256)
