@@ -429,6 +429,9 @@ def run_one(store: str, server, name: str, src: Path, art: Path, proxy: FaultPro
     try:
         env = base_env(store, server, proxy)
         env["LCT_CLOUD_CACHE"] = str(tmp / "lct-cache")
+        # a decoded copy of the artifact kept by an earlier load (this machine's, or another
+        # run's) would be mapped and nothing streamed: each run is a first start
+        env["LCT_CACHE_DIR"] = str(tmp / "decoded")
         head = (f"BUCKET = {BUCKET!r}\nSRC_KEY = {src.name!r}\n"
                 f"SRC_URI = {f's3://{BUCKET}/{src.name}'!r}\n"
                 f"ART_URI = {f'{store}://{BUCKET}/{art.name}'!r}\n"
