@@ -23,6 +23,7 @@ Example:
 
 from __future__ import annotations
 
+import abc
 import hashlib
 import os
 import re
@@ -76,7 +77,7 @@ def first_line(e, limit: int = 200) -> str:
     return line if len(line) <= limit else line[:limit] + "..."
 
 
-class Backend:
+class Backend(abc.ABC):
     """One object store's client, connected: a subclass per store, registered by its
     ``scheme`` when it is defined (``Backend.registry``). An instance is thread-safe (one
     client, its connection pool).
@@ -106,7 +107,8 @@ class Backend:
     def __init__(self):
         self.client = self.connect()
 
-    # What a store implements ----------------------------------------------------------------
+    # What a store implements (abstract: a subclass lacking one cannot be made) ----------------
+    @abc.abstractmethod
     def connect(self):
         """The client, configured from the environment the way the store's own tools are.
 
@@ -114,31 +116,30 @@ class Backend:
             MissingDependencyError: the client library is not installed (names the extra).
             ObjectStoreAuthError: no credentials found (names the variable to set).
         """
-        raise NotImplementedError
 
+    @abc.abstractmethod
     def list(self, bucket: str, prefix: str) -> dict:
         """``{name relative to prefix: (size, version)}`` of every object under ``prefix/``."""
-        raise NotImplementedError
 
+    @abc.abstractmethod
     def get(self, bucket: str, key: str, version: str) -> bytes:
         """A whole (small) object, as listed (conditioned on ``version``), by one request."""
-        raise NotImplementedError
 
+    @abc.abstractmethod
     def read_range(self, bucket: str, key: str, start: int, end: int, version: str, take,
                    where: str) -> None:
         """Bytes ``[start, end)`` of the object as listed, by one request, each block handed to
         ``take(block)`` as it arrives. Raises ``ObjectStoreError`` (naming ``where``) for an
         answer that is not that range of that version, where the client lets it be seen."""
-        raise NotImplementedError
 
+    @abc.abstractmethod
     def put_file(self, bucket: str, key: str, path: Path) -> None:
         """Upload the file ``path`` as the object ``key``, never replacing one that exists
         where the store can say so."""
-        raise NotImplementedError
 
+    @abc.abstractmethod
     def error(self, e: BaseException, where: str) -> LCTError:
         """LCT's one-line error for the client's exception ``e`` about ``where``."""
-        raise NotImplementedError
 
     def transient(self, e: BaseException) -> str | None:
         """Why retrying ``e`` may help (throttling, 5xx, timeouts, a dropped connection), or
