@@ -5,7 +5,9 @@
 Modules mapped to ``"disk"`` stay in the artifact: their chunks are not read at load, and
 accelerate's offload hooks fetch their weights from the artifact (one group decoded at a time)
 when they run. A pipeline stage is such a map: the layers of other stages on ``"disk"``, so the
-process never reads their chunks unless it runs them.
+process never reads their chunks unless it runs them. A mixture of experts' experts module on
+``"disk"`` reads only the experts its tokens are routed to (``lct.loader.experts``), where LCT
+can know the routing; ``model.lct_expert_bytes`` counts the expert bytes read.
 """
 
 from __future__ import annotations
@@ -15,6 +17,7 @@ import time
 from collections.abc import Mapping
 
 from lct.errors import LCTError
+from lct.format import constants as C
 
 AUTO_MAPS = ("auto", "balanced", "balanced_low_0", "sequential")
 
@@ -25,16 +28,24 @@ class ArtifactWeights(Mapping):
     as the load converts them, ``lct.arch``); what the load installed is served from
     ``installed`` instead."""
 
-    def __init__(self, art, arch, groups_of: dict, dtype=None, installed: dict | None = None):
+    def __init__(self, art, arch, groups_of: dict, dtype=None, installed: dict | None = None,
+                 routed: dict | None = None, expert_bytes=None):
         self.art, self.arch, self.dtype = art, arch, dtype
         self.groups_of = groups_of              # model name -> the groups that fill it
         self.installed = installed or {}
+        # Experts groups read by routing (lct.loader.experts): their module's pre-hook puts
+        # the routed experts' parameters in routed_now just before accelerate's hook asks.
+        self.routed = routed or {}
+        self.expert_bytes = expert_bytes
+        self.routed_now: dict = {}
         self._groups, self._tensors = (), {}
         self._lock = threading.Lock()
 
     def __getitem__(self, key: str):
         if key in self.installed:
             return self.installed[key]
+        if key in self.routed_now:
+            return self.routed_now[key]
         source = self.arch.ties.get(key, key) if key not in self.groups_of else key
         groups = self.groups_of[source]
         with self._lock:
@@ -42,6 +53,9 @@ class ArtifactWeights(Mapping):
                 tensors = {}
                 for g in groups:
                     tensors.update(self.art.read_group(g, dequantize=True))
+                    if g.endswith(C.GROUP_EXPERTS_SUFFIX) and self.expert_bytes is not None:
+                        n = sum(c.stored_size for c in self.art.manifest.group_chunks(g))
+                        self.expert_bytes.add(n, n, True)       # no routing known: whole
                 self._tensors = self.arch.to_model(tensors, where=str(self.art.path))
                 self._groups = groups
             tensor = self._tensors[source]
@@ -53,6 +67,40 @@ class ArtifactWeights(Mapping):
 
     def __len__(self) -> int:
         return len(set(self.groups_of) | set(self.installed))
+
+
+def _routed_on_disk(art, arch, inst, groups_of: dict, dmap: dict) -> tuple:
+    """``({group: RoutedExperts}, ExpertBytes)``: the experts groups whose parameters are all
+    on "disk", those read by routing (``lct.loader.experts.plan``; the others' reasons in
+    ``ExpertBytes.whole_groups``)."""
+    from lct.loader.experts import ExpertBytes, plan
+    on_disk: dict = {}
+    for name, gs in groups_of.items():
+        for g in gs:
+            if g.endswith(C.GROUP_EXPERTS_SUFFIX):
+                on_disk[g] = on_disk.get(g, True) and device_of(name, dmap) == "disk"
+    routed, whole = plan(art, arch, arch.model, inst.shapes, inst.dtypes,
+                         [g for g, disk in on_disk.items() if disk])
+    return routed, ExpertBytes(whole_groups=whole)
+
+
+def _hook_routed(model, weights: ArtifactWeights) -> None:
+    """A pre-hook on each routed experts module left on "disk": it reads the experts the
+    call's ``top_k_index`` names (``RoutedExperts.read``) into ``weights.routed_now`` before
+    accelerate's hook (inside the module's forward, after torch's pre-hooks) asks for the
+    module's parameters; a forward hook lets them go after it."""
+    from lct.loader.experts import routing_of
+    for routed in weights.routed.values():
+        module = model.get_submodule(routed.module_path)
+
+        def pre(module, args, kwargs, routed=routed):
+            experts = routed.experts_of(routing_of(routed.position, args, kwargs))
+            weights.routed_now = routed.read(experts, bytes_=weights.expert_bytes)
+
+        def post(module, args, output):
+            weights.routed_now = {}
+        module.register_forward_pre_hook(pre, with_kwargs=True)
+        module.register_forward_hook(post)
 
 
 def groups_filling(arch, manifest) -> dict:
@@ -257,8 +305,12 @@ def load_mapped(path, device_map, options=None, *, max_memory=None, stats=None):
         if offloading:
             installed = {n: p for n, p in model.state_dict(keep_vars=True).items()
                          if p.device.type != "meta"}
-            weights = ArtifactWeights(art, arch, groups_of, dtype, installed)
+            routed, expert_bytes = _routed_on_disk(art, arch, inst, groups_of, dmap)
+            weights = ArtifactWeights(art, arch, groups_of, dtype, installed, routed,
+                                      expert_bytes)
             model = dispatch_model(model, dmap, state_dict=weights, offload_index={})
+            _hook_routed(model, weights)
+            model.lct_expert_bytes = expert_bytes
             model._lct_artifact = art     # read on demand by the offloaded modules
             closing = "disk" not in devices
         else:

@@ -8,6 +8,10 @@ layer's weights are installed just before its forward and dropped right after, s
 model, because the weights are the same bytes. Where the decoded cache holds the artifact
 (``lct cache fill``, or an earlier ``lct.load``; ``cache=`` / ``LCT_CACHE``), the layers are
 mapped from it instead of read and decoded.
+
+A mixture of experts' block reads only the experts its tokens are routed to, when the router has
+chosen (``lct.loader.experts``; not prefetched), where LCT can know the routing, and its whole
+experts group otherwise; ``expert_stats`` counts the expert bytes read against all of them.
 """
 
 from __future__ import annotations
@@ -15,7 +19,8 @@ from __future__ import annotations
 from lct.errors import LCTError
 from lct.io.stream import DEFAULT_PREFETCH, GroupStream
 from lct.loader.build import build_skeleton, cache_hit, check_device, fill_later
-from lct.loader.install import Installer
+from lct.loader.experts import routing_of
+from lct.loader.install import Installer, _set
 from lct.loader.source import LoadOptions
 
 
@@ -67,9 +72,22 @@ class LayerwiseModel:
                         units.setdefault(index, [])
                         if g not in units[index]:
                             units[index].append(g)
-            self.layer_groups = [g for i in sorted(units) for g in units[i]]
+            # A block's routed experts are read by the router's choice where LCT can know it
+            # (lct.loader.experts): those groups leave the stream, each read in its experts
+            # module's pre-hook; the others stream whole, as the block's own group does.
+            from lct.loader.experts import ExpertBytes, plan
+            self.routed, whole = plan(self.art, arch, self.model, self.installer.shapes,
+                                      self.installer.dtypes,
+                                      [g for gs in units.values() for g in gs])
+            self.expert_bytes = ExpertBytes(whole_groups=whole)
+            self.expert_forwards: list = []     # (read, all) expert bytes of each forward
+            self._whole_bytes = {g: sum(c.stored_size for c in self.art.manifest.group_chunks(g))
+                                 for g in whole}
+            self.layer_groups = [g for i in sorted(units) for g in units[i]
+                                 if g not in self.routed]
             self._index_of = {g: i for i, gs in units.items() for g in gs}
-            resident = [g for g in self.art.groups if g not in self.layer_groups]
+            resident = [g for g in self.art.groups
+                        if g not in self.layer_groups and g not in self.routed]
             with GroupStream(self.art, resident, prefetch=prefetch, cached=self.cached) as stream:
                 for group in stream:
                     self.installer.install(group)
@@ -81,7 +99,7 @@ class LayerwiseModel:
             for index, groups in sorted(units.items()):
                 module = layers[index]
                 self._modules[index] = module
-                self._units[index] = groups
+                self._units[index] = [g for g in groups if g not in self.routed]
                 # Zero-element stand-ins on the target device: they hold no memory, and
                 # model.device (generate() uses it) stays the real device, not meta.
                 self._placeholders[index] = {
@@ -103,6 +121,10 @@ class LayerwiseModel:
             for index, module in self._modules.items():
                 self._hooks.append(module.register_forward_pre_hook(self._make_pre(index)))
                 self._hooks.append(module.register_forward_hook(self._make_post(index)))
+            for routed in self.routed.values():
+                module = self.model.get_submodule(routed.module_path)
+                self._hooks.append(module.register_forward_pre_hook(
+                    self._make_experts(routed), with_kwargs=True))
             self.model.eval()
             # no entry: one is kept for the next start, in the background (a miss's fill)
             self.filling = fill_later(self.art, options.cache, self.cached)
@@ -116,9 +138,24 @@ class LayerwiseModel:
         self._stream = GroupStream(self.art, self.layer_groups, prefetch=self.prefetch,
                                    cached=self.cached)
         self._expected = 0
+        self._bytes_at = (self.expert_bytes.read, self.expert_bytes.all)
 
     def _end(self, module, args, kwargs, output):
         self._close_stream()
+        read, all_ = self._bytes_at
+        self.expert_forwards.append((self.expert_bytes.read - read,
+                                     self.expert_bytes.all - all_))
+
+    def _make_experts(self, routed):
+        """The pre-hook of a routed experts module: read the experts its ``top_k_index``
+        names (every expert when that is not a tensor of indices in range) and install them."""
+        def pre(module, args, kwargs):
+            experts = routed.experts_of(routing_of(routed.position, args, kwargs))
+            tensors = routed.read(experts, cached=self.cached, bytes_=self.expert_bytes)
+            for name, t in tensors.items():
+                _set(self.model, name, self.installer._to_device(t))
+            self.installer.synchronize()
+        return pre
 
     def _close_stream(self):
         if self._stream is not None:
@@ -135,6 +172,8 @@ class LayerwiseModel:
                     raise LCTError(f"layer-wise model: expected group {g}, the stream gave "
                                    f"{group.name}; layers must run in order")
                 self.installer.install(group)
+                if g in self._whole_bytes:      # an experts group read whole
+                    self.expert_bytes.add(self._whole_bytes[g], self._whole_bytes[g], True)
             self.resident_layers += 1
             st = self._stream
             ahead = {self._index_of[g] for g in st.names[st._next - len(st._pending):st._next]}
@@ -154,6 +193,17 @@ class LayerwiseModel:
             self._release(index)
             self.resident_layers -= 1
         return post
+
+    @property
+    def expert_stats(self) -> dict:
+        """The expert bytes read (``ExpertBytes.to_dict``: stored bytes of the experts chunks
+        read against those of every experts group whole, over every forward so far) and
+        ``forwards``: ``[read, all]`` of each model forward (one per generated token after
+        the prompt's); ``routed_groups``: the experts groups read by routing."""
+        out = self.expert_bytes.to_dict()
+        out["routed_groups"] = len(self.routed)
+        out["forwards"] = [list(f) for f in self.expert_forwards]
+        return out
 
     # Use ------------------------------------------------------------------------------------
     def __call__(self, *args, **kwargs):

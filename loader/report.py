@@ -59,9 +59,18 @@ class LoadReport:
                       ("generation", f"{res.new_tokens} tokens, {res.tokens_per_s:.1f} tok/s")]
 
     def layerwise(self, model) -> None:
-        """Add what a ``LayerwiseModel`` held at most."""
+        """Add what a ``LayerwiseModel`` held at most, and the expert bytes it read."""
+        from lct.units import human
         self.rows.append(("max resident layers", str(model.max_resident_layers)))
         self.data["max_resident_layers"] = model.max_resident_layers
+        e = model.expert_stats
+        self.data["expert_bytes"] = e
+        if e["all"]:
+            self.rows.append(("expert bytes read / all experts'",
+                              f"{human(e['read'])} / {human(e['all'])} "
+                              f"({e['read'] / e['all']:.1%}, {e['routed_groups']} of "
+                              f"{e['routed_groups'] + len(e['whole_groups'])} experts groups "
+                              f"by routing)"))
 
     def maximus(self, embedding) -> None:
         """Add a ``MaximusEmbedding``'s residency and hit rate."""
