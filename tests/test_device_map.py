@@ -209,3 +209,20 @@ def test_auto_with_a_small_budget_on_a_tied_model(tied):
     assert not [r for r in records if "not tied" in r.getMessage()]
     with torch.no_grad():
         assert torch.equal(model(IDS).logits, want)
+
+
+@pytest.mark.parametrize("how", ["disk", "auto"])
+def test_a_map_larger_than_its_budget_generates_the_layerwise_models_tokens(art, how):
+    """Issue 38.3: layers left on disk, by an explicit map or by device_map='auto' with a
+    max_memory below the model's size (accelerate puts the overflow on disk), generate the
+    layer-wise model's tokens, in the stored dtype as both run by default."""
+    from lct.loader import LayerwiseModel
+    size = sum(c.decoded_size for c in lct.open(art).manifest.chunks)
+    with LayerwiseModel(art, cache=False) as lw:
+        want = lw.generate(IDS, max_new_tokens=5, do_sample=False)
+    if how == "disk":
+        model = lct.load(art, device_map=_stage(0, -1))          # every layer on disk
+    else:
+        model = lct.load(art, device_map="auto", max_memory={"cpu": size // 2})
+    assert "disk" in set(model.hf_device_map.values()), model.hf_device_map
+    assert torch.equal(model.generate(IDS, max_new_tokens=5, do_sample=False), want)
