@@ -22,7 +22,9 @@ Mixtral shape the expert bytes read per generated token against all experts' (st
 ``LayerwiseModel.expert_stats``, ``model.lct_expert_bytes``). Everything built is deleted unless
 ``--keep``. Disk: a shape needs its checkpoint and its artifact at once (about 1.65x the
 checkpoint); ``--min-free`` (default 13 GB) is what must stay free: a shape that would leave less
-is skipped and said so, and ``--layers`` builds fewer layers of a shape where the disk is short.
+is skipped and said so (checked before the build, before each shard and before the convert,
+since other jobs write on the same disk), and ``--layers`` builds fewer layers of a shape where
+the disk is short.
 
     python benchmarks/bench_size.py --out /work/bench_out/size --tokens 2 --wait-file /tmp/lct-quiet
     python benchmarks/bench_size.py --shapes mixtral --tokens 3
@@ -85,11 +87,25 @@ def module_of(name: str) -> str:
     return ".".join(parts[:-1])
 
 
-def build(shape: dict, out: Path, seed: int = 0) -> int:
+class DiskShort(Exception):
+    """Writing on would leave less disk free than ``--min-free``."""
+
+
+def room(path: Path, nbytes: float, min_free: float) -> None:
+    """Raise ``DiskShort`` unless ``nbytes`` more leave ``min_free`` bytes free under ``path``
+    (checked before each shard and before the convert: other jobs write on this disk too)."""
+    free = shutil.disk_usage(path).free
+    if free - nbytes < min_free:
+        raise DiskShort(f"{nbytes / GB:.1f} GB more would leave {(free - nbytes) / GB:.1f} GB "
+                        f"free, under the {min_free / GB:g} GB to keep (--min-free)")
+
+
+def build(shape: dict, out: Path, seed: int = 0, min_free: float = 0.0) -> int:
     """Write a random checkpoint of ``shape`` into ``out``: config.json, one safetensors shard
     per module (a layer, the embedding, the norm, the head: AirLLM's split then links them),
     model.safetensors.index.json and the small trained tokenizer. One module in memory at a
-    time. Returns the checkpoint's bytes."""
+    time; ``DiskShort`` before a shard that would leave less than ``min_free`` bytes free.
+    Returns the checkpoint's bytes."""
     import torch
     from safetensors.torch import save_file
     from transformers import AutoConfig
@@ -109,6 +125,7 @@ def build(shape: dict, out: Path, seed: int = 0) -> int:
     weight_map, total = {}, 0
     for i, (module, names) in enumerate(modules.items(), 1):
         shard = f"model-{i:05d}-of-{len(modules):05d}.safetensors"
+        room(tmp, sum(2 * _numel(tensors[n][0]) for n in names), min_free)
         part = {}
         for n in names:
             shp, dtype = tensors[n]
@@ -260,7 +277,7 @@ def bench_shape(name: str, shape: dict, out: Path, args, env: dict) -> dict:
         wait_quiet(args.wait_file)
         print(f"{name}: building {shape_bytes(shape) / GB:.1f} GB ...", flush=True)
         t0 = time.perf_counter()
-        size = build(shape, src)
+        size = build(shape, src, min_free=args.min_free * GB)
         rows["build"] = {"s": time.perf_counter() - t0, "bytes": size}
         from transformers import AutoTokenizer
         ids = AutoTokenizer.from_pretrained(src)(PROMPT)["input_ids"]
@@ -270,6 +287,7 @@ def bench_shape(name: str, shape: dict, out: Path, args, env: dict) -> dict:
             print(f"{name}: AirLLM ...", flush=True)
             rows["airllm"] = run([PY, "-c", AIRLLM, json.dumps(child)], env, args.wait_file)
             shutil.rmtree(src / "splitted_model", ignore_errors=True)
+        room(out, size * ARTIFACT_RATIO, args.min_free * GB)
         print(f"{name}: convert ...", flush=True)
         rows["convert"] = run([PY, "-m", "lct.cli.main", "convert", str(src), "-o", str(art),
                                "--force", "--quiet"], env, args.wait_file)
@@ -283,6 +301,8 @@ def bench_shape(name: str, shape: dict, out: Path, args, env: dict) -> dict:
         rows["device_map"] = run([PY, "-c", DEVICE_MAP, json.dumps(child)], env, args.wait_file)
         print(f"{name}: layer-wise ...", flush=True)
         rows["layerwise"] = run([PY, "-c", LAYERWISE, json.dumps(child)], env, args.wait_file)
+    except DiskShort as e:
+        rows["disk"] = {"skip": f"stopped: {e}"}
     finally:
         if not args.keep:
             shutil.rmtree(src, ignore_errors=True)
@@ -305,7 +325,8 @@ def render(results: dict) -> str:
              "expert bytes per token (read / all) | note |", "|---|---|---|---|---|---|---|---|"]
     for name, rows in results.items():
         want = rows.get("layerwise", {}).get("tokens")
-        for phase in ("build", "airllm", "convert", "verify", "device_map", "layerwise"):
+        for phase in ("build", "airllm", "convert", "verify", "device_map", "layerwise",
+                      "disk"):
             r = rows.get(phase)
             if r is None:
                 continue
@@ -338,7 +359,8 @@ def main() -> None:
     p.add_argument("--layers", default="", help="fewer layers of a shape: NAME=N[,NAME=N]")
     p.add_argument("--tokens", type=int, default=3, help="tokens each model generates")
     p.add_argument("--budget", default="4GiB", help="the device map's max_memory for the CPU")
-    p.add_argument("--min-free", type=float, default=13.0, help="GB of disk to keep free")
+    p.add_argument("--min-free", type=float, default=None,
+                   help="GB of disk to keep free (default 13; 0 with --tiny)")
     p.add_argument("--wait-file", default=None,
                    help="wait while this file exists before each phase (a quiet machine)")
     p.add_argument("--tiny", action="store_true", help="tiny shapes: the pipeline in seconds")
@@ -354,7 +376,8 @@ def main() -> None:
         for s in shapes.values():
             s.update(TINY)
         args.budget = 150_000
-        args.min_free = 0.0
+    if args.min_free is None:
+        args.min_free = 0.0 if args.tiny else 13.0
     args.out.mkdir(parents=True, exist_ok=True)
     env = dict(os.environ, LCT_CACHE="0", TOKENIZERS_PARALLELISM="false",
                HF_HUB_OFFLINE="1", TRANSFORMERS_VERBOSITY="error")

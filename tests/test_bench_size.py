@@ -30,3 +30,15 @@ def test_bench_size_tiny_runs_every_phase(tmp_path):
         assert 0 < read < all_, (phase, rows[phase]["experts"])
     assert "| mixtral | layerwise |" in res.stdout
     assert not out.exists()                 # everything built is deleted
+
+
+def test_bench_size_skips_a_shape_the_disk_cannot_hold(tmp_path):
+    """A shape whose checkpoint and artifact would leave less than --min-free on the disk is
+    not built: the table says why, and nothing is left behind."""
+    out = tmp_path / "size"
+    res = subprocess.run([sys.executable, str(BENCH), "--tiny", "--shapes", "llama2-13b",
+                          "--min-free", "1e9", "--out", str(out)],
+                         capture_output=True, text=True, timeout=300)
+    assert res.returncode == 0, res.stdout[-2000:] + res.stderr[-2000:]
+    assert "| llama2-13b | build |" in res.stdout and "GB to keep free" in res.stdout
+    assert not out.exists()
