@@ -4,10 +4,11 @@ the faults: the cases every store passes (tests/cloud_cases.py) and what is Azur
 (connection strings, keys, SAS)."""
 
 import pytest
+import torch
 
 pytest.importorskip("azure.storage.blob")
 from cloud_cases import *  # noqa: E402,F403 - the shared cases, collected here
-from cloud_cases import BUCKET, _env, _one_line  # noqa: E402
+from cloud_cases import BUCKET, IDS, _env, _one_line  # noqa: E402
 from cloud_servers import AZURITE_ACCOUNT, AZURITE_KEY, AzuriteServer  # noqa: E402
 
 import lct  # noqa: E402
@@ -67,3 +68,62 @@ def test_a_wrong_key_and_a_read_only_sas_are_refused_where_they_must_be(server, 
     with pytest.raises(ObjectStoreAuthError, match="access denied") as e:
         cloud.push(tiny, f"az://{BUCKET}/readonly/llama.lct")
     _one_line(e)
+
+
+# Azure's other spellings of an address ------------------------------------------------------
+
+@pytest.mark.parametrize("uri", [
+    f"abfs://{BUCKET}@{AZURITE_ACCOUNT}.dfs.core.windows.net/tiny/llama.lct",
+    f"abfss://{BUCKET}@{AZURITE_ACCOUNT}.dfs.core.windows.net/tiny/llama.lct/",
+    f"https://{AZURITE_ACCOUNT}.blob.core.windows.net/{BUCKET}/tiny/llama.lct",
+])
+def test_the_addresses_azure_users_paste_read_as_az(uri, pushed, tiny, direct):
+    """abfs(s)://CONTAINER@ACCOUNT.dfs... and https://ACCOUNT.blob.../CONTAINER/PREFIX are the
+    artifact at az://CONTAINER/PREFIX of that account: parsed so, and loaded equal to the local
+    load (the connection string, here Azurite's, is the named account's)."""
+    from lct.cloud.objects import client_options, parse_uri
+    assert cloud.is_cloud_uri(uri)
+    cls, bucket, prefix = parse_uri(uri)
+    assert (cls.scheme, bucket, prefix) == ("az", BUCKET, "tiny/llama.lct")
+    assert client_options(uri) == {"account": AZURITE_ACCOUNT}
+    want = lct.load(tiny, cache=False)(IDS).logits
+    assert torch.equal(lct.load(uri, cache=False)(IDS).logits, want)
+
+
+def test_other_https_addresses_are_not_object_stores_and_a_folder_is_asked_for(direct):
+    for uri in ("https://example.com/models/llama.lct",
+                f"https://{AZURITE_ACCOUNT}.blob.core.windows.net.example.com/{BUCKET}/x",
+                f"abfs://{BUCKET}@{AZURITE_ACCOUNT}.blob.core.windows.net/x"):
+        assert not cloud.is_cloud_uri(uri), uri
+    from lct.errors import ObjectStoreURIError
+    with pytest.raises(ObjectStoreURIError, match="give the artifact's folder") as e:
+        lct.open(f"https://{AZURITE_ACCOUNT}.blob.core.windows.net/{BUCKET}")
+    _one_line(e)
+
+
+def test_an_address_naming_another_account_than_the_credentials_is_refused(pushed, direct,
+                                                                            monkeypatch):
+    """The account an address names is the one read: a connection string, or a key in the
+    environment, for another account is one line naming both, never a read of the wrong one."""
+    uri = f"https://otheraccount.blob.core.windows.net/{BUCKET}/tiny/llama.lct"
+    with pytest.raises(ObjectStoreAuthError, match="'otheraccount'.*'devstoreaccount1'") as e:
+        lct.open(uri)
+    _one_line(e)
+    monkeypatch.delenv("AZURE_STORAGE_CONNECTION_STRING")
+    monkeypatch.setenv("AZURE_STORAGE_ACCOUNT", AZURITE_ACCOUNT)
+    monkeypatch.setenv("AZURE_STORAGE_KEY", AZURITE_KEY)
+    with pytest.raises(ObjectStoreAuthError, match="AZURE_STORAGE_ACCOUNT='devstoreaccount1'"):
+        lct.open(uri)
+
+
+def test_an_address_naming_its_account_needs_no_account_variable(monkeypatch, tmp_path):
+    """With a key (or SAS) but no AZURE_STORAGE_ACCOUNT, the client is made for the account
+    the address names, at its public endpoint (made, not connected: no request is sent)."""
+    from lct.cloud.objects import client_for
+    _env(monkeypatch, tmp_path, {"AZURE_STORAGE_KEY": AZURITE_KEY})
+    for k in ("AZURE_STORAGE_CONNECTION_STRING", "AZURE_STORAGE_ACCOUNT"):
+        monkeypatch.delenv(k, raising=False)
+    client, bucket, prefix = client_for(f"abfss://{BUCKET}@myaccount.dfs.core.windows.net/m.lct")
+    assert client.client.account_name == "myaccount"
+    assert client.client.url.startswith("https://myaccount.blob.core.windows.net")
+    assert (bucket, prefix) == (BUCKET, "m.lct")

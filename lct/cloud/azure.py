@@ -1,4 +1,7 @@
-"""Azure Blob Storage: ``az://container/prefix``.
+"""Azure Blob Storage: ``az://container/prefix``, and the spellings Azure users paste:
+``abfs://container@ACCOUNT.dfs.core.windows.net/prefix`` (``abfss://`` too, as fsspec's adlfs
+and Spark write them) and ``https://ACCOUNT.blob.core.windows.net/container/prefix`` (the
+portal's URL), which name the account as well.
 
 The client is azure-storage-blob (``pip install 'lct[azure]'``; why this one:
 docs/BENCHMARKS.md, "bench_cloud_clients"). The account and its credential are found as the
@@ -17,6 +20,7 @@ Example:
 from __future__ import annotations
 
 import os
+import re
 from pathlib import Path
 
 from lct.cloud.objects import Backend, first_line, request_timeout
@@ -32,6 +36,14 @@ RETRY_STATUSES = {408, 429, 500, 502, 503, 504}
 BLOCK = 1 << 20     # bytes of a response body read at a time
 NO_ACCOUNT = ("no Azure storage account given (set AZURE_STORAGE_CONNECTION_STRING, or "
               "AZURE_STORAGE_ACCOUNT with AZURE_STORAGE_KEY or AZURE_STORAGE_SAS_TOKEN)")
+# Azure's other spellings of an address: the container, the account, the prefix.
+ACCOUNT = r"(?P<account>[a-z0-9]{3,24})"
+SPELLINGS = (
+    re.compile(r"abfss?://(?P<bucket>[^@/]+)@" + ACCOUNT
+               + r"\.dfs\.core\.windows\.net(?:/(?P<prefix>.*))?"),
+    re.compile(r"https://" + ACCOUNT
+               + r"\.blob\.core\.windows\.net/(?P<bucket>[^/]+)(?:/(?P<prefix>.*))?"),
+)
 NO_CREDENTIAL = ("no credential for the Azure storage account (set AZURE_STORAGE_KEY or "
                  "AZURE_STORAGE_SAS_TOKEN, or pip install azure-identity and log in for "
                  "DefaultAzureCredential)")
@@ -48,6 +60,18 @@ class Azure(Backend):
     bucket_pattern = r"[a-z0-9](?:[a-z0-9]|-(?=[a-z0-9])){2,62}"
     bucket_rule = "3-63 lowercase letters, digits and single hyphens"
 
+    def __init__(self, account: str | None = None):
+        self.account = account          # the account the address names, if it names one
+        super().__init__()
+
+    @classmethod
+    def canonical(cls, uri: str) -> tuple | None:
+        for spelling in SPELLINGS:
+            m = spelling.fullmatch(uri)
+            if m:
+                return f"az://{m['bucket']}/{m['prefix'] or ''}", {"account": m["account"]}
+        return None
+
     def connect(self):
         try:
             from azure.storage.blob import BlobServiceClient, ExponentialRetry
@@ -62,16 +86,27 @@ class Azure(Backend):
         conn = os.environ.get("AZURE_STORAGE_CONNECTION_STRING")
         if conn:
             try:
-                return BlobServiceClient.from_connection_string(conn, **kw)
+                client = BlobServiceClient.from_connection_string(conn, **kw)
             except ValueError as e:
                 raise ObjectStoreAuthError(f"az://: AZURE_STORAGE_CONNECTION_STRING is not a "
                                            f"connection string ({first_line(e)})") from e
-        account = os.environ.get("AZURE_STORAGE_ACCOUNT")
+            if self.account and client.account_name != self.account:
+                raise ObjectStoreAuthError(
+                    f"az://: the address names the account {self.account!r}, "
+                    f"AZURE_STORAGE_CONNECTION_STRING is for {client.account_name!r} (unset "
+                    f"it, or write the address as az://CONTAINER/PREFIX)")
+            return client
+        named = os.environ.get("AZURE_STORAGE_ACCOUNT")
+        key = os.environ.get("AZURE_STORAGE_KEY") or os.environ.get("AZURE_STORAGE_SAS_TOKEN")
+        if self.account and named and named != self.account and key:
+            raise ObjectStoreAuthError(
+                f"az://: the address names the account {self.account!r}, the key or SAS in the "
+                f"environment is for AZURE_STORAGE_ACCOUNT={named!r}")
+        account = self.account or named
         if not account:
             raise ObjectStoreAuthError(f"az://: {NO_ACCOUNT}")
         url = f"https://{account}.blob.core.windows.net"
-        credential = os.environ.get("AZURE_STORAGE_KEY") or \
-            os.environ.get("AZURE_STORAGE_SAS_TOKEN")
+        credential = key
         if credential is None:
             try:
                 from azure.identity import DefaultAzureCredential

@@ -107,6 +107,14 @@ class Backend(abc.ABC):
     def __init__(self):
         self.client = self.connect()
 
+    @classmethod
+    def canonical(cls, uri: str) -> tuple | None:
+        """``(scheme://bucket/prefix, client options)`` for another spelling of this store's
+        addresses that users paste (Azure's ``abfs://`` and ``https://ACCOUNT.blob...``), the
+        options what the address names beyond a bucket (an account); None where ``uri`` is not
+        such a spelling. A store without other spellings keeps this one."""
+        return None
+
     # What a store implements (abstract: a subclass lacking one cannot be made) ----------------
     @abc.abstractmethod
     def connect(self):
@@ -203,9 +211,14 @@ class Backend(abc.ABC):
 
 
 def scheme_of(path) -> str | None:
-    """The object store scheme of ``path`` (``"s3"``, ``"gs"``, ``"az"``), or None."""
+    """The object store scheme of ``path`` (``"s3"``, ``"gs"``, ``"az"``; ``"az"`` for
+    Azure's other spellings too), or None."""
     m = re.match(r"([a-z0-9]+)://", path) if isinstance(path, str) else None
-    return m[1] if m and m[1] in Backend.registry else None
+    if not m:
+        return None
+    if m[1] in Backend.registry:
+        return m[1]
+    return next((cls.scheme for cls in Backend.registry.values() if cls.canonical(path)), None)
 
 
 def is_cloud_uri(path) -> bool:
@@ -229,16 +242,30 @@ def parse_uri(uri: str) -> tuple:
                                   + ", ".join(f"{s}://bucket/prefix" for s in Backend.registry)
                                   + ")")
     cls = Backend.registry[scheme]
-    return (cls, *cls.parse(uri))
+    other = cls.canonical(uri)
+    return (cls, *cls.parse(other[0] if other else uri))
+
+
+def client_options(uri: str) -> dict:
+    """What the address ``uri`` names for its client beyond bucket and prefix (the account of
+    an Azure ``https://ACCOUNT.blob...`` address), ``{}`` for most."""
+    other = Backend.registry[scheme_of(uri)].canonical(uri) if is_cloud_uri(uri) else None
+    return dict(other[1]) if other else {}
 
 
 def client_for(uri: str, client: Backend | None = None) -> tuple:
-    """``(client, bucket, prefix)`` for ``uri``: ``client`` if given, else a new one."""
+    """``(client, bucket, prefix)`` for ``uri``: ``client`` if given, else a new one (with
+    the options the address names, ``client_options``)."""
     cls, bucket, prefix = parse_uri(uri)
     if client is not None and not isinstance(client, cls):
         raise ObjectStoreURIError(f"{uri}: the client given speaks {client.scheme}://, not "
                                   f"{cls.scheme}://")
-    return (client if client is not None else cls()), bucket, prefix
+    return (client if client is not None else cls(**client_options(uri))), bucket, prefix
+
+
+def _listing_key(uri: str) -> tuple:
+    cls, bucket, prefix = parse_uri(uri)
+    return cls.scheme, bucket, prefix, tuple(sorted(client_options(uri).items()))
 
 
 class ObjectStore(RemoteStore):
@@ -472,7 +499,7 @@ def _sync(uri: str, client) -> tuple:
         if isinstance(e, LCTError):
             raise
         raise WriteError(f"{local}: cannot write the small files of {where} ({e})") from e
-    _listed[(client.scheme, bucket, prefix)] = (time.monotonic(), local, data, client, wanted)
+    _listed[_listing_key(uri)] = (time.monotonic(), local, data, client, wanted)
     return local, data, client, wanted
 
 
@@ -499,13 +526,14 @@ def open_cloud(uri: str, *, verify: bool = True, workers: int | None = None,
     """
     from lct.io.reader import open_artifact
     cls, bucket, prefix = parse_uri(uri)
-    seen = _listed.pop((cls.scheme, bucket, prefix), None) if client is None else None
+    key = _listing_key(uri)
+    seen = _listed.pop(key, None) if client is None else None
     if seen is not None and time.monotonic() - seen[0] < RELIST_AFTER_S and \
             all(_intact(seen[1] / n, size, sha) for n, (size, sha) in seen[4].items()):
         local, data, client = seen[1:4]         # resolve() listed it a moment ago
     else:
         local, data, client = fetch_small(uri, client)
-        _listed.pop((cls.scheme, bucket, prefix), None)  # only a listing made before the open
+        _listed.pop(key, None)          # only a listing made before the open
     return open_artifact(local, verify=verify, workers=workers, pin_memory=pin_memory,
                          store=ObjectStore(client, bucket, prefix, data))
 
