@@ -3,7 +3,7 @@ bf16) and a Mixtral-shaped one (hidden 4096, intermediate 14336, 8 experts, 2 pe
 layers: 26.6 GB), each built here shard by shard without ever holding the model (random bf16
 weights, normal(0, 0.02), norms 1; the small trained tokenizer of ``lct.demo.tiny``, so that
 convert calibrates), then, each in a fresh process, its peak RSS read from the kernel (the
-process's ``ru_maxrss`` as ``wait4`` returns it):
+process's ``VmHWM`` as it exits):
 
 * AirLLM (``pip install airllm``) generating N tokens, layer by layer from the safetensors
   (run before the convert: it splits the checkpoint into per-layer files first; each shard here
@@ -234,24 +234,50 @@ def wait_quiet(path: str | None) -> None:
         time.sleep(20)
 
 
+# Runs a phase (``-m MODULE ARGS`` or ``-c CODE ARGS``) and prints its own peak RSS at exit:
+# the ``VmHWM`` of the process's memory, which starts afresh at exec. (``wait4``'s
+# ``ru_maxrss`` does not: Linux carries the parent's high-water mark across the fork and the
+# exec, so every phase read at least this benchmark's own peak, 3.2 GB after a Mixtral build.)
+PHASE = r"""
+import atexit, runpy, sys
+def _hwm():
+    with open("/proc/self/status") as f:
+        kb = [int(x.split()[1]) for x in f if x.startswith("VmHWM:")][0]
+    print("HWM " + str(kb * 1024), flush=True)
+atexit.register(_hwm)
+how, what = sys.argv[1], sys.argv[2]
+sys.argv = [what] + sys.argv[3:]
+if how == "-m":
+    runpy.run_module(what, run_name="__main__", alter_sys=True)
+else:
+    sys.argv[0] = "-c"
+    exec(compile(what, "<phase>", "exec"), {"__name__": "__main__"})
+"""
+
+
 def run(argv: list, env: dict, wait_file: str | None) -> dict:
-    """Run ``argv`` in a fresh process: its exit status, wall time, peak RSS (``wait4``'s
-    ``ru_maxrss``), the ``RESULT`` JSON line it printed, or ``SKIP`` / the error's last line."""
+    """Run ``argv`` (``[PY, "-m" | "-c", ...]``) in a fresh process: its exit status, wall
+    time, peak RSS (its ``VmHWM`` at exit, ``PHASE``; ``wait4``'s ``ru_maxrss``, an upper
+    bound, where it died before saying), the ``RESULT`` JSON line it printed, or ``SKIP`` / the
+    error's last line."""
     wait_quiet(wait_file)
     t0 = time.perf_counter()
     with tempfile.TemporaryFile("w+") as out:
-        proc = subprocess.Popen(argv, env=env, stdout=out, stderr=subprocess.STDOUT, text=True)
+        proc = subprocess.Popen([argv[0], "-c", PHASE, *argv[1:]], env=env, stdout=out,
+                                stderr=subprocess.STDOUT, text=True)
         _, status, usage = os.wait4(proc.pid, 0)
         proc.returncode = os.waitstatus_to_exitcode(status)
         out.seek(0)
         text = out.read()
     row = {"rc": proc.returncode, "s": time.perf_counter() - t0,
-           "peak_rss": usage.ru_maxrss * 1024}
+           "peak_rss": usage.ru_maxrss * 1024, "peak_from": "ru_maxrss (an upper bound)"}
     for line in text.splitlines():
         if line.startswith("RESULT "):
             row.update(json.loads(line[7:]))
         elif line.startswith("SKIP "):
             row["skip"] = line[5:]
+        elif line.startswith("HWM "):
+            row["peak_rss"], row["peak_from"] = int(line[4:]), "VmHWM"
     if proc.returncode != 0:
         lines = [x for x in text.strip().splitlines() if x.strip()]
         row["error"] = lines[-1][:300] if lines else f"exit {proc.returncode}"

@@ -132,37 +132,67 @@ class RoutedExperts:
             ids |= self.chunks_of.get(e, set())
         return sorted(ids)
 
+    def batches(self, experts) -> list:
+        """``experts`` in batches that share no chunk (the experts of one chunk together, in
+        expert order): each batch is read, converted and put in place before the next, so that
+        a read holds one batch's bytes beside the parameters, not every routed expert's."""
+        batches: list = []                  # [(experts, chunk ids)]
+        for e in sorted(experts):
+            ids = set(self.chunks_of.get(e, ()))
+            joined = [b for b in batches if b[1] & ids]
+            for b in joined:
+                batches.remove(b)
+                ids |= b[1]
+            batches.append((sorted([e, *(x for b in joined for x in b[0])]), ids))
+        return sorted(batches)
+
     def read(self, experts, cached=None, bytes_=None) -> dict:
         """``{model name: tensor}`` of the experts group with only ``experts``' rows read
         (None: every expert, the whole group): parameters of their full shape and dtype.
         ``cached``: a decoded-cache entry the chunks are mapped from. ``bytes_``: an
         ``ExpertBytes`` told what was read."""
         import torch
-
-        from lct.io.stream import GroupStream
         whole = experts is None
         experts = sorted(self.by_expert) if whole else list(experts)
         ids = self.chunks(experts)
-        with GroupStream(self.art, [self.group], prefetch=0, chunks=ids, cached=cached) as s:
-            group = next(s)
         if bytes_ is not None:
             bytes_.add(sum(self.stored[i] for i in ids), self.all_bytes, whole)
+        out: dict = {}
+        if self.fused:                      # tensors of all experts: converted with them
+            self._place(experts, self._convert(ids, experts, cached), out)
+        else:
+            for batch, chunk_ids in self.batches(experts):
+                self._place(batch, self._convert(sorted(chunk_ids), batch, cached), out)
+        for name, (shape, dtype) in self.params.items():
+            if name not in out:             # no routed expert: nothing of it is read
+                out[name] = torch.empty(shape, dtype=dtype)
+        return out
+
+    def _convert(self, ids: list, experts: list, cached) -> dict:
+        """Chunks ``ids`` read and checked, ``experts``' tensors (and the fused ones) converted
+        by the checkpoint's converter; the chunks' buffers let go on return."""
+        from lct.io.stream import GroupStream
+        with GroupStream(self.art, [self.group], prefetch=0, chunks=ids, cached=cached) as s:
+            group = next(s)
         names = [n for e in experts for n in self.by_expert.get(e, ())] + self.fused
         tensors = {n: self.art.assemble(self.art.manifest.tensors[n], group.buffers)
                    for n in names}
-        converted = self.arch.to_model(tensors, where=str(self.art.path))
-        out = {}
+        return self.arch.to_model(tensors, where=str(self.art.path))
+
+    def _place(self, experts: list, converted: dict, out: dict) -> dict:
+        """``converted``'s rows (``experts``, in order) put at their experts' rows of ``out``'s
+        full-shape parameters (made as needed, untouched elsewhere)."""
+        import torch
         for name, (shape, dtype) in self.params.items():
             t = converted.get(name)
-            if t is None:               # no routed expert: nothing of it is read
-                out[name] = torch.empty(shape, dtype=dtype)
+            if t is None:
                 continue
-            if tuple(t.shape) == tuple(shape):
+            if name not in out and tuple(t.shape) == tuple(shape):
                 out[name] = t.to(dtype) if t.is_floating_point() and t.dtype != dtype else t
                 continue
-            full = torch.empty(shape, dtype=dtype)
-            full[torch.tensor(experts)] = t.to(dtype)
-            out[name] = full
+            if name not in out:
+                out[name] = torch.empty(shape, dtype=dtype)
+            out[name][torch.tensor(experts)] = t.to(dtype)
         return out
 
 

@@ -204,3 +204,50 @@ def test_load_layerwise_json_reports_expert_bytes(moe, run):
     res = run("load", moe, "--layerwise", "--ids", "1,5,9", "--max-new-tokens", "2",
               "--no-cache")
     assert "expert bytes read / all experts'" in res.output
+
+
+@pytest.fixture(scope="module")
+def shared_chunks(tmp_path_factory):
+    """16 experts, 2 per token: two experts a chunk (ceil(16 / EXPERT_CHUNKS))."""
+    d = tmp_path_factory.mktemp("mixtral16")
+    src = save_tiny(d / "src", "mixtral", num_attention_heads=4, num_key_value_heads=2,
+                    num_experts_per_tok=2, num_local_experts=16)
+    art = d / "a.lct"
+    lct.convert(str(src), art, policy=lct.Policy(nf4=()))
+    return art
+
+
+def test_routed_experts_are_read_a_batch_at_a_time_each_chunk_once(shared_chunks, monkeypatch):
+    """The routed experts are read and converted in batches that share no chunk (the experts of
+    one chunk together), one batch's bytes held at a time, not all of them: each chunk is read
+    once per forward, and the tokens are the fully loaded model's."""
+    full = lct.load(shared_chunks)
+    chosen, want_tokens = _chosen(full, IDS)
+    calls: list = []
+    real = RoutedExperts._convert
+
+    def spy(self, ids, experts, cached):
+        calls.append((self.group, tuple(ids), tuple(experts)))
+        return real(self, ids, experts, cached)
+    monkeypatch.setattr(RoutedExperts, "_convert", spy)
+    reads: list = []
+    real_read = Artifact.read_stored
+
+    def read_spy(self, chunk, **kw):
+        if chunk.group.endswith(".experts"):
+            reads.append((chunk.group, chunk.id))
+        return real_read(self, chunk, **kw)
+    monkeypatch.setattr(Artifact, "read_stored", read_spy)
+    with LayerwiseModel(shared_chunks, prefetch=2, cache=False) as lw:
+        r = lw.routed["layers.0.experts"]
+        assert any(len(b) == 2 for b, _ in r.batches(range(16)))     # two experts a chunk
+        tokens = lw.generate(IDS, max_new_tokens=4, do_sample=False)
+    assert torch.equal(tokens, want_tokens)
+    assert len(reads) == sum(len(_chunks_of(shared_chunks, layer, experts))   # each chunk once
+                             for forward in chosen for layer, experts in forward.items())
+    for group, ids, experts in calls:
+        rr = lw.routed[group]
+        assert set(ids) == set().union(*(rr.chunks_of[e] for e in experts))
+        assert len(experts) <= 2                                    # one chunk's experts
+    assert len(calls) == sum(len(lw.routed[f"layers.{layer}.experts"].batches(experts))
+                             for forward in chosen for layer, experts in forward.items())
