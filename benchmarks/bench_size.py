@@ -279,7 +279,7 @@ def run(argv: list, env: dict, wait_file: str | None) -> dict:
         elif line.startswith("HWM "):
             row["peak_rss"], row["peak_from"] = int(line[4:]), "VmHWM"
     if proc.returncode != 0:
-        lines = [x for x in text.strip().splitlines() if x.strip()]
+        lines = [x for x in text.strip().splitlines() if x.strip() and not x.startswith("HWM ")]
         row["error"] = lines[-1][:300] if lines else f"exit {proc.returncode}"
     return row
 

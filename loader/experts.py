@@ -8,7 +8,8 @@ made from the checkpoint's experts stored one by one by transformers' converters
 experts' rows. A forward pre-hook on that module sees ``top_k_index`` before the module runs:
 ``RoutedExperts.read`` reads and checks (the chunks' checksums, as every read) the chunks of
 those experts, converts their tensors with the same converter ``from_pretrained`` uses, and puts
-each expert's rows at its index in parameters of the full shape. The other rows are never
+each expert's rows at its index in parameters of the full shape, a batch of experts at a time
+(``RoutedExperts.batches``: the experts of one chunk together). The other rows are never
 written: they are memory the system hands out untouched (no resident pages), and the module
 never reads them, because the hook read every expert ``top_k_index`` names.
 
