@@ -36,6 +36,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import os
 import shutil
 import subprocess
@@ -125,7 +126,7 @@ def build(shape: dict, out: Path, seed: int = 0, min_free: float = 0.0) -> int:
     weight_map, total = {}, 0
     for i, (module, names) in enumerate(modules.items(), 1):
         shard = f"model-{i:05d}-of-{len(modules):05d}.safetensors"
-        room(tmp, sum(2 * _numel(tensors[n][0]) for n in names), min_free)
+        room(tmp, sum(2 * math.prod(tensors[n][0]) for n in names), min_free)
         part = {}
         for n in names:
             shp, dtype = tensors[n]
@@ -150,14 +151,8 @@ def shape_bytes(shape: dict) -> int:
     from transformers import AutoConfig
     kw = dict(shape)
     config = AutoConfig.for_model(kw.pop("model_type"), **kw)
-    return sum(2 * _numel(s) for s, _ in checkpoint_tensors(config).values())
+    return sum(2 * math.prod(s) for s, _ in checkpoint_tensors(config).values())
 
-
-def _numel(shape) -> int:
-    n = 1
-    for s in shape:
-        n *= s
-    return n
 
 
 # --------------------------------------------------------------------------------------------

@@ -18,6 +18,7 @@ from collections.abc import Mapping
 
 from lct.errors import LCTError
 from lct.format import constants as C
+from lct.loader.experts import stored_bytes
 
 AUTO_MAPS = ("auto", "balanced", "balanced_low_0", "sequential")
 
@@ -54,7 +55,7 @@ class ArtifactWeights(Mapping):
                 for g in groups:
                     tensors.update(self.art.read_group(g, dequantize=True))
                     if g.endswith(C.GROUP_EXPERTS_SUFFIX) and self.expert_bytes is not None:
-                        n = sum(c.stored_size for c in self.art.manifest.group_chunks(g))
+                        n = stored_bytes(self.art.manifest, g)
                         self.expert_bytes.add(n, n, True)       # no routing known: whole
                 self._tensors = self.arch.to_model(tensors, where=str(self.art.path))
                 self._groups = groups
@@ -89,13 +90,11 @@ def _hook_routed(model, weights: ArtifactWeights) -> None:
     call's ``top_k_index`` names (``RoutedExperts.read``) into ``weights.routed_now`` before
     accelerate's hook (inside the module's forward, after torch's pre-hooks) asks for the
     module's parameters; a forward hook lets them go after it."""
-    from lct.loader.experts import routing_of
     for routed in weights.routed.values():
         module = model.get_submodule(routed.module_path)
 
         def pre(module, args, kwargs, routed=routed):
-            experts = routed.experts_of(routing_of(routed.position, args, kwargs))
-            weights.routed_now = routed.read(experts, bytes_=weights.expert_bytes)
+            weights.routed_now = routed.read_call(args, kwargs, bytes_=weights.expert_bytes)
 
         def post(module, args, output):
             weights.routed_now = {}

@@ -71,6 +71,11 @@ def _routing_arg(module):
     return params.index("top_k_index") - 1 if "top_k_index" in params else None
 
 
+def stored_bytes(manifest, group: str) -> int:
+    """The stored (compressed) bytes of ``group``'s chunks: what reading it whole reads."""
+    return sum(c.stored_size for c in manifest.group_chunks(group))
+
+
 def routing_of(position: int, args: tuple, kwargs: dict):
     """The ``top_k_index`` a call of an experts module passes (keyword, or positional at
     ``position``), or None."""
@@ -112,7 +117,7 @@ class RoutedExperts:
                 self.by_expert.setdefault(e, []).append(t.name)
                 self.chunks_of.setdefault(e, set()).update(ids)
         self.stored = {c.id: c.stored_size for c in art.manifest.group_chunks(group)}
-        self.all_bytes = sum(self.stored.values())
+        self.all_bytes = stored_bytes(art.manifest, group)
 
     def experts_of(self, top_k_index) -> list | None:
         """The experts ``top_k_index`` names, ascending; None when it is not an integer tensor
@@ -146,6 +151,12 @@ class RoutedExperts:
                 ids |= b[1]
             batches.append((sorted([e, *(x for b in joined for x in b[0])]), ids))
         return sorted(batches)
+
+    def read_call(self, args: tuple, kwargs: dict, cached=None, bytes_=None) -> dict:
+        """``read`` of the experts a call of the experts module (its ``args``, ``kwargs``)
+        routes to: every expert where its ``top_k_index`` cannot be read (``experts_of``)."""
+        return self.read(self.experts_of(routing_of(self.position, args, kwargs)), cached,
+                         bytes_)
 
     def read(self, experts, cached=None, bytes_=None) -> dict:
         """``{model name: tensor}`` of the experts group with only ``experts``' rows read

@@ -87,6 +87,13 @@ class Installer:
         if self._stream is not None:
             self._stream.synchronize()
 
+    def put(self, tensors: dict) -> None:
+        """Install ``{model name: tensor}`` already converted to the model's names, shapes and
+        dtypes (the routed experts' parameters, ``lct.loader.experts``) on the target device."""
+        for full, t in tensors.items():
+            _set(self.model, full, self._to_device(t))
+        self.synchronize()
+
     def install(self, group) -> None:
         """Install every tensor of a decoded group, under the model's names (transformers'
         renames and converters applied, ``lct.arch``)."""

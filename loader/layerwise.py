@@ -19,8 +19,8 @@ from __future__ import annotations
 from lct.errors import LCTError
 from lct.io.stream import DEFAULT_PREFETCH, GroupStream
 from lct.loader.build import build_skeleton, cache_hit, check_device, fill_later
-from lct.loader.experts import routing_of
-from lct.loader.install import Installer, _set
+from lct.loader.experts import stored_bytes
+from lct.loader.install import Installer
 from lct.loader.source import LoadOptions
 
 
@@ -81,8 +81,7 @@ class LayerwiseModel:
                                       [g for gs in units.values() for g in gs])
             self.expert_bytes = ExpertBytes(whole_groups=whole)
             self.expert_forwards: list = []     # (read, all) expert bytes of each forward
-            self._whole_bytes = {g: sum(c.stored_size for c in self.art.manifest.group_chunks(g))
-                                 for g in whole}
+            self._whole_bytes = {g: stored_bytes(self.art.manifest, g) for g in whole}
             self.layer_groups = [g for i in sorted(units) for g in units[i]
                                  if g not in self.routed]
             self._index_of = {g: i for i, gs in units.items() for g in gs}
@@ -150,11 +149,7 @@ class LayerwiseModel:
         """The pre-hook of a routed experts module: read the experts its ``top_k_index``
         names (every expert when that is not a tensor of indices in range) and install them."""
         def pre(module, args, kwargs):
-            experts = routed.experts_of(routing_of(routed.position, args, kwargs))
-            tensors = routed.read(experts, cached=self.cached, bytes_=self.expert_bytes)
-            for name, t in tensors.items():
-                _set(self.model, name, self.installer._to_device(t))
-            self.installer.synchronize()
+            self.installer.put(routed.read_call(args, kwargs, self.cached, self.expert_bytes))
         return pre
 
     def _close_stream(self):

@@ -249,7 +249,8 @@ def parse_uri(uri: str) -> tuple:
 def client_options(uri: str) -> dict:
     """What the address ``uri`` names for its client beyond bucket and prefix (the account of
     an Azure ``https://ACCOUNT.blob...`` address), ``{}`` for most."""
-    other = Backend.registry[scheme_of(uri)].canonical(uri) if is_cloud_uri(uri) else None
+    scheme = scheme_of(uri)
+    other = Backend.registry[scheme].canonical(uri) if scheme else None
     return dict(other[1]) if other else {}
 
 
