@@ -145,7 +145,7 @@ def _load(path, options: LoadOptions, stats: LoadStats | None):
     art = options.open(path)
     stats.manifest_s = time.perf_counter() - t0
     art.thread_nice = DECODE_NICE
-    fill = cold = None
+    fill = cold = staged = None
 
     def skeleton():
         t1 = time.perf_counter()
@@ -161,8 +161,10 @@ def _load(path, options: LoadOptions, stats: LoadStats | None):
     budget = held_budget(art)
     try:
         cached, fill, cold = _cache_for(art, options, stats)
+        staged = fill if fill not in (None, LATER) else None
         with GroupStream(art, prefetch=options.prefetch, dequantize=False, cached=cached,
-                         on_decoded=None if fill in (None, LATER) else fill.add) as stream:
+                         on_decoded=staged and staged.add,
+                         into=staged and staged.out) as stream:
             # Reads first: importing torch holds the interpreter for a while (its libraries
             # load under the GIL), and the store's requests should already be on their way.
             stream.start()
@@ -191,6 +193,13 @@ def _load(path, options: LoadOptions, stats: LoadStats | None):
             model.to(device)  # buffers (rotary tables) follow the weights
         if options.maximus:
             install_maximus(model, art, budget=options.maximus, device=device)
+        _generation_config(model, art.path)
+        if staged is not None:
+            staged.seal()       # the weights copy-on-write from here: the entry never changes
+    except BaseException:
+        if staged is not None:
+            staged.discard()
+        raise
     finally:
         builder.shutdown(wait=True)  # an import cannot be interrupted: let it end, no thread left
         art.close()
@@ -203,10 +212,9 @@ def _load(path, options: LoadOptions, stats: LoadStats | None):
     log.info("loaded %s: %d groups, %d bytes decoded in %.2f s (skeleton %.2f s beside decode, "
              "waited %.2f s for decode)", path, stats.groups, stats.bytes_decoded, stats.total_s,
              stats.skeleton_s, stats.wait_s)
-    _generation_config(model, art.path)
     if fill is LATER:             # the load succeeded: decode a copy to keep, in the background
         fill_later(art, options.cache, None, stats)
-    elif fill is not None:        # the load succeeded: keep its buffers, in the background
+    elif fill is not None:        # the load succeeded: check and publish the entry it decoded into
         from lct.io.cache import start_fill
         start_fill(fill)
     elif cold is not None:        # an entry on the disk: in memory for the next start
@@ -246,8 +254,9 @@ def _cache_for(art, options: LoadOptions, stats: LoadStats) -> tuple:
     """``(cached chunks or None, fill or None, entry to warm or None)`` for a whole load: a hit
     maps an earlier load's decode (``_entry``); an entry on the disk is left there and read
     into memory after the load (``lct.io.cache.warm``); otherwise a load whose decoded buffers
-    become the model's weights as they are (on the CPU, no cast, lossy parts kept) keeps them
-    afterwards, and any other (onto a GPU, cast, dequantized) has one decoded in the
+    become the model's weights as they are (on the CPU, no cast, lossy parts kept) decodes
+    straight into the entry's data file (``lct.io.cache.StagedFill``: the weights are the
+    entry's pages, published after the load), and any other (onto a GPU, cast, dequantized) has one decoded in the
     background after it (``LATER``: ``fill_later``). Either way but a hit, the compressed pages read in from disk are dropped: the
     next start maps the decoded copy."""
     from lct.io import cache
@@ -260,9 +269,9 @@ def _cache_for(art, options: LoadOptions, stats: LoadStats) -> tuple:
             # its buffers are not the stored bytes (on a GPU, cast, dequantized): a background
             # fill keeps a copy after the load instead (fill_later)
             return None, LATER, None
-        fill = cache.Fill(art)
-        if fill.over_budget():
-            stats.cache = f"miss: not kept, {fill.over_budget()}"
+        fill = cache.StagedFill(art)
+        if not fill.open():
+            stats.cache = f"miss: not kept, {fill.reason}" if fill.reason else "miss"
             return None, None, None
         stats.cache = "filling"
     else:

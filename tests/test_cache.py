@@ -76,6 +76,58 @@ def test_a_load_fills_and_the_next_maps_it(root, llama_art):
     assert not list(root.glob(f"{cache.FILL_PREFIX}*"))       # no staging folder left
 
 
+def test_a_first_load_decodes_into_the_copy_it_keeps(root, llama_art):
+    """Issue 36 item 3, no double touch: a load that fills decodes each chunk straight into the
+    entry's data file, so that its weights are the entry's very pages (no fresh memory of their
+    own beside the copy's); once loaded they are copy-on-write: writing to them changes neither
+    the entry being published nor a later load."""
+    model, stats, fills = _load(llama_art, cache=True)
+    assert stats.cache == "filling" and fills[-1].done, fills[-1].reason
+    (entry,) = cache.entries()
+    layer = model.model.layers[0].mlp.down_proj.weight
+    norm = model.model.layers[-1].post_attention_layernorm.weight
+    for weight in (layer, norm):          # the published file (it was renamed under the map)
+        assert _mapped_file(weight.data_ptr()) == str(entry.path / cache.DATA)
+    before = (entry.path / cache.DATA).read_bytes()
+    expected = _logits(model)
+    with torch.no_grad():
+        layer.mul_(2)
+    assert (entry.path / cache.DATA).read_bytes() == before
+    again, stats2, _ = _load(llama_art, cache=True)
+    assert stats2.cache.startswith("hit: mapped"), stats2.cache
+    assert torch.equal(_logits(again), expected)
+    assert torch.equal(_logits(lct.load(llama_art, cache=False)), expected)
+
+
+def test_weights_written_before_the_entry_is_published_are_not_in_it(root, llama_art,
+                                                                    monkeypatch):
+    """The copy-on-write mapping comes before the load returns: a write into the weights at
+    once, while the background thread still checks and syncs the file, stays in the model."""
+    held = []
+    monkeypatch.setattr(cache, "start_fill", held.append)     # started below, by hand
+    model = lct.load(llama_art, cache=True)
+    (fill,) = held
+    with torch.no_grad():
+        for p in model.parameters():
+            p.zero_()
+    fill.start()
+    fill.wait()
+    assert fill.done, fill.reason
+    again, stats, _ = _load(llama_art, cache=True)
+    assert stats.cache.startswith("hit: mapped") and not stats.cache.startswith("hit, but")
+    assert torch.equal(_logits(again), _logits(lct.load(llama_art, cache=False)))
+
+
+def test_a_fill_whose_pages_cannot_be_made_private_keeps_nothing(root, llama_art, monkeypatch):
+    """Where the copy-on-write mapping fails, the entry is not kept (other processes would map
+    pages the model writes to); the load is whole and its staging folder removed."""
+    import lct.io.store as store
+    monkeypatch.setattr(store, "map_private", lambda address, size, fd: False)
+    model, stats, _ = _load(llama_art, cache=True)
+    assert cache.entries() == [] and list(root.iterdir()) == []
+    assert torch.equal(_logits(model), _logits(lct.load(llama_art, cache=False)))
+
+
 def test_the_switch(root, llama_art, monkeypatch):
     assert cache.DEFAULT_ON
     _, stats, fills = _load(llama_art)
@@ -135,7 +187,8 @@ def test_a_failed_load_keeps_nothing(root, llama_art, monkeypatch):
     with pytest.raises(RuntimeError, match="unreadable"):
         lct.load(llama_art, cache=True)
     cache.wait_fills()
-    assert cache.entries() == [] and not root.exists()
+    # the load decoded into a staging folder (StagedFill): removed with the failure
+    assert cache.entries() == [] and list(root.iterdir()) == []
 
 
 def test_a_damaged_entry_is_replaced_not_used(root, llama_art):
@@ -179,9 +232,9 @@ def test_a_full_disk_is_not_filled(root, llama_art, monkeypatch):
         u = real(path)
         return type(u)(u.total, u.total - 1000, 1000)
     monkeypatch.setattr(cache.shutil, "disk_usage", nearly_full)
-    _, stats, fills = _load(llama_art, cache=True)
-    assert stats.cache == "filling" and not fills[-1].done
-    assert "1.00 KB free" in fills[-1].reason
+    # known before the load decodes (StagedFill.open): it decodes into memory of its own
+    _, stats, _ = _load(llama_art, cache=True)
+    assert stats.cache.startswith("miss: not kept, ") and "1.00 KB free" in stats.cache
     assert cache.entries() == [] and not list(root.glob(f"{cache.FILL_PREFIX}*"))
 
 
@@ -197,9 +250,9 @@ def test_the_disk_left_free_is_5_percent_unless_lct_cache_min_free_says(root, ll
     monkeypatch.delenv(cache.ENV_MIN_FREE, raising=False)
     assert cache.min_free_bytes(10**9) == cache.MIN_FREE_BYTES
     assert cache.min_free_bytes(10**12) == 5 * 10**10
-    _, _, fills = _load(llama_art, cache=True)
-    assert not fills[-1].done
-    assert fills[-1].reason.endswith("50.00 GB kept free (LCT_CACHE_MIN_FREE sets how much)")
+    _, stats, _ = _load(llama_art, cache=True)
+    assert stats.cache.startswith("miss: not kept, ") and cache.entries() == []
+    assert stats.cache.endswith("50.00 GB kept free (LCT_CACHE_MIN_FREE sets how much)")
     monkeypatch.setenv(cache.ENV_MIN_FREE, "lots")
     with pytest.raises(LCTError, match="LCT_CACHE_MIN_FREE 'lots' needs a number with a unit"):
         lct.load(llama_art, cache=True)
@@ -498,7 +551,8 @@ def test_a_deeply_nested_entry_json_is_not_an_entry(root, llama_art):
         assert not isinstance(out.exception, RecursionError), args
     assert cache.entries() == [] and (folder / cache.ENTRY).exists()
     _, stats, _ = _load(llama_art, cache=True)
-    assert stats.cache == "filling"
+    assert stats.cache.startswith("miss: not kept, ") and \
+        stats.cache.endswith("exists and is not an entry of this cache; left alone")
 
 
 def test_lct_cache_fill_checks_an_entry_that_exists(root, llama_art):

@@ -46,7 +46,10 @@ def test_layer_wise_calibration_equals_the_whole_model(tmp_path, arch):
         for e, v in costs.items():
             if e in whole[2].get(part, ()) or e in layered[2].get(part, ()):
                 continue                           # a lower bound in one of them
-            assert layered[0][part][e] == pytest.approx(v, rel=1e-3), (part, e)
+            # abs: a near-lossless table's cost (~4e-7 nats a token on mixtral) differs by
+            # ~3e-9 between the two runs, float32 sums in another order (transformers
+            # 5.25's experts); the encodings' costs are 1e-7 to 1e-2 apart
+            assert layered[0][part][e] == pytest.approx(v, rel=1e-3, abs=1e-8), (part, e)
             assert v > 0
             compared += 1
     assert compared >= len(whole[0])

@@ -601,28 +601,13 @@ class Fill(_Background):
         every chunk once) into a staging folder and publish it by rename; where it cannot be
         (no room, a chunk missing or changed, an error), ``reason`` says why and nothing is
         left."""
-        stage, lock = None, None
+        stage = lock = None
         try:
-            if len(self.pinned) != len(self.spans):
-                self.reason = "the artifact's manifest pins no decoded bytes (before format 1.6)"
+            staged = self._stage()
+            if staged is None:
                 return
-            self.root.mkdir(mode=0o700, parents=True, exist_ok=True)
-            final = self.folder
-            if _read_entry(final) is not None:
-                return
-            if final.exists() or final.is_symlink():
-                self.reason = f"{final} exists and is not an entry of this cache; left alone"
-                log.warning("decoded cache: not filled (%s)", self.reason)
-                return
-            if not self._room():
-                return
-            stage = self.root / f"{FILL_PREFIX}{uuid.uuid4().hex}"
-            stage.mkdir()
-            lock = os.open(stage / FILL_MARKER, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
-            fcntl.flock(lock, fcntl.LOCK_EX)      # held until the end: prune leaves it alone
-            fd = os.open(stage / DATA, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+            stage, lock, fd = staged
             try:
-                os.ftruncate(fd, self.size)
                 written = set()
                 for cid, buf in chunks:
                     if self._stop.is_set():
@@ -644,20 +629,8 @@ class Fill(_Background):
                 os.fsync(fd)
             finally:
                 os.close(fd)
-            with open(stage / ENTRY, "w") as f:
-                json.dump({"kind": KIND, "digest": self.digest, "artifact": self.artifact,
-                           "size": self.size, "created": time.time()}, f)
-                f.flush()
-                os.fsync(f.fileno())
-            (stage / FILL_MARKER).unlink()
-            try:
-                os.rename(stage, final)
-            except OSError:         # another process published it first
-                self.reason = f"{final} was published by another process meanwhile"
-                return
-            stage = None
-            self.done = True
-            log.info("decoded cache: %s filled (%d bytes) at %s", self.artifact, self.size, final)
+            if self._publish(stage):
+                stage = None
         except _Changed as e:
             self.reason = str(e)
         except OSError as e:
@@ -672,6 +645,199 @@ class Fill(_Background):
                 shutil.rmtree(stage, ignore_errors=True)
             if lock is not None:
                 os.close(lock)
+
+    def _stage(self) -> tuple | None:
+        """``(staging folder, its held lock's fd, the data file's fd open for writing, sized)``
+        where the entry can be filled; else None, with ``reason`` saying why where it is not
+        that the entry exists already. Raises OSError (the staging folder then removed)."""
+        if len(self.pinned) != len(self.spans):
+            self.reason = "the artifact's manifest pins no decoded bytes (before format 1.6)"
+            return None
+        self.root.mkdir(mode=0o700, parents=True, exist_ok=True)
+        final = self.folder
+        if _read_entry(final) is not None:
+            return None
+        if final.exists() or final.is_symlink():
+            self.reason = f"{final} exists and is not an entry of this cache; left alone"
+            log.warning("decoded cache: not filled (%s)", self.reason)
+            return None
+        if not self._room():
+            return None
+        stage = self.root / f"{FILL_PREFIX}{uuid.uuid4().hex}"
+        stage.mkdir()
+        lock = fd = None
+        try:
+            lock = os.open(stage / FILL_MARKER, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+            fcntl.flock(lock, fcntl.LOCK_EX)      # held until the end: prune leaves it alone
+            fd = os.open(stage / DATA, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)
+            os.ftruncate(fd, self.size)
+            return stage, lock, fd
+        except BaseException:
+            for f in (fd, lock):
+                if f is not None:
+                    os.close(f)
+            shutil.rmtree(stage, ignore_errors=True)
+            raise
+
+    def _publish(self, stage: Path) -> bool:
+        """Write ``entry.json`` into the staging folder ``stage`` (its data file written and
+        synced) and rename it into place; False (``reason`` says why) where another process
+        published the entry first."""
+        with open(stage / ENTRY, "w") as f:
+            json.dump({"kind": KIND, "digest": self.digest, "artifact": self.artifact,
+                       "size": self.size, "created": time.time()}, f)
+            f.flush()
+            os.fsync(f.fileno())
+        (stage / FILL_MARKER).unlink()
+        try:
+            os.rename(stage, self.folder)
+        except OSError:         # another process published it first
+            self.reason = f"{self.folder} was published by another process meanwhile"
+            return False
+        self.done = True
+        log.info("decoded cache: %s filled (%d bytes) at %s", self.artifact, self.size,
+                 self.folder)
+        return True
+
+
+class StagedFill(Fill):
+    """A fill that a whole load decodes into: each chunk is decoded straight into its place in
+    the staging folder's data file, mapped shared (``out``), so that the model's weights are the
+    very pages the entry keeps: decoded bytes touch memory once, as page-cache pages, never as
+    the model's fresh memory and then again as the copy's (issue 36, item 3).
+
+    ``open()`` before the load makes the staging folder (evicting least-recently-used entries
+    first, as ``Fill``'s background writer does) and reserves the file's blocks on the disk
+    (``posix_fallocate``: a full disk is a refusal here, never a fault in a decoder writing to
+    a page it cannot back). ``seal()`` after the load maps the same addresses copy-on-write
+    (``MAP_PRIVATE``), so that whatever the model's user writes into its weights stays in this
+    process and never reaches the entry, which other processes map. ``start()`` then checks each
+    chunk of the file against the decoded_checksum the manifest pins, syncs it and publishes the
+    entry, in a background thread at the lowest priority. ``discard()`` (a failed load) removes
+    the staging folder; the mapping stays valid, on a file nobody else can open."""
+
+    def __init__(self, art, root: Path | None = None):
+        super().__init__(art, root)
+        self._stage_dir: Path | None = None
+        self._lock = self._fd = None
+        self._view: np.ndarray | None = None
+        self._decoded: set = set()            # chunk ids decoded into their place
+        self._sealed = False
+
+    def open(self) -> bool:
+        """Make the staging folder and map its data file for the decoders; False (``reason``
+        says why, empty where the entry exists already) where the load decodes into memory of
+        its own instead."""
+        import mmap
+        if self.over_budget() or self.size == 0:
+            self.reason = self.over_budget() or "nothing to keep"
+            return False
+        try:
+            staged = self._stage()
+            if staged is None:
+                return False
+            self._stage_dir, self._lock, self._fd = staged
+            os.posix_fallocate(self._fd, 0, self.size)
+            mapped = mmap.mmap(self._fd, self.size, mmap.MAP_SHARED,
+                               mmap.PROT_READ | mmap.PROT_WRITE)
+            self._view = np.frombuffer(mapped, np.uint8)
+            return True
+        except (OSError, ValueError) as e:
+            self.reason = f"{self.root}: {getattr(e, 'strerror', None) or e}"
+            self.discard()
+            return False
+
+    def out(self, chunk) -> np.ndarray | None:
+        """Where chunk ``chunk`` (a manifest ``ChunkInfo``) is decoded: its place in the mapped
+        data file, or None (a chunk the layout does not have: decoded into fresh memory, and the
+        entry is not kept)."""
+        span = self.spans.get(chunk.id)
+        if self._view is None or span is None or span[1] != chunk.decoded_size:
+            return None
+        return self._view[span[0]: span[0] + span[1]]
+
+    def add(self, cid: int, buf) -> None:
+        """Chunk ``cid`` was decoded into ``buf``: counted where that is its place (``out``)."""
+        span = self.spans.get(cid)
+        if self._view is not None and span is not None and buf.nbytes == span[1] and \
+                buf.ctypes.data == self._view.ctypes.data + span[0]:
+            self._decoded.add(cid)
+
+    def seal(self) -> bool:
+        """After the load: the mapping becomes copy-on-write at the same addresses (every view
+        of it, so every weight, stays valid) and its pages are mapped in at once. False (the
+        entry is then not kept: ``reason``) where that cannot be done."""
+        if self._view is None:
+            return False
+        from lct.io.store import map_private, populate_range
+        address = self._view.ctypes.data
+        if not map_private(address, self.size, self._fd):
+            self.reason = "the decoded pages could not be made copy-on-write: nothing kept"
+            self.discard()
+            return False
+        self._sealed = True
+        populate_range(address, self.size)
+        return True
+
+    def start(self) -> None:
+        """Check, sync and publish the entry in the background (after ``seal``); where not
+        every chunk was decoded into its place, drop it."""
+        if not self._sealed or self._decoded != set(self.spans):
+            self.reason = self.reason or "the load did not decode every chunk into the entry"
+            self.discard()
+            return
+        self._thread = threading.Thread(target=self._run, name="lct-cache-fill", daemon=True)
+        self._thread.start()
+
+    def _run(self) -> None:
+        _lower_io_priority()
+        try:
+            for cid in sorted(self.spans):
+                if self._stop.is_set():
+                    self.reason = "cancelled"
+                    return
+                if _file_xxh3(self._fd, *self.spans[cid]) != self.pinned[cid]:
+                    self.reason = (f"chunk {cid} is not the bytes the manifest pins: "
+                                   f"nothing kept")
+                    log.warning("decoded cache: not filled (%s)", self.reason)
+                    return
+            os.fsync(self._fd)
+            if self._publish(self._stage_dir):
+                self._stage_dir = None
+        except OSError as e:
+            self.reason = f"{self.root}: {e.strerror or e}"
+            log.warning("decoded cache: not filled (%s)", self.reason)
+        except Exception as e:      # noqa: BLE001  a background thread: say it, never raise
+            self.reason = f"{type(e).__name__}: {e}"
+            log.warning("decoded cache: not filled (%s)", self.reason)
+        finally:
+            self.discard()
+
+    def discard(self) -> None:
+        """Remove the staging folder, unless published, and close the files (the mapping, and
+        every weight viewing it, stays valid)."""
+        if self._stage_dir is not None:
+            shutil.rmtree(self._stage_dir, ignore_errors=True)
+            self._stage_dir = None
+        for fd in (self._fd, self._lock):
+            if fd is not None:
+                os.close(fd)
+        self._fd = self._lock = None
+
+
+def _file_xxh3(fd: int, at: int, size: int) -> int:
+    """xxh3_64 of ``size`` bytes of file ``fd`` from offset ``at`` (a multiple of ``ALIGN``),
+    mapped read-only a window at a time: the file's own bytes, whatever a private mapping of
+    it holds, and never more than a window of them counted in this process's memory."""
+    import mmap
+
+    import xxhash
+    h, step = xxhash.xxh3_64(), 64 << 20
+    for off in range(at, at + size, step):
+        with mmap.mmap(fd, min(step, at + size - off), mmap.MAP_SHARED, mmap.PROT_READ,
+                       offset=off) as window:
+            h.update(window)
+    return h.intdigest()
 
 
 class _Changed(Exception):

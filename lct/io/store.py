@@ -43,12 +43,16 @@ _LIBC = None
 
 
 def _libc():
-    """The C library (for ``mincore``), or None where it cannot be loaded."""
+    """The C library (``mincore``, ``madvise``, ``mmap``), or None where it cannot be loaded."""
     global _LIBC
     if _LIBC is None:
         try:
             lib = ctypes.CDLL(ctypes.util.find_library("c") or None, use_errno=True)
             lib.mincore.argtypes = (ctypes.c_void_p, ctypes.c_size_t, ctypes.c_void_p)
+            lib.madvise.argtypes = (ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int)
+            lib.mmap.restype = ctypes.c_void_p
+            lib.mmap.argtypes = (ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int, ctypes.c_int,
+                                 ctypes.c_int, ctypes.c_long)
             _LIBC = lib
         except (OSError, AttributeError):
             _LIBC = False
@@ -96,6 +100,28 @@ def populate(mm: mmap.mmap, offset: int, size: int) -> bool:
     except (OSError, ValueError):
         return False
     return True
+
+
+def populate_range(address: int, size: int) -> bool:
+    """``populate`` for a mapping known by its address (``MADV_POPULATE_READ`` through the C
+    library): False where that cannot be done."""
+    lib = _libc()
+    if lib is None or MADV_POPULATE_READ is None or size <= 0:
+        return False
+    return lib.madvise(ctypes.c_void_p(address), size, MADV_POPULATE_READ) == 0
+
+
+def map_private(address: int, size: int, fd: int) -> bool:
+    """Map ``size`` bytes of file ``fd`` from its start copy-on-write (``MAP_PRIVATE``) over the
+    mapping at ``address``, at the same addresses: one ``mmap`` with ``MAP_FIXED``, so the
+    range is never unmapped meanwhile and every view of it stays valid; the pages are the
+    file's, in the page cache. False where the call failed (the mapping is then as it was)."""
+    lib = _libc()
+    if lib is None or size <= 0:
+        return False
+    got = lib.mmap(ctypes.c_void_p(address), size, mmap.PROT_READ | mmap.PROT_WRITE,
+                   mmap.MAP_PRIVATE | getattr(mmap, "MAP_FIXED", 0x10), fd, 0)
+    return got == address
 
 
 def residency(address: int, offset: int, size: int):

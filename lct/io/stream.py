@@ -145,7 +145,7 @@ class GroupStream:
 
     def __init__(self, artifact, groups=None, *, prefetch: int = DEFAULT_PREFETCH,
                  dequantize: bool = False, chunks=None, recycle: bool = False, cached=None,
-                 on_decoded=None):
+                 on_decoded=None, into=None):
         self._closed = True          # until the pool exists: close() (and __del__) do nothing
         check_prefetch(prefetch)
         self.art = artifact
@@ -165,11 +165,13 @@ class GroupStream:
         self.pool = BufferPool(limit=prefetch + 2) if recycle else None
         # ``cached`` (``lct.io.cache.CachedChunks``): the chunks are views of a decoded-cache
         # entry, nothing is read or decoded; ``on_decoded(chunk id, buffer)`` is told of each
-        # chunk decoded otherwise (a cache fill keeps them).
-        if recycle and on_decoded is not None:
-            raise OptionError("recycle reuses the buffers on_decoded is given: not both",
-                              option="recycle")
-        self.cached, self.on_decoded = cached, on_decoded
+        # chunk decoded otherwise (a cache fill keeps them); ``into(chunk)`` gives the buffer a
+        # chunk is decoded into, or None for fresh memory (a fill's mapped data file,
+        # ``lct.io.cache.StagedFill.out``).
+        if recycle and (on_decoded is not None or into is not None):
+            raise OptionError("recycle reuses the buffers on_decoded and into are given: "
+                              "not both", option="recycle")
+        self.cached, self.on_decoded, self.into = cached, on_decoded, into
         self.stats = StreamStats()
         self._next = 0               # next group index to submit
         self._given = 0              # groups handed to the consumer
@@ -226,7 +228,8 @@ class GroupStream:
             stored = art.read_stored(chunk, check=False)
             t1 = time.perf_counter()
             try:
-                out = self.pool.take(chunk.decoded_size) if self.pool is not None else None
+                out = self.pool.take(chunk.decoded_size) if self.pool is not None else \
+                    self.into(chunk) if self.into is not None else None
                 buf = art.decode_verified(chunk, stored, out)
             finally:
                 art.release_stored(chunk, stored)
