@@ -214,7 +214,8 @@ def _cache_cmd(art: Path, env: dict, code: str) -> None:
 
 def prune_cache(art: Path, env: dict) -> None:
     """Remove ``art``'s decoded-cache entry (``env``'s LCT_CACHE_DIR)."""
-    _cache_cmd(art, env, "cache.prune(digest=art.digest)")
+    _cache_cmd(art, env, "if any(e.digest == art.digest for e in cache.entries()):\n"
+                         "    cache.prune(digest=art.digest)")
 
 
 def fill_cache(art: Path, env: dict) -> None:

@@ -76,12 +76,37 @@ def test_a_load_fills_and_the_next_maps_it(root, llama_art):
     assert not list(root.glob(f"{cache.FILL_PREFIX}*"))       # no staging folder left
 
 
-def test_a_first_load_decodes_into_the_copy_it_keeps(root, llama_art):
-    """Issue 36 item 3, no double touch: a load that fills decodes each chunk straight into the
-    entry's data file, so that its weights are the entry's very pages (no fresh memory of their
-    own beside the copy's); once loaded they are copy-on-write: writing to them changes neither
-    the entry being published nor a later load."""
+def test_by_default_a_first_load_decodes_into_memory_and_writes_the_copy_after(root, llama_art):
+    """LCT_CACHE_IN_PLACE off (the default, by measurement): the weights are memory of their
+    own, written into the entry after the load, each checked against its pin."""
+    assert not cache.in_place()
     model, stats, fills = _load(llama_art, cache=True)
+    assert stats.cache == "filling" and fills[-1].done, fills[-1].reason
+    assert fills[-1].in_place == 0
+    (entry,) = cache.entries()
+    layer = model.model.layers[0].mlp.down_proj.weight
+    assert _mapped_file(layer.data_ptr()) != str(entry.path / cache.DATA)
+    again, stats2, _ = _load(llama_art, cache=True)
+    assert stats2.cache.startswith("hit: mapped") and torch.equal(_logits(again), _logits(model))
+
+
+def test_lct_cache_in_place(monkeypatch):
+    for value, on in (("1", True), ("on", True), ("0", False), ("", False)):
+        monkeypatch.setenv(cache.ENV_IN_PLACE, value)
+        assert cache.in_place() is on
+    monkeypatch.setenv(cache.ENV_IN_PLACE, "maybe")
+    with pytest.raises(LCTError, match="LCT_CACHE_IN_PLACE='maybe': use 1 or 0"):
+        cache.in_place()
+
+
+def test_a_first_load_decodes_into_the_copy_it_keeps(root, llama_art, monkeypatch):
+    """Issue 36 item 3, no double touch (LCT_CACHE_IN_PLACE=1): a load that fills decodes each
+    chunk straight into the entry's data file, so that its weights are the entry's very pages
+    (no fresh memory of their own beside the copy's); once loaded they are copy-on-write:
+    writing to them changes neither the entry being published nor a later load."""
+    monkeypatch.setenv(cache.ENV_IN_PLACE, "1")
+    model, stats, fills = _load(llama_art, cache=True)
+    assert fills[-1].in_place > 0
     assert stats.cache == "filling" and fills[-1].done, fills[-1].reason
     (entry,) = cache.entries()
     layer = model.model.layers[0].mlp.down_proj.weight
@@ -103,6 +128,7 @@ def test_weights_written_before_the_entry_is_published_are_not_in_it(root, llama
                                                                     monkeypatch):
     """The copy-on-write mapping comes before the load returns: a write into the weights at
     once, while the background thread still checks and syncs the file, stays in the model."""
+    monkeypatch.setenv(cache.ENV_IN_PLACE, "1")
     held = []
     monkeypatch.setattr(cache, "start_fill", held.append)     # started below, by hand
     model = lct.load(llama_art, cache=True)
@@ -122,7 +148,8 @@ def test_a_fill_whose_pages_cannot_be_made_private_keeps_nothing(root, llama_art
     """Where the copy-on-write mapping fails, the entry is not kept (other processes would map
     pages the model writes to); the load is whole and its staging folder removed."""
     import lct.io.store as store
-    monkeypatch.setattr(store, "map_private", lambda address, size, fd: False)
+    monkeypatch.setenv(cache.ENV_IN_PLACE, "1")
+    monkeypatch.setattr(store, "map_private", lambda *args: False)
     model, stats, _ = _load(llama_art, cache=True)
     assert cache.entries() == [] and list(root.iterdir()) == []
     assert torch.equal(_logits(model), _logits(lct.load(llama_art, cache=False)))

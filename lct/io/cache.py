@@ -20,7 +20,9 @@ An entry is filled by ``fill`` (``lct cache fill``: the groups decoded and writt
 time, in the caller's thread), or after a load that checked its chunks' checksums, from the
 buffers the load decoded (the model's weights, so nothing is copied; each one's xxh3 taken as
 it was decoded and checked again as it is written, so that weights changed in place meanwhile
-are never kept), by a background thread at the lowest CPU and I/O priority. Either way it is
+are never kept), by a background thread at the lowest CPU and I/O priority; or, with
+``LCT_CACHE_IN_PLACE=1``, decoded into directly by the load (``StagedFill``: the weights are
+the entry's pages). Either way it is
 written into a staging folder ``.fill-<random>`` that is renamed into place once whole: a
 half-written entry never looks like one. The filling process holds a lock on the staging
 folder's marker; a staging folder nobody holds is what a process that ended first left, and
@@ -69,6 +71,7 @@ ENV_DIR = "LCT_CACHE_DIR"
 ENV_MAX = "LCT_CACHE_MAX"
 ENV_MIN_FREE = "LCT_CACHE_MIN_FREE"
 ENV_MAP = "LCT_CACHE_MAP"
+ENV_IN_PLACE = "LCT_CACHE_IN_PLACE"   # 1: a first start decodes into the entry (StagedFill)
 MAP_MODES = ("auto", "always")      # LCT_CACHE_MAP: choose per start (choose), or always map
 # Measured (docs/LOADING.md): a start that decodes the artifact because the copy is on the disk
 # leaves the copy on the disk for the next start, which was then 2.1x from_pretrained's first
@@ -633,18 +636,21 @@ class Fill(_Background):
                 stage = None
         except _Changed as e:
             self.reason = str(e)
-        except OSError as e:
-            self.reason = f"{self.root}: {e.strerror or e}"
-            log.warning("decoded cache: not filled (%s)", self.reason)
         except Exception as e:      # noqa: BLE001  a background thread: say it, never raise
-            self.reason = f"{type(e).__name__}: {e}"
-            log.warning("decoded cache: not filled (%s)", self.reason)
+            self._failed(e)
         finally:
             self._bufs.clear()
             if stage is not None:
                 shutil.rmtree(stage, ignore_errors=True)
             if lock is not None:
                 os.close(lock)
+
+    def _failed(self, e: Exception) -> None:
+        """Say why the fill failed (``reason``, and the log): the writer's background thread
+        never raises."""
+        self.reason = f"{self.root}: {e.strerror or e}" if isinstance(e, OSError) else \
+            f"{type(e).__name__}: {e}"
+        log.warning("decoded cache: not filled (%s)", self.reason)
 
     def _stage(self) -> tuple | None:
         """``(staging folder, its held lock's fd, the data file's fd open for writing, sized)``
@@ -701,18 +707,28 @@ class Fill(_Background):
 
 
 class StagedFill(Fill):
-    """A fill that a whole load decodes into: each chunk is decoded straight into its place in
+    """A fill that a whole load decodes into: chunks are decoded straight into their place in
     the staging folder's data file, mapped shared (``out``), so that the model's weights are the
-    very pages the entry keeps: decoded bytes touch memory once, as page-cache pages, never as
-    the model's fresh memory and then again as the copy's (issue 36, item 3).
+    very pages the entry keeps: those bytes touch memory once, as page-cache pages, never as the
+    model's fresh memory and then again as the copy's (issue 36, item 3).
+
+    Only with ``LCT_CACHE_IN_PLACE=1`` (``in_place`` says why it is off by default); otherwise
+    every chunk is decoded into fresh memory and written after the load, as ``Fill`` does. Then
+    as many chunks go in place as the kernel lets a process dirty before it throttles its
+    writes to the disk's speed (``dirty_room``, measured at ``open``): past it, a decoder would
+    wait for the disk (on this project's VM, 0.39 GB/s of writes: the Gemma-2B shape's first
+    start went from 5.3 to 10.5 s when all 5 GB went in place; docs/LOADING.md). The others are
+    decoded into fresh memory, as without the cache, and written after the load by the
+    background thread, each checked against its pin first (weights changed in place meanwhile
+    are never kept), as ``Fill`` writes them.
 
     ``open()`` before the load makes the staging folder (evicting least-recently-used entries
-    first, as ``Fill``'s background writer does) and reserves the file's blocks on the disk
-    (``posix_fallocate``: a full disk is a refusal here, never a fault in a decoder writing to
-    a page it cannot back). ``seal()`` after the load maps the same addresses copy-on-write
-    (``MAP_PRIVATE``), so that whatever the model's user writes into its weights stays in this
-    process and never reaches the entry, which other processes map. ``start()`` then checks each
-    chunk of the file against the decoded_checksum the manifest pins, syncs it and publishes the
+    first) and reserves the file's blocks on the disk (``posix_fallocate``: a full disk is a
+    refusal here, never a fault in a decoder writing to a page it cannot back). ``seal()`` after
+    the load maps the same addresses copy-on-write (``MAP_PRIVATE``), so that whatever the
+    model's user writes into its weights stays in this process and never reaches the entry,
+    which other processes map. ``start()`` then checks each chunk of the file against the
+    decoded_checksum the manifest pins, writes the others, syncs the file and publishes the
     entry, in a background thread at the lowest priority. ``discard()`` (a failed load) removes
     the staging folder; the mapping stays valid, on a file nobody else can open."""
 
@@ -722,12 +738,14 @@ class StagedFill(Fill):
         self._lock = self._fd = None
         self._view: np.ndarray | None = None
         self._decoded: set = set()            # chunk ids decoded into their place
-        self._sealed = False
+        self._sealed = self._not_private = False
+        self._room_left = 0                   # bytes still to be decoded in place
+        self._given = threading.Lock()
+        self.in_place = 0                     # bytes decoded into the entry's pages
 
     def open(self) -> bool:
         """Make the staging folder and map its data file for the decoders; False (``reason``
-        says why, empty where the entry exists already) where the load decodes into memory of
-        its own instead."""
+        says why, empty where the entry exists already) where nothing is kept."""
         import mmap
         if self.over_budget() or self.size == 0:
             self.reason = self.over_budget() or "nothing to keep"
@@ -741,6 +759,7 @@ class StagedFill(Fill):
             mapped = mmap.mmap(self._fd, self.size, mmap.MAP_SHARED,
                                mmap.PROT_READ | mmap.PROT_WRITE)
             self._view = np.frombuffer(mapped, np.uint8)
+            self._room_left = dirty_room() if in_place() else 0
             return True
         except (OSError, ValueError) as e:
             self.reason = f"{self.root}: {getattr(e, 'strerror', None) or e}"
@@ -749,41 +768,73 @@ class StagedFill(Fill):
 
     def out(self, chunk) -> np.ndarray | None:
         """Where chunk ``chunk`` (a manifest ``ChunkInfo``) is decoded: its place in the mapped
-        data file, or None (a chunk the layout does not have: decoded into fresh memory, and the
-        entry is not kept)."""
+        data file while the room to dirty pages lasts, else None (fresh memory, written after
+        the load)."""
         span = self.spans.get(chunk.id)
         if self._view is None or span is None or span[1] != chunk.decoded_size:
             return None
-        return self._view[span[0]: span[0] + span[1]]
+        with self._given:
+            if span[1] > self._room_left:
+                return None
+            self._room_left -= span[1]
+        from lct.io.store import populate_range
+        view = self._view[span[0]: span[0] + span[1]]
+        populate_range(view.ctypes.data, span[1], write=True)   # one call, not a fault a page
+        return view
 
     def add(self, cid: int, buf) -> None:
-        """Chunk ``cid`` was decoded into ``buf``: counted where that is its place (``out``)."""
+        """Chunk ``cid`` was decoded into ``buf``: its place (``out``), or memory of its own,
+        kept to be written after the load."""
         span = self.spans.get(cid)
-        if self._view is not None and span is not None and buf.nbytes == span[1] and \
-                buf.ctypes.data == self._view.ctypes.data + span[0]:
-            self._decoded.add(cid)
+        if self._view is None or span is None or buf.nbytes != span[1]:
+            return
+        if buf.ctypes.data == self._view.ctypes.data + span[0]:
+            # decoded and checked: copy-on-write from now on, in the decoder's thread beside
+            # the load rather than all at its end
+            private = self._private(cid, populate=True)
+            with self._given:
+                if private:
+                    self._decoded.add(cid)
+                    self.in_place += span[1]
+                else:
+                    self._not_private = True
+        else:
+            self._bufs[cid] = buf
+
+    def _private(self, cid: int, populate: bool = False) -> bool:
+        """Chunk ``cid``'s pages of the mapping made copy-on-write (``map_private``), and, with
+        ``populate``, mapped in at once."""
+        from lct.io.store import map_private, populate_range
+        at, size = self.spans[cid]
+        address = self._view.ctypes.data + at
+        size = -(-size // ALIGN) * ALIGN      # its last page is its own (the layout's padding)
+        if not map_private(address, size, self._fd, at):
+            return False
+        if populate:
+            populate_range(address, self.spans[cid][1])
+        return True
 
     def seal(self) -> bool:
-        """After the load: the mapping becomes copy-on-write at the same addresses (every view
-        of it, so every weight, stays valid) and its pages are mapped in at once. False (the
-        entry is then not kept: ``reason``) where that cannot be done."""
+        """After the load: every page of the mapping copy-on-write (the chunks decoded in place
+        are already, each as it was decoded: ``add``), so that nothing this process writes can
+        reach the entry. False (the entry is then not kept: ``reason``) where that cannot be
+        done."""
         if self._view is None:
             return False
-        from lct.io.store import map_private, populate_range
-        address = self._view.ctypes.data
-        if not map_private(address, self.size, self._fd):
+        if self._not_private or \
+                not all(self._private(cid) for cid in self.spans if cid not in self._decoded):
             self.reason = "the decoded pages could not be made copy-on-write: nothing kept"
             self.discard()
             return False
         self._sealed = True
-        populate_range(address, self.size)
         return True
 
     def start(self) -> None:
-        """Check, sync and publish the entry in the background (after ``seal``); where not
-        every chunk was decoded into its place, drop it."""
-        if not self._sealed or self._decoded != set(self.spans):
-            self.reason = self.reason or "the load did not decode every chunk into the entry"
+        """Check, write, sync and publish the entry in the background (after ``seal``); where
+        not every chunk was decoded, drop it."""
+        if not self._sealed or self._decoded | set(self._bufs) != set(self.spans):
+            self.reason = self.reason or "the load did not decode every chunk"
+            self._bufs.clear()
             self.discard()
             return
         self._thread = threading.Thread(target=self._run, name="lct-cache-fill", daemon=True)
@@ -796,21 +847,24 @@ class StagedFill(Fill):
                 if self._stop.is_set():
                     self.reason = "cancelled"
                     return
-                if _file_xxh3(self._fd, *self.spans[cid]) != self.pinned[cid]:
-                    self.reason = (f"chunk {cid} is not the bytes the manifest pins: "
-                                   f"nothing kept")
-                    log.warning("decoded cache: not filled (%s)", self.reason)
-                    return
+                buf = self._bufs.pop(cid, None)
+                if buf is None and _file_xxh3(self._fd, *self.spans[cid]) == self.pinned[cid]:
+                    continue
+                if buf is not None and _xxh3(buf) == self.pinned[cid]:
+                    _write_all(self._fd, buf, self.spans[cid][0])
+                    continue
+                self.reason = (f"chunk {cid} is not the bytes the manifest pins"
+                               f"{' (weights changed in place after the load)' if buf is not None else ''}"
+                               f": nothing kept")
+                log.warning("decoded cache: not filled (%s)", self.reason)
+                return
             os.fsync(self._fd)
             if self._publish(self._stage_dir):
                 self._stage_dir = None
-        except OSError as e:
-            self.reason = f"{self.root}: {e.strerror or e}"
-            log.warning("decoded cache: not filled (%s)", self.reason)
         except Exception as e:      # noqa: BLE001  a background thread: say it, never raise
-            self.reason = f"{type(e).__name__}: {e}"
-            log.warning("decoded cache: not filled (%s)", self.reason)
+            self._failed(e)
         finally:
+            self._bufs.clear()
             self.discard()
 
     def discard(self) -> None:
@@ -823,6 +877,45 @@ class StagedFill(Fill):
             if fd is not None:
                 os.close(fd)
         self._fd = self._lock = None
+
+
+def in_place() -> bool:
+    """Whether a first start decodes into the entry's pages (``StagedFill``):
+    ``LCT_CACHE_IN_PLACE=1``; off by default, by measurement (Gemma-2B shape, this project's
+    2-core VM, 2026-12-06, bench_load.py, 5 interleaved runs): it halves what the machine holds
+    after the first start (5.0 GB instead of 5.0 GB of weights plus the 5.0 GB copy in the page
+    cache) and keeps the copy 1.5 s after the load instead of 12 s, but its first token came
+    1.17x a load without the cache warm (7.46 s against 6.39 s), where decoding into memory and
+    writing after the load came 1.04x (5.57 s against 5.37 s): page-cache pages and their
+    writeback cost two cores more than fresh memory does."""
+    value = os.environ.get(ENV_IN_PLACE, "").strip().lower()
+    if value in ("", "0", "false", "off", "no"):
+        return False
+    if value in ("1", "true", "on", "yes"):
+        return True
+    raise LCTError(f"{ENV_IN_PLACE}={value!r}: use 1 or 0")
+
+
+def dirty_room() -> int:
+    """Bytes this process may write into the page cache before the kernel throttles its writes
+    to the disk's pace: Linux's free-run ceiling, halfway between the background and the hard
+    dirty thresholds (``/proc/sys/vm/dirty_*``: bytes where set, else ratios of the memory
+    available), less what is dirty or under writeback now. 0 where it cannot be read."""
+    try:
+        def vm(name):
+            with open(f"/proc/sys/vm/{name}") as f:
+                return int(f.read())
+        mem = {}
+        with open("/proc/meminfo") as f:
+            for line in f:
+                key, _, value = line.partition(":")
+                mem[key] = int(value.split()[0]) * 1024
+        available = mem["MemAvailable"]
+        limit = vm("dirty_bytes") or vm("dirty_ratio") * available // 100
+        background = vm("dirty_background_bytes") or vm("dirty_background_ratio") * available // 100
+        return max(0, (limit + background) // 2 - mem["Dirty"] - mem["Writeback"])
+    except (OSError, ValueError, KeyError, IndexError):
+        return 0
 
 
 def _file_xxh3(fd: int, at: int, size: int) -> int:

@@ -102,25 +102,34 @@ def populate(mm: mmap.mmap, offset: int, size: int) -> bool:
     return True
 
 
-def populate_range(address: int, size: int) -> bool:
-    """``populate`` for a mapping known by its address (``MADV_POPULATE_READ`` through the C
-    library): False where that cannot be done."""
+# madvise(MADV_POPULATE_WRITE) (Linux 5.14)
+MADV_POPULATE_WRITE = getattr(mmap, "MADV_POPULATE_WRITE", 23 if sys.platform == "linux" else None)
+
+
+def populate_range(address: int, size: int, write: bool = False) -> bool:
+    """``populate`` for a mapping known by its address, through the C library
+    (``MADV_POPULATE_READ``, or ``MADV_POPULATE_WRITE`` with ``write``: the pages made
+    writable, a shared file mapping's page-cache pages allocated, in one call instead of a fault
+    per page; on this project's VM decoding 3.5 GB into a shared mapping of a file went from
+    about 5 to 2.4 s). False where that cannot be done; the pages then come as touched."""
     lib = _libc()
-    if lib is None or MADV_POPULATE_READ is None or size <= 0:
+    advice = MADV_POPULATE_WRITE if write else MADV_POPULATE_READ
+    if lib is None or advice is None or size <= 0:
         return False
-    return lib.madvise(ctypes.c_void_p(address), size, MADV_POPULATE_READ) == 0
+    return lib.madvise(ctypes.c_void_p(address), size, advice) == 0
 
 
-def map_private(address: int, size: int, fd: int) -> bool:
-    """Map ``size`` bytes of file ``fd`` from its start copy-on-write (``MAP_PRIVATE``) over the
-    mapping at ``address``, at the same addresses: one ``mmap`` with ``MAP_FIXED``, so the
-    range is never unmapped meanwhile and every view of it stays valid; the pages are the
-    file's, in the page cache. False where the call failed (the mapping is then as it was)."""
+def map_private(address: int, size: int, fd: int, offset: int = 0) -> bool:
+    """Map ``size`` bytes of file ``fd`` from ``offset`` (a multiple of the page size)
+    copy-on-write (``MAP_PRIVATE``) over the mapping at ``address``, at the same addresses: one
+    ``mmap`` with ``MAP_FIXED``, so the range is never unmapped meanwhile and every view of it
+    stays valid; the pages are the file's, in the page cache. False where the call failed (the
+    mapping is then as it was)."""
     lib = _libc()
     if lib is None or size <= 0:
         return False
     got = lib.mmap(ctypes.c_void_p(address), size, mmap.PROT_READ | mmap.PROT_WRITE,
-                   mmap.MAP_PRIVATE | getattr(mmap, "MAP_FIXED", 0x10), fd, 0)
+                   mmap.MAP_PRIVATE | getattr(mmap, "MAP_FIXED", 0x10), fd, offset)
     return got == address
 
 
