@@ -254,11 +254,11 @@ def _cache_for(art, options: LoadOptions, stats: LoadStats) -> tuple:
     """``(cached chunks or None, fill or None, entry to warm or None)`` for a whole load: a hit
     maps an earlier load's decode (``_entry``); an entry on the disk is left there and read
     into memory after the load (``lct.io.cache.warm``); otherwise a load whose decoded buffers
-    become the model's weights as they are (on the CPU, no cast, lossy parts kept) decodes
-    straight into the entry's data file (``lct.io.cache.StagedFill``: the weights are the
-    entry's pages, published after the load), and any other (onto a GPU, cast, dequantized) has one decoded in the
-    background after it (``LATER``: ``fill_later``). Either way but a hit, the compressed pages read in from disk are dropped: the
-    next start maps the decoded copy."""
+    become the model's weights as they are (on the CPU, no cast, lossy parts kept) keeps them
+    (``lct.io.cache.StagedFill``: written after the load, or with ``LCT_CACHE_IN_PLACE=1``
+    decoded straight into the entry's pages), and any other (onto a GPU, cast, dequantized)
+    has one decoded in the background after it (``LATER``: ``fill_later``). Either way but a
+    hit, the compressed pages read in from disk are dropped: the next start maps the copy."""
     from lct.io import cache
     hit, cold, state = _entry(art, options.cache, stats)
     if state in ("off", "hit"):
