@@ -86,6 +86,8 @@ def test_by_default_a_first_load_decodes_into_memory_and_writes_the_copy_after(r
     (entry,) = cache.entries()
     layer = model.model.layers[0].mlp.down_proj.weight
     assert _mapped_file(layer.data_ptr()) != str(entry.path / cache.DATA)
+    # nothing of this process maps the file the copy was written into (renamed into the entry)
+    assert str(entry.path / cache.DATA) not in Path("/proc/self/maps").read_text()
     again, stats2, _ = _load(llama_art, cache=True)
     assert stats2.cache.startswith("hit: mapped") and torch.equal(_logits(again), _logits(model))
 

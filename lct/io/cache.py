@@ -713,7 +713,8 @@ class StagedFill(Fill):
     model's fresh memory and then again as the copy's (issue 36, item 3).
 
     Only with ``LCT_CACHE_IN_PLACE=1`` (``in_place`` says why it is off by default); otherwise
-    every chunk is decoded into fresh memory and written after the load, as ``Fill`` does. Then
+    the data file is not mapped at all: every chunk is decoded into fresh memory and written
+    after the load, as ``Fill`` does, into blocks reserved before the load. In place,
     as many chunks go in place as the kernel lets a process dirty before it throttles its
     writes to the disk's speed (``dirty_room``, measured at ``open``): past it, a decoder would
     wait for the disk (on this project's VM, 0.39 GB/s of writes: the Gemma-2B shape's first
@@ -725,7 +726,7 @@ class StagedFill(Fill):
     ``open()`` before the load makes the staging folder (evicting least-recently-used entries
     first) and reserves the file's blocks on the disk (``posix_fallocate``: a full disk is a
     refusal here, never a fault in a decoder writing to a page it cannot back). ``seal()`` after
-    the load maps the same addresses copy-on-write (``MAP_PRIVATE``), so that whatever the
+    the load (in place) maps the same addresses copy-on-write (``MAP_PRIVATE``), so that whatever the
     model's user writes into its weights stays in this process and never reaches the entry,
     which other processes map. ``start()`` then checks each chunk of the file against the
     decoded_checksum the manifest pins, writes the others, syncs the file and publishes the
@@ -756,10 +757,11 @@ class StagedFill(Fill):
                 return False
             self._stage_dir, self._lock, self._fd = staged
             os.posix_fallocate(self._fd, 0, self.size)
-            mapped = mmap.mmap(self._fd, self.size, mmap.MAP_SHARED,
-                               mmap.PROT_READ | mmap.PROT_WRITE)
-            self._view = np.frombuffer(mapped, np.uint8)
-            self._room_left = dirty_room() if in_place() else 0
+            if in_place():      # else nothing maps the file: every chunk is written after
+                mapped = mmap.mmap(self._fd, self.size, mmap.MAP_SHARED,
+                                   mmap.PROT_READ | mmap.PROT_WRITE)
+                self._view = np.frombuffer(mapped, np.uint8)
+                self._room_left = dirty_room()
             return True
         except (OSError, ValueError) as e:
             self.reason = f"{self.root}: {getattr(e, 'strerror', None) or e}"
@@ -786,9 +788,9 @@ class StagedFill(Fill):
         """Chunk ``cid`` was decoded into ``buf``: its place (``out``), or memory of its own,
         kept to be written after the load."""
         span = self.spans.get(cid)
-        if self._view is None or span is None or buf.nbytes != span[1]:
+        if self._fd is None or span is None or buf.nbytes != span[1]:
             return
-        if buf.ctypes.data == self._view.ctypes.data + span[0]:
+        if self._view is not None and buf.ctypes.data == self._view.ctypes.data + span[0]:
             # decoded and checked: copy-on-write from now on, in the decoder's thread beside
             # the load rather than all at its end
             private = self._private(cid, populate=True)
@@ -815,14 +817,15 @@ class StagedFill(Fill):
         return True
 
     def seal(self) -> bool:
-        """After the load: every page of the mapping copy-on-write (the chunks decoded in place
-        are already, each as it was decoded: ``add``), so that nothing this process writes can
+        """After the load, where the data file is mapped (in place): every page of the mapping
+        copy-on-write (the chunks decoded in place are already, each as it was decoded:
+        ``add``), so that nothing this process writes can
         reach the entry. False (the entry is then not kept: ``reason``) where that cannot be
         done."""
-        if self._view is None:
+        if self._fd is None:
             return False
-        if self._not_private or \
-                not all(self._private(cid) for cid in self.spans if cid not in self._decoded):
+        if self._view is not None and (self._not_private or \
+                not all(self._private(cid) for cid in self.spans if cid not in self._decoded)):
             self.reason = "the decoded pages could not be made copy-on-write: nothing kept"
             self.discard()
             return False
