@@ -457,26 +457,29 @@ def main() -> None:
             header = (f"SRC = {str(src)!r}\nART = {str(art)!r}\nPROMPT = {prompt!r}\n"
                       f"DEVICE = {args.device!r}\n"
                       f"NEW = {NEW_TOKENS}\nTENSORS = {str(args.out / (src.name + '.tensors'))!r}\n")
+            # name: (what prepares the run, or None; the run). The preparation runs before
+            # the page cache is dropped: its process imports lct and numpy and reads the
+            # manifest, which would otherwise be in memory for a "cold" run
+            keep_copy, no_copy = (lambda: fill_cache(art, env)), (lambda: prune_cache(art, env))
             contenders = {
-                "floor: import torch + model class": lambda: run_python(
-                    header + PRELUDE + floor_code(cls), env),
-                "from_pretrained + generate": lambda: run_python(
-                    header + PRELUDE + FROM_PRETRAINED + GENERATE, env),
+                "floor: import torch + model class": (None, lambda: run_python(
+                    header + PRELUDE + floor_code(cls), env)),
+                "from_pretrained + generate": (None, lambda: run_python(
+                    header + PRELUDE + FROM_PRETRAINED + GENERATE, env)),
                 # the default: the decoded copy kept by the machine's first start (timed on
                 # its own below as "first start"), found by every later one
-                "lct.load + generate (default)": lambda: (fill_cache(art, env), run_python(
-                    header + PRELUDE + lct_python("keep") + GENERATE, env))[1],
-                "lct.load cache=False + generate": lambda: run_python(
-                    header + PRELUDE + lct_python("keep", cache=False) + GENERATE, env),
-                "lct.load, first start (default, fills the copy)": lambda: (
-                    prune_cache(art, env), run_python(
-                        header + PRELUDE + lct_python("keep") + GENERATE, env))[1],
-                "lct.load cache=False page_cache=drop + generate": lambda: run_python(
+                "lct.load + generate (default)": (keep_copy, lambda: run_python(
+                    header + PRELUDE + lct_python("keep") + GENERATE, env)),
+                "lct.load cache=False + generate": (None, lambda: run_python(
+                    header + PRELUDE + lct_python("keep", cache=False) + GENERATE, env)),
+                "lct.load, first start (default, fills the copy)": (no_copy, lambda: run_python(
+                    header + PRELUDE + lct_python("keep") + GENERATE, env)),
+                "lct.load cache=False page_cache=drop + generate": (None, lambda: run_python(
                     header + PRELUDE + lct_python("keep", cache=False, page_cache="drop")
-                    + GENERATE, env),
-                "lct.load nf4=dequantize + generate": lambda: run_python(
-                    header + PRELUDE + lct_python("dequantize", cache=False) + GENERATE, env),
-                "lct load CLI": lambda: (fill_cache(art, env), run_cli(art, prompt, env))[1],
+                    + GENERATE, env)),
+                "lct.load nf4=dequantize + generate": (None, lambda: run_python(
+                    header + PRELUDE + lct_python("dequantize", cache=False) + GENERATE, env)),
+                "lct load CLI": (keep_copy, lambda: run_cli(art, prompt, env)),
             }
             if args.contenders:
                 wanted = args.contenders.split("|" if "|" in args.contenders else ",")
@@ -484,8 +487,8 @@ def main() -> None:
                               if any(k.startswith(w) for w in wanted)}
             if args.peers:
                 for name, body in PEERS.items():
-                    contenders[name] = (lambda b=body: run_python(header + PRELUDE + b + GENERATE,
-                                                                  env))
+                    contenders[name] = (None, lambda b=body: run_python(
+                        header + PRELUDE + b + GENERATE, env))
             results = {k: {"cold": [], "warm": []} for k in contenders}
 
             def save(results, model=model, scenario=scenario, src=src, art=art, cold=cold):
@@ -504,8 +507,10 @@ def main() -> None:
                     print(f"--max-seconds {args.max_seconds:.0f} reached: {rep} repetition(s)",
                           flush=True)
                     break
-                for name, fn in contenders.items():
+                for name, (prepare, fn) in contenders.items():
                     for phase in (("cold", "warm") if cold else ("warm",)):
+                        if prepare is not None:
+                            prepare()
                         settle(args.memory, args.prime_gb)
                         if phase == "cold":
                             drop_caches()
