@@ -1,4 +1,4 @@
-"""`lct cache`: the local decoded cache (lct/io/cache.py): list it, size it, prune it, fill it."""
+"""`lct cache`: the local decoded cache (lct/io/cache.py): list it, prune it, fill it."""
 
 from __future__ import annotations
 
@@ -10,7 +10,7 @@ import click
 from lct.cli._util import GroupProgress, quiet_option, table
 
 
-@click.group("cache", short_help="List, size, prune and fill the local decoded cache.")
+@click.group("cache", short_help="List, prune and fill the local decoded cache.")
 def cache_cmd():
     """The local decoded cache: what a load decoded, kept so that a later load of the same
     artifact maps it instead of decoding it again (LCT_CACHE_MAP=auto maps it only where it
@@ -91,23 +91,30 @@ def fill_cmd(artifact, quiet):
 
 
 @cache_cmd.command(
-    "prune", short_help="Remove entries: all, one digest's, or the least recently used.")
+    "prune", short_help="Remove entries: all, one digest's, orphaned ones, or the least "
+                        "recently used.")
 @click.option("--all", "everything", is_flag=True, help="Remove every entry.")
+@click.option("--orphaned", "orphans", is_flag=True,
+              help="Remove the entries whose artifact folder (the artifact column of lct cache "
+                   "list) is gone or now holds another artifact: a folder removed, a model "
+                   "converted again. An entry also serves a copy of its artifact elsewhere, "
+                   "which this cannot see.")
 @click.option("--digest", default=None, metavar="DIGEST",
               help="Remove the entry of this manifest digest (sha256:..., as lct info prints; "
                    "a prefix only one entry has, as lct cache list prints, will do).")
 @click.option("--max-size", default=None, metavar="SIZE",
               help="Remove the least recently used entries until the rest fit in SIZE (10GiB).")
 @quiet_option("the number of entries removed")
-def prune_cmd(everything, digest, max_size, quiet):
+def prune_cmd(everything, orphans, digest, max_size, quiet):
     """Remove entries (and what unfinished fills left). Only folders the cache made are
     touched."""
     from lct.io import cache
     from lct.units import human, parse_size
-    if not (everything or digest or max_size):
-        raise click.UsageError("say what to remove: --all, --digest DIGEST or --max-size SIZE")
+    if not (everything or orphans or digest or max_size):
+        raise click.UsageError("say what to remove: --all, --orphaned, --digest DIGEST or "
+                               "--max-size SIZE")
     keep = parse_size(max_size, "--max-size") if max_size else None
-    removed = cache.prune(keep_bytes=keep, digest=digest, everything=everything)
+    removed = cache.prune(keep_bytes=keep, digest=digest, everything=everything, orphans=orphans)
     if quiet:
         click.echo(str(len(removed)))
         return

@@ -207,6 +207,34 @@ def test_weights_changed_before_they_are_written_are_not_kept(root, llama_art):
     assert cache.entries() == [] and not list(root.glob(f"{cache.FILL_PREFIX}*"))
 
 
+def test_a_ctrl_c_while_the_copy_is_written_leaves_no_staging_folder(root, llama_art,
+                                                                    monkeypatch):
+    """A Ctrl-C while a process waits for its fill (``lct load``'s "keeping the decoded copy"):
+    the fill is cancelled and its staging folder removed before the interrupt is raised again,
+    so "nothing was left half-written" holds; the writes end within a piece, not a chunk."""
+    import signal
+    import threading
+
+    real, pieces = os.pwrite, []
+
+    def slow(fd, data, offset):     # a slow disk: 4 KiB a call, 5 ms each
+        pieces.append(offset)
+        if len(pieces) == 40:       # the user presses Ctrl-C while the copy is written
+            signal.pthread_kill(threading.main_thread().ident, signal.SIGINT)
+        import time
+        time.sleep(0.005)
+        return real(fd, data[:4096], offset)
+    monkeypatch.setattr(cache.os, "pwrite", slow)
+    lct.load(llama_art, cache=True)
+    with pytest.raises(KeyboardInterrupt):
+        cache.wait_fills()
+    monkeypatch.setattr(cache.os, "pwrite", real)
+    fill = cache._FILLS[-1]
+    assert fill.wait(0) and not fill.done and fill.reason == "cancelled"
+    assert len(pieces) < 80         # it stopped within a piece of the interrupt
+    assert cache.entries() == [] and list(root.iterdir()) == []
+
+
 def test_a_failed_load_keeps_nothing(root, llama_art, monkeypatch):
     import lct.loader.build as build
 
@@ -379,6 +407,30 @@ def test_cli_lists_and_prunes(root, llama_art):
     out = runner.invoke(cli, ["cache", "prune", "--max-size", "0KB"])
     assert out.exit_code == 0 and "removed 1 entry" in out.output
     assert cache.entries() == [] and os.listdir(root) == []
+
+
+def test_prune_orphaned_removes_the_entries_of_artifacts_gone_or_replaced(
+        root, llama_art, gemma_art, tmp_path):
+    """A new user's trial: every temporary demo and every re-convert left an entry behind that
+    nothing would ever map again, and nothing but --all or --digest removed it."""
+    a, b = tmp_path / "a.lct", tmp_path / "b.lct"
+    shutil.copytree(llama_art, a)
+    shutil.copytree(gemma_art, b)
+    runner = CliRunner()
+    for art in (a, b):
+        assert runner.invoke(cli, ["cache", "fill", str(art)]).exit_code == 0
+    out = runner.invoke(cli, ["cache", "prune", "--orphaned"])
+    assert out.exit_code == 0 and "removed 0 entries" in out.output, out.output
+    shutil.rmtree(b)                                    # a folder removed
+    out = runner.invoke(cli, ["cache", "prune", "--orphaned"])
+    assert out.exit_code == 0 and "removed 1 entry" in out.output, out.output
+    (kept,) = cache.entries()
+    assert kept.artifact == str(a)
+    shutil.rmtree(a)                                    # converted again: another artifact there
+    shutil.copytree(gemma_art, a)
+    assert cache.orphaned(kept)
+    assert [e.digest for e in cache.prune(orphans=True)] == [kept.digest]
+    assert cache.entries() == []
 
 
 def test_the_lct_command_leaves_its_entry(root, llama_art):

@@ -827,6 +827,27 @@ def test_demo_without_a_workdir_leaves_nothing_behind(tmp_path, monkeypatch):
     assert demo.run_demo(kept).workdir == kept and (kept / "model.lct" / "data.lct").is_file()
 
 
+@pytest.mark.slow
+def test_the_demo_leaves_no_decoded_cache_entry_behind(tmp_path, monkeypatch):
+    """A new user's trial: every `lct demo` left its artifact's decoded copy in the cache after
+    removing the artifact (and `--workdir` one more each run): nothing would map them again.
+    With the cache on, as a user has it, a demo in a temporary folder leaves no entry, and one
+    in a kept folder leaves only its current artifact's."""
+    import lct.demo.run as demo
+    from lct.io import cache
+    monkeypatch.setenv(cache.ENV_SWITCH, "1")
+    monkeypatch.setenv(cache.ENV_DIR, str(tmp_path / "cache"))
+    kept = tmp_path / "kept"
+    for _ in range(2):
+        demo.run_demo(kept, log=lambda *a: None)
+        cache.wait_fills()
+        (entry,) = cache.entries()
+        assert entry.digest == demo._digest(kept / "model.lct")
+    demo.run_demo(log=lambda *a: None)
+    cache.wait_fills()
+    assert [e.digest for e in cache.entries()] == [entry.digest]
+
+
 def test_demo_never_replaces_what_it_did_not_write(tmp_path, monkeypatch):
     """A new user's trial: `lct demo --workdir DIR` replaced the user's own `source` (their
     model's weights) and `model.lct` in DIR. Now a folder holding any of the demo's outputs that

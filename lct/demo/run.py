@@ -51,11 +51,41 @@ def run_demo(workdir=None, log=print) -> DemoResult:
     removed before this returns, and ``workdir`` None in the result); return what it measured."""
     if workdir is not None:
         _claim(Path(workdir))
-        return _run(Path(workdir), log)
+        before = _digest(Path(workdir) / "model.lct")
+        res = _run(Path(workdir), log)
+        if before != _digest(Path(workdir) / "model.lct"):
+            _forget(before)         # the earlier demo's artifact was replaced
+        return res
     with tempfile.TemporaryDirectory(prefix="lct-demo-", ignore_cleanup_errors=True) as tmp:
-        res = _run(Path(tmp), log)
+        try:
+            res = _run(Path(tmp), log)
+        finally:
+            _forget(_digest(Path(tmp) / "model.lct"))
     res.workdir = None
     return res
+
+
+def _digest(art: Path) -> str | None:
+    """The manifest digest of the artifact ``art``, or None where there is none (yet)."""
+    from lct.errors import LCTError
+    from lct.io.reader import open_artifact
+    try:
+        with open_artifact(art, verify=False) as a:
+            return a.digest
+    except LCTError:
+        return None
+
+
+def _forget(digest: str | None) -> None:
+    """Remove the decoded cache's entry of a demo artifact that is gone (its temporary folder
+    removed, or replaced by the next demo): nothing would map it again, and each demo would
+    leave one more (the demo's load keeps one, as every load does by default)."""
+    from lct.io import cache
+    if digest is None:
+        return
+    cache.wait_fills()
+    if any(e.digest == digest for e in cache.entries()):
+        cache.prune(digest=digest)
 
 
 def _claim(work: Path) -> None:

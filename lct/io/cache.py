@@ -84,6 +84,7 @@ RESIDENCY_WINDOW = 8                # ...of this many pages each, spread evenly 
 DEFAULT_ON = True
 DEFAULT_MAX_BYTES = 64 << 30
 MIN_FREE_BYTES = 2 << 30
+CANCEL_WAIT_S = 10.0                # a Ctrl-C gives cancelled fills this long to clean up
 ALIGN = 4096
 DATA = "decoded.bin"
 ENTRY = "entry.json"
@@ -238,12 +239,30 @@ def _stale_fills(root: Path) -> list:
     return out
 
 
+def orphaned(entry: Entry) -> bool:
+    """Whether the artifact folder ``entry`` was filled from (``Entry.artifact``) is gone or now
+    holds another artifact (its manifest's digest is not the entry's, or it cannot be read):
+    the entry of a re-converted model or of a removed folder. An entry serves its artifact
+    wherever it is (a copy elsewhere, the same artifact streamed again from a store), which
+    this cannot see."""
+    from lct.io.reader import open_artifact
+    folder = Path(entry.artifact)
+    if not entry.artifact or not folder.is_absolute() or not folder.is_dir():
+        return True
+    try:
+        with open_artifact(folder, verify=False) as art:
+            return art.digest != entry.digest
+    except LCTError:
+        return True
+
+
 def prune(root: Path | None = None, *, keep_bytes: int | None = None, digest: str | None = None,
-          everything: bool = False) -> list:
+          everything: bool = False, orphans: bool = False) -> list:
     """Remove entries: ``digest``'s (the whole digest, or a prefix of it only one entry has,
-    as ``lct cache list`` prints it), ``everything``, or the least recently used until the rest
-    hold at most ``keep_bytes``; and always the staging folders of fills that ended without
-    finishing. Returns the removed entries. Only LCT's own folders are touched.
+    as ``lct cache list`` prints it), ``everything``, those whose artifact folder is gone or
+    holds another artifact now (``orphans``: ``orphaned``), or the least recently used until
+    the rest hold at most ``keep_bytes``; and always the staging folders of fills that ended
+    without finishing. Returns the removed entries. Only LCT's own folders are touched.
 
     Raises:
         LCTError: ``digest`` names no entry, or more than one."""
@@ -261,7 +280,7 @@ def prune(root: Path | None = None, *, keep_bytes: int | None = None, digest: st
         digest = named[0].digest
     for e in current:
         if everything or (digest is not None and digest == e.digest) or \
-                (keep_bytes is not None and total > keep_bytes):
+                (keep_bytes is not None and total > keep_bytes) or (orphans and orphaned(e)):
             shutil.rmtree(e.path, ignore_errors=True)
             if not e.path.exists():
                 total -= e.size
@@ -483,11 +502,15 @@ def _xxh3(buf) -> int:
     return xxhash.xxh3_64_intdigest(memoryview(buf).cast("B"))
 
 
-def _write_all(fd: int, buf, at: int) -> None:
-    """Write all of ``buf`` at offset ``at`` of ``fd``, in pieces (a short write is resumed)."""
+def _write_all(fd: int, buf, at: int, stop: threading.Event | None = None) -> None:
+    """Write all of ``buf`` at offset ``at`` of ``fd``, in pieces (a short write is resumed);
+    raises ``_Cancelled`` between pieces once ``stop`` is set, so that a cancelled fill ends
+    within one piece, not one chunk."""
     view = memoryview(buf).cast("B")
     done = 0
     while done < len(view):
+        if stop is not None and stop.is_set():
+            raise _Cancelled()
         n = os.pwrite(fd, view[done: done + (16 << 20)], at + done)
         if n <= 0:
             raise WriteError(f"wrote nothing at offset {at + done}")
@@ -511,21 +534,33 @@ def _lower_io_priority() -> None:
 
 
 class _Background:
-    """What ``start_fill`` and ``wait_fills`` need of a fill: a thread, a stop event."""
+    """What ``start_fill`` and ``wait_fills`` need of a fill: a thread (``_spawn`` starts
+    ``_run`` in it), a stop event, and an event its thread sets when ``_run`` returned."""
 
     _thread: threading.Thread | None = None
     _stop: threading.Event
+    _ended: threading.Event | None = None
 
     def cancel(self) -> None:
         """Stop the fill (its staging folder is removed, nothing is kept)."""
         self._stop.set()
 
     def wait(self, timeout: float | None = None) -> bool:
-        """Wait for the fill's thread; True once it ended (or never started)."""
-        if self._thread is not None:
-            self._thread.join(timeout)
-            return not self._thread.is_alive()
-        return True
+        """Wait for the fill's thread; True once its work ended (or never started). An event,
+        not ``Thread.join``: a join that a Ctrl-C interrupted can report the thread ended while
+        it still runs (CPython before 3.13), and ``wait_fills`` waits again just then."""
+        return self._ended is None or self._ended.wait(timeout)
+
+    def _spawn(self) -> None:
+        self._ended = threading.Event()
+
+        def main():
+            try:
+                self._run()
+            finally:
+                self._ended.set()
+        self._thread = threading.Thread(target=main, name="lct-cache-fill", daemon=True)
+        self._thread.start()
 
 
 class Fill(_Background):
@@ -575,8 +610,7 @@ class Fill(_Background):
             self._bufs.clear()
             self.reason = "the load did not decode every chunk"
             return
-        self._thread = threading.Thread(target=self._run, name="lct-cache-fill", daemon=True)
-        self._thread.start()
+        self._spawn()
 
     def _room(self) -> bool:
         """Evict least-recently-used entries to fit the budget; False where the entry cannot fit
@@ -623,7 +657,7 @@ class Fill(_Background):
                         raise _Changed(f"chunk {cid} is not the bytes the manifest pins "
                                        f"(weights changed in place after the load): nothing "
                                        f"kept")
-                    _write_all(fd, buf, self.spans[cid][0])
+                    _write_all(fd, buf, self.spans[cid][0], self._stop)
                     written.add(cid)
                 if written != set(self.spans):
                     self.reason = (f"{len(self.spans) - len(written)} chunk(s) were not "
@@ -636,6 +670,8 @@ class Fill(_Background):
                 stage = None
         except _Changed as e:
             self.reason = str(e)
+        except _Cancelled:
+            self.reason = "cancelled"
         except Exception as e:      # noqa: BLE001  a background thread: say it, never raise
             self._failed(e)
         finally:
@@ -840,8 +876,7 @@ class StagedFill(Fill):
             self._bufs.clear()
             self.discard()
             return
-        self._thread = threading.Thread(target=self._run, name="lct-cache-fill", daemon=True)
-        self._thread.start()
+        self._spawn()
 
     def _run(self) -> None:
         _lower_io_priority()
@@ -854,7 +889,7 @@ class StagedFill(Fill):
                 if buf is None and _file_xxh3(self._fd, *self.spans[cid]) == self.pinned[cid]:
                     continue
                 if buf is not None and _xxh3(buf) == self.pinned[cid]:
-                    _write_all(self._fd, buf, self.spans[cid][0])
+                    _write_all(self._fd, buf, self.spans[cid][0], self._stop)
                     continue
                 self.reason = (f"chunk {cid} is not the bytes the manifest pins"
                                f"{' (weights changed in place after the load)' if buf is not None else ''}"
@@ -864,6 +899,8 @@ class StagedFill(Fill):
             os.fsync(self._fd)
             if self._publish(self._stage_dir):
                 self._stage_dir = None
+        except _Cancelled:
+            self.reason = "cancelled"
         except Exception as e:      # noqa: BLE001  a background thread: say it, never raise
             self._failed(e)
         finally:
@@ -934,6 +971,10 @@ def _file_xxh3(fd: int, at: int, size: int) -> int:
                        offset=off) as window:
             h.update(window)
     return h.intdigest()
+
+
+class _Cancelled(Exception):
+    """A fill's writer saw its stop event set (``_write_all``)."""
 
 
 class _Changed(Exception):
@@ -1020,8 +1061,7 @@ class BackgroundFill(_Background):
 
     def start(self) -> None:
         """Start the fill in its thread."""
-        self._thread = threading.Thread(target=self._run, name="lct-cache-fill", daemon=True)
-        self._thread.start()
+        self._spawn()
 
     def _run(self) -> None:
         from lct.io.reader import open_artifact
@@ -1103,12 +1143,17 @@ def _wait_at_exit() -> None:
 
 def wait_fills(timeout: float | None = None) -> list:
     """Wait for the fills this process started; returns them (``done``, ``reason``). A Ctrl-C
-    meanwhile cancels them (what they wrote is left for ``prune``) and is raised again."""
+    meanwhile cancels them and is raised again once they removed their staging folders (each
+    ends within one write of ``_write_all``'s pieces; at most ``CANCEL_WAIT_S`` is given to
+    them, and a folder left past it is an unfinished fill that ``prune`` removes)."""
     try:
         for f in _FILLS:
             f.wait(timeout)
     except KeyboardInterrupt:
         for f in _FILLS:
             f.cancel()
+        deadline = time.monotonic() + CANCEL_WAIT_S
+        for f in _FILLS:
+            f.wait(max(0.0, deadline - time.monotonic()))
         raise
     return list(_FILLS)
