@@ -393,6 +393,10 @@ def test_cli_lists_and_prunes(root, llama_art):
     assert data["total_bytes"] == data["entries"][0]["size"] > 0
     out = runner.invoke(cli, ["load", str(llama_art), "--cache", "--json"])
     assert json.loads(out.output)["breakdown"]["cache"].startswith("hit: mapped")
+    # a hit decodes nothing: its throughput is not called a decode (a new user's trial)
+    out = runner.invoke(cli, ["load", str(llama_art), "--cache", "--ids", "1,2"])
+    assert re.search(r"stream throughput +\S+ \S+/s mapped from the decoded cache", out.output), \
+        out.output
     assert runner.invoke(cli, ["cache", "prune"]).exit_code == 2
     # a digest no entry has, or a prefix of none, is an error, not "removed 0 entries"
     for wrong in ("foo", "sha256:0000000000000"):

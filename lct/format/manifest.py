@@ -317,8 +317,9 @@ def _check_sealed(raw: bytes, d: dict, where: str) -> None:
     if digest != value:
         raise ManifestChecksumError(
             f"{where}: manifest checksum mismatch: it says {value}, its bytes give {digest}; "
-            f"the file was changed after it was written (a tool that edits it must reseal it "
-            f"with lct.format.manifest.seal)")
+            f"the file was changed after it was written, even re-indented; restore it or "
+            f"convert the model again (a tool that edits a manifest reseals it: "
+            f"docs/FORMAT.md section 6)")
 
 
 def _str(v, where: str, what: str, maxlen: int = C.MAX_NAME_LEN) -> str:
