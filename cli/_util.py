@@ -68,6 +68,8 @@ class LCTGroup(click.Group):
             click.echo(f"error: {e.format_message()} (see {where} --help)", err=True)
             sys.exit(2)
         except KeyboardInterrupt:
+            if os.environ.get("LCT_DEBUG"):
+                traceback.print_exc()
             click.echo(INTERRUPTED, err=True)
             sys.exit(INTERRUPTED_STATUS)
 

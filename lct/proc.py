@@ -1,8 +1,10 @@
 """Process measurements for breakdowns and benchmarks: age since start, peak RSS and the memory
-available (Linux); and the one check of a thread count a caller asks for."""
+available (Linux); the one check of a thread count a caller asks for; and cleanup that a
+second Ctrl-C does not cut short."""
 
 from __future__ import annotations
 
+import contextlib
 import os
 import resource
 import threading
@@ -71,3 +73,26 @@ def check_workers(workers) -> int | None:
         raise OptionError(f"workers must be an integer >= 1 (or None: all cores), got "
                           f"{workers!r}", option="workers")
     return workers
+
+
+@contextlib.contextmanager
+def interrupts_held():
+    """Run the block to its end through a Ctrl-C, then raise it: a SIGINT meanwhile is held and
+    raised as ``KeyboardInterrupt`` once the block is done. For cleanup that must finish (a
+    staging folder removed after an interrupt): a user presses Ctrl-C twice, and ``timeout -s
+    INT`` signals both the process and its group, so the second one came while the first one's
+    cleanup ran and left the folder behind. Outside the main thread, where no handler can be
+    set, the block runs as it is."""
+    import signal
+    held: list = []
+    try:
+        previous = signal.signal(signal.SIGINT, lambda signum, frame: held.append(signum))
+    except ValueError:          # not the main thread: signals are the main thread's
+        yield
+        return
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGINT, previous)
+    if held:
+        raise KeyboardInterrupt

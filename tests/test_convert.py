@@ -540,6 +540,32 @@ def test_a_failure_hashing_the_source_ends_the_conversion(gemma_src, tmp_path, m
     assert not (tmp_path / "a.lct").exists()
 
 
+def test_a_second_ctrl_c_during_the_cleanup_leaves_no_staging_folder(gemma_src, tmp_path,
+                                                                     monkeypatch):
+    """A new user's trial: `timeout -s INT` (which signals the process and its group) or two
+    Ctrl-C in a row left an empty `.out.lct.tmp-*` folder: the second interrupt came while the
+    first one's cleanup ran. The cleanup now runs to its end and the interrupt is raised after."""
+    import shutil
+    import signal
+    from pathlib import Path
+
+    from lct.io import writer
+    real = shutil.rmtree
+
+    def interrupted_again(path, **kw):
+        for f in Path(path).iterdir():                  # the folder emptied...
+            f.unlink()
+        signal.raise_signal(signal.SIGINT)              # ...and the second Ctrl-C comes
+        return real(path, **kw)
+    with pytest.raises(KeyboardInterrupt):
+        with writer.ArtifactWriter(tmp_path / "a.lct") as w:
+            w.copy_file(gemma_src / "config.json")
+            monkeypatch.setattr(writer.shutil, "rmtree", interrupted_again)
+            raise KeyboardInterrupt                     # the first
+    assert list(tmp_path.iterdir()) == []
+    assert signal.getsignal(signal.SIGINT) is signal.default_int_handler
+
+
 def test_the_writer_refuses_a_side_file_without_a_recorded_hash(gemma_src, tmp_path):
     from lct.io.writer import ArtifactWriter
     with ArtifactWriter(tmp_path / "a.lct") as w:

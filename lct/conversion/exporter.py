@@ -213,8 +213,10 @@ def _export(artifact, out: Path, max_shard_size: int, progress) -> Path:
             raise mapped from e
         raise
     finally:
-        if tmp.exists():
-            shutil.rmtree(tmp, ignore_errors=True)
-        if art is not artifact:
-            art.close()
+        from lct.proc import interrupts_held
+        with interrupts_held():         # a second Ctrl-C would leave the folder
+            if tmp.exists():
+                shutil.rmtree(tmp, ignore_errors=True)
+            if art is not artifact:
+                art.close()
     return out

@@ -465,7 +465,8 @@ def warm(hit: CachedChunks):
     import subprocess
     import sys
     path, size = hit.entry.path / DATA, hit.entry.size
-    if not hasattr(os, "posix_fadvise") or not sys.executable or _available_memory() < size:
+    from lct.proc import available_memory
+    if not hasattr(os, "posix_fadvise") or not sys.executable or (available_memory() or 0) < size:
         return None
     try:
         return subprocess.Popen(
@@ -483,18 +484,6 @@ def read_ahead(path, size: int) -> None:
     from lct.io.store import will_need
     _lower_io_priority()
     will_need(path, [(0, size)], os.O_NOFOLLOW)
-
-
-def _available_memory() -> int:
-    """``MemAvailable`` of /proc/meminfo in bytes; 0 where it cannot be read."""
-    try:
-        with open("/proc/meminfo") as f:
-            for line in f:
-                if line.startswith("MemAvailable:"):
-                    return int(line.split()[1]) * 1024
-    except (OSError, ValueError, IndexError):
-        pass
-    return 0
 
 
 def _xxh3(buf) -> int:
@@ -1150,10 +1139,12 @@ def wait_fills(timeout: float | None = None) -> list:
         for f in _FILLS:
             f.wait(timeout)
     except KeyboardInterrupt:
-        for f in _FILLS:
-            f.cancel()
-        deadline = time.monotonic() + CANCEL_WAIT_S
-        for f in _FILLS:
-            f.wait(max(0.0, deadline - time.monotonic()))
+        from lct.proc import interrupts_held
+        with interrupts_held():     # a second Ctrl-C would leave the staging folders
+            for f in _FILLS:
+                f.cancel()
+            deadline = time.monotonic() + CANCEL_WAIT_S
+            for f in _FILLS:
+                f.wait(max(0.0, deadline - time.monotonic()))
         raise
     return list(_FILLS)

@@ -549,12 +549,14 @@ class ArtifactWriter:
         """Drop everything written so far; nothing that looks like an artifact remains."""
         if self.state != "open":
             return
-        try:
-            self._io.shutdown(wait=True, cancel_futures=True)
-            if self._fh is not None:
-                _close_quietly(self._fh)     # its buffered bytes go with the folder
-                self._fh = None
-        finally:
-            shutil.rmtree(self.tmp, ignore_errors=True)
-            self.state = "aborted"
-            self._lock.release()
+        from lct.proc import interrupts_held
+        with interrupts_held():         # a second Ctrl-C would leave the folder
+            try:
+                self._io.shutdown(wait=True, cancel_futures=True)
+                if self._fh is not None:
+                    _close_quietly(self._fh)     # its buffered bytes go with the folder
+                    self._fh = None
+            finally:
+                shutil.rmtree(self.tmp, ignore_errors=True)
+                self.state = "aborted"
+                self._lock.release()
