@@ -48,7 +48,8 @@ def _encoding_help(e) -> str:
 @click.option("--mode", type=click.Choice(MODES), default="infer", show_default=True,
               help="infer: a no-grad forward that fills a KV cache; train: forward with labels, "
                    "backward and optimizer step.")
-@click.option("--batch", type=click.IntRange(min=1), default=1, show_default=True)
+@click.option("--batch", type=click.IntRange(min=1), default=1, show_default=True,
+              help="Sequences run at once (the activations and the KV cache grow with it).")
 @click.option("--seq", type=click.IntRange(min=1), default=DEFAULT_SEQ, show_default=True,
               help="Sequence length in tokens.")
 @click.option("--vocab-size", type=click.IntRange(min=1), default=None,

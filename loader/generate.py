@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from lct.errors import LCTError
 from lct.format import constants as C
@@ -22,6 +22,7 @@ class GenerationResult:
     # From the start of the process to the first token (None where /proc says nothing): the
     # user's time to first token, measured once, here.
     process_start_to_first_token_s: float | None = None
+    token_ids: list = field(default_factory=list)   # the generated ids, as ``text`` decodes
 
     @property
     def tokens_per_s(self) -> float:
@@ -136,4 +137,5 @@ def generate_timed(model, path, prompt: str | None = None, ids=None,
     from lct.proc import process_age
     age = process_age()
     return GenerationResult(text, int(new.numel()), first - t0, total, first, tokenize_s,
-                            None if age is None else age - (time.perf_counter() - first))
+                            None if age is None else age - (time.perf_counter() - first),
+                            new.tolist())

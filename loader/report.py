@@ -55,7 +55,8 @@ class LoadReport:
         if res.process_start_to_first_token_s is not None:
             self.rows.append(("process start to first token",
                               f"{res.process_start_to_first_token_s:.2f} s"))
-        self.data.update(text=res.text, new_tokens=res.new_tokens, tokenize_s=res.tokenize_s,
+        self.data.update(text=res.text, new_tokens=res.new_tokens, token_ids=res.token_ids,
+                         tokenize_s=res.tokenize_s,
                          first_token_s=res.first_token_s, tokens_per_s=res.tokens_per_s,
                          process_start_to_first_token_s=res.process_start_to_first_token_s)
         self.rows += [("tokenizer load + prompt encode", f"{res.tokenize_s:.2f} s"),

@@ -171,7 +171,7 @@ def _real_load(run, tmp_path, request):
     out = json.loads(res.output)
     ids = torch.tensor([[1, 5, 9]])
     want = lct.load(art_path).generate(ids, max_new_tokens=3, do_sample=False)[0, 3:]
-    assert out["new_tokens"] == len(want)
+    assert out["new_tokens"] == len(want) and out["token_ids"] == want.tolist()
     assert out["text"] == " ".join(str(int(i)) for i in want)
     with lct.open(art_path) as art:
         assert out["breakdown"]["groups"] == len(art.groups)
