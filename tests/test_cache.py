@@ -796,13 +796,18 @@ def test_a_recycled_group_of_a_mapped_entry_leaves_this_process_memory(root, lla
         hit.put(np.zeros(chunks[0].decoded_size, np.uint8))
 
 
-def test_populate_maps_a_range_without_touching_it(tmp_path):
+@pytest.mark.parametrize("through", ["the C library", "Python's mmap (no C library)"])
+def test_populate_maps_a_range_without_touching_it(tmp_path, monkeypatch, through):
     """``lct.io.store.populate`` maps the pages of a range of a file mapping in one call (what
     a mapped entry's check then reads without a fault per page), and no others; it says False
-    where the kernel cannot (then the pages come as they are touched)."""
+    where the kernel cannot (then the pages come as they are touched). Through the C library
+    (the interpreter's lock let go while the kernel reads), else through ``mmap.madvise``."""
     import mmap
 
+    from lct.io import store
     from lct.io.store import populate
+    if through != "the C library":
+        monkeypatch.setattr(store, "_libc", lambda: None)
     page = mmap.PAGESIZE
     f = tmp_path / "data.bin"
     f.write_bytes(os.urandom(256 * page))
