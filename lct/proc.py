@@ -85,14 +85,18 @@ def interrupts_held():
     set, the block runs as it is."""
     import signal
     held: list = []
+    outside = object()
     try:
         previous = signal.signal(signal.SIGINT, lambda signum, frame: held.append(signum))
     except ValueError:          # not the main thread: signals are the main thread's
+        previous = outside
+    if previous is outside:
         yield
         return
     try:
         yield
     finally:
-        signal.signal(signal.SIGINT, previous)
+        # None: a handler not set from Python (as signal.signal says); the default's then
+        signal.signal(signal.SIGINT, signal.SIG_DFL if previous is None else previous)
     if held:
         raise KeyboardInterrupt
