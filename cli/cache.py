@@ -21,7 +21,8 @@ def cache_cmd():
     `lct cache fill` made. Every chunk of an entry is checked, as a load first maps it, against the decoded
     checksum the artifact's manifest pins (format 1.6; older artifacts are never cached).
     Entries are named by the manifest's digest (lct info prints it) and
-    the least recently used are evicted to stay within LCT_CACHE_MAX (default 64GiB), and
+    the least recently used are evicted to stay within LCT_CACHE_MAX (default 64GiB, which
+    lct cache list prints as 68.72 GB: LCT prints sizes in decimal units), and
     nothing is written that would leave less of the disk free than LCT_CACHE_MIN_FREE (default
     5 %, at least 2GiB). The folder
     is LCT_CACHE_DIR, else $XDG_CACHE_HOME/lct/decoded, else ~/.cache/lct/decoded."""
