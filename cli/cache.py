@@ -92,8 +92,7 @@ def fill_cmd(artifact, quiet):
 
 
 @cache_cmd.command(
-    "prune", short_help="Remove entries: all, one digest's, orphaned ones, or the least "
-                        "recently used.")
+    "prune", short_help="Remove entries: all, a digest's, orphans, or the least recently used.")
 @click.option("--all", "everything", is_flag=True, help="Remove every entry.")
 @click.option("--orphaned", "orphans", is_flag=True,
               help="Remove the entries whose artifact folder (the artifact column of lct cache "
