@@ -93,7 +93,9 @@ def fill_cmd(artifact, quiet):
 
 @cache_cmd.command(
     "prune", short_help="Remove entries: all, a digest's, orphans, or the least recently used.")
-@click.option("--all", "everything", is_flag=True, help="Remove every entry.")
+@click.option("--all", "everything", is_flag=True,
+              help="Remove every entry, and the head paths measured on this machine "
+                   "(head-paths.json: the next start measures them again).")
 @click.option("--orphaned", "orphans", is_flag=True,
               help="Remove the entries whose artifact folder (the artifact column of lct cache "
                    "list) is gone or now holds another artifact: a folder removed, a model "
@@ -115,6 +117,9 @@ def prune_cmd(everything, orphans, digest, max_size, quiet):
                                "--max-size SIZE")
     keep = parse_size(max_size, "--max-size") if max_size else None
     removed = cache.prune(keep_bytes=keep, digest=digest, everything=everything, orphans=orphans)
+    if everything:
+        from lct.kernels import paths
+        paths.forget()
     if quiet:
         click.echo(str(len(removed)))
         return

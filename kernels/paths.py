@@ -20,18 +20,33 @@ until one path is clearly ahead (``choose``). Cost on the 256,000 x 2,048 head (
 call of that bucket's path plus 50-220 ms, once per bucket, mostly the chunked path's
 dequantize of its slices. M buckets: 1, 2, 3, 4, then half-octaves (6, 8, 12, 16, 24, 32 ...).
 
+A choice is also kept for the next process on this machine (``MEMO``, a small JSON file in the
+decoded cache's folder, ``lct.io.cache.cache_dir``), so that the measurement is paid once per
+machine rather than on every start's first token (0.26 s of it for a 152,064 x 3,584 Q6_K head
+here, against 0.03 s for the forward itself). The memo holds for one machine as measured: the
+CPU's model, the compiled kernels' instruction set, torch's and LCT's versions; a memo of
+another is measured over. ``LCT_CACHE=0`` keeps nothing (each process measures), as it keeps no
+decoded copy. The file is read as untrusted: anything but a memo of this form is ignored (and
+never overwritten: only a memo LCT wrote is replaced), and a choice it gives is only one of the
+paths, each of which computes the same product.
+
 ``force(path)`` (or ``LCT_HEAD_PATH=fused|tiled|chunked``) makes every head take one path where
 it can run (tests, benchmarks); a path that cannot run there falls back to ``chunked``.
 """
 
 from __future__ import annotations
 
+import json
+import logging
 import math
 import os
 import threading
 import time
+import uuid
 
-from lct.errors import OptionError
+from lct.errors import LCTError, OptionError
+
+log = logging.getLogger(__name__)
 
 PATHS = ("fused", "tiled", "chunked")
 ENV = "LCT_HEAD_PATH"
@@ -43,8 +58,14 @@ DROP_RATIOS = (3.0, 1.5)
 _MEASURE_WEIGHTS = 1 << 25
 _MEASURE_MACS = 1 << 28
 
+MEMO = "head-paths.json"     # the measured choices kept for the next process (in the cache's folder)
+MEMO_KIND = "lct-head-paths"
+MEMO_MAX_BYTES = 1 << 16     # a few hundred keys at most: a larger file is not a memo of LCT's
+MEMO_MAX_KEYS = 1024
+
 _forced: str | None = None
 _chosen: dict = {}
+_memo: dict | None = None    # the memo file's choices for this machine, read once per process
 _lock = threading.Lock()
 
 
@@ -114,6 +135,10 @@ def choose(key: tuple, run, candidates=PATHS) -> str:
             return _chosen[key]
     if len(candidates) == 1:
         return candidates[0]
+    kept = _remembered().get(_key_text(key))
+    if kept in candidates:
+        with _lock:
+            return _chosen.setdefault(key, kept)
     best = {p: math.inf for p in candidates}
     i = 0
     for p in candidates:
@@ -133,8 +158,9 @@ def choose(key: tuple, run, candidates=PATHS) -> str:
             break
     path = min(candidates, key=lambda p: best[p])
     with _lock:
-        _chosen.setdefault(key, path)
-        return _chosen[key]
+        path = _chosen.setdefault(key, path)
+    _remember(key, path)
+    return path
 
 
 def chosen() -> dict:
@@ -144,6 +170,130 @@ def chosen() -> dict:
 
 
 def reset() -> None:
-    """Forget every choice (the next call of each bucket measures again)."""
+    """Forget every choice of this process, and what it read of the memo (the next call of
+    each bucket takes the memo's choice, or measures again)."""
+    global _memo
     with _lock:
         _chosen.clear()
+        _memo = None
+
+
+def forget() -> bool:
+    """Remove the memo (``lct cache prune --all``): every process after measures again. A file
+    there that is not a memo LCT wrote is left. True where one was removed."""
+    reset()
+    where = memo_file()
+    if where is None or _read_memo(where) is None:
+        return False
+    try:
+        os.unlink(where)
+    except OSError:
+        return False
+    return True
+
+
+def memo_file():
+    """The memo's path (``MEMO`` in ``lct.io.cache.cache_dir()``), or None where nothing is kept
+    between processes (``LCT_CACHE=0``)."""
+    from lct.io import cache
+    try:
+        if not cache.enabled(None):
+            return None
+    except LCTError:             # a bad LCT_CACHE value: the load that reads it says so
+        return None
+    return cache.cache_dir() / MEMO
+
+
+def machine() -> str:
+    """What a measurement holds for: this CPU's model, the compiled kernels' instruction set
+    (``LCT_NATIVE_ISA`` caps it), torch's and LCT's versions."""
+    import torch
+    from lct._version import __version__
+    from lct.kernels import native
+    cpu = ""
+    try:
+        with open("/proc/cpuinfo", encoding="utf-8", errors="replace") as f:
+            cpu = next((line.split(":", 1)[1].strip() for line in f
+                        if line.startswith("model name")), "")
+    except OSError:
+        pass
+    isa = native.matmul_isa() if native.available() else "none"
+    return f"{cpu or os.uname().machine}; {isa}; torch {torch.__version__}; lct {__version__}"
+
+
+def _key_text(key: tuple) -> str:
+    return "|".join(map(str, key))
+
+
+def _read_memo(path) -> dict | None:
+    """The memo at ``path`` as written (``{"kind", "machine", "choices"}``), or None where there
+    is none or the file is not one (any other content, a link, too large)."""
+    try:
+        fd = os.open(path, os.O_RDONLY | getattr(os, "O_NOFOLLOW", 0))
+    except OSError:
+        return None
+    try:
+        data = os.read(fd, MEMO_MAX_BYTES + 1)
+    except OSError:
+        return None
+    finally:
+        os.close(fd)
+    try:
+        memo = json.loads(data) if len(data) <= MEMO_MAX_BYTES else None
+    except ValueError:
+        return None
+    ok = isinstance(memo, dict) and memo.get("kind") == MEMO_KIND \
+        and isinstance(memo.get("machine"), str) and isinstance(memo.get("choices"), dict) \
+        and len(memo["choices"]) <= MEMO_MAX_KEYS \
+        and all(isinstance(k, str) and v in PATHS for k, v in memo["choices"].items())
+    return memo if ok else None
+
+
+def _remembered() -> dict:
+    """``{key text: path}`` the memo holds for this machine (read once per process)."""
+    global _memo
+    with _lock:
+        if _memo is not None:
+            return _memo
+    path, memo = memo_file(), None
+    if path is not None:
+        memo = _read_memo(path)
+    choices = memo["choices"] if memo is not None and memo["machine"] == machine() else {}
+    with _lock:
+        _memo = dict(choices)
+        return _memo
+
+
+def _remember(key: tuple, path: str) -> None:
+    """Add a measured choice to the memo for the next process: the file read again and
+    replaced whole by a rename (a concurrent writer's choice may be lost, never half a file).
+    A file there that is not a memo is left as it is; a failure to write only costs the next
+    process the measurement."""
+    where = memo_file()
+    if where is None:
+        return
+    here = machine()
+    old = _read_memo(where)
+    if old is None and os.path.lexists(where):
+        log.debug("%s is not LCT's memo of head paths: left as it is", where)
+        return
+    choices = dict(old["choices"]) if old is not None and old["machine"] == here else {}
+    choices[_key_text(key)] = path
+    if len(choices) > MEMO_MAX_KEYS:
+        return
+    tmp = where.with_name(f".{MEMO}.{uuid.uuid4().hex}.tmp")
+    try:
+        where.parent.mkdir(parents=True, exist_ok=True)
+        with open(tmp, "x", encoding="utf-8") as f:
+            json.dump({"kind": MEMO_KIND, "machine": here, "choices": choices}, f, indent=1)
+        os.replace(tmp, where)
+    except OSError as e:
+        log.debug("could not keep the head path for the next process in %s: %s", where, e)
+        try:
+            os.unlink(tmp)
+        except OSError:
+            pass
+        return
+    with _lock:
+        if _memo is not None:
+            _memo[_key_text(key)] = path

@@ -9,6 +9,7 @@ next ``prefetch`` groups decode in the background.
 from __future__ import annotations
 
 import logging
+from concurrent.futures import CancelledError
 import time
 
 from lct.errors import LCTError
@@ -91,8 +92,8 @@ def load(path, options: LoadOptions | None = None, *, stats: LoadStats | None = 
     Returns:
         A ``PreTrainedModel`` in eval mode.
 
-    While it runs, torch and transformers are imported (and the skeleton built) in a thread
-    beside the decode, the decode threads run at a lower priority (nice +10) so that import keeps
+    While it runs, torch and transformers are imported (and the skeleton built) beside the
+    decode, on the caller's thread (a helper takes the decoded groups), the decode threads run at a lower priority (nice +10) so that import keeps
     its core, and the cyclic garbage collector is paused (restored afterwards, also on errors).
 
     Raises:
@@ -133,6 +134,7 @@ def check_device(device) -> None:
 
 
 def _load(path, options: LoadOptions, stats: LoadStats | None):
+    import threading
     from concurrent.futures import ThreadPoolExecutor
     device, dtype, nf4, pad_ids = options.device, options.dtype, options.nf4, options.pad_ids
     check_device(device)
@@ -140,8 +142,8 @@ def _load(path, options: LoadOptions, stats: LoadStats | None):
     from lct.io.stream import GroupStream
     stats = stats if stats is not None else LoadStats()
     t0 = time.perf_counter()
-    # torch is not imported here: the skeleton thread imports it (with transformers) while
-    # the stream already reads and decodes, which needs only numpy and zstd.
+    # torch is not imported yet: the skeleton imports it (with transformers) once the stream
+    # already reads and decodes, which needs only numpy and zstd.
     art = options.open(path)
     stats.manifest_s = time.perf_counter() - t0
     art.thread_nice = DECODE_NICE
@@ -153,11 +155,14 @@ def _load(path, options: LoadOptions, stats: LoadStats | None):
         stats.skeleton_s = time.perf_counter() - t1
         return model
 
-    # The skeleton (importing transformers' modeling code, seconds of pure Python) is built in
-    # a thread while this one takes the decoded groups off the stream: they are the model's
-    # final weights, so holding them until the skeleton exists costs no memory beyond the
-    # window, and the stream never runs more than `prefetch` groups ahead of this consumer.
-    builder = ThreadPoolExecutor(1, thread_name_prefix="lct-skeleton")
+    # The skeleton (importing transformers' modeling code, seconds of pure Python) is built on
+    # this thread while a helper takes the decoded groups off the stream (``_hold``): they are
+    # the model's final weights, so holding them until the skeleton exists costs no memory
+    # beyond the window, and the stream never runs more than `prefetch` groups ahead of its
+    # consumer. The import on the caller's thread, as ``from_pretrained``'s: its freed
+    # temporaries stay in the arena this thread allocates from later (a helper's arena kept
+    # 10-20 MB of them beside the first forward's allocations).
+    holder = ThreadPoolExecutor(1, thread_name_prefix="lct-hold")
     budget = held_budget(art)
     try:
         cached, fill, cold = _cache_for(art, options, stats)
@@ -168,24 +173,17 @@ def _load(path, options: LoadOptions, stats: LoadStats | None):
             # Reads first: importing torch holds the interpreter for a while (its libraries
             # load under the GIL), and the store's requests should already be on their way.
             stream.start()
-            future = builder.submit(skeleton)
-            inst, held, held_bytes = None, [], 0
-            for group in stream:
-                held.append(group)
-                if inst is None:
-                    held_bytes += sum(c.decoded_size
-                                      for c in art.manifest.group_chunks(group.name))
-                    stats.max_held_bytes = max(stats.max_held_bytes, held_bytes)
-                # Past the budget, wait for the skeleton: its shape checks then run before
-                # more is decoded, whatever sizes the manifest claims.
-                if inst is None and (future.done() or held_bytes > budget):
-                    inst = Installer(future.result(), art, device=device, dtype=dtype, nf4=nf4,
-                                     pad_ids=pad_ids)
-                if inst is not None:
-                    install_all(inst, held, stats)
-            inst = inst or Installer(future.result(), art, device=device, dtype=dtype, nf4=nf4,
-                                     pad_ids=pad_ids)
+            built = threading.Event()
+            holding = holder.submit(_hold, stream, art, built, budget, stats)
+            try:
+                model = skeleton()
+            finally:
+                built.set()
+            held = holding.result()     # the stream's error, if it had one
+            inst = Installer(model, art, device=device, dtype=dtype, nf4=nf4, pad_ids=pad_ids)
             install_all(inst, held, stats)  # what arrived before the skeleton was ready
+            for group in stream:
+                install_all(inst, [group], stats)
             s = stream.stats
         model = inst.model
         inst.finish()
@@ -201,7 +199,7 @@ def _load(path, options: LoadOptions, stats: LoadStats | None):
             staged.discard()
         raise
     finally:
-        builder.shutdown(wait=True)  # an import cannot be interrupted: let it end, no thread left
+        holder.shutdown(wait=True)   # the stream is closed: the helper has ended or ends now
         art.close()
     stats.take_stream(s)
     if cached is not None and cached.damaged:
@@ -221,6 +219,27 @@ def _load(path, options: LoadOptions, stats: LoadStats | None):
         from lct.io.cache import warm
         warm(cold)
     return model.eval()
+
+
+def _hold(stream, art, built, budget: int, stats: LoadStats) -> list:
+    """The groups taken off ``stream`` (in a helper thread) until the skeleton is ``built``,
+    the stream ends, or more than ``budget`` decoded bytes are held: past it the skeleton's
+    shape checks run before more is decoded, whatever sizes the manifest claims. A stream
+    closed meanwhile (the skeleton failed) ends it too."""
+    held, held_bytes = [], 0
+    while not built.is_set() and held_bytes <= budget:
+        try:
+            group = next(stream)
+        except StopIteration:
+            break
+        except CancelledError:
+            if built.is_set():      # closed by the caller, whose own error is the one to see
+                break
+            raise
+        held.append(group)
+        held_bytes += sum(c.decoded_size for c in art.manifest.group_chunks(group.name))
+        stats.max_held_bytes = max(stats.max_held_bytes, held_bytes)
+    return held
 
 
 def _entry(art, asked: bool | None, stats: LoadStats | None, choose: bool = True) -> tuple:

@@ -80,7 +80,7 @@ class LoadStats:
     """Where the time of one load went (seconds) and the prefetch window used."""
 
     manifest_s: float = 0.0
-    skeleton_s: float = 0.0         # importing transformers + meta model, in a thread beside decode
+    skeleton_s: float = 0.0         # importing transformers + meta model, beside the decode
     read_s: float = 0.0
     decode_s: float = 0.0
     wait_s: float = 0.0

@@ -21,6 +21,7 @@ import lct
 from lct.cli.main import cli
 from lct.errors import LCTError
 from lct.io import cache
+from lct.kernels import paths
 from tests.decoded_cache import use_cache_root
 
 
@@ -410,7 +411,12 @@ def test_cli_lists_and_prunes(root, llama_art):
     runner.invoke(cli, ["load", str(llama_art), "--cache", "--ids", "1,2", "-q"])
     out = runner.invoke(cli, ["cache", "prune", "--max-size", "0KB"])
     assert out.exit_code == 0 and "removed 1 entry" in out.output
-    assert cache.entries() == [] and os.listdir(root) == []
+    # the quantized head's path measured by the loads stays: it is not an entry
+    assert cache.entries() == [] and os.listdir(root) in ([], [paths.MEMO])
+    (root / paths.MEMO).write_text(json.dumps({"kind": paths.MEMO_KIND, "machine": "M",
+                                               "choices": {}}))
+    out = runner.invoke(cli, ["cache", "prune", "--all"])
+    assert out.exit_code == 0 and os.listdir(root) == [], out.output
 
 
 def test_prune_orphaned_removes_the_entries_of_artifacts_gone_or_replaced(

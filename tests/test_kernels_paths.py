@@ -3,6 +3,7 @@ path, bfloat16 and float32 in and out, with and without a bias, within the chunk
 of a float64 reference; the chooser's buckets, its measurement and cache, and forcing a path
 (``force``, ``LCT_HEAD_PATH``); the chunked path without the compiled module."""
 
+import json
 import time
 
 import pytest
@@ -175,6 +176,81 @@ def test_choose_times_close_paths_to_the_end():
 
     assert paths.choose(("k", 2), run) in paths.PATHS
     assert len(runs) == len(paths.PATHS) * (1 + paths.MEASURE_RUNS)
+
+
+def _slow_but_tiled(runs):
+    def run(path, i):
+        runs.append(path)
+        if path != "tiled":
+            time.sleep(0.02)
+    return run
+
+
+@pytest.fixture
+def memo(monkeypatch, tmp_path):
+    """The memo kept where the decoded cache is on (the suite turns it off), in ``tmp_path``."""
+    monkeypatch.setenv("LCT_CACHE", "1")
+    monkeypatch.setenv("LCT_CACHE_DIR", str(tmp_path))
+    return tmp_path / paths.MEMO
+
+
+def test_a_choice_is_kept_for_the_next_process(memo):
+    """The next process (here: the choices and the memo's reading forgotten) takes the kept
+    choice without measuring; a memo of another machine is measured over and replaced."""
+    runs = []
+    assert paths.choose(("k", 1), _slow_but_tiled(runs)) == "tiled" and runs
+    kept = json.loads(memo.read_text())
+    assert kept["kind"] == paths.MEMO_KIND and kept["machine"] == paths.machine()
+    assert kept["choices"] == {"k|1": "tiled"}
+    paths.reset()
+    assert paths.choose(("k", 1), lambda p, i: pytest.fail("measured again")) == "tiled"
+    assert paths.chosen() == {("k", 1): "tiled"}
+    paths.reset()
+    assert paths.choose(("k", 2), _slow_but_tiled(runs)) == "tiled"     # another key: measured
+    assert json.loads(memo.read_text())["choices"] == {"k|1": "tiled", "k|2": "tiled"}
+    memo.write_text(json.dumps({**kept, "machine": "another CPU", "choices": {"k|1": "fused"}}))
+    paths.reset()
+    runs.clear()
+    assert paths.choose(("k", 1), _slow_but_tiled(runs)) == "tiled" and runs
+    assert json.loads(memo.read_text())["choices"] == {"k|1": "tiled"}
+    assert [p.name for p in memo.parent.iterdir()] == [paths.MEMO]      # no temporary left
+
+
+@pytest.mark.parametrize("content", [b"not json", b'{"kind": "lct-head-paths"}', b"[1, 2]",
+                                     b'{"kind": "lct-head-paths", "machine": "M", '
+                                     b'"choices": {"k|1": "rm -rf"}}', b" " * (1 << 17)])
+def test_a_file_that_is_not_a_memo_is_measured_over_and_left_as_it_is(memo, content):
+    memo.write_bytes(content)
+    runs = []
+    assert paths.choose(("k", 1), _slow_but_tiled(runs)) == "tiled" and runs
+    assert memo.read_bytes() == content
+
+
+def test_a_memo_for_this_machine_gives_only_the_choices_it_may(memo):
+    """A path the call cannot take (not among its candidates) is measured instead."""
+    memo.write_text(json.dumps({"kind": paths.MEMO_KIND, "machine": paths.machine(),
+                                "choices": {"k|1": "fused"}}))
+    runs = []
+    assert paths.choose(("k", 1), _slow_but_tiled(runs), candidates=("tiled", "chunked")) \
+        == "tiled" and runs
+    paths.reset()
+    assert paths.choose(("k", 1), lambda p, i: pytest.fail("measured")) == "tiled"
+
+
+def test_forget_removes_only_a_memo(memo):
+    assert not paths.forget()                       # none there
+    paths.choose(("k", 1), _slow_but_tiled([]))
+    assert memo.exists() and paths.forget() and not memo.exists()
+    memo.write_text("a user's file")
+    assert not paths.forget() and memo.read_text() == "a user's file"
+
+
+def test_nothing_is_kept_with_the_cache_off(monkeypatch, tmp_path):
+    monkeypatch.setenv("LCT_CACHE", "0")
+    monkeypatch.setenv("LCT_CACHE_DIR", str(tmp_path))
+    assert paths.memo_file() is None
+    assert paths.choose(("k", 1), _slow_but_tiled([])) == "tiled"
+    assert list(tmp_path.iterdir()) == []
 
 
 @compiled

@@ -21,7 +21,7 @@ IDS = torch.tensor([[1, 5, 9, 200, 17, 3, 44, 100]])
 
 def _threads():
     return [t for t in threading.enumerate()
-            if t.name.startswith(("lct-prefetch", "lct-decode", "lct-skeleton"))]
+            if t.name.startswith(("lct-prefetch", "lct-decode", "lct-skeleton", "lct-hold"))]
 
 
 def _logits(model, ids=IDS):
@@ -185,8 +185,10 @@ def test_corrupt_chunk_mid_stream_raises_and_leaves_no_thread(llama_art, tmp_pat
 
 
 def test_load_takes_every_group_while_the_skeleton_is_built(llama_art, monkeypatch):
-    """The skeleton (the transformers import) is built beside the stream: every group is
-    decoded and taken off the stream before it exists, and the window still holds."""
+    """The skeleton (the transformers import) is built beside the stream, on the caller's
+    thread (whose allocator arena from_pretrained's import uses too): every group is decoded
+    and taken off the stream, by a helper thread, before it exists, and the window still
+    holds."""
     from lct.loader import build
     real = build.build_skeleton
     all_taken = threading.Event()
@@ -200,6 +202,7 @@ def test_load_takes_every_group_while_the_skeleton_is_built(llama_art, monkeypat
     real_next = lstream.GroupStream.__next__
 
     def counting_next(self):
+        seen.setdefault("taker", threading.current_thread().name)
         try:
             return real_next(self)
         except StopIteration:
@@ -210,11 +213,33 @@ def test_load_takes_every_group_while_the_skeleton_is_built(llama_art, monkeypat
     monkeypatch.setattr(lstream.GroupStream, "__next__", counting_next)
     stats = LoadStats()
     model = lct.load(llama_art, prefetch=1, stats=stats)
-    assert seen == {"thread": seen["thread"], "waited": True}
-    assert seen["thread"].startswith("lct-skeleton")
+    assert seen["waited"] is True
+    assert seen["thread"] == threading.main_thread().name and seen["taker"].startswith("lct-hold")
     assert stats.max_in_flight == 1 and stats.groups == len(lct.open(llama_art).groups)
     assert not _threads()
     assert torch.equal(_logits(model), _logits(lct.load(llama_art, prefetch=0)))
+
+
+def test_skeleton_error_while_the_helper_waits_for_a_group(llama_art, monkeypatch):
+    """The skeleton fails while the helper thread waits on a group still being decoded: the
+    caller sees the skeleton's error, not the closed stream's, and no thread is left."""
+    from lct.loader import build
+    slow = threading.Event()
+    real_load = lstream.GroupStream._load
+
+    def slow_load(self, name):
+        slow.wait(timeout=2)
+        return real_load(self, name)
+
+    def failing_skeleton(art, dtype=None):
+        raise LCTError("the skeleton failed")
+
+    monkeypatch.setattr(lstream.GroupStream, "_load", slow_load)
+    monkeypatch.setattr(build, "build_skeleton", failing_skeleton)
+    with pytest.raises(LCTError, match="the skeleton failed"):
+        lct.load(llama_art, prefetch=2)
+    slow.set()
+    assert not _threads()
 
 
 def test_skeleton_error_reaches_the_caller_and_leaves_no_thread(llama_art, tmp_path):

@@ -14,6 +14,7 @@ import threading
 from pathlib import Path
 
 from lct.errors import ArtifactNotFoundError, ManifestError
+from lct.format.constants import DATA_HEADER_SIZE
 
 # Linux's posix_fadvise(WILLNEED) reads at most one readahead window (max of read_ahead_kb and
 # the device's io size) per call and ignores the rest of the range: ask in 2 MiB pieces.
@@ -453,19 +454,27 @@ class LocalStore:
             raise ArtifactNotFoundError(f"{p}: data file missing")
         return p.stat().st_size
 
+    def _open(self, name: str, expected: int):
+        """The data file ``name`` opened for reading, checked first: inside the artifact's
+        folder and ``expected`` bytes long."""
+        path = self.root / name
+        if not confined(path, self.root):  # it could read anything on the machine
+            raise ManifestError(f"{path}: a symbolic link that leaves the artifact "
+                                f"folder; refusing to follow it")
+        fh = open(path, "rb")
+        size = os.fstat(fh.fileno()).st_size
+        if size != expected:
+            fh.close()
+            raise ManifestError(f"{path}: file is {size} bytes, manifest says "
+                                f"{expected} (changed since the artifact was opened?)")
+        return fh
+
     def _map(self, name: str, expected: int) -> mmap.mmap:
         with self._lock:
             m = self._maps.get(name)
             if m is None:
-                path = self.root / name
-                if not confined(path, self.root):  # it could read anything on the machine
-                    raise ManifestError(f"{path}: a symbolic link that leaves the artifact "
-                                        f"folder; refusing to follow it")
-                with open(path, "rb") as fh:
-                    size = os.fstat(fh.fileno()).st_size
-                    if size != expected:
-                        raise ManifestError(f"{path}: file is {size} bytes, manifest says "
-                                            f"{expected} (changed since the artifact was opened?)")
+                with self._open(name, expected) as fh:
+                    size = expected
                     m = mmap.mmap(fh.fileno(), 0, access=mmap.ACCESS_READ) if size else b""
                 if size:
                     import numpy as np
@@ -478,7 +487,15 @@ class LocalStore:
             return m
 
     def read_range(self, name: str, offset: int, size: int, file_size: int) -> memoryview:
-        """Bytes ``[offset, offset + size)`` of ``name`` as a zero-copy view."""
+        """Bytes ``[offset, offset + size)`` of ``name`` as a zero-copy view; a file's header
+        (its first ``DATA_HEADER_SIZE`` bytes, checked when the artifact is opened) read into
+        memory while the file is not mapped yet: a load that maps a decoded copy never maps
+        the artifact's data files, and the residency snapshot that "auto" keeps by (taken
+        when a file is first mapped: 30 ms for a 3.3 GB file here) is taken only by a load
+        that reads them."""
+        if offset == 0 and size <= DATA_HEADER_SIZE and name not in self._maps:
+            with self._open(name, file_size) as fh:
+                return memoryview(os.pread(fh.fileno(), size, 0))
         return memoryview(self._map(name, file_size))[offset: offset + size]
 
     def will_need(self, name: str, offset: int, size: int) -> None:
