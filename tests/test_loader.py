@@ -337,8 +337,9 @@ def test_local_store_will_need_asks_the_kernel_to_read_ahead(llama_art, tmp_path
     monkeypatch.setattr(os, "posix_fadvise", spy)
     step = lstore.WILLNEED_STEP
     with lct.open(llama_art) as art:
+        calls.clear()                   # the header's read at open: its page, no read-ahead
         f = art.manifest.files[0]
-        art.store.will_need(f["name"], 0, f["size"])
+        art.store.will_need(f["name"], 0, f["size"], f["size"])
         assert calls and all(a == os.POSIX_FADV_WILLNEED for *_, a in calls)
         assert [(o, n) for _, o, n, _ in calls] == \
             [(o, min(step, f["size"] - o)) for o in range(0, f["size"], step)]
@@ -353,9 +354,9 @@ def test_local_store_will_need_asks_the_kernel_to_read_ahead(llama_art, tmp_path
         assert covered[0][0] == want[0][0] and covered[-1][1] == want[-1][1]
         assert sum(b - a for a, b in covered) == sum(b - a for a, b in want)
         calls.clear()
-        art.store.will_need(f["name"], 0, 0)                 # nothing to read: no call
+        art.store.will_need(f["name"], 0, 0, f["size"])       # nothing to read: no call
         assert calls == []
-    LocalStore(tmp_path).will_need("missing.lct", 0, 4096)  # the read reports it, not the hint
+    LocalStore(tmp_path).will_need("missing.lct", 0, 4096, 8192)  # the read reports it, not the hint
     assert calls == []
 
 

@@ -78,7 +78,7 @@ def test_a_range_is_dropped_when_the_mode_says(big_file, mode, warm, dropped):
     store = LocalStore(big_file.parent, page_cache=mode)
     size = big_file.stat().st_size
     start, length = 1 << 20, 2 << 20
-    store.will_need(big_file.name, start, length)
+    store.will_need(big_file.name, start, length, size)
     view = store.read_range(big_file.name, start, length, size)
     assert bytes(view[:16]) == big_file.read_bytes()[start:start + 16]
     view.release()

@@ -260,7 +260,8 @@ class Artifact:
         if hint is None:
             return
         for chunk in chunks:
-            hint(self.manifest.files[chunk.file]["name"], chunk.offset, chunk.stored_size)
+            f = self.manifest.files[chunk.file]
+            hint(f["name"], chunk.offset, chunk.stored_size, f["size"])
 
     def release(self, chunk: ChunkInfo) -> None:
         """Let go of a decoded chunk's stored bytes (drops mapped pages from this process)."""

@@ -403,7 +403,7 @@ class RemoteStore:
         self.readahead = ReadAhead(lambda name, offset, size, out: self._read(
             name, offset, size, offset + size, out), self.size)
 
-    def will_need(self, name: str, offset: int, size: int) -> None:
+    def will_need(self, name: str, offset: int, size: int, file_size: int) -> None:
         """Queue the range for the read-ahead (``ReadAhead``): the stream says it comes."""
         self.readahead.want(name, offset, size)
 
@@ -495,12 +495,19 @@ class LocalStore:
         that reads them."""
         if offset == 0 and size <= DATA_HEADER_SIZE and name not in self._maps:
             with self._open(name, file_size) as fh:
+                if hasattr(os, "posix_fadvise"):     # the header's page, not a read-ahead
+                    os.posix_fadvise(fh.fileno(), 0, 0, os.POSIX_FADV_RANDOM)
                 return memoryview(os.pread(fh.fileno(), size, 0))
         return memoryview(self._map(name, file_size))[offset: offset + size]
 
-    def will_need(self, name: str, offset: int, size: int) -> None:
+    def will_need(self, name: str, offset: int, size: int, file_size: int) -> None:
         """Start reading a range into the page cache in the background (``will_need``), so
-        that the disk works ahead of the decoder instead of one page fault at a time."""
+        that the disk works ahead of the decoder instead of one page fault at a time. The file
+        is mapped first: its residency snapshot is what was in memory before this load."""
+        try:
+            self._map(name, file_size)
+        except OSError:
+            return                  # a missing file: the read reports it, not the hint
         if size:
             will_need(self.root / name, [(offset, size)])  # reading reports a missing file
 
