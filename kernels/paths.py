@@ -24,7 +24,7 @@ A choice is also kept for the next process on this machine (``MEMO``, a small JS
 decoded cache's folder, ``lct.io.cache.cache_dir``), so that the measurement is paid once per
 machine rather than on every start's first token (0.26 s of it for a 152,064 x 3,584 Q6_K head
 here, against 0.03 s for the forward itself). The memo holds for one machine as measured: the
-CPU's model, the compiled kernels' instruction set, torch's and LCT's versions; a memo of
+CPU's model, the compiled kernels' instruction set and build, torch's and LCT's versions; a memo of
 another is measured over. ``LCT_CACHE=0`` keeps nothing (each process measures), as it keeps no
 decoded copy. The file is read as untrusted: anything but a memo of this form is ignored (and
 never overwritten: only a memo LCT wrote is replaced), and a choice it gives is only one of the
@@ -58,7 +58,7 @@ DROP_RATIOS = (3.0, 1.5)
 _MEASURE_WEIGHTS = 1 << 25
 _MEASURE_MACS = 1 << 28
 
-MEMO = "head-paths.json"     # the measured choices kept for the next process (in the cache's folder)
+MEMO = "head-paths.json"     # the choices kept for the next process, in the cache's folder
 MEMO_KIND = "lct-head-paths"
 MEMO_MAX_BYTES = 1 << 16     # a few hundred keys at most: a larger file is not a memo of LCT's
 MEMO_MAX_KEYS = 1024
@@ -206,7 +206,8 @@ def memo_file():
 
 def machine() -> str:
     """What a measurement holds for: this CPU's model, the compiled kernels' instruction set
-    (``LCT_NATIVE_ISA`` caps it), torch's and LCT's versions."""
+    (``LCT_NATIVE_ISA`` caps it) and build (their file's size and time), torch's and LCT's
+    versions."""
     import torch
     from lct._version import __version__
     from lct.kernels import native
@@ -217,7 +218,10 @@ def machine() -> str:
                         if line.startswith("model name")), "")
     except OSError:
         pass
-    isa = native.matmul_isa() if native.available() else "none"
+    isa = "none"
+    if native.available():
+        built = os.stat(native._native.__file__)
+        isa = f"{native.matmul_isa()} {built.st_size}@{built.st_mtime_ns}"
     return f"{cpu or os.uname().machine}; {isa}; torch {torch.__version__}; lct {__version__}"
 
 

@@ -93,8 +93,9 @@ def load(path, options: LoadOptions | None = None, *, stats: LoadStats | None = 
         A ``PreTrainedModel`` in eval mode.
 
     While it runs, torch and transformers are imported (and the skeleton built) beside the
-    decode, on the caller's thread (a helper takes the decoded groups), the decode threads run at a lower priority (nice +10) so that import keeps
-    its core, and the cyclic garbage collector is paused (restored afterwards, also on errors).
+    decode, on the caller's thread (a helper takes the decoded groups), the decode threads run
+    at a lower priority (nice +10) so that the import keeps its core, and the cyclic garbage
+    collector is paused (restored afterwards, also on errors).
 
     Raises:
         LCTError subclasses: bad artifact, checksum mismatch (naming the chunk), missing tensors.

@@ -356,7 +356,7 @@ def test_local_store_will_need_asks_the_kernel_to_read_ahead(llama_art, tmp_path
         calls.clear()
         art.store.will_need(f["name"], 0, 0, f["size"])       # nothing to read: no call
         assert calls == []
-    LocalStore(tmp_path).will_need("missing.lct", 0, 4096, 8192)  # the read reports it, not the hint
+    LocalStore(tmp_path).will_need("missing.lct", 0, 4096, 8192)  # the read reports it
     assert calls == []
 
 
