@@ -231,12 +231,17 @@ def _key_text(key: tuple) -> str:
 
 def _read_memo(path) -> dict | None:
     """The memo at ``path`` as written (``{"kind", "machine", "choices"}``), or None where there
-    is none or the file is not one (any other content, a link, too large)."""
+    is none or the file is not one (any other content, a link, not a regular file, too
+    large)."""
+    import stat
     try:
-        fd = os.open(path, os.O_RDONLY | getattr(os, "O_NOFOLLOW", 0))
+        fd = os.open(path, os.O_RDONLY | getattr(os, "O_NOFOLLOW", 0)
+                     | getattr(os, "O_NONBLOCK", 0))
     except OSError:
         return None
     try:
+        if not stat.S_ISREG(os.fstat(fd).st_mode):      # a pipe or a device is not a memo
+            return None
         data = os.read(fd, MEMO_MAX_BYTES + 1)
     except OSError:
         return None

@@ -4,6 +4,8 @@ of a float64 reference; the chooser's buckets, its measurement and cache, and fo
 (``force``, ``LCT_HEAD_PATH``); the chunked path without the compiled module."""
 
 import json
+import os
+import stat
 import time
 
 import pytest
@@ -235,6 +237,20 @@ def test_a_memo_for_this_machine_gives_only_the_choices_it_may(memo):
         == "tiled" and runs
     paths.reset()
     assert paths.choose(("k", 1), lambda p, i: pytest.fail("measured")) == "tiled"
+
+
+def test_a_pipe_or_a_link_in_its_place_is_not_read(memo, tmp_path):
+    os.mkfifo(memo)                         # a read would wait for a writer forever
+    assert paths.choose(("k", 1), _slow_but_tiled([])) == "tiled"
+    assert stat.S_ISFIFO(os.lstat(memo).st_mode)
+    os.unlink(memo)
+    target = tmp_path / "elsewhere.json"
+    target.write_text(json.dumps({"kind": paths.MEMO_KIND, "machine": paths.machine(),
+                                  "choices": {"k|2": "fused"}}))
+    memo.symlink_to(target)
+    paths.reset()
+    assert paths.choose(("k", 2), _slow_but_tiled([])) == "tiled"
+    assert memo.is_symlink() and "fused" in target.read_text()
 
 
 def test_forget_removes_only_a_memo(memo):
