@@ -115,9 +115,12 @@ def open_source(path, *, verify: bool = True, workers: int | None = None, stream
     are fetched by HTTP range requests from one pinned commit. With ``expect`` (a digest as
     ``lct info`` prints it) the manifest must be that one (``Artifact.check_digest``).
     """
+    from lct.io.reader import open_artifact
+    if "://" not in str(path):  # a folder: the Hub's and the object stores' modules not imported
+        return _pinned(open_artifact(path, verify=verify, workers=workers,
+                                     pin_memory=pin_memory), expect)
     from lct.cloud import is_cloud_uri
     from lct.hub import is_hf_uri
-    from lct.io.reader import open_artifact
     if is_cloud_uri(path):      # always streamed: `lct pull` downloads one
         from lct.cloud import open_cloud
         return _pinned(open_cloud(path, verify=verify, workers=workers, pin_memory=pin_memory),

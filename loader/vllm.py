@@ -168,6 +168,10 @@ class LCTModelLoader(BaseModelLoader):
         path = resolved.source
         with open_source(path, verify=self.options["verify"], workers=self.options["workers"],
                          stream=resolved.stream) as art:
+            # vLLM's copies into its parameters run torch's threads on every core, and one of
+            # them preempted stalls the whole copy: LCT's threads take what those leave
+            from lct.loader.build import DECODE_NICE
+            art.thread_nice = DECODE_NICE
             _check_ties(art, model_config)
             shares = rank_shares(model, art.manifest,
                                  quantized=model_config.quantization is not None)
