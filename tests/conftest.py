@@ -1,6 +1,7 @@
 """Shared fixtures: tiny random models saved as Hugging Face folders, and their artifacts."""
 
 import os
+import signal
 import tempfile
 import warnings
 
@@ -25,6 +26,11 @@ os.environ.setdefault("LCT_CACHE_DIR", tempfile.mkdtemp(prefix="lct-test-cache-"
 # sets auto.
 os.environ.setdefault("LCT_CACHE_MAP", "always")
 warnings.filterwarnings("ignore", message=".*gemm_4bit.*")
+# A suite started in the background by a shell without job control inherits SIGINT ignored, and
+# Python then installs no KeyboardInterrupt handler: the Ctrl-C tests would see no interrupt.
+# They test what a user's process does, whose Ctrl-C raises KeyboardInterrupt.
+if signal.getsignal(signal.SIGINT) is signal.SIG_IGN:
+    signal.signal(signal.SIGINT, signal.default_int_handler)
 
 
 def _save(tmp_path_factory, arch, **kw):
