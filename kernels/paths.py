@@ -36,6 +36,7 @@ it can run (tests, benchmarks); a path that cannot run there falls back to ``chu
 
 from __future__ import annotations
 
+import functools
 import json
 import logging
 import math
@@ -211,18 +212,23 @@ def machine() -> str:
     import torch
     from lct._version import __version__
     from lct.kernels import native
-    cpu = ""
+    isa = "none"
+    if native.available():
+        built = os.stat(native._native.__file__)
+        isa = f"{native.matmul_isa()} {built.st_size}@{built.st_mtime_ns}"
+    return f"{_cpu()}; {isa}; torch {torch.__version__}; lct {__version__}"
+
+
+@functools.lru_cache(maxsize=1)
+def _cpu() -> str:
+    """This CPU's model name (read once per process), or the machine's architecture."""
     try:
         with open("/proc/cpuinfo", encoding="utf-8", errors="replace") as f:
             cpu = next((line.split(":", 1)[1].strip() for line in f
                         if line.startswith("model name")), "")
     except OSError:
-        pass
-    isa = "none"
-    if native.available():
-        built = os.stat(native._native.__file__)
-        isa = f"{native.matmul_isa()} {built.st_size}@{built.st_mtime_ns}"
-    return f"{cpu or os.uname().machine}; {isa}; torch {torch.__version__}; lct {__version__}"
+        cpu = ""
+    return cpu or os.uname().machine
 
 
 def _key_text(key: tuple) -> str:

@@ -9,8 +9,9 @@ next ``prefetch`` groups decode in the background.
 from __future__ import annotations
 
 import logging
-from concurrent.futures import CancelledError
+import threading
 import time
+from concurrent.futures import CancelledError
 
 from lct.errors import LCTError
 from lct.format import constants as C
@@ -135,7 +136,6 @@ def check_device(device) -> None:
 
 
 def _load(path, options: LoadOptions, stats: LoadStats | None):
-    import threading
     from concurrent.futures import ThreadPoolExecutor
     device, dtype, nf4, pad_ids = options.device, options.dtype, options.nf4, options.pad_ids
     check_device(device)

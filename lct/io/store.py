@@ -474,15 +474,14 @@ class LocalStore:
             m = self._maps.get(name)
             if m is None:
                 with self._open(name, expected) as fh:
-                    size = expected
-                    m = mmap.mmap(fh.fileno(), 0, access=mmap.ACCESS_READ) if size else b""
-                if size:
+                    m = mmap.mmap(fh.fileno(), 0, access=mmap.ACCESS_READ) if expected else b""
+                if expected:
                     import numpy as np
                     view = np.frombuffer(m, dtype=np.uint8)
                     self._addresses[name] = view.ctypes.data
                     del view
                     # before this store reads a byte of it: what "auto" keeps
-                    self._before[name] = residency(self._addresses[name], 0, size)
+                    self._before[name] = residency(self._addresses[name], 0, expected)
                 self._maps[name] = m
             return m
 
