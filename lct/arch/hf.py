@@ -11,6 +11,8 @@ DTensor ``_utils``, huggingface_hub's ``_http``) are wrapped in ``lct.compat``.
 
 from __future__ import annotations
 
+import contextlib
+
 from lct.errors import ArchitectureError
 
 # The Auto mappings tried, in order, when a config names no class transformers has (its
@@ -101,12 +103,11 @@ def build_meta(cls, config, dtype=None, tensor_parallel: int | None = None):
     try:
         if tensor_parallel:
             return _build_distributed(cls, config, dtype, tensor_parallel)
-        from accelerate import init_empty_weights
-        with init_empty_weights(include_buffers=False):
+        with _on_meta():
             model = cls._from_config(config, dtype=dtype) if dtype is not None else \
                 cls._from_config(config)
         keep_fp32(model, dtype)
-        init_buffers(model)
+        materialize_buffers(model)
         return model
     except ArchitectureError:
         raise
@@ -133,6 +134,41 @@ def _build_distributed(cls, config, dtype, world: int):
     else:
         _, mesh = initialize_distributed_mesh(dcfg)
     return cls.maybe_distribute_model(model, dcfg, mesh)
+
+
+@contextlib.contextmanager
+def _on_meta():
+    """The meta device as ``from_pretrained`` builds under it (``torch.device("meta")``, and
+    transformers' ``meta_device_safe_creation_ops`` where it has them): no parameter is ever
+    allocated. accelerate's ``init_empty_weights`` allocated each one on the host and moved it
+    to meta (57 mmap/munmap pairs, 5 GB of address space, for the Gemma-2B shape), and glibc
+    then raised its mmap threshold to the largest of those it freed (8 MB), so that the first
+    forward's temporaries stayed in the heap: the load's peak RSS 4 MiB above
+    ``from_pretrained``'s (docs/BENCHMARKS.md)."""
+    import torch
+    try:
+        from transformers.initialization import meta_device_safe_creation_ops
+    except ImportError:     # transformers before it
+        meta_device_safe_creation_ops = contextlib.nullcontext
+    with torch.device("meta"), meta_device_safe_creation_ops():
+        yield
+
+
+def materialize_buffers(model) -> None:
+    """Give every buffer of ``model`` still on the meta device a host tensor and compute them
+    (``init_buffers``), as ``from_pretrained`` does with the buffers a checkpoint does not hold
+    (``_move_missing_keys_from_meta_to_device``, then the model's ``_init_weights``). A load
+    then installs the persistent ones the artifact stores over them."""
+    import torch
+    for name, buf in list(model.named_buffers(remove_duplicate=False)):
+        if buf.is_meta:
+            mod_name, _, leaf = name.rpartition(".")
+            module = model.get_submodule(mod_name) if mod_name else model
+            module._buffers[leaf] = torch.empty_like(buf, device="cpu")
+    # every module's init, not only those holding buffers: a model may compute its layers'
+    # buffers in its own (FalconH1Model sets each mixer's mup_vector); on the meta
+    # parameters that init costs nothing
+    model.initialize_weights()
 
 
 def init_buffers(model) -> None:
