@@ -182,3 +182,34 @@ def test_tied_embedding_on_disk(model_type, sources, tmp_path):
     inputs = probe_inputs(whole)
     with torch.no_grad():
         assert torch.equal(model(**inputs).logits, whole(**inputs).logits)
+
+
+@pytest.mark.parametrize("model_type", ["llama", "falcon_h1"])
+def test_the_skeleton_allocates_no_parameter_and_computes_every_buffer(model_type, monkeypatch):
+    """``hf.build_meta`` builds under the meta device as ``from_pretrained`` does: no
+    parameter is ever allocated on the host (accelerate's ``init_empty_weights`` allocated each
+    one and moved it to meta, which raised glibc's mmap threshold and left the first forward's
+    temporaries in the heap), and every buffer is computed as the host-built model has it,
+    including those a model's own init sets in its layers (FalconH1's ``mup_vector``)."""
+    from lct.demo import tiny
+    cfg = tiny.config_for(model_type, **OVERRIDES.get(model_type, {}))
+    cls = _class(model_type)
+    host = cls._from_config(cfg, dtype=torch.float32)
+    allocated = []
+    register = torch.nn.Module.register_parameter
+
+    def recording_register(module, name, param):
+        if param is not None and not param.is_meta:
+            allocated.append(name)
+        return register(module, name, param)
+    # (not torch.empty: torch's meta device context caches the constructors it redirects)
+    monkeypatch.setattr(torch.nn.Module, "register_parameter", recording_register)
+    model = hf.build_meta(cls, cfg, torch.float32)
+    monkeypatch.undo()
+    assert allocated == []
+    assert all(p.is_meta for p in model.parameters())
+    want = dict(host.named_buffers())
+    got = dict(model.named_buffers())
+    assert set(got) == set(want) and want
+    for name, buf in want.items():
+        assert not got[name].is_meta and torch.equal(got[name], buf), name
