@@ -155,43 +155,24 @@ def _on_meta():
 
 
 def materialize_buffers(model) -> None:
-    """Give every buffer of ``model`` still on the meta device a host tensor and compute them
-    (``init_buffers``), as ``from_pretrained`` does with the buffers a checkpoint does not hold
-    (``_move_missing_keys_from_meta_to_device``, then the model's ``_init_weights``). A load
-    then installs the persistent ones the artifact stores over them."""
+    """Give every buffer of ``model`` still on the meta device a host tensor (one per buffer
+    object: a buffer two modules share stays shared) and compute them by the model's
+    ``initialize_weights``, outside the dtype context of its construction, as
+    ``from_pretrained`` does with the buffers a checkpoint does not hold
+    (``_move_missing_keys_from_meta_to_device``, then ``_init_weights``): rotary and sinusoidal
+    tables, and what a model computes for its layers in its own init (``FalconH1Model`` sets each
+    mixer's ``mup_vector``). On the meta parameters that init costs nothing. A load then installs
+    the persistent buffers the artifact stores over them."""
     import torch
+    made: dict = {}
     for name, buf in list(model.named_buffers(remove_duplicate=False)):
         if buf.is_meta:
             mod_name, _, leaf = name.rpartition(".")
             module = model.get_submodule(mod_name) if mod_name else model
-            module._buffers[leaf] = torch.empty_like(buf, device="cpu")
-    # every module's init, not only those holding buffers: a model may compute its layers'
-    # buffers in its own (FalconH1Model sets each mixer's mup_vector); on the meta
-    # parameters that init costs nothing
+            if id(buf) not in made:
+                made[id(buf)] = torch.empty_like(buf, device="cpu")
+            module._buffers[leaf] = made[id(buf)]
     model.initialize_weights()
-
-
-def init_buffers(model) -> None:
-    """Compute the model's buffers (rotary and sinusoidal tables) as ``from_pretrained`` does:
-    by the model's ``_init_weights`` once it is built, outside the dtype context of its
-    construction (a table computed under a bfloat16 default dtype differs: GPT-J's). Only the
-    modules that hold buffers are initialised (their parameters, if any, are on the meta
-    device, where that costs nothing)."""
-    from transformers import PreTrainedModel
-    owners = {"": model}
-    for name, module in model.named_modules():
-        if isinstance(module, PreTrainedModel):
-            owners[name] = module
-        if not any(True for _ in module.buffers(recurse=False)):
-            continue
-        # the init of the nearest enclosing model (a composite model's towers have their own)
-        parts = name.split(".")
-        owner = next(owners[p] for p in (".".join(parts[:k]) for k in range(len(parts), -1, -1))
-                     if p in owners)
-        try:
-            owner._init_weights(module)
-        except Exception:  # noqa: BLE001 - a module whose init cannot run keeps its buffers
-            pass
 
 
 def keep_fp32(model, dtype) -> None:
