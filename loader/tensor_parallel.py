@@ -247,10 +247,7 @@ def _fill(future, art, groups, stats, keep: bool = False, cached=None):
         raise LCTError(f"{art.path}: the artifact lacks {len(missing - tied)} parameter(s) of "
                        f"{arch.class_name}, first {sorted(missing - tied)[0]!r}")
     hf.tie(model, missing)
-    for name, buf in list(model.named_non_persistent_buffers()):   # rotary tables, on meta
-        mod_name, _, leaf = name.rpartition(".")
-        model.get_submodule(mod_name)._buffers[leaf] = torch.empty_like(buf, device=target)
-    model.initialize_weights()     # fills only what has no _is_hf_initialized: those buffers
+    hf.materialize_buffers(model, target)     # rotary tables, on meta until now
     if quantized:
         _install_sharded(model, arch, quantized, params)
     return model.eval()

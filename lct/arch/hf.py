@@ -144,7 +144,9 @@ def _on_meta():
     to meta (57 mmap/munmap pairs, 5 GB of address space, for the Gemma-2B shape), and glibc
     then raised its mmap threshold to the largest of those it freed (8 MB), so that the first
     forward's temporaries stayed in the heap: the load's peak RSS 4 MiB above
-    ``from_pretrained``'s (docs/BENCHMARKS.md)."""
+    ``from_pretrained``'s (docs/BENCHMARKS.md). Not the whole ``init_context``: ``_from_config``
+    sets the dtype and transformers' patches itself, and a single-process skeleton ties at
+    construction."""
     import torch
     try:
         from transformers.initialization import meta_device_safe_creation_ops
@@ -154,15 +156,16 @@ def _on_meta():
         yield
 
 
-def materialize_buffers(model) -> None:
-    """Give every buffer of ``model`` still on the meta device a host tensor (one per buffer
-    object: a buffer two modules share stays shared) and compute them by the model's
+def materialize_buffers(model, device="cpu") -> None:
+    """Give every buffer of ``model`` still on the meta device a tensor on ``device`` (one per
+    buffer object: a buffer two modules share stays shared) and compute them by the model's
     ``initialize_weights``, outside the dtype context of its construction, as
     ``from_pretrained`` does with the buffers a checkpoint does not hold
     (``_move_missing_keys_from_meta_to_device``, then ``_init_weights``): rotary and sinusoidal
     tables, and what a model computes for its layers in its own init (``FalconH1Model`` sets each
-    mixer's ``mup_vector``). On the meta parameters that init costs nothing. A load then installs
-    the persistent buffers the artifact stores over them."""
+    mixer's ``mup_vector``). On the meta parameters that init costs nothing, and it skips what is
+    marked initialised (``_is_hf_initialized``). A load then installs the persistent buffers the
+    artifact stores over them; a tensor-parallel load, after its install, gives the rest here."""
     import torch
     made: dict = {}
     for name, buf in list(model.named_buffers(remove_duplicate=False)):
@@ -170,7 +173,7 @@ def materialize_buffers(model) -> None:
             mod_name, _, leaf = name.rpartition(".")
             module = model.get_submodule(mod_name) if mod_name else model
             if id(buf) not in made:
-                made[id(buf)] = torch.empty_like(buf, device="cpu")
+                made[id(buf)] = torch.empty_like(buf, device=device)
             module._buffers[leaf] = made[id(buf)]
     model.initialize_weights()
 
