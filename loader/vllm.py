@@ -13,6 +13,14 @@ Tied names are not yielded (the safetensors checkpoint held the tensor once; vLL
 themselves). A damaged chunk raises LCT's ``ChecksumError`` / ``CorruptChunkError``, which
 stops the engine before anything serves.
 
+Where LCT's decoded cache holds the artifact's copy (kept by an earlier start), its chunks are
+mapped, each checked against the artifact's pins, and on one rank on the CPU the parameters
+whose checkpoint tensors the copy holds as vLLM lays them out become those pages
+(``mapped_parameters``): nothing is copied into fresh memory for them (4.82 of the Gemma-2B
+shape's 5.01 GB), and each such mapping ends when vLLM replaces the parameter, as its CPU
+linear layers do once they have packed their weights. The pages are the copy's, copy-on-write,
+as ``lct.load``'s own weights on a hit are (docs/LOADING.md).
+
 Example:
     >>> from vllm import LLM
     >>> llm = LLM(model="gemma-2b.lct", load_format="lct",
@@ -45,6 +53,7 @@ from __future__ import annotations
 
 import time
 from collections import deque
+from dataclasses import dataclass
 
 from lct.errors import ArchitectureError, MissingDependencyError, OptionError
 from lct.io.stream import DEFAULT_PREFETCH
@@ -136,6 +145,7 @@ class LCTModelLoader(BaseModelLoader):
         self.options = loader_options(load_config.model_loader_extra_config)
         self.stats = None            # the last load's StreamStats
         self.recycled = 0            # bytes the last load decoded into recycled buffers
+        self.mapped = (0, 0)         # parameters (and their bytes) mapped from the decoded copy
         self._resolution = None      # (address, lct.loader.source.Resolved) once resolved
 
     def _resolved(self, model_config):
@@ -176,8 +186,10 @@ class LCTModelLoader(BaseModelLoader):
             shares = rank_shares(model, art.manifest,
                                  quantized=model_config.quantization is not None)
             others = other_ranks_experts(model, art.manifest)
-            into = {} if model_config.quantization is not None else table_parameters(model, art)
-            weights = self._weights(art, model_config.dtype, shares, others, into)
+            quantized = model_config.quantization is not None
+            into = {} if quantized else table_parameters(model, art)
+            weights = self._weights(art, model_config.dtype, shares, others, into,
+                                    model=None if quantized else model)
             try:
                 loaded = model.load_weights(weights)
             finally:
@@ -185,9 +197,15 @@ class LCTModelLoader(BaseModelLoader):
             if get_tensor_model_parallel_rank() == 0:  # no entry: kept for the next start
                 from lct.loader.build import fill_later
                 fill_later(art, self.options["cache"], self.hit)
-            # vLLM copied every tensor out: unmap the entry before the engine takes its memory
-            # for the KV cache (a mapping kept to the end was the copy's pages beside vLLM's)
-            self.hit = None
+            # vLLM copied the other tensors out: unmap the entry before the engine takes its
+            # memory for the KV cache (a mapping kept to the end was the copy's pages beside
+            # vLLM's); the parameters made of its pages keep mappings of their own
+            hit, self.hit = self.hit, None
+            if hit is not None and hit.damaged:     # LCT's own log is not vLLM's: say it here
+                logger.warning("LCT's decoded copy of %s: %d chunk(s) differed from what the "
+                               "artifact's manifest pins; decoded from the artifact instead, "
+                               "and the copy removed (the next start keeps a new one)", path,
+                               len(hit.damaged))
         from lct.units import human
         s = self.stats
         world = get_tensor_model_parallel_world_size()
@@ -198,17 +216,19 @@ class LCTModelLoader(BaseModelLoader):
         # the decode threads' read and decode time, and what the model waited for them.
         logger.info("Loading weights took %.2f seconds (LCT: %d groups, %s (%d bytes) read, %s "
                     "decoded (%s into recycled buffers), %d table(s) dequantized into their "
-                    "parameters, prefetch %d; threads read %.2f s, decoded %.2f s, the model "
-                    "waited %.2f s%s)", time.perf_counter() - t0, s.groups, human(s.bytes_read),
-                    s.bytes_read, human(s.bytes_decoded), human(self.recycled), len(into),
-                    self.options["prefetch"], s.read_s, s.decode_s, s.wait_s, share)
+                    "parameters, %d parameter(s) mapped from the decoded copy (%s), prefetch "
+                    "%d; threads read %.2f s, decoded %.2f s, the model waited %.2f s%s)",
+                    time.perf_counter() - t0, s.groups, human(s.bytes_read), s.bytes_read,
+                    human(s.bytes_decoded), human(self.recycled), len(into), self.mapped[0],
+                    human(self.mapped[1]), self.options["prefetch"], s.read_s, s.decode_s,
+                    s.wait_s, share)
         if model_config.quantization is None and loaded is not None:
             try:    # vLLM's own check, with its exemptions (quantization scales)
                 DefaultModelLoader.track_weights_loading(self, model, loaded, quantized=False)
             except ValueError as e:
                 raise ArchitectureError(f"{path}: {e}") from e
 
-    def _weights(self, art, dtype, shares=None, skip=frozenset(), into=None):
+    def _weights(self, art, dtype, shares=None, skip=frozenset(), into=None, model=None):
         """(checkpoint name, tensor) of every stored tensor, group by group, tied names
         skipped; lossy tables dequantized and cast to ``dtype``. ``shares``
         (``{name: (axis, start, stop)}``, from ``rank_shares``): of those tensors only the
@@ -217,7 +237,10 @@ class LCTModelLoader(BaseModelLoader):
         ``skip``: names neither read nor yielded (``other_ranks_experts``). ``into``
         (``{name: parameter}``, from ``table_parameters``): lossy tables dequantized straight
         into the model's parameter, which is then what is yielded (its loader's copy is onto
-        itself), instead of into a new tensor that it copies."""
+        itself), instead of into a new tensor that it copies. ``model`` (the vLLM model, None
+        for a quantized one): where the chunks are mapped from the decoded copy, its parameters
+        that can be those very pages (``mapped_parameters``) become them, and what is yielded
+        for them is the parameter's own range (again a copy onto itself)."""
         from lct.format.encodings import get_encoding
         m = art.manifest
         shares = shares or {}
@@ -234,14 +257,20 @@ class LCTModelLoader(BaseModelLoader):
         # A decoded-cache entry (lct cache fill, or an earlier lct.load): mapped, not decoded.
         from lct.loader.build import cache_hit
         self.hit = cache_hit(art, self.options["cache"])
+        plan = mapped_parameters(model, art) if self.hit is not None and model is not None \
+            else {}
+        self.mapped = (0, 0)
         with art.stream(prefetch=self.options["prefetch"], dequantize=True, chunks=chunks,
                         recycle=True, cached=self.hit) as stream:
             self.stats = stream.stats
             for group in stream:
+                views = self._map_group(group, plan.pop(group.name, ()))
                 for info in m.group_tensors(group.name):
                     if info.name in m.ties or info.name in skip:
                         continue
-                    if info.name in shares:
+                    if info.name in views:
+                        t = views.pop(info.name)
+                    elif info.name in shares:
                         t = _partial(art, info, shares[info.name], group.buffers)
                     elif into and info.name in into:
                         t = into[info.name]
@@ -258,6 +287,127 @@ class LCTModelLoader(BaseModelLoader):
                         done.popleft()[0].recycle()
                 done.append((group, handed))
             self.recycled = stream.pool.reused
+
+    def _map_group(self, group, params) -> dict:
+        """``{checkpoint name: tensor to yield}`` for the parameters ``params`` (the
+        ``MappedParameter`` entries of ``group``) that become their verified bytes in the
+        decoded copy: each parameter's data is a mapping of its own of those pages
+        (``CachedChunks.mapped``, so that it ends when vLLM replaces the parameter, as its CPU
+        linear layers do once their weights are packed), and each checkpoint tensor is the
+        parameter's own range, which vLLM's loader then copies onto itself (torch skips a copy
+        between views of the same data). A chunk that did not match its pin (decoded from the
+        artifact instead) maps nothing: its tensors take the usual copy."""
+        import torch
+        out = {}
+        count, size = self.mapped
+        for mp in params:
+            arr = self.hit.mapped(group.buffers.get(mp.chunk), mp.start, mp.nbytes)
+            if arr is None:
+                continue
+            mp.param.data = torch.from_numpy(arr).view(mp.param.dtype).view(mp.param.shape)
+            for name, (row, rows) in mp.parts.items():
+                out[name] = mp.param.data.narrow(0, row, rows)
+            count, size = count + 1, size + mp.nbytes
+        self.mapped = count, size
+        return out
+
+
+@dataclass(frozen=True)
+class MappedParameter:
+    """A vLLM parameter that can be the decoded copy's pages as they are: its checkpoint
+    tensors (``parts``: ``{checkpoint name: (first row, rows)}`` in the parameter) lie one
+    after the other, in the parameter's order, in chunk ``chunk`` from byte ``start``, and
+    fill it (``nbytes``), in its dtype."""
+    param: object
+    chunk: int
+    start: int
+    nbytes: int
+    parts: dict
+
+
+def mapped_parameters(model, art) -> dict:
+    """``{group: [MappedParameter]}``: the parameters of this vLLM ``model`` (one rank, on the
+    CPU) whose checkpoint tensors the artifact stores, losslessly and whole, in exactly the
+    parameter's dtype and layout: an unfused one (an embedding, a head, a row-parallel linear,
+    a norm) whose tensor has its shape, or a fused one (``qkv_proj``, ``gate_up_proj``: a
+    column-parallel linear's ``output_sizes`` parts, found as ``rank_shares`` finds them) whose
+    parts lie back to back in one chunk in the order vLLM stacks them (Gemma's and Llama's
+    ``gate_proj`` and ``up_proj`` do; ``q``, ``k``, ``v`` are stored ``k``, ``o``, ``q``,
+    ``v``). Tensors under a page are left to the copy (a mapping of their own is not worth
+    it)."""
+    import mmap
+    if get_tensor_model_parallel_world_size() != 1:
+        return {}
+    from lct.format.encodings import get_encoding, torch_dtype
+    m = art.manifest
+    mapper = getattr(model, "hf_to_vllm_mapper", None)
+    fused = {part: (whole, i) for whole, parts in
+             (getattr(model, "packed_modules_mapping", None) or {}).items()
+             for i, part in enumerate(parts)}
+    params = dict(model.named_parameters())
+    found = {}          # vLLM parameter name: {part index: TensorInfo}, None where ambiguous
+    for t in m.tensors.values():
+        if t.pieces or t.name in m.ties or get_encoding(t.encoding).lossy or not t.shape:
+            continue
+        where = _parameter_part(model, mapper, fused, t.name)
+        if where is None or where[0] not in params:
+            continue
+        name, module, part = where
+        parts = found.setdefault(name, {})
+        if parts is not None:
+            found[name] = None if part in parts else {**parts, part: (t, module)}
+    out = {}
+    for name, parts in found.items():
+        p = params[name]
+        if not parts or p.device.type != "cpu" or not p.is_contiguous() or p.dim() == 0:
+            continue
+        module = next(iter(parts.values()))[1]
+        sizes = list(getattr(module, "output_sizes", None) or [p.shape[0]]) \
+            if name.endswith((".weight", ".bias")) else [p.shape[0]]
+        if len(sizes) > 1 and (getattr(p, "output_dim", None) != 0 or
+                               getattr(module, "tp_size", 1) != 1):
+            continue
+        if sorted(parts) != list(range(len(sizes))) or sum(sizes) != p.shape[0]:
+            continue
+        tensors = [parts[i][0] for i in range(len(sizes))]
+        first, row, layout = tensors[0], 0, {}
+        at = first.offset
+        for t, rows in zip(tensors, sizes):
+            if t.chunk != first.chunk or t.offset != at or tuple(t.shape) != \
+                    (rows, *p.shape[1:]) or torch_dtype(t.stored_dtype) != p.dtype:
+                break
+            layout[t.name] = (row, rows)
+            row, at = row + rows, at + t.nbytes
+        else:
+            nbytes = at - first.offset
+            if nbytes == p.numel() * p.element_size() and nbytes >= mmap.PAGESIZE:
+                out.setdefault(first.group, []).append(
+                    MappedParameter(p, first.chunk, first.offset, nbytes, layout))
+    return out
+
+
+def _parameter_part(model, mapper, fused: dict, name: str):
+    """``(vLLM parameter name, module, part index)`` that checkpoint tensor ``name`` loads
+    into (a ``.weight`` or ``.bias``), by vLLM's name for it (``_vllm_name``) or the fused
+    module ``packed_modules_mapping`` makes its module a part of; None when not found."""
+    mapped, part = _vllm_name(mapper, name)
+    if mapped is None or part is None:
+        return None
+    path, _, attr = mapped.rpartition(".")
+    if attr not in ("weight", "bias"):
+        return None
+    parent, _, leaf = path.rpartition(".")
+    try:
+        return mapped, model.get_submodule(path), part
+    except AttributeError:
+        if leaf not in fused:
+            return None
+    whole, part = fused[leaf]
+    path = f"{parent}.{whole}" if parent else whole
+    try:
+        return f"{path}.{attr}", model.get_submodule(path), part
+    except AttributeError:
+        return None
 
 
 def rank_shares(model, manifest, quantized: bool = False) -> dict:
@@ -473,5 +623,6 @@ def _check_ties(art, model_config) -> None:
                                 option="hf_overrides")
 
 
-__all__ = ["LOAD_FORMAT", "LCTModelLoader", "artifact_address", "loader_options",
-           "other_ranks_experts", "rank_shares", "register", "table_parameters"]
+__all__ = ["LOAD_FORMAT", "LCTModelLoader", "MappedParameter", "artifact_address",
+           "loader_options", "mapped_parameters", "other_ranks_experts", "rank_shares",
+           "register", "table_parameters"]

@@ -259,10 +259,17 @@ def test_a_real_model_serves_the_default_loaders_tokens(smollm2, engine_env, smo
     assert tokens(got) == [smollm2_reference[source]]
 
 
+# "..., P parameter(s) mapped from the decoded copy (X), ...": one per load.
+MAPPED = re.compile(r"(\d+) parameter\(s\) mapped from the decoded copy")
+
+
 def test_a_decoded_cache_entry_is_mapped_not_decoded(models, engine_env, reference, tmp_path):
     """With the artifact's entry in LCT's decoded cache (``lct cache fill``) and ``cache: true``,
-    a restarted engine reads nothing of the artifact and serves the same tokens; with the
-    option false it reads the artifact again."""
+    a restarted engine reads nothing of the artifact, vLLM's parameters are the copy's pages
+    wherever the checkpoint's tensors lie as vLLM lays them out (all but the 2 norms under a
+    page in each of the tiny Llama's 2 layers, and its fused qkv, stored k, o, q, v; the final
+    norm likewise), and it serves the same tokens; with the option false it reads the artifact
+    again and maps nothing."""
     import lct
     from lct.io import cache
     root = tmp_path / "lct-cache"
@@ -272,10 +279,44 @@ def test_a_decoded_cache_entry_is_mapped_not_decoded(models, engine_env, referen
     got = generate(env, [models["llama.lct"], models["llama.lct"]], "lct", {"cache": True})
     log = got.stdout + got.stderr
     assert log.count(" (0 bytes) read") == 2, log[-4000:]
+    # embedding, head, and per layer o_proj, gate_up_proj, down_proj
+    assert [int(n) for n in MAPPED.findall(log)] == [2 + 2 * 3] * 2, log[-4000:]
     assert tokens(got) == [reference["llama"]] * 2
     off = generate(env, models["llama.lct"], "lct", {"cache": False})
     assert " (0 bytes) read" not in off.stdout + off.stderr
+    assert MAPPED.findall(off.stdout + off.stderr) == ["0"]
     assert tokens(off) == [reference["llama"]]
+
+
+def test_a_damaged_entry_maps_only_its_checked_chunks(models, engine_env, reference, tmp_path):
+    """A decoded-cache entry one of whose layers was edited after it was kept: that layer's
+    chunk fails its pin and is decoded from the artifact (its parameters copied, none mapped),
+    the others are mapped, and the tokens are the default loader's. The entry is removed."""
+    import lct
+    from lct.io import cache
+    root = tmp_path / "lct-cache"
+    with lct.open(models["gemma.lct"]) as art:
+        entry = cache.fill(art, root=root)
+        assert entry.done
+        spans, _ = cache.layout(art.manifest)
+        layer = next(c.id for c in art.manifest.chunks if c.group == "layers.1")
+        groups = {c.group for c in art.manifest.chunks}
+    data = next(root.glob("*/decoded.bin"))
+    at, size = spans[layer]
+    with open(data, "r+b") as f:        # one byte of layer 1, in the middle of its chunk
+        f.seek(at + size // 2)
+        b = f.read(1)
+        f.seek(at + size // 2)
+        f.write(bytes([b[0] ^ 0xFF]))
+    env = dict(engine_env, LCT_CACHE_DIR=str(root))
+    whole = generate(env, models["gemma.lct"], "lct", {"cache": True})
+    log = whole.stdout + whole.stderr
+    assert "1 chunk(s) differed from what the artifact's manifest pins" in log, log[-4000:]
+    mapped = [int(n) for n in MAPPED.findall(log)]
+    # the tied embedding, and o_proj, gate_up_proj, down_proj of layers 0 and 2, not 1
+    assert "layers.2" in groups and mapped == [1 + 2 * 3], log[-4000:]
+    assert tokens(whole) == [reference["gemma"]]
+    assert not data.exists()
 
 
 def test_the_spawned_engine_core_registers_the_loader_itself(models, engine_env, reference):

@@ -297,7 +297,11 @@ class CachedChunks:
 
     def __init__(self, entry: Entry, spans: dict, size: int, art, pinned: dict):
         self.entry, self.spans, self.art, self.pinned = entry, spans, art, pinned
-        self._map = np.memmap(entry.path / DATA, dtype=np.uint8, mode="c", shape=(size,))
+        # the one open file every mapping of this hit is made from (``mapped`` too): a file
+        # put in the entry's place later is never mapped beside the one checked
+        fd = os.open(entry.path / DATA, os.O_RDONLY | getattr(os, "O_NOFOLLOW", 0))
+        self._file = os.fdopen(fd, "rb")
+        self._map = np.memmap(self._file, dtype=np.uint8, mode="c", shape=(size,))
         self._checked: set = set()
         self._at = {at: cid for cid, (at, _) in spans.items()}
         self.damaged: list = []         # chunk ids whose bytes differed (decoded instead)
@@ -363,6 +367,21 @@ class CachedChunks:
         start, end = -(-at // page) * page, (at + buf.size) // page * page
         if end > start:
             self._map._mmap.madvise(mmap.MADV_DONTNEED, start, end - start)
+
+    def mapped(self, buf, start: int, size: int) -> np.ndarray | None:
+        """Bytes ``start:start + size`` of ``buf``, a checked chunk's view from ``chunk``, as a
+        copy-on-write mapping of their own (the same file's pages, nothing copied), or None
+        where ``buf`` is not such a view (a damaged chunk's decode) or its check was given
+        back (``put``). A loader that hands a runtime these bytes as a parameter (vLLM's)
+        lets the runtime free them: the mapping ends with the last tensor viewing it, which
+        the hit's one mapping of the whole entry would not."""
+        base = self._map.ctypes.data
+        at = buf.ctypes.data - base if isinstance(buf, np.ndarray) else -1
+        cid = self._at.get(at)
+        if cid is None or cid not in self._checked or buf.size != self.spans[cid][1] or \
+                start < 0 or size <= 0 or start + size > buf.size:
+            return None
+        return np.memmap(self._file, dtype=np.uint8, mode="c", offset=at + start, shape=(size,))
 
     def _view(self, cid: int) -> np.ndarray:
         at, size = self.spans[cid]
