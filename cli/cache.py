@@ -65,7 +65,7 @@ def fill_cmd(artifact, quiet):
     """Decode ARTIFACT (a folder, hf://org/name[@rev], pulled first, or s3://, gs:// or
     az://bucket/prefix)
     into the cache without loading a model, a few groups in memory at a time: for a model that
-    the layer-wise model (lct.LayerwiseModel, lct load --layerwise), a device map or
+    the layer-wise model (lct.loader.LayerwiseModel, lct load --layerwise), a device map or
     tensor-parallel ranks run, which map the entry instead of decoding (unless LCT_CACHE=0 or
     cache=False). Exits 1 where the entry cannot be kept (over LCT_CACHE_MAX, a disk too full),
     saying why; an entry that exists is checked (each chunk's hash) and left as it is, or

@@ -13,13 +13,15 @@ from lct.io.stream import DEFAULT_PREFETCH
 def _ids(ctx, param, value):
     if value is None:
         return None
-    try:
-        ids = [int(x) for x in value.split(",") if x.strip()]
-    except ValueError:
-        raise click.BadParameter("comma-separated token ids, e.g. 1,5,9") from None
-    if not ids:
+    parts = [x.strip() for x in value.split(",")]
+    if not any(parts):
         raise click.BadParameter("give at least one token id, e.g. 1,5,9")
-    return ids
+    try:
+        return [int(x) for x in parts]
+    except ValueError:
+        bad = next(x for x in parts if not x.lstrip("-").isdigit())
+        raise click.BadParameter(f"comma-separated token ids, e.g. 1,5,9; got "
+                                 f"{bad or 'an empty one'!r} in {value!r}") from None
 
 
 class _Ranks(click.ParamType):

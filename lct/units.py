@@ -4,8 +4,8 @@ bytes, one formatter for every size shown.
 Decimal units (``KB``, ``MB``, ``GB``, ``TB``: powers of 1000) are read as huggingface_hub's
 ``save_pretrained(max_shard_size="5GB")`` reads them (``int(number * 1000**k)``; a test holds the
 two equal); binary units (``KiB``, ``MiB``, ``GiB``, ``TiB``: powers of 1024) as memory is
-usually given. A number without a unit is refused (is ``16`` bytes or gigabytes?); integers
-passed from Python are bytes.
+usually given; ``B`` is bytes. A number without a unit is refused (is ``16`` bytes or
+gigabytes?); integers passed from Python are bytes.
 """
 
 from __future__ import annotations
@@ -14,7 +14,8 @@ import re
 
 from lct.errors import LCTError
 
-_SIZE = re.compile(r"\s*([0-9]+(?:\.[0-9]+)?)\s*([KMGT])(i?)B\s*", re.I)
+_SIZE = re.compile(r"\s*([0-9]+(?:\.[0-9]+)?)\s*(?:([KMGT])(i?))?B\s*", re.I)
+_NEGATIVE = re.compile(r"\s*-\s*[0-9]")
 
 
 def parse_size(value, what: str = "size", option: str | None = None) -> int:
@@ -33,9 +34,13 @@ def parse_size(value, what: str = "size", option: str | None = None) -> int:
         return value
     m = _SIZE.fullmatch(str(value))
     if not m:
+        if _NEGATIVE.match(str(value)):
+            raise LCTError(f"{what} must not be negative, got {value!r}", option=option)
         raise LCTError(f"{what} {value!r} needs a number with a unit: 5GB or 500MB (decimal) "
                        f"or 16GiB or 512MiB (binary)", option=option)
-    number, prefix, binary = m.group(1), m.group(2).upper(), m.group(3)
+    number, prefix, binary = m.group(1), (m.group(2) or "").upper(), m.group(3)
+    if not prefix:
+        return int(float(number))
     return int(float(number) * (1024 if binary else 1000) ** ("KMGT".index(prefix) + 1))
 
 

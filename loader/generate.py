@@ -98,6 +98,9 @@ def generate_timed(model, path, prompt: str | None = None, ids=None,
         if tok is None:
             raise LCTError(f"{path}: the artifact has no tokenizer to encode a prompt", option="ids")
         input_ids = tok(prompt, return_tensors="pt").input_ids
+        if input_ids.shape[-1] == 0:
+            raise LCTError(f"the prompt {prompt!r} encodes to no tokens: give some text, or "
+                           f"--ids", option="prompt")
     else:
         ids = list(ids)
         if not ids:

@@ -429,6 +429,8 @@ def test_load_prefetch_has_the_librarys_one_rule(run, llama_art):
     (["--ids", "1,99999"], "token id 99999 is outside the vocabulary", 1),
     (["--ids", "-1"], "token id -1 is outside the vocabulary", 1),
     (["--ids", ","], "give at least one token id", 2),
+    (["--ids", "1,,2"], "got 'an empty one' in '1,,2'", 2),
+    (["--ids", "1,x"], "got 'x' in '1,x'", 2),
     (["--ids", "1", "--prompt", "hi"], "give --prompt or --ids, not both", 2),
     (["--device", "tpu", "--ids", "1"], "is not 'cpu' or 'cuda[:N]'", 1),
 ])
@@ -690,6 +692,9 @@ def test_every_command_has_quiet_and_it_prints_only_the_result(gemma_src, tmp_pa
     full = runner.invoke(cli, ["load", str(art), "--prompt", "Hello", "--max-new-tokens", "3"])
     assert f"output: {text}" in full.stdout and text.count("\n") == 1
     assert quiet("load", art) == ""
+    empty = runner.invoke(cli, ["load", str(art), "--prompt", ""])
+    assert empty.exit_code == 1 and "the prompt '' encodes to no tokens" in empty.stderr and \
+        "Traceback" not in empty.output
     assert re.fullmatch(r"peak [\d.]+ [KMG]B; fits in [\d.]+ GB\n",
                         quiet("plan", art, "--memory", "16GiB"))
     assert quiet("demo", "--workdir", tmp_path / "demo") == f"{tmp_path / 'demo'}\n"
