@@ -152,12 +152,16 @@ def test_a_tensor_the_model_has_no_place_for_is_refused(gemma_src, tmp_path):
     assert not (tmp_path / "a.lct").exists()
 
 
-def test_a_mistyped_folder_says_so_offline(tmp_path, monkeypatch):
-    """A single name is a folder or a legacy Hub id: offline, the error says both were
-    looked for."""
+@pytest.mark.parametrize("name", ["modle", "models/lama"])
+def test_a_mistyped_folder_says_so_offline(tmp_path, monkeypatch, name):
+    """A single name, or one that reads as org/name, is a folder or a Hub id: offline, the
+    error says both were looked for. Given as hf://, it is a repo only."""
     monkeypatch.chdir(tmp_path)
-    with pytest.raises(SourceError, match="and there is no folder .modle. here"):
-        lct.convert("modle", tmp_path / "a.lct")
+    with pytest.raises(SourceError, match=f"and there is no folder .{name}. here"):
+        lct.convert(name, tmp_path / "a.lct")
+    with pytest.raises(SourceError) as e:
+        lct.convert(f"hf://{name}", tmp_path / "a.lct")
+    assert "no folder" not in str(e.value)
 
 
 def test_a_source_without_config_is_refused(tmp_path):

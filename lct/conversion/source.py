@@ -133,10 +133,11 @@ def resolve(source: str, revision: str | None = None) -> Source:
     from lct.hub.address import is_repo_id
     if not is_repo_id(source):
         raise SourceNotFoundError(f"{source}: no such folder (and not a Hub repo id like org/name)")
-    return _local(_download(source, revision), source, "hub", revision)
+    return _local(_download(source, revision, maybe_folder=not hub_only), source, "hub",
+                  revision)
 
 
-def _download(repo_id: str, revision: str | None) -> Path:
+def _download(repo_id: str, revision: str | None, maybe_folder: bool = True) -> Path:
     def fetch():
         import huggingface_hub as hub
         return Path(hub.snapshot_download(
@@ -145,7 +146,7 @@ def _download(repo_id: str, revision: str | None) -> Path:
             + ["*/*", ".gitattributes"]))
     from lct.hub.client import hub_fetch
     return hub_fetch(fetch, repo_id, revision, not_found=SourceNotFoundError, error=SourceError,
-                     offline=SourceError)
+                     offline=SourceError, maybe_folder=maybe_folder)
 
 
 def _local(root: Path, sid: str, kind: str, revision: str | None) -> Source:

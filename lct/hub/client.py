@@ -157,19 +157,22 @@ def _first_line(e: BaseException) -> str:
     return lines[0] if lines else type(e).__name__
 
 
-def hub_fetch(fetch, repo_id: str, revision: str | None, *, not_found, error, offline):
+def hub_fetch(fetch, repo_id: str, revision: str | None, *, not_found, error, offline,
+              maybe_folder: bool = True):
     """Run ``fetch()`` (a huggingface_hub download for a pipeline: a source checkpoint, a
     config) and raise its failure as the caller's error class, with ``hub_error``'s message:
     ``not_found`` for a missing repo, revision or file, ``offline`` when the Hub cannot be
-    reached and the cache does not help, ``error`` for anything else."""
+    reached and the cache does not help, ``error`` for anything else. ``maybe_folder``: the
+    user gave ``repo_id`` where a local folder is also taken (not as ``hf://``), so a missing
+    or unreachable repo's message says that no such folder exists either (``models/lama`` is
+    as likely a mistyped folder as a repo)."""
     _hub()          # the HTTP timeout every Hub call gets (downloads for pipelines too)
     try:
         return fetch()
     except Exception as e:  # noqa: BLE001 - every Hub failure becomes one clear line
         mapped = hub_error(e, repo_id, revision, action="download")
         text = str(mapped)
-        if "/" not in repo_id and isinstance(mapped, (HubNotFoundError, HubOfflineError)):
-            # a single name is as likely a mistyped folder as a legacy Hub id ("gpt2")
+        if maybe_folder and isinstance(mapped, (HubNotFoundError, HubOfflineError)):
             text += f" (and there is no folder {repo_id!r} here)"
         if isinstance(mapped, HubNotFoundError):
             raise not_found(text) from e
