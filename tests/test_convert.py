@@ -659,3 +659,14 @@ def test_a_config_field_of_the_wrong_type_is_one_line(llama_src, tmp_path):
     with pytest.raises(SourceError, match=r"config.json: transformers cannot read this config "
                                           r"\(.*hidden_size.*expected int, got str"):
         lct.convert(str(src), tmp_path / "a.lct")
+
+
+def test_an_output_folder_it_cannot_write_in_is_refused_before_any_work(tmp_path):
+    """Issue found by a new user: an output below a folder LCT may not write in (here /proc/1,
+    which not even root may) was reported after the source was read and calibrated; it is
+    refused first, before the (here missing) source is even looked for."""
+    import os
+    if not os.path.isdir("/proc/1") or os.access("/proc/1", os.W_OK):
+        pytest.skip("needs a folder this process may not write in (/proc/1 on Linux)")
+    with pytest.raises(LCTError, match=r"/proc/1/x\.lct: cannot write in /proc/1 \("):
+        lct.convert(str(tmp_path / "no-such-source"), "/proc/1/x.lct")

@@ -35,7 +35,9 @@ log = logging.getLogger(__name__)
 
 def check_output_path(target: Path) -> None:
     """Refuse an output path LCT cannot create or replace as a folder: a symbolic link, a file,
-    or a path below a file.
+    a path below a file, or one whose nearest existing folder LCT may not write in (a
+    read-only file system, no permission): checked before any work, so that a convert does not
+    read and calibrate a model only to fail at its first write.
 
     Raises:
         LCTError: naming the path and what is in the way.
@@ -48,6 +50,10 @@ def check_output_path(target: Path) -> None:
         if parent.exists():
             if not parent.is_dir():
                 raise LCTError(f"{target}: cannot create it, {parent} is a file, not a folder")
+            if not os.access(parent, os.W_OK | os.X_OK):
+                read_only = os.statvfs(parent).f_flag & getattr(os, "ST_RDONLY", 1)
+                why = os.strerror(errno.EROFS if read_only else errno.EACCES)
+                raise LCTError(f"{target}: cannot write in {parent} ({why})")
             return
 
 
