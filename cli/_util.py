@@ -70,6 +70,9 @@ class LCTGroup(click.Group):
         except KeyboardInterrupt:
             if os.environ.get("LCT_DEBUG"):
                 traceback.print_exc()
+            cache = sys.modules.get("lct.io.cache")
+            if cache is not None:   # a copy being kept in the background: Ctrl-C stops it too
+                cache.cancel_fills()
             click.echo(INTERRUPTED, err=True)
             sys.exit(INTERRUPTED_STATUS)
 

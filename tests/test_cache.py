@@ -236,6 +236,33 @@ def test_a_ctrl_c_while_the_copy_is_written_leaves_no_staging_folder(root, llama
     assert cache.entries() == [] and list(root.iterdir()) == []
 
 
+def test_a_ctrl_c_while_lct_load_generates_keeps_no_copy(root, llama_art, monkeypatch):
+    """Found by a new user: a Ctrl-C while ``lct load`` generated said "interrupted", then the
+    exit waited for the background fill and kept the copy anyway. The interrupt now cancels
+    the fills this process started: nothing is kept, nothing is left."""
+    import time
+
+    from click.testing import CliRunner
+
+    import lct.loader.generate as gen
+    from lct.cli.main import cli
+    real = os.pwrite
+
+    def slow(fd, data, offset):     # a slow disk: the fill still runs when the Ctrl-C comes
+        time.sleep(0.005)
+        return real(fd, data[:4096], offset)
+
+    def interrupted(*a, **k):
+        raise KeyboardInterrupt
+    monkeypatch.setattr(cache.os, "pwrite", slow)
+    monkeypatch.setattr(gen, "generate_timed", interrupted)
+    res = CliRunner().invoke(cli, ["load", str(llama_art), "--ids", "1,2"])
+    assert res.exit_code == 130 and "interrupted; nothing was left half-written" in res.output
+    fill = cache._FILLS[-1]
+    assert fill.wait(0) and not fill.done and fill.reason == "cancelled"
+    assert cache.entries() == [] and list(root.iterdir()) == []
+
+
 def test_a_failed_load_keeps_nothing(root, llama_art, monkeypatch):
     import lct.loader.build as build
 

@@ -1158,12 +1158,20 @@ def wait_fills(timeout: float | None = None) -> list:
         for f in _FILLS:
             f.wait(timeout)
     except KeyboardInterrupt:
-        from lct.proc import interrupts_held
-        with interrupts_held():     # a second Ctrl-C would leave the staging folders
-            for f in _FILLS:
-                f.cancel()
-            deadline = time.monotonic() + CANCEL_WAIT_S
-            for f in _FILLS:
-                f.wait(max(0.0, deadline - time.monotonic()))
+        cancel_fills()
         raise
     return list(_FILLS)
+
+
+def cancel_fills() -> None:
+    """Cancel the fills this process started and wait (at most ``CANCEL_WAIT_S``) for them to
+    remove their staging folders: what a Ctrl-C means, whether it came while the process
+    waited for them or while it did something else (``lct load`` generating), after which
+    nothing is kept and the exit does not wait."""
+    from lct.proc import interrupts_held
+    with interrupts_held():     # a second Ctrl-C would leave the staging folders
+        for f in _FILLS:
+            f.cancel()
+        deadline = time.monotonic() + CANCEL_WAIT_S
+        for f in _FILLS:
+            f.wait(max(0.0, deadline - time.monotonic()))
