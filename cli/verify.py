@@ -75,6 +75,7 @@ def verify_cmd(artifact, against, revision, quality, text, budget, max_tokens, l
         raise click.UsageError("--dtype goes with --quality")
     if quality and against is None:
         raise click.UsageError("--quality needs --against SOURCE (the lossless reference)")
+    from lct.errors import LCTError
     bar = GroupProgress("verify", unit="group", enabled=not quiet)
     qbar = GroupProgress("quality", unit="block", enabled=not quiet)
     try:
@@ -82,6 +83,15 @@ def verify_cmd(artifact, against, revision, quality, text, budget, max_tokens, l
                      quality=quality, text=text, max_tokens=max_tokens, quality_progress=qbar,
                      layerwise=layerwise, expect=expect, budget=budget,
                      quality_dtype=quality_dtype and torch_dtype(quality_dtype))
+    except LCTError as e:
+        # what stopped the check (a truncated data file, a damaged manifest) is still a
+        # verdict for a script reading -q's or --json's stdout; the error line on stderr
+        if as_json:
+            import json
+            click.echo(json.dumps({"ok": False, "error": str(e)}, indent=1))
+        elif quiet:
+            click.echo("FAILED")
+        raise
     finally:
         bar.close()
         qbar.close()

@@ -703,6 +703,17 @@ def test_every_command_has_quiet_and_it_prints_only_the_result(gemma_src, tmp_pa
     bad = _damaged_copy(art, tmp_path / "bad.lct")
     res = runner.invoke(cli, ["verify", str(bad), "-q"])
     assert res.exit_code == 1 and res.stdout == "FAILED\n" and "FAIL " in res.stderr
+    # an error that stops the check (a truncated data file) is a verdict too, on stdout
+    import json
+    shutil.copytree(art, tmp_path / "short.lct")
+    data = next((tmp_path / "short.lct").glob("model-*.lct"))
+    with open(data, "r+b") as f:
+        f.truncate(data.stat().st_size // 2)
+    res = runner.invoke(cli, ["verify", str(tmp_path / "short.lct"), "-q"])
+    assert res.exit_code == 1 and res.stdout == "FAILED\n" and "truncated" in res.stderr
+    res = runner.invoke(cli, ["verify", str(tmp_path / "short.lct"), "--json"])
+    out = json.loads(res.stdout)
+    assert res.exit_code == 1 and out["ok"] is False and "truncated" in out["error"]
 
 
 def test_load_with_a_prompt_reports_the_missing_artifact_first(run, llama_art, tmp_path):
