@@ -229,3 +229,24 @@ def test_scoring_holds_the_logits_of_a_few_positions_and_gives_the_whole_numbers
     for key in ("nll", "nll_ref", "kl", "kl_max"):
         rel = 1e-6 if head == "plain" or key.startswith("nll") else 1e-4
         assert got[key] == pytest.approx(sums[key], rel=rel), key
+
+
+@pytest.mark.parametrize("arch,ok", [("t5", False), ("bart", True)])
+def test_quality_on_encoder_decoders_scores_or_says_why_in_one_line(run, tmp_path, arch, ok):
+    """Found by a new user: --quality built the reference with AutoModelForCausalLM (a
+    traceback listing 200 config classes for T5, Llava, Qwen2-VL) and scored blocks longer than
+    a learned position table (BART's IndexError). The reference is the class the artifact
+    builds, blocks stop at the model's positions, and a model that cannot score text alone (T5
+    needs decoder inputs) is one line."""
+    from lct.demo import tiny
+    src = tiny.save_tiny(tmp_path / arch, arch, max_position_embeddings=64)
+    tiny.save_tokenizer(src, vocab_size=256)
+    art = tmp_path / f"{arch}.lct"
+    assert run("convert", src, "-o", art, "--nf4", "none", "-q").exit_code == 0
+    res = run("verify", art, "--against", src, "--quality", "--max-tokens", "150")
+    assert "Traceback" not in res.output
+    if ok:
+        assert res.exit_code == 0 and "KL mean / max (nats)" in res.output, res.output
+    else:
+        assert res.exit_code == 1 and "T5ForConditionalGeneration could not run on text " \
+            "alone (ValueError" in res.output, res.output

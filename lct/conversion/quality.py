@@ -233,7 +233,7 @@ def measure_quality(artifact, against: str, *, revision: str | None = None, text
     Raises:
         LCTError: the artifact has no tokenizer, no text, or the source cannot be resolved.
     """
-    from transformers import AutoModelForCausalLM, AutoTokenizer
+    from transformers import AutoTokenizer
 
     from lct.conversion import sample_text
     from lct.conversion.source import resolve
@@ -244,6 +244,7 @@ def measure_quality(artifact, against: str, *, revision: str | None = None, text
     texts = read_texts(text) if text is not None else sample_text.samples()
     tokenizer = AutoTokenizer.from_pretrained(path)
     src = resolve(against, revision)
+    block = min(block, _max_positions(src.config) or block)
     if dtype is None:
         import torch
 
@@ -264,11 +265,33 @@ def measure_quality(artifact, against: str, *, revision: str | None = None, text
             return report
     model = load(path, dtype=dtype)
     first = next(p for p in model.parameters() if p.is_floating_point())
-    reference = AutoModelForCausalLM.from_pretrained(src.root, dtype=first.dtype).eval()
-    report = compare(model, reference, tokenizer, texts, max_tokens=max_tokens, block=block,
-                     progress=progress)
+    # the class the artifact builds (a vision-language or encoder-decoder one included), so
+    # that both sides are the same model
+    reference = type(model).from_pretrained(src.root, dtype=first.dtype).eval()
+    try:
+        report = compare(model, reference, tokenizer, texts, max_tokens=max_tokens,
+                         block=block, progress=progress)
+    except (LCTError, KeyboardInterrupt, MemoryError):
+        raise
+    except Exception as e:      # noqa: BLE001 - a model that cannot run on text alone
+        line = (str(e).strip().splitlines() or [""])[0][:200]
+        raise LCTError(f"{path}: --quality scores next-token predictions on text, and "
+                       f"{type(model).__name__} could not run on text alone "
+                       f"({type(e).__name__}: {line}); the tensor checks (lct verify --against) "
+                       f"hold for it") from e
     report.dtype = _dtype_name(model)
     return report
+
+
+def _max_positions(config: dict) -> int | None:
+    """The longest sequence the (text) model of config.json ``config`` takes, where it says
+    (BART's learned position table fails past it), else None: no block is scored longer."""
+    text = config.get("text_config") if isinstance(config.get("text_config"), dict) else config
+    for key in ("max_position_embeddings", "n_positions"):
+        n = text.get(key)
+        if isinstance(n, int) and not isinstance(n, bool) and n > 1:
+            return n
+    return None
 
 
 def _dtype_name(model) -> str:
