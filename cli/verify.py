@@ -69,10 +69,14 @@ def verify_cmd(artifact, against, revision, quality, text, budget, max_tokens, l
     from lct.conversion.verifier import verify
     from lct.format.encodings import torch_dtype
 
-    if layerwise and not quality:
-        raise click.UsageError("--layerwise goes with --quality")
-    if quality_dtype and not quality:
-        raise click.UsageError("--dtype goes with --quality")
+    if not quality:
+        for flag, given in (("--layerwise", layerwise), ("--dtype", quality_dtype),
+                            ("--text", text), ("--budget", budget),
+                            ("--max-tokens", max_tokens)):
+            if given:
+                raise click.UsageError(f"{flag} goes with --quality")
+    if revision is not None and against is None:
+        raise click.UsageError("--revision is the revision of --against SOURCE; give it too")
     if quality and against is None:
         raise click.UsageError("--quality needs --against SOURCE (the lossless reference)")
     from lct.errors import LCTError

@@ -670,3 +670,10 @@ def test_an_output_folder_it_cannot_write_in_is_refused_before_any_work(tmp_path
         pytest.skip("needs a folder this process may not write in (/proc/1 on Linux)")
     with pytest.raises(LCTError, match=r"/proc/1/x\.lct: cannot write in /proc/1 \("):
         lct.convert(str(tmp_path / "no-such-source"), "/proc/1/x.lct")
+
+
+def test_a_revision_for_a_local_folder_is_refused(llama_src, tmp_path):
+    """Found by a new user: --revision v1 on a local folder was dropped without a word."""
+    with pytest.raises(SourceError, match="a local folder has no revision 'v1'"):
+        lct.convert(str(llama_src), tmp_path / "a.lct", revision="v1")
+    assert not (tmp_path / "a.lct").exists()

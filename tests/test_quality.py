@@ -150,9 +150,21 @@ def test_layerwise_quality_equals_the_loaded_one(src, arts, which):
                                                        abs=1e-6), key
 
 
-def test_layerwise_needs_quality(src, arts, run):
-    res = run("verify", arts[0], "--layerwise")
-    assert res.exit_code != 0 and "--layerwise goes with --quality" in res.output
+@pytest.mark.parametrize("args,flag", [
+    (["--layerwise"], "--layerwise goes with --quality"),
+    (["--dtype", "bfloat16"], "--dtype goes with --quality"),
+    (["--budget", "0.1"], "--budget goes with --quality"),
+    (["--max-tokens", "5"], "--max-tokens goes with --quality"),
+    (["--text", "TEXT"], "--text goes with --quality"),
+    (["--revision", "main"], "--revision is the revision of --against SOURCE"),
+])
+def test_quality_options_without_quality_are_refused(src, arts, run, tmp_path, args, flag):
+    """Found by a new user: --text, --budget, --max-tokens without --quality printed OK as if
+    they had been used; --revision without --against was dropped."""
+    (tmp_path / "t.txt").write_text("some text")
+    args = [str(tmp_path / "t.txt") if a == "TEXT" else a for a in args]
+    res = run("verify", arts[0], *args)
+    assert res.exit_code == 2 and flag in res.output
 
 
 def test_layerwise_quality_on_a_tied_table(tmp_path):

@@ -129,6 +129,10 @@ def resolve(source: str, revision: str | None = None) -> Source:
     if not hub_only and path.exists():
         if not path.is_dir():
             raise SourceError(f"{path}: is a file; pass the model folder that contains it")
+        if revision is not None:
+            raise SourceError(f"{path}: a local folder has no revision {revision!r} (a revision "
+                              f"picks a Hub repo's branch, tag or commit; for the repo, write "
+                              f"hf://{source})", option="revision")
         return _local(path, str(path.absolute()), "local", revision)
     from lct.hub.address import is_repo_id
     if not is_repo_id(source):
