@@ -1,6 +1,7 @@
 """Shared fixtures: tiny random models saved as Hugging Face folders, and their artifacts."""
 
 import os
+import shutil
 import signal
 import tempfile
 import warnings
@@ -18,7 +19,10 @@ os.environ.setdefault("LCT_CACHE_MIN_FREE", "1MB")
 # fixture damaged on purpose has the same digest); tests/test_cache.py, the architecture sweep
 # and the loaders' cache tests switch it on themselves, in a folder of their own.
 os.environ.setdefault("LCT_CACHE", "0")
-os.environ.setdefault("LCT_CACHE_DIR", tempfile.mkdtemp(prefix="lct-test-cache-"))  # never ~/.cache
+# never ~/.cache; a folder of this session's, removed when it ends (pytest_sessionfinish)
+_CACHE_DIR = None if "LCT_CACHE_DIR" in os.environ else tempfile.mkdtemp(prefix="lct-test-cache-")
+if _CACHE_DIR is not None:
+    os.environ["LCT_CACHE_DIR"] = _CACHE_DIR
 # With LCT_CACHE_MAP=auto, whether a load maps an entry or decodes the artifact depends on how
 # much of the entry is in the page cache (lct.io.cache.choose), which other processes, and on
 # this project's VM the host's reclaim of pages idle for a minute, change: tests that load an
@@ -133,3 +137,9 @@ def manifest_text(m: dict, rebind: bool = False) -> str:
         return seal(text)
     except ManifestError:
         return text
+
+
+def pytest_sessionfinish(session, exitstatus):
+    """Remove the session's decoded-cache folder (each run left one in /tmp)."""
+    if _CACHE_DIR is not None:
+        shutil.rmtree(_CACHE_DIR, ignore_errors=True)

@@ -946,3 +946,11 @@ def test_an_artifact_given_to_convert_is_named_as_one(gemma_art, tmp_path):
     assert out.exit_code == 1 and "an LCT artifact, not a model folder" in out.output and \
         f"lct export {gemma_art} DIR" in out.output, out.output
 
+
+
+def test_verify_refuses_a_malformed_expect_before_checking(run, llama_art):
+    """Found by a new user: --expect sha256:deadbeef ran the whole verify, then listed the
+    malformed digest as the artifact's failure."""
+    res = run("verify", llama_art, "--expect", "sha256:deadbeef")
+    assert res.exit_code == 1 and "give sha256:<64 hex digits>" in res.output
+    assert "chunks checked" not in res.output and "FAIL " not in res.output

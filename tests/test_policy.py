@@ -239,6 +239,10 @@ def test_non_finite_calibration_costs_are_null_in_standard_json(tmp_path):
     assert m["policy"]["measured"]["costs"]["head"] == {"nf4": None, "int8": None, "q8_0": None}
     with lct.open(out, verify=True):
         pass
+    # and it says why (found by a new user: "estimated mean KL 0.0000", no word of the NaN)
+    d = lct.convert(str(src), tmp_path / "d.lct", policy=Policy(
+        calibration=str(text), max_calibration_tokens=64)).decision
+    assert "logits on it are not finite" in d.note and "kept lossless" in d.note
 
 
 def _full_forward_kl(src, module_of, wq_of, blocks) -> float:

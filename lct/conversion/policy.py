@@ -622,6 +622,13 @@ def decide(src, tensors: dict, lossy: dict, tied: bool, arch, policy,
             raise LCTError(f"{src.root}: could not run the model on the calibration text "
                            f"({e})") from e
     costs = {part: c for part, c in costs.items() if c}
+    if method == "calibration" and costs and \
+            all(not math.isfinite(v) for c in costs.values() for v in c.values()):
+        # NaN logits (a NaN or inf weight in a layer): no cost is within any budget, so every
+        # table stays lossless; say why, or the summary reads as if nothing were measured
+        note += ("; the model's logits on it are not finite (a weight of the source is "
+                 "not, or its dtype overflows), so nothing lossy could be measured: kept "
+                 "lossless")
     log.info("%s costs (mean KL, nats): %s", method, costs)
     margin = estimate_margin(method, dtype)
     shapes, dtypes = {}, {}

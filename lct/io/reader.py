@@ -110,7 +110,8 @@ class Artifact:
     def check_digest(self, expect: str | None) -> None:
         """Raise ``ManifestError`` unless the manifest's digest is ``expect`` (``sha256:`` and
         64 hex digits, as ``lct info`` prints it; None checks nothing), and ``OptionError``
-        (``option="expect"``) unless it is a string or None."""
+        (``option="expect"``) unless it is such a string or None (the caller's mistake, which
+        ``lct verify`` reports before checking anything, not as the artifact's failure)."""
         if expect is None:
             return
         if not isinstance(expect, str):     # bytes, a number, a list: an AttributeError before
@@ -119,8 +120,8 @@ class Artifact:
                               option="expect")
         want = expect if expect.startswith("sha256:") else f"sha256:{expect}"
         if not re.fullmatch(r"sha256:[0-9a-f]{64}", want):
-            raise ManifestError(f"expected digest {expect!r}: give sha256:<64 hex digits>, as "
-                                f"lct info prints it")
+            raise OptionError(f"expected digest {expect!r}: give sha256:<64 hex digits>, as "
+                              f"lct info prints it", option="expect")
         if self.digest != want:
             raise ManifestError(f"{self.path / C.MANIFEST_NAME}: digest {self.digest} is not "
                                 f"the expected {want}: this is not the artifact you pinned")
