@@ -261,6 +261,9 @@ def go_quiet() -> None:
     tf_logger = logging.getLogger("transformers")
     tf_level = tf_logger.level
     tf_logger.setLevel(logging.ERROR)
+    lct_logger = logging.getLogger("lct")
+    lct_level = lct_logger.level
+    lct_logger.setLevel(logging.ERROR)
     caught = warnings.catch_warnings()      # torch's and transformers' UserWarnings too
     caught.__enter__()
     warnings.simplefilter("ignore")
@@ -276,6 +279,7 @@ def go_quiet() -> None:
             enable_progress_bars()
         if tf_level != logging.NOTSET:   # a transformers imported meanwhile keeps its own
             tf_logger.setLevel(tf_level)
+        lct_logger.setLevel(lct_level)
     ctx = click.get_current_context(silent=True)
     if ctx is not None:
         ctx.call_on_close(restore)

@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import logging
+import sys
+
 import click
 
 from lct._version import __version__
@@ -36,15 +39,34 @@ def cli(verbose):
     `lct load OUT --prompt "Hello"`.
     Set LCT_DEBUG=1 for full tracebacks.
     """
-    if verbose:
-        import logging
-        log = logging.getLogger("lct")
-        if not any(getattr(h, "lct_cli", False) for h in log.handlers):
-            handler = logging.StreamHandler()
-            handler.setFormatter(logging.Formatter("%(name)s: %(message)s"))
-            handler.lct_cli = True
-            log.addHandler(handler)
-        log.setLevel(logging.INFO if verbose == 1 else logging.DEBUG)
+    # LCT's warnings (a damaged decoded copy, a request being retried) always reach stderr:
+    # the library's logger has a NullHandler, so without this a command was silent about them
+    # (for this command only: a program that runs it in-process keeps its own logging after)
+    log, level = logging.getLogger("lct"), logging.getLogger("lct").level
+    handler = _StderrHandler()
+    handler.setFormatter(logging.Formatter("%(name)s: %(message)s"))
+    log.addHandler(handler)
+    log.setLevel(logging.WARNING if not verbose else
+                 logging.INFO if verbose == 1 else logging.DEBUG)
+
+    def restore():
+        log.removeHandler(handler)
+        log.setLevel(level)
+    click.get_current_context().call_on_close(restore)
+
+
+class _StderrHandler(logging.StreamHandler):
+    """A ``logging.StreamHandler`` that writes to whatever ``sys.stderr`` is now (a test runner
+    swaps it per command; a handler kept from an earlier command would write to a closed
+    stream)."""
+
+    @property
+    def stream(self):
+        return sys.stderr
+
+    @stream.setter
+    def stream(self, value):
+        pass
 
 
 def main():

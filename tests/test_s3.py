@@ -439,3 +439,73 @@ def test_lct_pull_of_an_s3_artifact_keeps_its_decoded_copy(tiny, direct, tmp_pat
     model = lct.load(out, stats=stats)
     assert stats.cache.startswith("hit: mapped") and stats.bytes_read == 0, stats.cache
     assert torch.equal(model(IDS).logits, lct.load(tiny, cache=False)(IDS).logits)
+
+
+@pytest.mark.parametrize("env,words", [
+    ({"LCT_CLOUD_TIMEOUT": "abc"}, "LCT_CLOUD_TIMEOUT must be a number of seconds above 0, "
+                                   "got 'abc'"),
+    ({"LCT_CLOUD_TIMEOUT": "0"}, "LCT_CLOUD_TIMEOUT must be a number of seconds above 0"),
+    ({"LCT_CLOUD_TIMEOUT": "-5"}, "LCT_CLOUD_TIMEOUT must be a number of seconds above 0"),
+    ({"AWS_PROFILE": "nope"}, "The config profile (nope) could not be found"),
+    ({"AWS_ENDPOINT_URL": "127.0.0.1:9000"}, "AWS_ENDPOINT_URL '127.0.0.1:9000' needs http:// "
+                                             "or https://"),
+])
+def test_client_settings_that_cannot_work_are_one_line(monkeypatch, tmp_path, env, words):
+    """Found by a new user: each of these was a Python traceback (botocore's ProfileNotFound,
+    its "Invalid endpoint", a float() of the timeout). No server is needed: the client is
+    refused as it is made."""
+    from click.testing import CliRunner
+    from lct.cli.main import cli
+    monkeypatch.setenv("AWS_CONFIG_FILE", str(tmp_path / "config"))     # no profiles at all
+    monkeypatch.setenv("AWS_SHARED_CREDENTIALS_FILE", str(tmp_path / "credentials"))
+    for k, v in {"AWS_ACCESS_KEY_ID": "K", "AWS_SECRET_ACCESS_KEY": "S",
+                 "AWS_DEFAULT_REGION": "us-east-1", **env}.items():
+        monkeypatch.setenv(k, v)
+    r = CliRunner().invoke(cli, ["info", "s3://models/x.lct"])
+    assert r.exit_code == 1 and words in r.output, r.output
+    assert "Traceback" not in r.output and len(r.output.strip().splitlines()) == 1, r.output
+
+
+def test_a_server_that_never_answers_is_retried_aloud_then_given_up(monkeypatch, tmp_path):
+    """Found by a new user: an endpoint that takes connections and never answers held `lct info`
+    silent for 361 s (LCT's retries on top of botocore's, each a whole timeout). Listings and
+    reads are retried by LCT alone, each retry said on stderr, and the command gives up after
+    its 5 retries: about 6 timeouts and 8 s of backoff."""
+    import socket
+    import threading
+    import time
+
+    from click.testing import CliRunner
+    from lct.cli.main import cli
+    sock = socket.socket()
+    sock.bind(("127.0.0.1", 0))
+    sock.listen(16)
+    held = []
+    stop = threading.Event()
+
+    def accept():               # takes every connection, says nothing
+        sock.settimeout(0.2)
+        while not stop.is_set():
+            try:
+                held.append(sock.accept()[0])
+            except OSError:
+                pass
+    t = threading.Thread(target=accept, daemon=True)
+    t.start()
+    _env(monkeypatch, tmp_path, {"AWS_ENDPOINT_URL": f"http://127.0.0.1:{sock.getsockname()[1]}",
+                                 "AWS_ACCESS_KEY_ID": "K", "AWS_SECRET_ACCESS_KEY": "S",
+                                 "AWS_DEFAULT_REGION": "us-east-1", "LCT_CLOUD_TIMEOUT": "1"})
+    monkeypatch.delenv("AWS_MAX_ATTEMPTS")
+    try:
+        t0 = time.monotonic()
+        r = CliRunner().invoke(cli, ["info", "s3://models/x.lct"])
+        took = time.monotonic() - t0
+    finally:
+        stop.set()
+        t.join()
+        for c in held:
+            c.close()
+        sock.close()
+    assert r.exit_code == 1 and "cannot reach the object store" in r.output, r.output
+    assert r.output.count("; retry ") == 5 and "retry 5 of 5" in r.output, r.output
+    assert took < 60, took

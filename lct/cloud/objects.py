@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import abc
 import hashlib
+import logging
 import os
 import re
 import shutil
@@ -48,6 +49,8 @@ from lct.hashing import sha256_file
 from lct.hub.client import HUB_TIMEOUT
 from lct.io.store import STREAM_MIN_RATE, RemoteStore, range_receiver
 
+log = logging.getLogger(__name__)
+
 # Where the small files of artifacts in object stores are kept (default
 # $XDG_CACHE_HOME/lct/cloud), and a request's timeout in seconds (default: the Hub's).
 CACHE_ENV = "LCT_CLOUD_CACHE"
@@ -65,8 +68,21 @@ _listed: dict = {}
 
 
 def request_timeout() -> float:
-    """A request's timeout in seconds: ``LCT_CLOUD_TIMEOUT``, else the Hub's."""
-    return float(os.environ.get(TIMEOUT_ENV, HUB_TIMEOUT))
+    """A request's timeout in seconds: ``LCT_CLOUD_TIMEOUT``, else the Hub's.
+
+    Raises:
+        LCTError: ``LCT_CLOUD_TIMEOUT`` is not a number of seconds above 0.
+    """
+    value = os.environ.get(TIMEOUT_ENV)
+    if value is None:
+        return float(HUB_TIMEOUT)
+    try:
+        seconds = float(value)
+    except ValueError:
+        seconds = float("nan")
+    if not seconds > 0 or seconds == float("inf"):
+        raise LCTError(f"{TIMEOUT_ENV} must be a number of seconds above 0, got {value!r}")
+    return seconds
 
 
 def first_line(e, limit: int = 200) -> str:
@@ -190,23 +206,31 @@ class Backend(abc.ABC):
         return bucket, prefix
 
     def listing(self, bucket: str, prefix: str) -> dict:
-        """``list``, its failures as LCT's errors."""
-        try:
-            return self.list(bucket, prefix)
-        except Exception as e:
-            raise self.fail(e, self.uri(bucket, prefix)) from e
+        """``list`` with retries and backoff on transient failures (``_retried``), its
+        failures as LCT's errors."""
+        return self._retried(lambda: self.list(bucket, prefix), self.uri(bucket, prefix))
 
     def fetch(self, bucket: str, key: str, version: str = "") -> bytes:
-        """``get`` with retries and backoff on transient failures, its failures as LCT's
-        errors."""
-        where = self.uri(bucket, key)
-        for attempt in range(6):
+        """``get`` with retries and backoff on transient failures (``_retried``), its
+        failures as LCT's errors."""
+        return self._retried(lambda: self.get(bucket, key, version), self.uri(bucket, key))
+
+    def _retried(self, call, where: str, retries: int = 5, backoff: float = 0.25):
+        """``call()``, again after a transient failure (``transient``), up to ``retries``
+        times with doubling delays from ``backoff`` seconds, each retry said on LCT's log (a
+        server that stopped answering is otherwise a silent wait of every try's timeout);
+        the last failure, or one not worth retrying, raised as LCT's error about ``where``."""
+        for attempt in range(retries + 1):
             try:
-                return self.get(bucket, key, version)
+                return call()
             except Exception as e:
-                if isinstance(e, LCTError) or not self.transient(e) or attempt == 5:
+                why = None if isinstance(e, LCTError) else self.transient(e)
+                if why is None or attempt == retries:
                     raise self.fail(e, where) from e
-                time.sleep(0.25 * 2 ** attempt)
+                delay = backoff * 2 ** attempt
+                log.warning("%s: %s; retry %d of %d in %.2f s", where, why, attempt + 1,
+                            retries, delay)
+                time.sleep(delay)
         raise AssertionError("unreachable")
 
 

@@ -36,30 +36,55 @@ _AUTH_CODES = {"AccessDenied", "InvalidAccessKeyId", "SignatureDoesNotMatch", "4
 
 
 class S3(Backend):
-    """S3 through one boto3 client with botocore's standard retries (throttling, 5xx, dropped
-    connections before the body; ``AWS_MAX_ATTEMPTS`` / ``AWS_RETRY_MODE`` win) and
-    ``MAX_CONNECTIONS`` pooled connections."""
+    """S3 through boto3: uploads by a client with botocore's standard retries (throttling,
+    5xx, dropped connections before the body), listings and reads by one without them, which
+    LCT retries itself, saying so (``reads``); ``AWS_MAX_ATTEMPTS`` / ``AWS_RETRY_MODE`` win
+    for both. ``MAX_CONNECTIONS`` pooled connections each."""
 
     scheme = "s3"
     label = "S3"
     extra = "s3"
 
     def connect(self):
+        return self._client(attempts=5)
+
+    @property
+    def reads(self):
+        """The client for listings and reads (``list``, ``get``, ``read_range``), with no
+        retries of botocore's: LCT retries those itself (``Backend._retried``, and
+        ``RemoteStore`` resumes a range), and the two
+        together made a stalled server one request's timeout times 25 before a word. Where
+        ``AWS_MAX_ATTEMPTS`` or ``AWS_RETRY_MODE`` is set, the user's choice holds for both."""
+        if getattr(self, "_reads", None) is None:
+            self._reads = self._client(attempts=1)
+        return self._reads
+
+    def _client(self, attempts: int):
         try:
             import boto3
+            from botocore import exceptions as bx
             from botocore.config import Config
         except ImportError as e:
             raise self.missing(e, "boto3") from e
         timeout = request_timeout()
         retries = {} if "AWS_MAX_ATTEMPTS" in os.environ or "AWS_RETRY_MODE" in os.environ \
-            else {"retries": {"max_attempts": 5, "mode": "standard"}}
-        return boto3.session.Session().client("s3", config=Config(
-            max_pool_connections=MAX_CONNECTIONS, connect_timeout=timeout,
-            read_timeout=timeout, **retries))
+            else {"retries": {"max_attempts": attempts, "mode": "standard"}}
+        try:
+            return boto3.session.Session().client("s3", config=Config(
+                max_pool_connections=MAX_CONNECTIONS, connect_timeout=timeout,
+                read_timeout=timeout, **retries))
+        except bx.ProfileNotFound as e:
+            raise ObjectStoreAuthError(f"S3: {e} (AWS_PROFILE={os.environ.get('AWS_PROFILE')!r}"
+                                       f"; unset it or add the profile to ~/.aws/config)") from e
+        except ValueError as e:     # botocore's "Invalid endpoint: 127.0.0.1:9000"
+            url = os.environ.get("AWS_ENDPOINT_URL_S3") or os.environ.get("AWS_ENDPOINT_URL")
+            hint = f" (AWS_ENDPOINT_URL {url!r} needs http:// or https://)" \
+                if url and "://" not in url else ""
+            raise ObjectStoreError(f"S3: cannot make a client: {e}{hint}") from e
 
     def list(self, bucket: str, prefix: str) -> dict:
         out = {}
-        for page in self.client.get_paginator("list_objects_v2").paginate(
+        for page in self.reads.get_paginator("list_objects_v2").paginate(
                 Bucket=bucket, Prefix=prefix + "/"):
             for o in page.get("Contents", []):
                 out[o["Key"][len(prefix) + 1:]] = (int(o["Size"]), o.get("ETag", ""))
@@ -67,7 +92,7 @@ class S3(Backend):
 
     def get(self, bucket: str, key: str, version: str) -> bytes:
         args = dict(Bucket=bucket, Key=key, **({"IfMatch": version} if version else {}))
-        r = self.client.get_object(**args)
+        r = self.reads.get_object(**args)
         with r["Body"] as body:
             data = body.read()
         if len(data) != int(r.get("ContentLength", len(data))):
@@ -79,7 +104,7 @@ class S3(Backend):
         want = end - start
         args = dict(Bucket=bucket, Key=key, Range=f"bytes={start}-{end - 1}",
                     **({"IfMatch": version} if version else {}))
-        r = self.client.get_object(**args)
+        r = self.reads.get_object(**args)
         body = r["Body"]
         try:
             status = r.get("ResponseMetadata", {}).get("HTTPStatusCode")

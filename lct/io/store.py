@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import ctypes
 import ctypes.util
+import logging
 import mmap
 import os
 import sys
@@ -15,6 +16,8 @@ from pathlib import Path
 
 from lct.errors import ArtifactNotFoundError, ManifestError
 from lct.format.constants import DATA_HEADER_SIZE
+
+log = logging.getLogger(__name__)
 
 # Linux's posix_fadvise(WILLNEED) reads at most one readahead window (max of read_ahead_kb and
 # the device's io size) per call and ignores the rest of the range: ask in 2 MiB pieces.
@@ -389,7 +392,11 @@ class RemoteStore:
                 if failures > self.retries:
                     raise self._gave_up(f"{self.describe(name)}: bytes {start}-{end - 1}: "
                                         f"giving up after {self.retries} retries ({why})") from e
-                time.sleep(self.backoff * 2 ** (failures - 1))
+                delay = self.backoff * 2 ** (failures - 1)
+                log.warning("%s: bytes %d-%d: %s; retry %d of %d in %.1f s",
+                            self.describe(name), start, end - 1, why, failures, self.retries,
+                            delay)     # a stalled server is otherwise minutes of silence
+                time.sleep(delay)
         self._fetched(name, offset, n)
         return memoryview(buf)
 
