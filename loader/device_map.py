@@ -168,6 +168,16 @@ def check_max_memory(max_memory) -> dict | None:
     return out
 
 
+def _one_device(device_map) -> bool:
+    """Whether ``device_map`` names one device for the whole model (``"cpu"``, ``"cuda"``,
+    ``"cuda:1"``, a ``torch.device``), as ``from_pretrained`` takes it."""
+    import re
+    if type(device_map).__name__ == "device":
+        return True
+    return isinstance(device_map, str) and device_map not in AUTO_MAPS and \
+        re.fullmatch(r"cpu|cuda(:[0-9]+)?", device_map) is not None
+
+
 def resolve(model, device_map, max_memory=None, dtype=None) -> dict:
     """``{module name: device}`` for ``model`` (on the meta device): accelerate computes the
     ``"auto"`` forms from ``max_memory``; an explicit map is checked to name modules of the
@@ -175,6 +185,8 @@ def resolve(model, device_map, max_memory=None, dtype=None) -> dict:
     from accelerate.utils import get_balanced_memory, infer_auto_device_map
     no_split = getattr(model, "_no_split_modules", None) or []
     max_memory = check_max_memory(max_memory)
+    if _one_device(device_map):     # from_pretrained's "cpu", "cuda:0": the whole model there
+        device_map = {"": str(device_map)}
     if isinstance(device_map, str):
         # Tied as the model ties (the loader ties again once the weights are in): accelerate
         # keeps a table and its tied head together, and says nothing about untied weights.

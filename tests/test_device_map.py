@@ -83,8 +83,11 @@ def test_auto_with_max_memory_offloads_to_disk_and_keeps_the_answers(art, want, 
         assert torch.equal(model(IDS).logits, want)
 
 
-def test_one_device_loads_everything_there(art, want):
-    model = lct.load(art, device_map={"": "cpu"}, dtype=torch.float32)
+@pytest.mark.parametrize("dmap", [{"": "cpu"}, "cpu", torch.device("cpu")])
+def test_one_device_loads_everything_there(art, want, dmap):
+    """The whole model on one device, in each of from_pretrained's spellings (a new user's
+    "cpu" was refused as not one of the automatic maps)."""
+    model = lct.load(art, device_map=dmap, dtype=torch.float32)
     with torch.no_grad():
         assert torch.equal(model(IDS).logits, want)
 
