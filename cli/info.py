@@ -29,6 +29,8 @@ def info_cmd(artifact, as_json, as_manifest, tensors, quiet):
     where = local_or_open(artifact)
     with where if isinstance(where, Artifact) else open_artifact(where) as art:
         m = art.manifest
+        # a remote artifact by the address it was given (its files are in a local cache)
+        shown = artifact if "://" in str(artifact) else art.path
         if as_manifest:
             click.echo(json.dumps(m.to_dict(), indent=1))
             return
@@ -37,13 +39,13 @@ def info_cmd(artifact, as_json, as_manifest, tensors, quiet):
             click.echo(json.dumps(summary(m, art.path, art.digest), indent=1))
             return
         if quiet:
-            click.echo(f"{art.path}: LCT {m.format_version[0]}.{m.format_version[1]}, "
+            click.echo(f"{shown}: LCT {m.format_version[0]}.{m.format_version[1]}, "
                        f"{len(m.groups)} groups, {len(m.tensors)} tensors, "
                        f"{human(m.stored_bytes)} stored, {human(m.decoded_bytes)} decoded")
             return
         rows = [(r.group, r.tensors, r.encodings, r.codecs, human(r.stored), human(r.decoded),
                  f"{r.decoded / max(r.stored, 1):.2f}") for r in summarize(m)]
-        click.echo(f"{art.path}  (LCT {m.format_version[0]}.{m.format_version[1]}, "
+        click.echo(f"{shown}  (LCT {m.format_version[0]}.{m.format_version[1]}, "
                    f"{m.created_by})")
         click.echo(f"source: {m.source.get('id')}"
                    + (f" @ {m.source['revision']}" if m.source.get("revision") else ""))
