@@ -42,7 +42,8 @@ def cli(verbose):
     # LCT's warnings (a damaged decoded copy, a request being retried) always reach stderr:
     # the library's logger has a NullHandler, so without this a command was silent about them
     # (for this command only: a program that runs it in-process keeps its own logging after)
-    log, level = logging.getLogger("lct"), logging.getLogger("lct").level
+    log = logging.getLogger("lct")
+    level = log.level
     handler = _StderrHandler()
     handler.setFormatter(logging.Formatter("%(name)s: %(message)s"))
     log.addHandler(handler)

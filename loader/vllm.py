@@ -362,8 +362,7 @@ def mapped_parameters(model, art) -> dict:
         if not parts or p.device.type != "cpu" or not p.is_contiguous() or p.dim() == 0:
             continue
         module = next(iter(parts.values()))[1]
-        sizes = list(getattr(module, "output_sizes", None) or [p.shape[0]]) \
-            if name.endswith((".weight", ".bias")) else [p.shape[0]]
+        sizes = list(getattr(module, "output_sizes", None) or [p.shape[0]])
         if len(sizes) > 1 and (getattr(p, "output_dim", None) != 0 or
                                getattr(module, "tp_size", 1) != 1):
             continue

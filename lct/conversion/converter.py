@@ -443,14 +443,13 @@ def convert(source: str, out, *, revision: str | None = None, policy: Policy | N
     from lct.proc import check_workers
     check_workers(workers)
     check_address(out)
-    if not is_cloud_uri(str(out)):
-        from lct.io.writer import check_output_path
-        check_output_path(Path(out).absolute())     # before the source is read and measured
     if is_cloud_uri(str(out)):
         return _convert_to_s3(source, str(out), revision=revision, policy=policy,
                               max_file_size=max_file_size, workers=workers,
                               overwrite=overwrite, progress=progress, token_freq=token_freq,
                               stage=stage, measuring=measuring)
+    from lct.io.writer import check_output_path
+    check_output_path(Path(out).absolute())     # before the source is read and measured
     t0 = time.perf_counter()
     policy = policy or Policy()
     policy.check()

@@ -271,7 +271,7 @@ def measure_quality(artifact, against: str, *, revision: str | None = None, text
     try:
         report = compare(model, reference, tokenizer, texts, max_tokens=max_tokens,
                          block=block, progress=progress)
-    except (LCTError, KeyboardInterrupt, MemoryError):
+    except (LCTError, MemoryError):
         raise
     except Exception as e:      # noqa: BLE001 - a model that cannot run on text alone
         line = (str(e).strip().splitlines() or [""])[0][:200]
