@@ -12,6 +12,7 @@ import logging
 import threading
 import time
 from concurrent.futures import CancelledError
+from contextlib import contextmanager
 
 from lct.errors import LCTError
 from lct.format import constants as C
@@ -96,7 +97,7 @@ def load(path, options: LoadOptions | None = None, *, stats: LoadStats | None = 
     While it runs, torch and transformers are imported (and the skeleton built) beside the
     decode, on the caller's thread (a helper takes the decoded groups), the decode threads run
     at a lower priority (nice +10) so that the import keeps its core, and the cyclic garbage
-    collector is paused (restored afterwards, also on errors).
+    collector makes young collections only (``young_collections_only``).
 
     Raises:
         LCTError subclasses: bad artifact, checksum mismatch (naming the chunk), missing tensors.
@@ -105,18 +106,37 @@ def load(path, options: LoadOptions | None = None, *, stats: LoadStats | None = 
         >>> model = load("gemma-2b.lct", LoadOptions(prefetch=2))
         >>> model.generate(ids, max_new_tokens=20)
     """
-    import gc
-
-    # The import and the load create long-lived objects by the hundred thousand: the cyclic
-    # collector would walk them again and again while holding the GIL the decoders need
-    # (about 1.5 s of a 9 s load of the 2B artifact). It is restored as it was, whatever happens.
-    was_enabled = gc.isenabled()
-    gc.disable()
-    try:
+    with young_collections_only():
         return _load(path, options or LoadOptions(), stats)
+
+
+# gc.set_threshold takes C ints: this many young collections never come during one load.
+_NO_FULL_COLLECTION = 1 << 30
+
+
+@contextmanager
+def young_collections_only():
+    """Run the block with the cyclic collector's full collections held off (restored after,
+    also on errors; a collector the caller disabled stays disabled).
+
+    The import and the load create long-lived objects by the hundred thousand: a full collection
+    walks them all while holding the GIL the decoders need (six of them took 0.7-0.9 s of a
+    3.5 s warm load of the 2B artifact). Young collections stay on: they are what frees the
+    import's cyclic garbage while it is made, where its next allocations reuse the memory.
+    Paused outright (as LCT did before), the collector freed 5-7 MB of it after the model was
+    built, holes in the heap that the first forward's buffers then filled: a peak RSS 3 MB
+    higher, and 0.25 s for the one large collection that came after (docs/BENCHMARKS.md).
+    """
+    import gc
+    if not gc.isenabled():
+        yield
+        return
+    before = gc.get_threshold()
+    gc.set_threshold(before[0], before[1], _NO_FULL_COLLECTION)
+    try:
+        yield
     finally:
-        if was_enabled:
-            gc.enable()
+        gc.set_threshold(*before)
 
 
 def check_device(device) -> None:

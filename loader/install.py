@@ -98,7 +98,6 @@ class Installer:
         """Install every tensor of a decoded group, under the model's names (transformers'
         renames and converters applied, ``lct.arch``)."""
         from lct.io.reader import QUANTIZED
-        from lct.kernels import has_kernels
         self._done: set = set()
         ties = self.art.manifest.ties
         group_tensors = {n: t for n, t in group.tensors.items() if n not in ties}
@@ -114,7 +113,9 @@ class Installer:
                 continue
             self._check_converted(full, t)
             if isinstance(t, QUANTIZED):
-                # kept encoded where kernels compute on its encoding, else dequantized
+                # kept encoded where kernels compute on its encoding, else dequantized (the
+                # kernels are imported only here: a load of plain weights never needs them)
+                from lct.kernels import has_kernels
                 if self.nf4 == "keep" and has_kernels(t.encoding) and self._replaceable(full):
                     self._install_quantized(full, t)
                     continue

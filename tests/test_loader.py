@@ -273,28 +273,33 @@ def test_decode_threads_of_load_run_at_lower_priority(llama_art, monkeypatch):
 
 
 @pytest.mark.parametrize("enabled", [True, False])
-def test_load_pauses_the_cyclic_gc_and_restores_it(llama_art, monkeypatch, enabled, tmp_path):
+def test_load_holds_off_full_collections_and_restores_them(llama_art, monkeypatch, enabled,
+                                                          tmp_path):
     import gc
 
     from lct.loader import build
     real = build.build_skeleton
     during = []
-    monkeypatch.setattr(build, "build_skeleton",
-                        lambda art, dtype=None: during.append(gc.isenabled()) or real(art, dtype))
-    was = gc.isenabled()
+    monkeypatch.setattr(build, "build_skeleton", lambda art, dtype=None: during.append(
+        (gc.isenabled(), gc.get_threshold())) or real(art, dtype))
+    was, thresholds = gc.isenabled(), gc.get_threshold()
     try:
         gc.enable() if enabled else gc.disable()
+        gc.set_threshold(500, 7, 9)
         lct.load(llama_art, prefetch=2)
-        assert gc.isenabled() is enabled
-        assert during == [False]
+        assert (gc.isenabled(), gc.get_threshold()) == (enabled, (500, 7, 9))
+        # young collections as the caller set them, no full one; a disabled collector untouched
+        assert during == [(enabled, (500, 7, build._NO_FULL_COLLECTION) if enabled
+                           else (500, 7, 9))]
         bad = tmp_path / "noconfig.lct"
         shutil.copytree(llama_art, bad)
         (bad / "config.json").unlink()
         with pytest.raises(LCTError):
             lct.load(bad)
-        assert gc.isenabled() is enabled              # restored on errors too
+        assert (gc.isenabled(), gc.get_threshold()) == (enabled, (500, 7, 9))  # on errors too
     finally:
         gc.enable() if was else gc.disable()
+        gc.set_threshold(*thresholds)
 
 
 @pytest.mark.parametrize("prefetch", [0, 2])
