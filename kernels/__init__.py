@@ -29,28 +29,54 @@ if __name__ == "kernels":
         _sys.modules["kernels"] = _real     # what `import kernels` returns once this body ends
         _spec.loader.exec_module(_real)
 
-from lct.kernels.blocks import Q6_KEmbedding, Q6_KLinear, Q8_0Embedding, Q8_0Linear
-from lct.kernels.embedding import NF4Embedding, PaddedEmbedding, padded_lookup
-from lct.kernels.int8 import Int8Embedding, Int8Linear
-from lct.kernels.linear import FlatLinear, NF4Linear, QuantizedLinear, flatten_head
-from lct.kernels.maximus import (
-                                 MaximusEmbedding,
-                                 MaximusPolicy,
-                                 MaximusStats,
-                                 load_maximus_state,
-                                 save_maximus_state,
-)
-from lct.kernels.nf4 import dequantize, dequantize_rows
-from lct.kernels.registry import (QuantizedEmbedding, kernels_for, register_kernels,
-                                  unregister_kernels)
+import importlib
 
-__all__ = ["FlatLinear", "Int8Embedding", "Int8Linear", "flatten_head", "MaximusEmbedding",
-           "MaximusPolicy", "MaximusStats", "NF4Embedding", "NF4Linear", "PaddedEmbedding",
-           "padded_lookup", "Q6_KEmbedding", "Q6_KLinear", "Q8_0Embedding", "Q8_0Linear",
-           "QuantizedLinear",
-           "QuantizedEmbedding", "dequantize", "dequantize_rows", "embedding_for", "has_kernels",
-           "kernels_for", "linear_for", "load_maximus_state", "register_kernels",
-           "save_maximus_state", "unregister_kernels"]
+# Where each public name lives. The package imports its modules on first use (PEP 562): a load
+# of plain weights needs only ``dense`` (the LM head's ``FlatLinear``), and the encodings'
+# kernels are over 0.3 MB of a process's memory (docs/BENCHMARKS.md, peak RSS).
+_HOMES = {
+    "Q6_KEmbedding": "blocks", "Q6_KLinear": "blocks", "Q8_0Embedding": "blocks",
+    "Q8_0Linear": "blocks",
+    "FlatLinear": "dense", "flatten_head": "dense",
+    "NF4Embedding": "embedding", "PaddedEmbedding": "embedding", "padded_lookup": "embedding",
+    "Int8Embedding": "int8", "Int8Linear": "int8",
+    "NF4Linear": "linear", "QuantizedLinear": "linear",
+    "MaximusEmbedding": "maximus", "MaximusPolicy": "maximus", "MaximusStats": "maximus",
+    "load_maximus_state": "maximus", "save_maximus_state": "maximus",
+    "dequantize": "nf4", "dequantize_rows": "nf4",
+    "QuantizedEmbedding": "registry", "register_kernels": "registry",
+    "unregister_kernels": "registry",
+}
+# The modules that register kernels for an encoding as they are imported.
+_REGISTERING = ("blocks", "int8", "linear")
+
+__all__ = sorted([*_HOMES, "embedding_for", "has_kernels", "kernels_for", "linear_for"])
+
+
+def __getattr__(name: str):
+    home = _HOMES.get(name)
+    if home is None:
+        raise AttributeError(f"module 'lct.kernels' has no attribute {name!r}")
+    value = getattr(importlib.import_module(f"lct.kernels.{home}"), name)
+    globals()[name] = value
+    return value
+
+
+def __dir__():
+    return __all__
+
+
+def _registered():
+    """The registry, once every module that registers kernels is imported."""
+    for home in _REGISTERING:
+        importlib.import_module(f"lct.kernels.{home}")
+    from lct.kernels import registry
+    return registry
+
+
+def kernels_for(encoding: str):
+    """The ``Kernels`` registered for ``encoding`` (``lct.kernels.registry``), or ``None``."""
+    return _registered().kernels_for(encoding)
 
 
 def embedding_for(weight, dtype, pad_ids=(), scale=None):

@@ -10,7 +10,15 @@ May import: ``lct.arch`` (the skeleton and its checkpoint names), ``lct.hub`` (h
 
 from lct.io.stream import Group, GroupStream, StreamStats
 from lct.loader.entry import load
-from lct.loader.layerwise import LayerwiseModel
 from lct.loader.source import LoadStats
 
 __all__ = ["load", "LayerwiseModel", "LoadStats", "GroupStream", "Group", "StreamStats"]
+
+
+def __getattr__(name: str):
+    # imported on first use: a plain load needs neither the layer-wise executor nor the
+    # routed experts' code it brings (their modules are memory every process keeps)
+    if name == "LayerwiseModel":
+        from lct.loader.layerwise import LayerwiseModel
+        return LayerwiseModel
+    raise AttributeError(f"module 'lct.loader' has no attribute {name!r}")

@@ -18,7 +18,6 @@ import numpy as np
 
 from lct.errors import CorruptChunkError, ManifestError, UnsupportedVersionError
 from lct.format import constants as C
-from lct.format import native
 
 MapFn = Callable[..., Iterable]
 
@@ -258,6 +257,7 @@ class ZstdCodec(Codec):
             _check_frame_header(mv[at:at + length], size, f"{what} frame at {start}")
 
     def decode(self, stored, out, params, map_fn=map, what="chunk"):
+        from lct.format import native
         spans = self._spans(stored, out.nbytes, params, what)
         if native.frames_available():
             _decode_native(stored, out, [(s, n, at, ln, 0, 0) for s, n, at, ln in spans], 0,
@@ -284,6 +284,7 @@ NATIVE_BATCH = 16
 
 def _decode_native(stored, out, spans, width: int, map_fn, what: str) -> None:
     """Decode ``spans`` (rows of start, n, at, hi_len, lo_len, mode) in C, in batches."""
+    from lct.format import native
     rows = np.asarray(spans, dtype=np.int64).reshape(-1, 6)
 
     def one(b0):
@@ -370,6 +371,7 @@ class PlanesCodec(Codec):
                                     f"{what} frame at {start}")
 
     def decode(self, stored, out, params, map_fn=map, what="chunk"):
+        from lct.format import native
         width = params["width"]
         spans = self._spans(stored, out.nbytes, params, what)
         if native.frames_available():
