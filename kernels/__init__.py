@@ -2,7 +2,9 @@
 dequantization, NF4, int8, Q8_0, Q6_K and padding-aware embedding lookups, the NF4, int8, Q8_0
 and Q6_K LM heads (``QuantizedLinear``, their CPU path measured per input size by ``paths``),
 ``MaximusEmbedding`` (with saving and restoring its shard state), and quantized tables split
-by rows over a tensor-parallel group (``sharded``). The heads' CPU matmuls, fused and tiled,
+by rows over a tensor-parallel group (``sharded``), and the dense LM head's ``FlatLinear``
+(``dense``). The modules are imported on first use of a name: a load of plain weights imports
+``dense`` alone. The heads' CPU matmuls, fused and tiled,
 are the kernels' own compiled loops (``native``, over ``_native.c``). Which modules compute on
 which encoding is the kernels' registry (``registry``: each kernel module registers its own
 under the encoding's name), which ``embedding_for`` and ``linear_for`` ask.

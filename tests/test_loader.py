@@ -698,3 +698,32 @@ def test_a_stream_left_unclosed_ends_quietly(llama_art):
                              timeout=120)
         assert out.returncode == 0 and out.stdout.strip() == "done", out.stderr[-2000:]
         assert "Exception ignored" not in out.stderr, out.stderr[-2000:]
+
+
+def test_a_plain_load_imports_no_encoding_kernels(llama_src, tmp_path):
+    """A model of plain weights needs only the dense head's kernel: the encodings' kernels (and
+    the layer-wise executor) are not imported, they are memory every process would keep
+    (docs/BENCHMARKS.md: the last of LCT's peak RSS over from_pretrained's). A quantized table
+    imports them where it is met."""
+    import subprocess
+    import sys
+
+    from lct.conversion.converter import Policy
+    plain, nf4 = tmp_path / "plain.lct", tmp_path / "nf4.lct"
+    lct.convert(str(llama_src), plain, policy=Policy(nf4=()))
+    lct.convert(str(llama_src), nf4, policy=Policy(nf4=("embed",)))
+    code = """
+import sys, lct
+lct.load(sys.argv[1], cache=False)
+print(" ".join(sorted(m for m in sys.modules if m.startswith(("lct.kernels", "lct.loader.")))))
+"""
+    seen = {}
+    for art in (plain, nf4):
+        out = subprocess.run([sys.executable, "-c", code, str(art)], capture_output=True,
+                             text=True, timeout=120)
+        assert out.returncode == 0, out.stderr
+        seen[art] = set(out.stdout.split())
+    assert "lct.kernels.dense" in seen[plain]
+    assert not seen[plain] & {"lct.kernels.registry", "lct.kernels.linear", "lct.kernels.nf4",
+                              "lct.kernels.maximus", "lct.loader.layerwise"}
+    assert {"lct.kernels.registry", "lct.kernels.linear"} <= seen[nf4]
