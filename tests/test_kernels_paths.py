@@ -60,21 +60,26 @@ def test_every_encoding_by_every_path(kind, path):
         pytest.skip("the compiled module is not built")
     n, k = SHAPE[kind]
     w = weight(kind, n, k, seed=3)
-    bias = torch.randn(n).to(torch.bfloat16)
+    g = torch.Generator().manual_seed(7)     # inputs of this test's own, whatever ran before
+    bias = torch.randn(n, generator=g).to(torch.bfloat16)
     paths.force(path)
     for m in (1, 3, 8):
-        x = torch.randn(m, k).to(torch.bfloat16)
+        x = torch.randn(m, k, generator=g).to(torch.bfloat16)
         mag = (x.double().abs() @ w.w32.double().abs().T).max().item()
         got = w.head(chunk_rows=50)(x)
         assert got.dtype == torch.bfloat16 and got.shape == (m, n)
-        err = (got.double() - reference(x, w)).abs().max().item()
-        assert err <= chunked_error(x, w, True) * 1.01 + 1e-5 * mag
+        # the chunked path's error, and half a bfloat16 step of each output (2^-8 relative):
+        # float32 sums in another order may round an output to the neighbouring bfloat16 (CI
+        # saw 0.0062 against a modelled 0.0052 once, inputs drawn from the shared generator)
+        ref = reference(x, w)
+        tol = chunked_error(x, w, True) * 1.01 + 2.0 ** -8 * ref.abs() + 1e-5 * mag
+        assert ((got.double() - ref).abs() <= tol).all()
         # with a bias: the weights' rounding, then the output's (bfloat16: 2^-8 relative)
         with_bias = w.head(bias=bias, chunk_rows=50)(x)
         want = reference(x, w) + bias.double()
         tol = chunked_error(x, w, False) * 1.01 + 2.0 ** -8 * want.abs() + 1e-5 * mag
         assert ((with_bias.double() - want).abs() <= tol).all()
-        x32 = torch.randn(m, k)
+        x32 = torch.randn(m, k, generator=g)
         got32 = w.head(chunk_rows=50)(x32)
         assert got32.dtype == torch.float32
         assert (got32.double() - reference(x32, w)).abs().max().item() <= 1e-5 * mag
