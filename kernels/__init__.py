@@ -4,10 +4,10 @@ and Q6_K LM heads (``QuantizedLinear``, their CPU path measured per input size b
 ``MaximusEmbedding`` (with saving and restoring its shard state), and quantized tables split
 by rows over a tensor-parallel group (``sharded``), and the dense LM head's ``FlatLinear``
 (``dense``). The modules are imported on first use of a name: a load of plain weights imports
-``dense`` alone. The heads' CPU matmuls, fused and tiled,
-are the kernels' own compiled loops (``native``, over ``_native.c``). Which modules compute on
-which encoding is the kernels' registry (``registry``: each kernel module registers its own
-under the encoding's name), which ``embedding_for`` and ``linear_for`` ask.
+``dense`` alone. The heads' CPU matmuls, fused and tiled, are the kernels' own compiled loops
+(``native``, over ``_native.c``). Which modules compute on which encoding is the kernels'
+registry (``registry``: each kernel module registers its own under the encoding's name), which
+``embedding_for`` and ``linear_for`` ask.
 
 May import: ``lct.format`` (the codecs, the format's native loops and their ``LCT_NATIVE``
 switch, the Maximus state file) and the leaves.
@@ -49,9 +49,6 @@ _HOMES = {
     "QuantizedEmbedding": "registry", "register_kernels": "registry",
     "unregister_kernels": "registry",
 }
-# The modules that register kernels for an encoding as they are imported.
-_REGISTERING = ("blocks", "int8", "linear")
-
 __all__ = sorted([*_HOMES, "embedding_for", "has_kernels", "kernels_for", "linear_for"])
 
 
@@ -69,8 +66,9 @@ def __dir__():
 
 
 def _registered():
-    """The registry, once every module that registers kernels is imported."""
-    for home in _REGISTERING:
+    """The registry, once every module of the package is imported (those that register kernels
+    for an encoding do so as they are imported; no second list of them to keep)."""
+    for home in sorted(set(_HOMES.values())):
         importlib.import_module(f"lct.kernels.{home}")
     from lct.kernels import registry
     return registry
