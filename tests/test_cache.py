@@ -6,6 +6,7 @@ size budget evicts the least recently used; only the cache's own folders, and no
 fill's, are ever removed; and `lct cache` lists and prunes it."""
 
 import fcntl
+import gc
 import json
 import os
 import re
@@ -829,6 +830,39 @@ def test_a_recycled_group_of_a_mapped_entry_leaves_this_process_memory(root, lla
         assert not hit.damaged
         # a view that is not the entry's (a damaged chunk's decode) is left alone
         hit.put(np.zeros(chunks[0].decoded_size, np.uint8))
+
+
+def test_a_hit_populates_only_the_chunks_on_the_disk(root, llama_art, monkeypatch):
+    """A mapped entry's chunk whose pages are all in the page cache is checked through the
+    hash's own faults, not ``populate`` (which holds the process's mmap lock for the whole
+    chunk, stalling the skeleton's import beside it); one whose pages are on the disk is read
+    in one ``populate`` call. The bytes are checked either way."""
+    from lct.io import store
+    _load(llama_art, cache=True)
+    calls = []
+    real = store.populate
+    monkeypatch.setattr(store, "populate", lambda mm, at, size: calls.append(at) or real(
+        mm, at, size))
+    with lct.open(llama_art) as a:
+        hit = cache.lookup(a)
+        data = hit.entry.path / cache.DATA
+        spans = [hit.spans[cid] for cid in sorted(hit.spans)]
+        data.read_bytes()                       # every page in the page cache
+        if not store.in_page_cache(hit._map._mmap, *spans[0]):
+            pytest.skip("mincore cannot tell the page cache here")
+        assert hit.check() and calls == []
+        del hit                                 # its mapping ends: the pages can leave
+        gc.collect()
+        fd = os.open(data, os.O_RDONLY)
+        try:
+            os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+        finally:
+            os.close(fd)
+        hit = cache.lookup(a)
+        if store.in_page_cache(hit._map._mmap, *spans[0]):
+            pytest.skip("the page cache kept the entry's pages")
+        assert hit.check() and not hit.damaged
+        assert calls and calls[0] == spans[0][0], calls
 
 
 @pytest.mark.parametrize("through", ["the C library", "Python's mmap (no C library)"])

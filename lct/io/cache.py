@@ -390,8 +390,11 @@ class CachedChunks:
     def _matches(self, cid: int) -> bool:
         if cid in self._checked:
             return True
-        from lct.io.store import populate
-        populate(self._map._mmap, *self.spans[cid])      # its pages in one call, not faults
+        from lct.io.store import in_page_cache, populate
+        if not in_page_cache(self._map._mmap, *self.spans[cid]):
+            # some of it on the disk: read and mapped in one call; one in memory is mapped by
+            # the hash's own faults, which leave the caller's threads their mmap lock
+            populate(self._map._mmap, *self.spans[cid])
         if _xxh3(self._view(cid)) == self.pinned[cid]:
             self._checked.add(cid)
             return True
