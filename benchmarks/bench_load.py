@@ -437,7 +437,20 @@ def main() -> None:
     ap.add_argument("--device", default="cpu", help="cpu (default) or cuda[:N]")
     ap.add_argument("--max-seconds", type=float, default=None,
                     help="start no new repetition after this many seconds; report those done")
+    ap.add_argument("--matrix", action="store_true",
+                    help="issue 36's matrix: cold and warm, the Gemma-2B and Qwen2-7B shapes, "
+                         "from_pretrained, LCT default and LCT with the decoded copy off (and "
+                         "the floor), then vLLM's default loader and its lct load format on the "
+                         "Gemma-2B shape (bench_vllm.py, with --vllm-python); one headline "
+                         "table, matrix.md in --out")
+    ap.add_argument("--vllm-python", default=os.environ.get("LCT_VLLM_PYTHON"),
+                    help="with --matrix: the Python of vLLM's environment (LCT installed "
+                         "there); default $LCT_VLLM_PYTHON; without one the vLLM rows are left "
+                         "out, and the table says so")
     args = ap.parse_args()
+    if args.matrix:
+        args.models, args.no_long, args.contenders = list(MATRIX_MODELS), True, \
+            "|".join(MATRIX_CONTENDERS)
     started = time.perf_counter()
     args.out.mkdir(exist_ok=True)
     env = dict(os.environ, TRANSFORMERS_VERBOSITY="error", HF_HUB_OFFLINE="1",
@@ -448,8 +461,10 @@ def main() -> None:
     preparers = {"gemma-2b": prepare_gemma, "smollm2": prepare_smollm2,
                  "qwen2-7b": prepare_qwen7b, "tiny": prepare_tiny}
     report, raw = [], {}
+    paths = {}
     for model in args.models:
         src, art, cls = preparers[model](args.out)
+        paths[model] = (src, art)
         scenarios = [("short prompt", SHORT_PROMPT, cold_ok)]
         if not args.no_long:
             scenarios.append((f"{LONG_TOKENS}-token prompt", long_prompt(src, LONG_TOKENS), False))
@@ -520,7 +535,148 @@ def main() -> None:
                         # after every run, so that a run cut short keeps what it measured
                         save(results)
             report.append(save(results))
+    if args.matrix:
+        vllm = run_vllm(args, env)
+        table = render_matrix(raw, paths, vllm, args)
+        (args.out / "matrix.md").write_text(table)
+        report.append(table)
     print("\n".join(report))
+
+
+# issue 36's matrix (--matrix): the shapes, bench_load's contenders and bench_vllm's
+MATRIX_MODELS = {"gemma-2b": "Gemma-2B", "qwen2-7b": "Qwen2-7B"}
+MATRIX_CONTENDERS = ("floor: import torch + model class", "from_pretrained + generate",
+                     "lct.load + generate (default)", "lct.load cache=False + generate")
+VLLM_BASE, VLLM_LCT = "auto (default loader, safetensors)", "lct (default convert)"
+
+
+def run_vllm(args, env: dict) -> dict | None:
+    """vLLM's default loader against its ``lct`` load format on the Gemma-2B shape, cold and
+    warm, ``--reps`` interleaved runs with memory as the previous run left it
+    (benchmarks/bench_vllm.py, in --out, with this run's decoded cache); its JSON, or None
+    where no vLLM environment was given or the run failed (said on stdout)."""
+    if not args.vllm_python or not Path(args.vllm_python).exists():
+        print(f"vLLM rows left out: no vLLM Python ({args.vllm_python or 'none given'}; "
+              f"--vllm-python)", flush=True)
+        return None
+    out = args.out / "vllm_matrix.md"
+    cmd = [PY, str(Path(__file__).with_name("bench_vllm.py")), "--vllm-python",
+           args.vllm_python, "--work", str(args.out), "--out", str(out), "--models",
+           "gemma-2b", "--contenders", "lct", "--memory", "none", "--reps", str(args.reps)] + \
+        (["--no-cold"] if args.no_cold else [])
+    print("running " + " ".join(cmd), flush=True)
+    if subprocess.run(cmd, env={k: v for k, v in env.items() if k != "TQDM_DISABLE"}).returncode:
+        print("vLLM rows left out: bench_vllm.py failed (its output above)", flush=True)
+        return None
+    return json.loads(out.with_suffix(".json").read_text())
+
+
+def machine() -> str:
+    """The machine in words: CPUs, their model, memory, kernel."""
+    import platform
+    info = Path("/proc/cpuinfo").read_text().splitlines()
+    cpu = next((x.split(":", 1)[1].strip() for x in info if x.startswith("model name")), "CPU ?")
+    mem = next((int(x.split()[1]) / 2**20 for x in Path("/proc/meminfo").read_text().splitlines()
+                if x.startswith("MemTotal")), 0)
+    return (f"{os.cpu_count()} CPUs (nproc {len(os.sched_getaffinity(0))}), {cpu}, "
+            f"{mem:.0f} GiB RAM, {platform.system()} {platform.release()}")
+
+
+def versions(python: str, modules: tuple, env: dict | None = None) -> str:
+    """``module version, ...`` of ``modules`` as ``python`` imports them (``?`` if it cannot)."""
+    out = subprocess.run([python, "-c", "import importlib, sys\nfor m in sys.argv[1:]: "
+                          "print(importlib.import_module(m).__version__)", *modules],
+                         capture_output=True, text=True, env=env, check=False).stdout.split()
+    return ", ".join(f"{m} {out[i] if len(out) == len(modules) else '?'}"
+                     for i, m in enumerate(modules))
+
+
+def bytes_ratio(src: Path, art: Path) -> float:
+    """The artifact's data files' bytes ÷ the source's safetensors bytes: the most a cold,
+    disk-bound load that decodes the artifact can gain."""
+    def data(p):
+        return sum(f.stat().st_size for f in p.iterdir() if f.suffix in (".lct", ".safetensors"))
+    return data(art) / data(src)
+
+
+def render_matrix(raw: dict, paths: dict, vllm: dict | None, args) -> str:
+    """Issue 36's headline table from this run's results: each shape cold and warm, first token
+    and peak RSS per contender, the ratio against from_pretrained, (first token − floor) against
+    its limit, and whether each target is met; then vLLM's rows."""
+    fp, lct, off, fl = (MATRIX_CONTENDERS[1], MATRIX_CONTENDERS[2], MATRIX_CONTENDERS[3],
+                        MATRIX_CONTENDERS[0])
+    reps = {len(rows) for key, res in raw.items() for r in res.values() for rows in r.values()
+            if rows}
+    n = str(max(reps)) if len(reps) == 1 else f"{min(reps)}-{max(reps)}"
+    lines = [f"### Issue 36's matrix ({time.strftime('%Y-%m-%d')})", "",
+             f"Machine: {machine()}; {versions(PY, ('torch', 'transformers'))}. Command: `python benchmarks/bench_load.py "
+             f"{' '.join(sys.argv[1:])}`. First token from process start (`lct.load` / "
+             f"`from_pretrained` + the tokenizer + `generate`), each run a fresh process, "
+             f"default settings, nothing in the environment, memory as the previous run left "
+             f"it; medians of {n} interleaved runs. Cold: the page cache dropped before the run; "
+             f"warm: right after that contender's cold run.", "",
+             "| shape | | `from_pretrained` | LCT default | LCT, copy off (`cache=False`) | "
+             "floor | LCT default: (first token − floor) × | its limit | target |",
+             "|---|---|---|---|---|---|---|---|---|"]
+
+    def f2(x):
+        return "–" if x is None else f"{x:.2f}"
+    for model, label in MATRIX_MODELS.items():
+        res = raw.get(f"{model} / short prompt / {args.memory}")
+        if res is None:
+            continue
+        ratio = bytes_ratio(*paths[model])
+        for phase in ("cold", "warm"):
+            if not res.get(fp, {}).get(phase):
+                continue
+            t = {k: med(res[k][phase], "ttft_s") if k in res else None
+                 for k in (fp, lct, off, fl)}
+            if None in (t[fp], t[lct]):
+                continue
+            above = None if t[fl] is None else (t[lct] - t[fl]) / (t[fp] - t[fl])
+            if phase == "cold":
+                limit = 1.05 * ratio
+                what = f"≤ 1.05 × {ratio:.2f} (bytes ratio) = {limit:.2f}"
+                met = above is not None and above <= limit
+            else:
+                what, met = "first token ≤ `from_pretrained`'s", t[lct] <= t[fp]
+            def cell(k, t=t):
+                return "–" if t[k] is None else f"{t[k]:.2f} s ({t[k] / t[fp]:.2f}×)"
+            lines.append(f"| {label} | {phase} | {t[fp]:.2f} s | **{cell(lct)}** | {cell(off)} | "
+                         f"{f2(t[fl])} s | {f2(above)} | {what} | {'met' if met else 'NOT met'} |")
+        rss = {k: med(res[k]["warm"], "peak_rss") if k in res else None for k in (fp, lct, off)}
+        if None not in (rss[fp], rss[lct]):
+            def mib(k, rss=rss):
+                return "–" if rss[k] is None else f"{rss[k] / 2**20:,.1f} MiB"
+            lines.append(f"| {label} | peak RSS, warm | {mib(fp)} | **{mib(lct)}** | "
+                         f"{mib(off)} | | | no higher than `from_pretrained`'s | "
+                         f"{'met' if rss[lct] <= rss[fp] else 'NOT met'} |")
+    lines.append("")
+    if vllm is None:
+        lines += ["vLLM rows: not measured in this run (no --vllm-python).", ""]
+        return "\n".join(lines)
+    res = vllm["models"]["gemma-2b"]["results"]
+    lines += ["| vLLM, Gemma-2B shape | | default loader | `--load-format lct` | × | target |",
+              "|---|---|---|---|---|---|"]
+    for phase in ("cold", "warm"):
+        for key, what in (("load_weights_s", "weights loaded (load_weights) s"),
+                          ("ttft_s", "first token s"), ("peak_rss", "peak RSS GB")):
+            b, v = med(res.get(VLLM_BASE, {}).get(phase, []), key), \
+                med(res.get(VLLM_LCT, {}).get(phase, []), key)
+            if None in (b, v) or not b:
+                continue
+            scale = 1e9 if key == "peak_rss" else 1
+            target = ("no slower: " + ("met" if v <= b else "NOT met")) \
+                if key == "load_weights_s" else ""
+            lines.append(f"| {what} | {phase} | {b / scale:.2f} | **{v / scale:.2f}** | "
+                         f"{v / b:.2f}× | {target} |")
+    why = vllm["models"]["gemma-2b"].get("failed") or vllm.get("skipped")
+    if why:
+        lines += ["", f"vLLM runs that failed: {why}"]
+    lines += ["", f"vLLM: bench_vllm.py's runs, `{VLLM_LCT}` against `{VLLM_BASE}`, bf16, "
+                  f"enforce_eager, memory as the previous run left it. "
+                  f"{vllm.get('machine', '')}", ""]
+    return "\n".join(lines)
 
 
 def render(title: str, src: Path, art: Path, results: dict, cold: bool) -> str:
@@ -537,9 +693,7 @@ def render(title: str, src: Path, art: Path, results: dict, cold: bool) -> str:
              + ("; cold = page cache dropped before the run." if cold else "; warm only."), ""]
     floor, base = results.get("floor: import torch + model class"), \
         results.get("from_pretrained + generate")
-    data = lambda p: sum(f.stat().st_size for f in p.iterdir()       # noqa: E731
-                         if f.suffix in (".lct", ".safetensors"))
-    ratio = data(art) / data(src)
+    ratio = bytes_ratio(src, art)
     for phase in (("cold", "warm") if cold else ("warm",)):
         limit = (f" The limit cold and disk-bound: LCT reads {ratio:.2f} of the source's bytes "
                  f"(artifact data ÷ source weights), so at best (first token − floor) × is "

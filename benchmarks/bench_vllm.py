@@ -49,7 +49,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import platform
 import re
 import subprocess
 import sys
@@ -58,8 +57,9 @@ import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from bench_load import (PRELUDE, SHORT_PROMPT, drop_caches, med, prepare_gemma,  # noqa: I001
-                        prepare_smollm2, settle)
+import bench_load  # noqa: I001
+from bench_load import (PRELUDE, SHORT_PROMPT, drop_caches, med, prepare_gemma, prepare_smollm2,
+                        settle, versions)
 
 PY = sys.executable
 ROOT = Path(__file__).resolve().parent.parent
@@ -200,10 +200,12 @@ def run_engine(args, model: Path, fmt: str, peer: bool) -> dict:
     return res
 
 
-def prepare(model: str, work: Path) -> dict:
-    """``{"src", "art", "lossless"}``: the source folder, its default artifact and its
-    lossless one (``--nf4 none``), built in ``work`` unless there already."""
+def prepare(model: str, work: Path, lossless: bool = True) -> dict:
+    """``{"src", "art", "lossless"}``: the source folder, its default artifact and (with
+    ``lossless``) its lossless one (``--nf4 none``), built in ``work`` unless there already."""
     src, art, _ = {"gemma-2b": prepare_gemma, "smollm2": prepare_smollm2}[model](work)
+    if not lossless:
+        return {"src": src, "art": art}
     lossless = work / f"{src.name}-lossless.lct"
     if not (lossless / "lct.json").exists() or not (lossless / "tokenizer.json").exists():
         print(f"converting {src.name} to LCT, --nf4 none ...", flush=True)
@@ -213,18 +215,9 @@ def prepare(model: str, work: Path) -> dict:
 
 
 def machine(args) -> str:
-    info = Path("/proc/cpuinfo").read_text().splitlines()
-    cpu = next((x.split(":", 1)[1].strip() for x in info if x.startswith("model name")), "CPU ?")
-    mem = next((int(x.split()[1]) / 2**20 for x in Path("/proc/meminfo").read_text().splitlines()
-                if x.startswith("MemTotal")), 0)
-    vers = subprocess.run([args.vllm_python, "-c", "import vllm, torch, transformers; "
-                           "print(vllm.__version__, torch.__version__, transformers.__version__)"],
-                          capture_output=True, text=True, env=engine_env(args, False),
-                          check=False).stdout.split()
-    v = f"vLLM {vers[0]}, torch {vers[1]}, transformers {vers[2]}" if len(vers) == 3 else "vLLM ?"
-    return (f"{os.cpu_count()} CPUs (nproc {len(os.sched_getaffinity(0))}), {cpu}, "
-            f"{mem:.0f} GiB RAM, {platform.system()} {platform.release()}; {v}; "
-            f"load average at start {os.getloadavg()[0]:.2f}")
+    return (f"{bench_load.machine()}; "
+            f"{versions(args.vllm_python, ('vllm', 'torch', 'transformers'), engine_env(args, False))}"
+            f"; load average at start {os.getloadavg()[0]:.2f}")
 
 
 def main() -> None:
@@ -270,7 +263,7 @@ def main() -> None:
             print(f"skipping {name}: {why}", flush=True)
     report, raw = [], {"machine": header[0], "cold": cold, "skipped": skipped, "models": {}}
     for model in args.models:
-        folders = prepare(model, args.work)
+        folders = prepare(model, args.work, any(c[1] == "lossless" for c in contenders))
         live = [c for c in contenders if c[0] not in skipped]
         failed = {}
         results = {c[0]: {"cold": [], "warm": []} for c in live}
@@ -328,7 +321,9 @@ def render(model: str, folders: dict, results: dict, why: dict, cold: bool, reps
                None)
     lines = [f"### {model}", "",
              f"Source {size(folders['src']):.2f} GB safetensors; artifacts: default "
-             f"{size(folders['art']):.2f} GB, lossless {size(folders['lossless']):.2f} GB. Medians "
+             f"{size(folders['art']):.2f} GB"
+             + (f", lossless {size(folders['lossless']):.2f} GB" if "lossless" in folders else "")
+             + ". Medians "
              f"of {reps} interleaved runs, each a fresh process; each cell is"
              + (" cold / warm (cold: page cache dropped before the run)." if cold else " warm."),
              "",
