@@ -86,6 +86,7 @@ HERE = Path(__file__).resolve().parent
 ROOT = HERE.parent
 sys.path.insert(0, str(HERE))
 sys.path.insert(0, str(ROOT / "tests"))
+import bench_load
 from bench_load import GENERATE, PRELUDE, SHORT_PROMPT, med
 from cloud_servers import AzuriteServer, GCSServer, ServerNotFound
 from s3_server import FaultProxy, S3Server, WeedNotFound
@@ -492,14 +493,8 @@ def versions() -> str:
 
 
 def machine() -> str:
-    info = Path("/proc/cpuinfo").read_text().splitlines()
-    cpu = next((x.split(":", 1)[1].strip() for x in info if x.startswith("model name")), "CPU ?")
-    mem = next((int(x.split()[1]) / 2**20 for x in Path("/proc/meminfo").read_text().splitlines()
-                if x.startswith("MemTotal")), 0)
-    return (f"{os.cpu_count()} CPUs (nproc {len(os.sched_getaffinity(0))}), {cpu}, "
-            f"{mem:.0f} GiB RAM, {platform.system()} {platform.release()}, Python "
-            f"{platform.python_version()}; {versions()}; load average at start "
-            f"{os.getloadavg()[0]:.2f}")
+    return (f"{bench_load.machine()}, Python {platform.python_version()}; {versions()}; load "
+            f"average at start {os.getloadavg()[0]:.2f}")
 
 
 def cap_name(cap: float) -> str:
