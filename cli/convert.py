@@ -50,7 +50,8 @@ def _encoding_help(e) -> str:
               help="zstd level for the lossless planes: 1-22, higher is smaller and slower; "
                    "negative is faster; 0 is zstd's default (3). See docs/BENCHMARKS.md.")
 @click.option("--blocksize", type=int, default=C.DEFAULT_BLOCKSIZE, show_default=True,
-              help="NF4 block size; must divide the hidden size.")
+              help="NF4 block size; must divide the hidden size (the automatic choice "
+                   "leaves NF4 out where it does not, and says so).")
 @click.option("--codec", type=click.Choice([C.CODEC_PLANES, C.CODEC_ZSTD, C.CODEC_RAW]),
               default=C.CODEC_PLANES, show_default=True,
               help="Codec for lossless chunks: planes (exponent/mantissa split), zstd, raw.")

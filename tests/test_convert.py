@@ -620,6 +620,29 @@ def test_every_stage_after_the_bar_is_announced(gemma_src, tmp_path, monkeypatch
     assert quiet.exit_code == 0 and quiet.stderr == "", quiet.stderr
 
 
+def test_a_blocksize_that_leaves_nf4_out_says_so(gemma_src, tmp_path, caplog):
+    """A --blocksize that does not divide the tables' rows left NF4 out of the automatic choice
+    without a word: the measuring line names what is not measured and why, and a warning says
+    the default blocksize would have fit."""
+    import logging
+    stages = []
+    with caplog.at_level(logging.WARNING, logger="lct"):
+        lct.convert(str(gemma_src), tmp_path / "a.lct", policy=Policy(blocksize=48),
+                    stage=stages.append)
+    (line,) = [t for t in stages if t.startswith("measuring")]
+    assert "not measured: NF4: rows of" in line and "not whole blocks of 48" in line, line
+    assert "NF4" not in line.split(";")[0], line
+    warned = [r.getMessage() for r in caplog.records if "NF4 is not a candidate" in r.getMessage()]
+    assert len(warned) == 1 and "blocksize 48 must divide the row length" in warned[0], warned
+    assert "model.embed_tokens.weight" in warned[0] and str(gemma_src) in warned[0], warned
+    stages.clear()
+    caplog.clear()
+    lct.convert(str(gemma_src), tmp_path / "b.lct", stage=stages.append)
+    (line,) = [t for t in stages if t.startswith("measuring")]
+    assert "NF4" in line.split(";")[0] and "not measured: NF4" not in line, line
+    assert not [r for r in caplog.records if "NF4 is not a candidate" in r.getMessage()]
+
+
 def _config_edited(src, tmp_path, **edits):
     out = tmp_path / "edited"
     shutil.copytree(src, out)

@@ -615,13 +615,40 @@ def _choose(src: Source, tensors: dict, placed: dict, ties: dict, arch, policy: 
         # auto: measure to choose; a forced lossy encoding: measure what it costs, to say so
         from lct.conversion.policy import decide
         if lossy:
+            shapes = {r: tuple(tensors[n].shape) for r, n in lossy.items()}
             fit = [get_encoding(e).label for e in lossy_encodings()
-                   if any(get_encoding(e).candidate(tuple(tensors[n].shape), policy.blocksize)
-                          for n in lossy.values())]
-            say(f"measuring {', '.join(fit)} on {','.join(sorted(lossy))} ({_how(policy)})")
+                   if any(get_encoding(e).candidate(sh, policy.blocksize)
+                          for sh in shapes.values())]
+            say(f"measuring {', '.join(fit)} on {','.join(sorted(lossy))} ({_how(policy)})"
+                + _unfit(src, lossy, shapes, policy))
         decision = decide(src, tensors, lossy, bool(ties), arch, policy, measuring)
         chosen = decision.chosen
     return lossy, chosen, decision
+
+
+def _unfit(src: Source, lossy: dict, shapes: dict, policy: Policy) -> str:
+    """``; not measured: ...``: the lossy encodings no table can take, and why (rows that are
+    not whole blocks), for the measuring line; empty where every one fits. Where the
+    ``--blocksize`` asked for leaves NF4 out (the default would have fit), also a warning, with
+    NF4's own refusal: the option silently cost the smallest candidate."""
+    out = []
+    for e in lossy_encodings():
+        enc = get_encoding(e)
+        if any(enc.fits(sh, policy.blocksize) for sh in shapes.values()):
+            continue
+        row = min(sh[-1] if sh else 0 for sh in shapes.values())
+        block = getattr(enc, "block", None) or policy.blocksize
+        out.append(f"{enc.label}: rows of {row} values are not whole blocks of {block}")
+        if e == C.ENCODING_NF4 and policy.blocksize != C.DEFAULT_BLOCKSIZE and \
+                any(enc.fits(sh, C.DEFAULT_BLOCKSIZE) for sh in shapes.values()):
+            part = sorted(lossy)[0]
+            try:
+                enc.check_source(shapes[part], policy.blocksize,
+                                 f"{src.root}: tensor {lossy[part]!r}")
+            except PolicyError as err:
+                log.warning("%s: NF4 is not a candidate (the default blocksize %d fits)", err,
+                            C.DEFAULT_BLOCKSIZE)
+    return f"; not measured: {', '.join(out)}" if out else ""
 
 
 def _how(policy: Policy) -> str:
